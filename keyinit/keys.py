@@ -1,0 +1,162 @@
+"""Stateless keys: ``key``, ``split``, ``fold_in`` and ``key_for``.
+
+A :class:`Key` is two 32-bit words plus the name of the stream version that
+interprets them. Keys never change; deriving a key makes a new one.
+
+Derivation in stream ``"v1"`` (see ``docs/spec.md``)::
+
+    derive(K, tag, (x0, x1, x3)) = Philox4x32-10((x0, x1, tag, x3), K)[0:2]
+
+    split(K, n)[i]   = derive(K, 1, (lo32(i), hi32(i), 0))
+    fold_in(K, int d) = derive(K, 2, (lo32(d), hi32(d), 0))
+    fold_in(K, str s) = derive(K, 3, (h0, h1, h2))   # h = SHA-256(utf-8 s), little-endian words
+
+Element streams only use counters whose word 2 is zero, and the three kinds of
+derivation use tags 1, 2 and 3 in that word. Philox is a bijection of the
+counter for a fixed key, so the four domains never share an input block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from typing import Union
+
+import attrs
+
+from keyinit._philox import philox4x32
+
+__all__ = ["Key", "key", "split", "fold_in", "key_for", "STREAM_VERSIONS", "DEFAULT_STREAM"]
+
+#: Stream versions this release can produce. A version, once shipped, never changes.
+STREAM_VERSIONS: tuple[str, ...] = ("v1",)
+DEFAULT_STREAM = "v1"
+
+_TAG_SPLIT = 1
+_TAG_FOLD_INT = 2
+_TAG_FOLD_STR = 3
+_MASK32 = 0xFFFFFFFF
+_UINT64_LIMIT = 1 << 64
+
+
+def _check_uint32(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MASK32:
+        raise ValueError(f"key words must be ints in [0, 2**32), got {value!r}")
+    return value
+
+
+def _check_stream(stream: str) -> str:
+    if stream not in STREAM_VERSIONS:
+        raise ValueError(
+            f"unknown stream version {stream!r}; this release supports {list(STREAM_VERSIONS)}"
+        )
+    return stream
+
+
+@attrs.frozen(repr=False, order=True)
+class Key:
+    """An immutable PRNG key: two uint32 words and a stream version.
+
+    Hashable and totally ordered (by words, then stream). Use :func:`key` to
+    make one from a seed rather than constructing it directly.
+    """
+
+    k0: int = attrs.field(converter=_check_uint32)
+    k1: int = attrs.field(converter=_check_uint32)
+    stream: str = attrs.field(default=DEFAULT_STREAM, converter=_check_stream)
+
+    @property
+    def words(self) -> tuple[int, int]:
+        """The two key words ``(k0, k1)`` as Philox uses them."""
+        return (self.k0, self.k1)
+
+    def __repr__(self) -> str:
+        return f"Key(0x{self.k0:08x}, 0x{self.k1:08x}, stream={self.stream!r})"
+
+
+def _as_uint64(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            if isinstance(value, (bool, float, str, bytes)) or type(value).__name__ == "bool_":
+                raise TypeError
+            value = operator.index(value)  # numpy integers and the like
+        except TypeError:
+            raise TypeError(
+                f"{what} must be an int in [0, 2**64), got {type(value).__name__} {value!r}"
+            ) from None
+    if not 0 <= value < _UINT64_LIMIT:
+        raise ValueError(f"{what} must be an int in [0, 2**64), got {value}")
+    return value
+
+
+def key(seed: int, *, stream: str = DEFAULT_STREAM) -> Key:
+    """The root key of ``seed``: words ``(lo32(seed), hi32(seed))``.
+
+    ``seed`` is an int in ``[0, 2**64)``; bools, floats, strings and negative
+    numbers are rejected.
+    """
+    seed = _as_uint64(seed, "seed")
+    return Key(seed & _MASK32, seed >> 32, stream)
+
+
+def _derive(parent: Key, tag: int, x0: int, x1: int, x3: int) -> Key:
+    out = philox4x32((x0, x1, tag, x3), parent.words)
+    return Key(out[0], out[1], parent.stream)
+
+
+def _require_key(value: object, what: str = "key") -> Key:
+    if not isinstance(value, Key):
+        raise TypeError(
+            f"{what} must be a keyinit.Key (make one with keyinit.key(seed)), "
+            f"got {type(value).__name__}"
+        )
+    return value
+
+
+def split(parent: Key, num: int = 2) -> tuple[Key, ...]:
+    """``num`` new keys derived from ``parent``.
+
+    ``split(k, n)[i]`` does not depend on ``n``, so ``split(k, 3)[:2] == split(k, 2)``.
+    """
+    parent = _require_key(parent)
+    if isinstance(num, bool) or not isinstance(num, int) or num < 0:
+        raise ValueError(f"num must be a non-negative int, got {num!r}")
+    return tuple(_derive(parent, _TAG_SPLIT, i & _MASK32, i >> 32, 0) for i in range(num))
+
+
+def _string_words(data: str) -> tuple[int, int, int]:
+    digest = hashlib.sha256(data.encode("utf-8")).digest()
+    return tuple(int.from_bytes(digest[4 * i : 4 * i + 4], "little") for i in range(3))  # type: ignore[return-value]
+
+
+def fold_in(parent: Key, data: Union[int, str]) -> Key:
+    """A key derived from ``parent`` and ``data`` (an int in ``[0, 2**64)`` or a str).
+
+    Strings are hashed with SHA-256 (never Python's salted ``hash``). Folding an
+    int, folding a str and splitting are domain-separated, so ``fold_in(k, 1)``,
+    ``fold_in(k, "1")`` and ``split(k)[1]`` are unrelated keys.
+    """
+    parent = _require_key(parent)
+    if isinstance(data, str):
+        h0, h1, h2 = _string_words(data)
+        return _derive(parent, _TAG_FOLD_STR, h0, h1, h2)
+    value = _as_uint64(data, "fold_in data")
+    return _derive(parent, _TAG_FOLD_INT, value & _MASK32, value >> 32, 0)
+
+
+def key_for(seed_or_key: Union[int, Key], fqn: str) -> Key:
+    """The key of the parameter named ``fqn`` (a dot-separated path).
+
+    Each dot-separated component is folded in, in order, as a string, so a
+    subtree's keys depend only on its path and ``"a.bc"`` differs from ``"ab.c"``.
+    """
+    root = seed_or_key if isinstance(seed_or_key, Key) else key(seed_or_key)  # type: ignore[arg-type]
+    if not isinstance(fqn, str):
+        raise TypeError(f"fqn must be a str, got {type(fqn).__name__}")
+    components = fqn.split(".")
+    if not fqn or any(not part for part in components):
+        raise ValueError(f"fqn must be non-empty dot-separated names, got {fqn!r}")
+    derived = root
+    for part in components:
+        derived = fold_in(derived, part)
+    return derived

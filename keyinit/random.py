@@ -1,0 +1,145 @@
+"""Samplers: any region of a keyed random tensor, bit-for-bit.
+
+Every sampler takes the key, the GLOBAL ``shape`` and an optional ``region``
+(see :mod:`keyinit.regions`) and returns ``full[region]``, where ``full`` is
+the tensor that drawing the whole shape would give. Only the region's elements
+are computed. Element ``i`` (row-major global flat index) of the full tensor
+depends only on the key, the distribution's parameters, the dtype and ``i``.
+
+Common keyword arguments:
+
+- ``dtype``: output dtype (each sampler lists what it supports);
+- ``device``: where the result is allocated (ignored when ``out`` is given);
+- ``region``: one entry per dimension (slice, int sequence or 1-D int tensor);
+- ``out``: an existing tensor of the region's shape and the dtype to write into.
+
+No sampler reads or changes the global torch RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional, Union
+
+import torch
+
+from keyinit import _dispatch
+from keyinit.distributions import (
+    Bernoulli,
+    Bits,
+    Distribution,
+    Normal,
+    Randint,
+    TruncatedNormal,
+    Uniform,
+)
+from keyinit.keys import Key, _require_key
+from keyinit.regions import RegionEntry, make_region, normalize_shape
+
+__all__ = ["bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint", "sample"]
+
+ShapeLike = Union[Sequence[int], torch.Size, int]
+DeviceLike = Union[torch.device, str, None]
+RegionLike = Optional[Sequence[RegionEntry]]
+
+
+def sample(
+    dist: Distribution,
+    key: Key,
+    shape: ShapeLike,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    device: DeviceLike = None,
+    region: RegionLike = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Draw ``full[region]`` of distribution ``dist`` (a :mod:`keyinit.distributions` value)."""
+    key = _require_key(key)
+    shape = normalize_shape(shape)
+    if dtype is None:
+        dtype = out.dtype if out is not None else dist.dtypes[0]
+    dist.check_dtype(dtype)
+    normalized = make_region(shape, region)
+    if out is None:
+        out = torch.empty(normalized.region_shape, dtype=dtype, device=device)
+    else:
+        _check_out(out, normalized.region_shape, dtype)
+    with torch.no_grad():
+        _dispatch.fill(out, dist, key, normalized)
+    return out
+
+
+def _check_out(out: torch.Tensor, region_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != region_shape:
+        raise ValueError(f"out has shape {tuple(out.shape)} but the region has shape {region_shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"out has dtype {out.dtype} but dtype={dtype} was requested")
+    if out.device.type == "meta":
+        raise ValueError("out is on the meta device; materialize it first (e.g. with to_empty)")
+    if any(stride == 0 and size > 1 for size, stride in zip(out.shape, out.stride())):
+        raise ValueError("out has overlapping memory (a zero stride); write into a tensor that owns its elements")
+
+
+def bits(key: Key, shape: ShapeLike, *, dtype: Optional[torch.dtype] = None, device: DeviceLike = None,
+         region: RegionLike = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Raw 32-bit stream words as int64 in ``[0, 2**32)``: element ``i`` is word ``i``.
+
+    ``bits(key(0), (4,))`` is the first Random123 known-answer vector. dtype: int64.
+    """
+    return sample(Bits(), key, shape, dtype=dtype, device=device, region=region, out=out)
+
+
+def uniform(key: Key, shape: ShapeLike, *, low: float = 0.0, high: float = 1.0,
+            dtype: Optional[torch.dtype] = None, device: DeviceLike = None,
+            region: RegionLike = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Uniform on ``[low, high)``: ``low + (high - low) * u`` with 24-bit ``u`` in ``[0, 1)``.
+
+    Computed in float32, then rounded to ``dtype`` (float32, float64, bfloat16,
+    float16); rounding can produce ``high`` itself.
+    """
+    return sample(Uniform.create(low, high), key, shape, dtype=dtype, device=device, region=region, out=out)
+
+
+def normal(key: Key, shape: ShapeLike, *, mean: float = 0.0, std: float = 1.0,
+           dtype: Optional[torch.dtype] = None, device: DeviceLike = None,
+           region: RegionLike = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Normal ``N(mean, std**2)`` by inversion of the CDF (tails reach about 6.3 std).
+
+    Computed in float32, then rounded to ``dtype`` (float32, float64, bfloat16, float16).
+    """
+    return sample(Normal.create(mean, std), key, shape, dtype=dtype, device=device, region=region, out=out)
+
+
+def truncated_normal(key: Key, shape: ShapeLike, *, mean: float = 0.0, std: float = 1.0,
+                     a: float = -2.0, b: float = 2.0, dtype: Optional[torch.dtype] = None,
+                     device: DeviceLike = None, region: RegionLike = None,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``N(mean, std**2)`` truncated to the absolute bounds ``[a, b]``, as ``nn.init.trunc_normal_``.
+
+    Drawn by inversion with one stream word per element: it never loops, for
+    any bounds, and every value lies in ``[a, b]``.
+    """
+    resolved = dtype if dtype is not None else (out.dtype if out is not None else torch.float32)
+    dist = TruncatedNormal.create(mean, std, a, b, resolved)
+    return sample(dist, key, shape, dtype=resolved, device=device, region=region, out=out)
+
+
+def bernoulli(key: Key, shape: ShapeLike, *, p: float = 0.5, dtype: Optional[torch.dtype] = None,
+              device: DeviceLike = None, region: RegionLike = None,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """True with probability ``round(p * 2**32) / 2**32``. dtype: bool (default), float or int."""
+    return sample(Bernoulli.create(p), key, shape, dtype=dtype, device=device, region=region, out=out)
+
+
+def randint(key: Key, shape: ShapeLike, *, low: int, high: int, dtype: Optional[torch.dtype] = None,
+            device: DeviceLike = None, region: RegionLike = None,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Integers in ``[low, high)`` with ``high - low <= 2**32``; two words per element, bias below ``2**-32``.
+
+    dtype: int64 (default), int32, int16, int8, uint8; the range must fit it.
+    """
+    resolved = dtype if dtype is not None else (out.dtype if out is not None else torch.int64)
+    dist = Randint.create(low, high, resolved)
+    return sample(dist, key, shape, dtype=resolved, device=device, region=region, out=out)
