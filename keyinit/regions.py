@@ -127,8 +127,12 @@ class Region:
             yield start, min(start + chunk_size, total)
 
 
-def make_region(shape: tuple[int, ...], region: Optional[Sequence[RegionEntry]]) -> Region:
+def make_region(shape: tuple[int, ...], region: Union[None, Region, Sequence[RegionEntry]]) -> Region:
     """Normalize ``region`` (``None`` means the whole tensor) against ``shape``."""
+    if isinstance(region, Region):
+        if region.shape != shape:
+            raise ValueError(f"region was made for shape {region.shape}, not {shape}")
+        return region
     if region is None:
         return Region(shape, tuple(torch.arange(size, dtype=torch.int64) for size in shape))
     if not isinstance(region, (tuple, list)):
