@@ -2,11 +2,14 @@
 
 Every element of every parameter is a pure function of (seed, the parameter's
 canonical FQN, the element's global index), through stateless Philox4x32-10
-keys. See ``docs/spec.md`` for the stream contract.
+keys. See ``docs/spec.md`` for the stream contract and ``docs/`` for the guide.
 """
 
-from keyinit import random
+from keyinit import init, layouts, random
 from keyinit.keys import DEFAULT_STREAM, STREAM_VERSIONS, Key, fold_in, key, key_for, split
+from keyinit.model import InitError, InitReport, PlanError, TensorRecord, init_model, materialize
+from keyinit.rules import REGISTRY, Registry, RuleContext, register, register_pattern
+from keyinit._keyed_mode import UnkeyedRandomnessError
 
 __version__ = "0.1.0"
 
@@ -17,6 +20,20 @@ __all__ = [
     "fold_in",
     "key_for",
     "random",
+    "init",
+    "layouts",
+    "init_model",
+    "materialize",
+    "InitReport",
+    "TensorRecord",
+    "InitError",
+    "PlanError",
+    "UnkeyedRandomnessError",
+    "register",
+    "register_pattern",
+    "Registry",
+    "REGISTRY",
+    "RuleContext",
     "STREAM_VERSIONS",
     "DEFAULT_STREAM",
     "__version__",

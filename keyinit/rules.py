@@ -26,7 +26,7 @@ import torch
 
 from keyinit.init import Initializer
 
-__all__ = ["RuleContext", "ModuleRule"]
+__all__ = ["RuleContext", "ModuleRule", "Registry", "REGISTRY", "register", "register_pattern"]
 
 
 @attrs.frozen
@@ -57,3 +57,73 @@ class RuleContext:
 
 
 ModuleRule = Callable[[torch.nn.Module, RuleContext], Mapping[str, Initializer]]
+
+
+Rule = object  # an Initializer (for FQN patterns) or a ModuleRule (for module types)
+
+
+class Registry:
+    """The documented, process-wide table of user rules (``keyinit.REGISTRY``).
+
+    Module rules are keyed by type and looked up along the module's MRO; FQN
+    rules are glob patterns tried newest first. It is the only global mutable
+    state in keyinit. Tests and libraries that need isolation pass their own
+    ``Registry()`` to ``init_model(registry=...)``.
+    """
+
+    def __init__(self) -> None:
+        self._module_rules: dict[type, ModuleRule] = {}
+        self._patterns: list[tuple[str, Initializer]] = []
+
+    def register(self, module_type: type, rule: "ModuleRule | None" = None):
+        """Register ``rule`` for ``module_type``; usable as ``@registry.register(nn.Linear)``."""
+        if not (isinstance(module_type, type) and issubclass(module_type, torch.nn.Module)):
+            raise TypeError(f"register() takes an nn.Module subclass, got {module_type!r}")
+
+        def add(fn: ModuleRule) -> ModuleRule:
+            if not callable(fn):
+                raise TypeError(f"the rule for {module_type.__name__} must be callable, got {fn!r}")
+            self._module_rules[module_type] = fn
+            return fn
+
+        return add if rule is None else add(rule)
+
+    def register_pattern(self, pattern: str, initializer: "Initializer | None" = None):
+        """Register ``initializer`` for canonical FQNs matching the glob ``pattern``.
+
+        Usable as ``@registry.register_pattern("layers.*.wq.weight")`` on a
+        function ``fn(key, target)``, which then serves as the initializer.
+        """
+        if not isinstance(pattern, str) or not pattern:
+            raise TypeError(f"register_pattern() takes a non-empty glob str, got {pattern!r}")
+
+        def add(init: Initializer) -> Initializer:
+            if not callable(init):
+                raise TypeError(f"the initializer for pattern {pattern!r} must be callable, got {init!r}")
+            self._patterns.insert(0, (pattern, init))
+            return init
+
+        return add if initializer is None else add(initializer)
+
+    def unregister(self, target: "type | str") -> None:
+        """Remove the rule for a module type or every rule of a pattern."""
+        if isinstance(target, str):
+            self._patterns = [(p, i) for p, i in self._patterns if p != target]
+        else:
+            self._module_rules.pop(target, None)
+
+    def module_rule(self, module_type: type) -> "tuple[type, ModuleRule] | None":
+        for cls in module_type.__mro__:
+            if cls in self._module_rules:
+                return cls, self._module_rules[cls]
+        return None
+
+    @property
+    def patterns(self) -> tuple[tuple[str, Initializer], ...]:
+        return tuple(self._patterns)
+
+
+#: The process-wide registry behind ``keyinit.register`` and ``keyinit.register_pattern``.
+REGISTRY = Registry()
+register = REGISTRY.register
+register_pattern = REGISTRY.register_pattern

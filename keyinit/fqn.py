@@ -1,0 +1,70 @@
+"""Canonical FQNs: the names keys are derived from.
+
+The canonical FQN of a tensor is its name in the model's DCP state dict:
+``named_parameters`` with wrapper modules stripped. Wrappers that insert a
+path component are ``torch.compile``'s ``_orig_mod``, FSDP1's
+``_fsdp_wrapped_module``, activation checkpointing's
+``_checkpoint_wrapped_module``, and DDP/DataParallel's ``module``. So
+compiling, checkpointing or wrapping a model never changes its values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Callable, Optional, Union
+
+import torch
+
+__all__ = ["WRAPPER_ATTRIBUTES", "canonical_modules", "FqnMap"]
+
+WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+FqnMap = Union[Mapping[str, str], Callable[[str], str]]
+
+
+def _is_data_parallel(module: torch.nn.Module) -> bool:
+    parallel_types: list[type] = [torch.nn.DataParallel]
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+
+        parallel_types.append(DistributedDataParallel)
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        pass
+    return isinstance(module, tuple(parallel_types))
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def canonical_modules(root: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Module]]:
+    """Yield ``(raw_name, canonical_name, module)`` for every module, parents first.
+
+    Shared submodules are yielded once per path, like
+    ``named_modules(remove_duplicate=False)``.
+    """
+
+    def walk(module: torch.nn.Module, raw: str, canonical: str) -> Iterator[tuple[str, str, torch.nn.Module]]:
+        yield raw, canonical, module
+        strip_module = _is_data_parallel(module)
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            stripped = name in WRAPPER_ATTRIBUTES or (strip_module and name == "module")
+            yield from walk(child, _join(raw, name), canonical if stripped else _join(canonical, name))
+
+    yield from walk(root, "", "")
+
+
+def apply_fqn_mapping(fqn: str, prefix: Optional[str], mapping: Optional[FqnMap]) -> str:
+    """Turn a stage-local canonical FQN into the full model's FQN (pipeline stages)."""
+    if mapping is not None:
+        if callable(mapping):
+            fqn = mapping(fqn)
+        elif fqn in mapping:
+            fqn = mapping[fqn]
+        if not isinstance(fqn, str) or not fqn:
+            raise ValueError(f"fqn_map produced {fqn!r}; expected a non-empty str")
+    if prefix:
+        fqn = _join(prefix.rstrip("."), fqn)
+    return fqn
