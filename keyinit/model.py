@@ -176,6 +176,14 @@ def _default_rule(module: torch.nn.Module) -> Optional[tuple[type, ModuleRule]]:
     return None
 
 
+def _storage_identity(tensor: torch.Tensor) -> tuple:
+    """What makes two tensor objects the same elements: storage, offset, shape, strides, dtype."""
+    local = getattr(tensor, "_local_tensor", None)
+    base = local if isinstance(local, torch.Tensor) else tensor
+    return (base is not tensor, base.untyped_storage().data_ptr(), base.storage_offset(),
+            tuple(base.shape), tuple(base.stride()), base.dtype, tuple(tensor.shape))
+
+
 def _validate_seed(seed: Union[int, Key], stream: str) -> tuple[Key, int]:
     if isinstance(seed, Key):
         return seed, -1
@@ -286,9 +294,7 @@ class _Walker:
         return RuleContext(module_fqn, shapes, dtypes)
 
     def plan(self) -> None:
-        self._default_modules: list[tuple[torch.nn.Module, str, ModuleRule, str]] = []
         self._fallback_modules: list[tuple[torch.nn.Module, str]] = []
-        self._user_modules: list[tuple[torch.nn.Module, str, ModuleRule, str]] = []
         type_rules = {k: v for k, v in self.rules.items() if isinstance(k, type)}
         pattern_rules = [(k, v) for k, v in self.rules.items() if isinstance(k, str)]
         bad = [k for k in self.rules if not isinstance(k, (str, type))]
@@ -311,45 +317,24 @@ class _Walker:
         if unmatched and self.strict:
             raise PlanError(f"FQN rules matched no tensor of this model: {unmatched}; pass strict=False to allow")
 
-        # 3. module-type rules; 1. built-in defaults or reset_parameters
+        # 1. built-in defaults, then 3. module-type rules, per tensor (a rule may cover only some tensors)
         for module, module_fqn in modules.values():
-            own = self._module_slots(module)
-            if not own:
-                continue
-            user = next(((cls, type_rules[cls]) for cls in type(module).__mro__ if cls in type_rules), None)
-            user = user or self.registry.module_rule(type(module))
-            if user is not None:
-                self._user_modules.append((module, module_fqn, user[1], f"rule {user[0].__name__}"))
+            if not self._module_slots(module):
                 continue
             default = _default_rule(module)
             if default is not None:
-                self._default_modules.append((module, module_fqn, default[1], f"default {default[0].__name__}"))
-            elif callable(getattr(module, "reset_parameters", None)):
+                self._apply_module_rule(module, module_fqn, default[1], f"default {default[0].__name__}")
+            user = next(((cls, type_rules[cls]) for cls in type(module).__mro__ if cls in type_rules), None)
+            user = user or self.registry.module_rule(type(module))
+            if user is not None:
+                self._apply_module_rule(module, module_fqn, user[1], f"rule {user[0].__name__}")
+        # 1. reset_parameters for modules with tensors no declarative rule covers
+        for module, module_fqn in modules.values():
+            uncovered = [s for s in self._module_slots(module).values() if s.plan is None and s.module is module]
+            if uncovered and callable(getattr(module, "reset_parameters", None)):
                 self._fallback_modules.append((module, module_fqn))
-                for slot in own.values():
+                for slot in uncovered:
                     slot.method_covered = True
-
-        self._rule_plans: dict[int, tuple[str, Any]] = {}
-        for group in (self._default_modules, self._user_modules):
-            for module, module_fqn, rule, label in group:
-                own = self._module_slots(module)
-                try:
-                    produced = rule(module, self._context(module, module_fqn))
-                except Exception as exc:
-                    raise PlanError(f"{label} raised while planning {module_fqn or '<root>'}: {exc!r}") from exc
-                if not isinstance(produced, Mapping):
-                    raise PlanError(f"{label} for {module_fqn or '<root>'} must return a mapping of tensor name to "
-                                    f"initializer, got {type(produced).__name__}")
-                for name, initializer in produced.items():
-                    if name not in own:
-                        raise PlanError(f"{label} for {module_fqn or '<root>'} returned {name!r}, which is not a "
-                                        f"parameter or buffer of it (it has {sorted(own)})")
-                    if not callable(initializer):
-                        raise PlanError(f"{label} for {own[name].fqn}: {initializer!r} is not an initializer")
-                    slot = own[name]
-                    if slot.plan is not None and (slot.plan[0].startswith("pattern") or slot.module is not module):
-                        continue  # a pattern wins; a tied tensor follows its first name's module
-                    slot.plan = (label, initializer)
 
         # 2. the user's init method
         self._method_roots: list[tuple[torch.nn.Module, str]] = []
@@ -373,6 +358,27 @@ class _Walker:
                     slot.method_covered = True
             else:
                 raise PlanError(f"init_method must be a method name or a callable, got {self.init_method!r}")
+
+    def _apply_module_rule(self, module: torch.nn.Module, module_fqn: str, rule: ModuleRule, label: str) -> None:
+        own = self._module_slots(module)
+        where = module_fqn or "<root>"
+        try:
+            produced = rule(module, self._context(module, module_fqn))
+        except Exception as exc:
+            raise PlanError(f"{label} raised while planning {where}: {exc!r}") from exc
+        if not isinstance(produced, Mapping):
+            raise PlanError(f"{label} for {where} must return a mapping of tensor name to initializer, "
+                            f"got {type(produced).__name__}")
+        for name, initializer in produced.items():
+            if name not in own:
+                raise PlanError(f"{label} for {where} returned {name!r}, which is not a parameter or buffer "
+                                f"of it (it has {sorted(own)})")
+            if not callable(initializer):
+                raise PlanError(f"{label} for {own[name].fqn}: {initializer!r} is not an initializer")
+            slot = own[name]
+            if slot.plan is not None and (slot.plan[0].startswith("pattern") or slot.module is not module):
+                continue  # a pattern wins; a tied tensor follows its first name's module
+            slot.plan = (label, initializer)
 
     def check_coverage(self, materializing: bool) -> None:
         missing = [s.fqn for s in self.slots if s.plan is None and not s.method_covered
@@ -406,7 +412,7 @@ class _Walker:
         slot = self._by_tensor_id.get(id(tensor))
         if slot is not None and (slot.tensor is tensor or any(getattr(m, a) is tensor for m, a in slot.aliases)):
             return slot
-        return None
+        return self._by_storage.get(_storage_identity(tensor))  # ``param.data`` and other full aliases
 
     def _run_methods(self, label: str, calls: list[tuple[torch.nn.Module, str, Callable[[], Any]]]) -> None:
         current_label = {"value": label}
@@ -438,6 +444,7 @@ class _Walker:
     def write_all(self) -> None:
         self._by_tensor_id = {id(s.tensor): s for s in self.slots}
         self._by_tensor_id.update({id(getattr(m, a)): s for s in self.slots for m, a in s.aliases})
+        self._by_storage = {_storage_identity(s.tensor): s for s in self.slots}
         self._total = sum(math.prod(s.tensor.shape) for s in self.slots)
         self._done = 0
         self._started = time.perf_counter()
