@@ -35,7 +35,9 @@ int64 tensor is an error, not a silent truncation).
 draw the whole tensor on every process to produce any region of it; init_model
 flags those in its report.
 
-No initializer reads or changes the global torch RNG.
+Initializers write under ``torch.no_grad()``, so ``target.out`` may be a
+parameter that requires grad. No initializer reads or changes the global torch
+RNG.
 """
 
 from __future__ import annotations
@@ -281,6 +283,7 @@ class uniform(Initializer):  # noqa: N801 - named like torch.nn.init.uniform_
         if self.low > self.high:
             raise ValueError(f"uniform: expected low <= high, got low={self.low}, high={self.high}")
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         _require_float(target, "uniform")
         _uniform_fill(key, target, self.low, self.high)
@@ -296,6 +299,7 @@ class normal(Initializer):  # noqa: N801 - named like torch.nn.init.normal_
     mean: float = attrs.field(default=0.0, validator=_real)
     std: float = attrs.field(default=1.0, validator=[_real, _non_negative])
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         _require_float(target, "normal")
         _normal_fill(key, target, self.mean, self.std)
@@ -320,6 +324,7 @@ class trunc_normal(Initializer):  # noqa: N801 - named like torch.nn.init.trunc_
         if not self.a < self.b:
             raise ValueError(f"trunc_normal: expected a < b, got a={self.a}, b={self.b}")
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         _require_float(target, "trunc_normal")
         with _named(target.fqn):
@@ -355,6 +360,7 @@ class constant(Initializer):  # noqa: N801 - named like torch.nn.init.constant_
     def __attrs_post_init__(self) -> None:
         _constant_value(self.value)
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         out = target.out
         dtype = out.dtype
@@ -408,6 +414,7 @@ class eye(Initializer):  # noqa: N801 - named like torch.nn.init.eye_
     ``r[:, None] == c[None, :]``. Any dtype.
     """
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         if len(target.global_shape) != 2:
             raise ValueError(
@@ -435,6 +442,7 @@ class dirac(Initializer):  # noqa: N801 - named like torch.nn.init.dirac_
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"dirac: groups must be a positive int, got {value!r}")
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         shape = target.global_shape
         if len(shape) not in (3, 4, 5):
@@ -482,6 +490,7 @@ class xavier_uniform(Initializer):  # noqa: N801 - named like torch.nn.init.xavi
 
     gain: float = attrs.field(default=1.0, validator=[_real, _non_negative])
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         _require_float(target, "xavier_uniform")
         fan_in, fan_out = _target_fans(target)
@@ -504,6 +513,7 @@ class xavier_normal(Initializer):  # noqa: N801 - named like torch.nn.init.xavie
 
     gain: float = attrs.field(default=1.0, validator=[_real, _non_negative])
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         _require_float(target, "xavier_normal")
         fan_in, fan_out = _target_fans(target)
@@ -535,6 +545,7 @@ class kaiming_uniform(Initializer):  # noqa: N801 - named like torch.nn.init.kai
     def __attrs_post_init__(self) -> None:
         calculate_gain(self.nonlinearity, self.a)  # validates the name
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         _require_float(target, "kaiming_uniform")
         fan_in, fan_out = _target_fans(target)
@@ -564,6 +575,7 @@ class kaiming_normal(Initializer):  # noqa: N801 - named like torch.nn.init.kaim
     def __attrs_post_init__(self) -> None:
         calculate_gain(self.nonlinearity, self.a)
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         _require_float(target, "kaiming_normal")
         fan_in, fan_out = _target_fans(target)
@@ -627,6 +639,7 @@ class variance_scaling(Initializer):  # noqa: N801 - named like jax.nn.initializ
             denominator = (fan_in + fan_out) / 2
         return self.scale / denominator
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         _require_float(target, "variance_scaling")
         _target_fans(target, self.in_axis, self.out_axis, self.batch_axis)  # errors name the FQN
@@ -728,6 +741,7 @@ class orthogonal(Initializer):  # noqa: N801 - named like torch.nn.init.orthogon
             q = q.t()
         return (q * self.gain).reshape(tuple(global_shape))
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         _require_float(target, "orthogonal")
         shape = target.global_shape
@@ -737,9 +751,8 @@ class orthogonal(Initializer):  # noqa: N801 - named like torch.nn.init.orthogon
             )
         if _empty(target) or target.out.numel() == 0:
             return
-        with torch.no_grad():
-            full = self.matrix(key, shape)
-            target.out.copy_(_take_region(full, target).to(target.out.device))
+        full = self.matrix(key, shape)
+        target.out.copy_(_take_region(full, target).to(target.out.device))
 
 
 # --------------------------------------------------------------------------- composites
@@ -776,6 +789,7 @@ class with_zero_rows(Initializer):  # noqa: N801 - lower case like the other ini
     def element_local(self) -> bool:  # type: ignore[override]
         return self.base.element_local
 
+    @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
         shape = target.global_shape
         if len(shape) < 1:
