@@ -1,0 +1,231 @@
+"""Shared helpers of the ``keyinit`` command line: errors, factories, comparison, tables."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+
+__all__ = [
+    "CLIError",
+    "load_factory",
+    "build_model",
+    "bitwise_equal",
+    "digest",
+    "format_table",
+    "Progress",
+    "canonical_tensors",
+]
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line on stderr, exit code 2."""
+
+
+_INIT_KWARGS = {"rules", "init_method", "ties", "fqn_prefix", "fqn_map", "shards", "strict", "stream", "registry"}
+
+
+def load_factory(spec: str) -> Any:
+    """Resolve ``pkg.module:attr`` (or ``path/to/file.py:attr``) to a callable.
+
+    The current directory is importable, as with ``python -m``.
+    """
+    if ":" not in spec:
+        raise CLIError(f"expected MODULE:FACTORY (e.g. examples.models:tiny_llama), got {spec!r}")
+    module_name, _, attr_path = spec.rpartition(":")
+    if not module_name or not attr_path:
+        raise CLIError(f"expected MODULE:FACTORY (e.g. examples.models:tiny_llama), got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            path = os.path.abspath(module_name)
+            if not os.path.isfile(path):
+                raise CLIError(f"cannot import {module_name!r}: no such file")
+            name = "_keyinit_user_" + hashlib.sha256(path.encode()).hexdigest()[:12]
+            spec_obj = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec_obj)  # type: ignore[arg-type]
+            sys.modules[name] = module
+            spec_obj.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(module_name)
+    except CLIError:
+        raise
+    except ModuleNotFoundError as exc:
+        raise CLIError(f"cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:
+        raise CLIError(f"importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
+    target: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(target, part):
+            raise CLIError(f"module {module_name!r} has no attribute {attr_path!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise CLIError(f"{spec} is a {type(target).__name__}, not a callable factory")
+    return target
+
+
+def build_model(factory: Any, spec: str, *, device: str = "meta") -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Call ``factory()`` under ``torch.device(device)``.
+
+    The factory returns an ``nn.Module`` or ``(module, init_model_kwargs)``
+    (e.g. ``{"rules": {...}, "init_method": "init_weights"}``).
+    """
+    try:
+        with torch.device(device):
+            built = factory()
+    except Exception as exc:
+        raise CLIError(f"{spec}() raised {type(exc).__name__}: {exc}") from exc
+    kwargs: dict[str, Any] = {}
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[1], Mapping):
+        built, kwargs = built[0], dict(built[1])
+        unknown = set(kwargs) - _INIT_KWARGS
+        if unknown:
+            raise CLIError(f"{spec}() returned init_model kwargs it does not take: {sorted(unknown)}")
+    if not isinstance(built, torch.nn.Module):
+        raise CLIError(f"{spec}() returned {type(built).__name__}; expected an nn.Module or (nn.Module, dict)")
+    return built, kwargs
+
+
+def canonical_tensors(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, str, torch.Tensor]]:
+    """``{canonical fqn: (owner module, attr, kind, tensor)}`` for every distinct tensor, first name wins."""
+    from keyinit.fqn import canonical_modules
+
+    found: dict[str, tuple[torch.nn.Module, str, str, torch.Tensor]] = {}
+    seen: set[int] = set()
+    for _raw, canonical, module in canonical_modules(model):
+        for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for attr, tensor in table.items():
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                fqn = f"{canonical}.{attr}" if canonical else attr
+                found.setdefault(fqn, (module, attr, kind, tensor))
+    return found
+
+
+def aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias fqn: first fqn}`` for tensors that appear under several canonical names (tied weights)."""
+    from keyinit.fqn import canonical_modules
+
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for _raw, canonical, module in canonical_modules(model):
+        for table in (module._parameters, module._buffers):
+            for attr, tensor in table.items():
+                if tensor is None:
+                    continue
+                fqn = f"{canonical}.{attr}" if canonical else attr
+                if id(tensor) in first:
+                    if first[id(tensor)] != fqn:
+                        out.setdefault(fqn, first[id(tensor)])
+                else:
+                    first[id(tensor)] = fqn
+    return out
+
+
+_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        return tensor.view(_INT_VIEWS[tensor.element_size()] if not tensor.dtype.is_complex else torch.int64)
+    return tensor
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (so ``-0.0 != 0.0`` and NaN payloads count)."""
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    return bool(torch.equal(_as_bits(a), _as_bits(b)))
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of dtype, shape and the raw bytes, row-major."""
+    t = tensor.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    if t.numel():
+        h.update(_as_bits(t).reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def take_region(full: torch.Tensor, region: Any) -> torch.Tensor:
+    """``full[region]`` with ``numpy.ix_`` semantics (one index vector per dim)."""
+    block = full
+    for dim, index in enumerate(region.indices):
+        block = block.index_select(dim, index)
+    return block
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, align: Optional[str] = None) -> str:
+    """A plain-text table; ``align`` is one of ``l``/``r`` per column (default: left)."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    align = align or "l" * len(headers)
+
+    def fmt(row: Sequence[str]) -> str:
+        parts = [c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(row, widths, align)]
+        return "  ".join(parts).rstrip()
+
+    lines = [fmt(list(headers)), fmt(["-" * w for w in widths])]
+    lines += [fmt(r) for r in cells]
+    return "\n".join(lines)
+
+
+class Progress:
+    """Progress on stderr for long runs: a bar on a terminal, a line every few seconds otherwise."""
+
+    def __init__(self, total: int, label: str, *, enabled: Optional[bool] = None, min_seconds: float = 2.0) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.done = 0
+        self.start = time.perf_counter()
+        self.last = self.start
+        self.enabled = enabled
+        self.min_seconds = min_seconds
+        self.tty = sys.stderr.isatty()
+        self.shown = False
+
+    def update(self, step: int = 1, note: str = "") -> None:
+        self.done += step
+        now = time.perf_counter()
+        if self.enabled is False:
+            return
+        if self.enabled is None and now - self.start < self.min_seconds:
+            return
+        interval = 0.2 if self.tty else 5.0
+        if now - self.last < interval and self.done < self.total:
+            return
+        self.last = now
+        self.shown = True
+        frac = self.done / self.total
+        if self.tty:
+            bar = "#" * int(30 * frac)
+            sys.stderr.write(f"\r{self.label} [{bar:<30}] {self.done}/{self.total} {note[:40]:<40}")
+        else:
+            sys.stderr.write(f"{self.label}: {self.done}/{self.total} ({100 * frac:.0f}%) {note}\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown and self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def timer() -> Iterator[dict[str, float]]:
+    out = {"seconds": 0.0}
+    start = time.perf_counter()
+    try:
+        yield out
+    finally:
+        out["seconds"] = time.perf_counter() - start
