@@ -20,6 +20,16 @@ from keyinit.rules import RuleContext
 SEED = 1234
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """These tests make many small tensors; on a shared 2-core box torch's intra-op
+    threads spin-wait and multiply the run time, so run them on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def direct_tensors(module):
     pairs = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
     return {name: tensor for name, tensor in pairs if tensor is not None}
@@ -111,11 +121,11 @@ def N(std):
 EXACT = ("exact", None)
 
 CONFIGS = {
-    "linear": (lambda: nn.Linear(300, 400), {"weight": U(1 / math.sqrt(300)), "bias": U(1 / math.sqrt(300))}),
-    "linear-nobias": (lambda: nn.Linear(300, 400, bias=False), {"weight": U(1 / math.sqrt(300))}),
+    "linear": (lambda: nn.Linear(300, 200), {"weight": U(1 / math.sqrt(300)), "bias": U(1 / math.sqrt(300))}),
+    "linear-nobias": (lambda: nn.Linear(300, 200, bias=False), {"weight": U(1 / math.sqrt(300))}),
     "linear-0-in": (lambda: nn.Linear(0, 3), {"weight": EXACT, "bias": EXACT}),
     "bilinear": (
-        lambda: nn.Bilinear(20, 30, 400),
+        lambda: nn.Bilinear(20, 30, 100),
         {"weight": U(1 / math.sqrt(20)), "bias": U(1 / math.sqrt(20))},
     ),
     "conv1d": (lambda: nn.Conv1d(64, 128, 5), {"weight": U(1 / math.sqrt(320)), "bias": U(1 / math.sqrt(320))}),
@@ -253,7 +263,7 @@ def test_embedding_padding_row_is_region_aware():
 
 def test_fans_come_from_the_global_weight_shape():
     # A column shard of Linear(300, 400): the local weight is (400, 150), the global one (400, 300).
-    module = nn.Linear(300, 400)
+    module = nn.Linear(150, 400)  # the local module of the shard
     ctx = RuleContext("fc", {"weight": (400, 300), "bias": (400,)}, {"weight": torch.float32, "bias": torch.float32})
     plan = DEFAULT_RULES[nn.Linear](module, ctx)
     assert plan == {"weight": init.kaiming_uniform(a=math.sqrt(5)), "bias": init.uniform(-1 / math.sqrt(300), 1 / math.sqrt(300))}
