@@ -282,6 +282,24 @@ def test_strided_placements_follow_their_shard_order(layout):
     assert bool((counts == replicas).all())  # every element held, once per replica
 
 
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2), (2, 3), (4, 3), (2, 2, 2), (3, 2, 2), (2, 3, 4)])
+def test_every_shard_order_of_one_dim(mesh_shape):
+    # Every order in which the mesh dims can shard dim 0, every size up to 25 (most uneven):
+    # the _StridedShard encoding torch builds for that order must give the nested chunks.
+    base = tuple(Shard(0) for _ in mesh_shape)
+    full = _arange((26,))
+    for mesh_dims in itertools.permutations(range(len(mesh_shape))):
+        order = (ShardOrderEntry(tensor_dim=0, mesh_dims=mesh_dims),)
+        placements = DTensorSpec._convert_shard_order_to_StridedShard(order, base, _MeshSizes(mesh_shape))
+        for n in range(26):
+            seen = []
+            for coord in itertools.product(*[range(k) for k in mesh_shape]):
+                region = dtensor_region((n,), mesh_shape, coord, placements)
+                assert [region.indices[0].tolist()] == _nested_chunks((n,), mesh_shape, coord, order)
+                seen += region.indices[0].tolist()
+            assert sorted(seen) == full[:n].tolist()
+
+
 def test_chunk_bounds_is_torch_chunk():
     for size in range(0, 20):
         for k in range(1, 9):
