@@ -338,12 +338,9 @@ class trunc_normal(Initializer):  # noqa: N801 - named like torch.nn.init.trunc_
 
 
 def _constant_value(value: Any) -> None:
-    if isinstance(value, bool):
-        return
-    if not isinstance(value, (int, float)):
+    """A bool, int or float (nan and infinities included: they are fine fills for float tensors)."""
+    if not isinstance(value, (bool, int, float)):
         raise TypeError(f"constant: value must be a real number or a bool, got {type(value).__name__}")
-    if isinstance(value, float) and math.isnan(value):
-        return  # nan is a legitimate fill for float tensors
 
 
 @attrs.frozen

@@ -16,6 +16,16 @@ from keyinit.layouts import Target
 from keyinit.regions import make_region
 
 KEY = keyinit.key_for(20240501, "layer.weight")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """These tests make many small tensors; on a shared 2-core box torch's intra-op
+    threads spin-wait and multiply the run time, so run them on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 FQN = "layer.weight"
 
 
@@ -266,18 +276,18 @@ def assert_uniform(values, bound):
 
 
 def test_kaiming_uniform_bound():
-    shape = (1000, 250, 4)  # 1e6 samples, fan_in 1000
+    shape = (256, 250, 4)  # 2**18 samples, fan_in 1000
     assert_uniform(run(init.kaiming_uniform(a=SQRT5), shape), 1 / math.sqrt(1000))
-    relu = run(init.kaiming_uniform(mode="fan_out", nonlinearity="relu"), (100, 4000))
+    relu = run(init.kaiming_uniform(mode="fan_out", nonlinearity="relu"), (100, 2000))
     assert_uniform(relu, math.sqrt(2) * math.sqrt(3 / 100))
 
 
 def test_xavier_and_kaiming_normal_std():
-    shape = (500, 400, 5)  # fan_in 2000, fan_out 2500
+    shape = (128, 400, 5)  # fan_in 2000, fan_out 640
     xavier = run(init.xavier_normal(gain=0.5), shape).double()
-    assert xavier.std().item() == pytest.approx(0.5 * math.sqrt(2 / 4500), rel=0.01)
+    assert xavier.std().item() == pytest.approx(0.5 * math.sqrt(2 / 2640), rel=0.01)
     assert abs(xavier.mean()) < 0.005 * xavier.std()
-    kaiming = run(init.kaiming_normal(a=0.2, mode="fan_out"), (2000, 500)).double()
+    kaiming = run(init.kaiming_normal(a=0.2, mode="fan_out"), (2000, 128)).double()
     assert kaiming.std().item() == pytest.approx(math.sqrt(2 / 1.04) / math.sqrt(2000), rel=0.01)
 
 
@@ -289,6 +299,7 @@ def test_xavier_uniform_bound():
     ("mode", "variance"), [("fan_in", 2.0 / 800), ("fan_out", 2.0 / 1250), ("fan_avg", 2.0 / 1025)]
 )
 def test_variance_scaling_truncated_normal(mode, variance):
+    # 1e6 samples: the variance is scale / n to 1%, and every value lies within 2 corrected stddevs.
     values = run(init.variance_scaling(2.0, mode, "truncated_normal"), (1250, 800)).double()
     stddev = math.sqrt(variance) / 0.87962566103423978
     assert values.abs().max() <= 2 * stddev * (1 + 1e-6)
@@ -297,14 +308,14 @@ def test_variance_scaling_truncated_normal(mode, variance):
 
 
 def test_variance_scaling_normal_and_uniform():
-    normal = run(init.variance_scaling(3.0, "fan_in", "normal", in_axis=-2, out_axis=-1), (1000, 1000)).double()
+    normal = run(init.variance_scaling(3.0, "fan_in", "normal", in_axis=-2, out_axis=-1), (1000, 256)).double()
     assert normal.var().item() == pytest.approx(3.0 / 1000, rel=0.01)
-    assert_uniform(run(init.he_uniform(), (500, 2000)), math.sqrt(6 / 2000))
+    assert_uniform(run(init.he_uniform(), (128, 2000)), math.sqrt(6 / 2000))
 
 
 def test_trunc_normal_absolute_bounds():
     mean, std, a, b = 1.0, 2.0, -1.0, 2.0
-    values = run(init.trunc_normal(mean, std, a, b), (1000, 1000)).double()
+    values = run(init.trunc_normal(mean, std, a, b), (512, 512)).double()
     assert values.min() >= a and values.max() <= b
     alpha, beta = (a - mean) / std, (b - mean) / std
     pdf = lambda x: math.exp(-x * x / 2) / math.sqrt(2 * math.pi)  # noqa: E731

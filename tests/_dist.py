@@ -1,0 +1,192 @@
+"""Run a function in N real ``torch.distributed`` processes (gloo, CPU) for tests.
+
+API
+---
+``run_distributed(fn, world_size, *, args=(), kwargs=None, timeout=120.0,
+backend="gloo", env=None) -> list``
+
+- ``fn`` must be picklable by reference: a module-level function of an
+  importable module (a test module is fine; the child imports it by name with
+  the parent's ``sys.path``). It is called as ``fn(*args, **kwargs)`` in every
+  rank after ``dist.init_process_group`` has run, so it reads its rank with
+  ``dist.get_rank()`` / ``dist.get_world_size()`` and may build device meshes
+  with ``init_device_mesh("cpu", ...)``.
+- Returns the per-rank return values, ordered by rank. Return values travel
+  through a multiprocessing queue: keep them small and picklable (CPU
+  tensors, numbers, strings).
+- If any rank raises, :class:`DistributedFailure` (an ``AssertionError``) is
+  raised in the caller, with every failing rank's full child traceback in its
+  message; the other ranks get ``grace`` seconds to finish and are then
+  killed. A rank that dies without reporting (segfault, ``os._exit``) is
+  reported with its exit code.
+- ``timeout`` bounds the whole run (spawn, init, ``fn``, teardown): past it
+  every child still alive is killed and :class:`DistributedFailure` names the
+  ranks that had not finished, so a hang fails the test instead of hanging
+  it. The same timeout is given to ``init_process_group``, so a collective
+  that can never complete raises inside the child too.
+
+Rendezvous uses a ``file://`` store in a fresh temporary directory (no TCP
+port to pick, so concurrent test runs cannot collide). Children are started
+with the ``spawn`` method, ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``
+so that N ranks do not oversubscribe a small machine. ``env`` adds
+environment variables to the children.
+
+``requires_gloo`` is a pytest mark that skips when gloo is unavailable.
+
+Example::
+
+    def _check_sum():                      # module level: picklable
+        t = torch.ones(1) * dist.get_rank()
+        dist.all_reduce(t)
+        return float(t)
+
+    def test_sum():
+        assert run_distributed(_check_sum, 2) == [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "DistributedFailure", "requires_gloo"]
+
+requires_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed gloo backend unavailable"
+)
+
+
+class DistributedFailure(AssertionError):
+    """One or more ranks failed, died or timed out; the message holds their tracebacks."""
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    backend: str,
+    timeout: float,
+    env: Mapping[str, str],
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt/SystemExit
+        results.put((rank, False, traceback.format_exc()))
+        return
+    try:
+        results.put((rank, True, value))
+    except Exception:  # noqa: BLE001 - an unpicklable result
+        results.put((rank, False, "rank returned an unpicklable value:\n" + traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Optional[Mapping[str, Any]] = None,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    env: Optional[Mapping[str, str]] = None,
+    grace: float = 5.0,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` in ``world_size`` processes; return the per-rank results."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    child_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
+    tmpdir = tempfile.mkdtemp(prefix="keyinit-dist-")
+    init_method = "file://" + os.path.join(tmpdir, "store")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = []
+    deadline = time.monotonic() + timeout
+    received: dict[int, tuple[bool, Any]] = {}
+    failure_deadline: Optional[float] = None
+    timed_out = False
+    try:
+        for rank in range(world_size):
+            proc = ctx.Process(
+                target=_child,
+                args=(rank, world_size, init_method, backend, timeout, child_env, fn, tuple(args), dict(kwargs or {}),
+                      results),
+                name=f"keyinit-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+        while len(received) < world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = True
+                break
+            if failure_deadline is not None and now >= failure_deadline:
+                break
+            try:
+                rank, ok, value = results.get(timeout=0.1)
+            except queue_module.Empty:
+                # A rank that exited without reporting (crash): stop waiting for it.
+                dead = [r for r, p in enumerate(procs) if r not in received and p.exitcode is not None]
+                if dead:
+                    # Its report may still be in flight: drain once more before declaring it dead.
+                    try:
+                        rank, ok, value = results.get(timeout=0.5)
+                    except queue_module.Empty:
+                        for r in dead:
+                            received[r] = (False, f"rank {r} exited with code {procs[r].exitcode} without reporting")
+                        if failure_deadline is None:
+                            failure_deadline = time.monotonic() + grace
+                        continue
+                else:
+                    continue
+            received[rank] = (ok, value)
+            if not ok and failure_deadline is None:
+                failure_deadline = time.monotonic() + grace
+    finally:
+        for proc in procs:
+            proc.join(timeout=max(0.0, min(grace, deadline - time.monotonic())) if proc.is_alive() else 0.1)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        results.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+    failures = [(r, v) for r, (ok, v) in sorted(received.items()) if not ok]
+    missing = [r for r in range(world_size) if r not in received]
+    if failures or missing or timed_out:
+        parts = []
+        if timed_out:
+            parts.append(f"timed out after {timeout:.0f} s")
+        for rank, message in failures:
+            parts.append(f"--- rank {rank} failed ---\n{message}")
+        if missing:
+            parts.append(f"ranks {missing} did not finish (killed)")
+        raise DistributedFailure(f"{getattr(fn, '__qualname__', fn)} on {world_size} ranks: " + "\n".join(parts))
+    return [received[r][1] for r in range(world_size)]
