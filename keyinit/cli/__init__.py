@@ -11,18 +11,25 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from keyinit.cli._common import CLIError
 
 __all__ = ["main", "CLIError"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is ONE line on stderr (exit code 2)."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
     from keyinit import __version__
     from keyinit.cli import demo, slicing, verify
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="keyinit",
         description="keyinit: layout-invariant, communication-free weight initialization for PyTorch.",
     )

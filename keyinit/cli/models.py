@@ -1,4 +1,4 @@
-"""Small models for the keyinit examples, the CLI demo and the tests.
+"""Small models for ``keyinit demo``, the examples (``examples/models.py``) and the tests.
 
 * :class:`Transformer`: a Llama-like decoder (token embedding, RMSNorm,
   grouped-query attention with ``wq/wk/wv/wo``, SwiGLU feed-forward with
@@ -45,6 +45,8 @@ __all__ = [
     "llama_rules",
     "convnet",
     "TP_ROWWISE",
+    "tp_plan",
+    "pipeline_stage",
 ]
 
 
@@ -213,25 +215,6 @@ def convnet(model_size: str = "tiny") -> ConvNet:
     if model_size not in _CONV_WIDTHS:
         raise ValueError(f"unknown model_size {model_size!r}; choose one of {sorted(_CONV_WIDTHS)}")
     return ConvNet(width=_CONV_WIDTHS[model_size] + 1)  # odd widths: uneven shards
-
-
-# Factories for ``python -m keyinit verify/slice examples.models:<factory>``.
-def tiny_llama() -> Transformer:
-    return llama("tiny")
-
-
-def small_llama() -> Transformer:
-    return llama("small")
-
-
-def tiny_llama_with_rules():
-    """A factory may return ``(model, init_model_kwargs)``: here, the Llama-style rules."""
-    model = llama("tiny")
-    return model, {"rules": llama_rules(model.args)}
-
-
-def tiny_convnet() -> ConvNet:
-    return convnet("tiny")
 
 
 def tp_plan(model: Transformer) -> dict:
