@@ -4,6 +4,10 @@ Run ``python -m keyinit --help`` (or the ``keyinit`` console script).
 Usage errors (bad import path, a factory that raises, unknown FQN, bad slice
 syntax) print ONE line on stderr and exit with code 2; ``--debug`` shows the
 full traceback instead. A failed check exits with code 1.
+
+:func:`spawn` (run a function in N local gloo ranks, no torchrun) is what
+``keyinit demo`` and the examples use; it is a convenience, not part of
+keyinit's core API.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ import traceback
 from typing import NoReturn, Optional, Sequence
 
 from keyinit.cli._common import CLIError
+from keyinit.cli._spawn import SpawnError, spawn
 
-__all__ = ["main", "CLIError"]
+__all__ = ["main", "CLIError", "spawn", "SpawnError"]
 
 
 class _Parser(argparse.ArgumentParser):

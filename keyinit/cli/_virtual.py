@@ -174,9 +174,16 @@ class LayoutSpec:
                 rank += 1
 
     def placements(self, slot: Slot) -> tuple[Any, ...]:
-        """The DTensor placements this layout gives ``slot`` (one per mesh dim)."""
+        """The DTensor placements this layout gives ``slot`` (one per mesh dim).
+
+        FSDP2: ``Shard(0)`` (``_StridedShard(0, split_factor=tp)`` over a TP ``Shard(0)``,
+        as ``fully_shard`` does on a TP-parallelized module); 0-D tensors and buffers are
+        replicated. TP: see :func:`tp_shard_dim`. Replicas: ``Replicate()``.
+        """
         from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
+        if slot.kind == "buffer":  # FSDP2 and TP leave buffers as plain, replicated tensors
+            return tuple(Replicate() for _ in self.mesh_kinds)
         tp_dim = tp_shard_dim(slot, self.rowwise) if "tp" in self.mesh_kinds else None
         tp_size = self.mesh_shape[self.mesh_kinds.index("tp")] if "tp" in self.mesh_kinds else 1
         out: list[Any] = []
@@ -293,11 +300,15 @@ def stage_assignment(model: torch.nn.Module, slots: list[Slot], stages: int) -> 
     tensors before it go to the first stage, tensors after it to the last."""
     found = _block_container(model)
     if found is None or len(found[1]._modules) < stages:
-        have = 0 if found is None else len(found[1]._modules)
-        raise CLIError(f"pp{stages}: found no nn.ModuleList/ModuleDict with at least {stages} blocks to split "
-                       f"into stages (the largest has {have})")
+        # no ModuleList/ModuleDict to split: split the root's children that hold tensors
+        children = [n for n, c in model._modules.items() if c is not None and any(True for _ in c.parameters())]
+        if len(children) < stages:
+            raise CLIError(f"pp{stages}: cannot split the model into {stages} stages: no nn.ModuleList/ModuleDict "
+                           f"and only {len(children)} top-level submodules with parameters")
+        found = ("", model)
     prefix, container = found
-    names = list(container._modules)
+    names = [n for n, c in container._modules.items()
+             if c is not None and (container is not model or any(True for _ in c.parameters()))]
     per, extra = divmod(len(names), stages)
     block_stage = {}
     start = 0
@@ -322,8 +333,42 @@ def stage_assignment(model: torch.nn.Module, slots: list[Slot], stages: int) -> 
 
 
 def cut_stage(model: torch.nn.Module, slots: list[Slot], assignment: dict[str, int], stage: int) -> list[Slot]:
-    """Delete, in place, every tensor location that ``stage`` does not own; keep FQNs. Returns the kept slots
-    (with only their kept locations)."""
+    """Cut ``model`` in place to pipeline stage ``stage``, torchtitan style, keeping FQNs.
+
+    A submodule whose tensors all belong to other stages is removed: deleted
+    from a ModuleList/ModuleDict (the other entries keep their names) or set to
+    None in any other parent (``model.tok_embeddings = None``). Remaining tensors
+    of other stages are deleted from their module. Returns the kept slots, with
+    only their kept locations.
+    """
+    owned_ids: dict[int, bool] = {}
+    for slot in slots:
+        for module, attr, fqn in slot.locations:
+            owned_ids[id(module)] = owned_ids.get(id(module), False) or assignment[fqn] == stage
+
+    def owns_any(module: torch.nn.Module) -> "bool | None":
+        """True if ``module``'s subtree holds a tensor of this stage; None if it holds no tensors at all."""
+        any_tensor = False
+        for sub in module.modules():
+            if id(sub) in owned_ids:
+                any_tensor = True
+                if owned_ids[id(sub)]:
+                    return True
+        return False if any_tensor else None
+
+    def prune(module: torch.nn.Module) -> None:
+        for name, child in list(module._modules.items()):
+            if child is None:
+                continue
+            if owns_any(child) is False:
+                if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
+                    module._modules.pop(name)
+                else:
+                    module._modules[name] = None
+            else:
+                prune(child)
+
+    prune(model)
     kept = []
     for slot in slots:
         locations = []
