@@ -306,6 +306,19 @@ def _mesh_str(mesh: Any) -> str:
     return f"mesh({sizes[0]},)" if len(sizes) == 1 else "mesh(" + ", ".join(map(str, sizes)) + ")"
 
 
+def _plain_coordinate(coordinate: Optional[Sequence[Any]], fqn: str) -> Optional[tuple[int, ...]]:
+    if coordinate is None:
+        return None
+    try:
+        return tuple(int(c) for c in coordinate)
+    except Exception as exc:  # noqa: BLE001 - e.g. per-rank SymInts under LocalTensorMode
+        raise ValueError(
+            f"{fqn}: this process's mesh coordinate {coordinate!r} is not a tuple of ints (several simulated "
+            "ranks, e.g. under LocalTensorMode?); target_for describes the tensor of one real rank, "
+            "use keyinit.layouts.dtensor_region for each simulated coordinate instead"
+        ) from exc
+
+
 class _DTensorLayout:
     """A DTensor holds the region its mesh coordinate and placements select; ``out`` is its local tensor."""
 
@@ -321,7 +334,7 @@ class _DTensorLayout:
             if isinstance(placement, partial_cls):
                 raise _partial_error(fqn, placement, mesh_dim)
         description = f"DTensor[{', '.join(_placement_str(p) for p in placements)}] {_mesh_str(mesh)}"
-        coordinate = mesh.get_coordinate()
+        coordinate = _plain_coordinate(mesh.get_coordinate(), fqn)
         local = tensor._local_tensor
         region = dtensor_region(
             tuple(tensor.shape),

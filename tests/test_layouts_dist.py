@@ -142,6 +142,15 @@ def _two_ranks() -> list[dict]:
     _check_unsharded(fsdp, fsdp_records, torch.ones(2, 16))
     records += fsdp_records
 
+    # FSDP2 of a model built on the CPU (no to_empty): local tensors are views into padded storage.
+    fsdp_cpu = _mlp([16, 33, 1], device="cpu")
+    for layer in fsdp_cpu:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp_cpu, mesh=mesh)
+    cpu_records = _check_model(fsdp_cpu, "fsdp cpu")
+    _check_unsharded(fsdp_cpu, cpu_records, torch.ones(2, 16))
+    records += cpu_records
+
     # TP: colwise (weight Shard(0), bias Shard(0)) then rowwise (weight Shard(1), bias Replicate).
     tp = _mlp([16, 9, 5])
     parallelize_module(tp, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
