@@ -408,11 +408,16 @@ def test_target_for_meta(fake_pg, monkeypatch):
         target_for(holder.weight, fqn="lin.weight", module=holder, name="weight")
     planned = target_for(holder.weight, fqn="lin.weight", module=holder, name="weight", allow_meta=True)
     assert planned.global_shape == (4, 3)
+    assert layouts.global_shape(holder.weight, fqn="lin.weight", module=holder, name="weight") == (4, 3)
     mesh = _mesh((2,))
     dtensor = _dtensor_for_rank(monkeypatch, mesh, [S(0)], (5, 3), 1, torch.empty(2, 3, device="meta"))
     with pytest.raises(ValueError, match=r"w \(DTensor\[Shard\(0\)\] mesh\(2,\)\) is on the meta device"):
         target_for(dtensor, fqn="w", module=holder, name="w")
     assert target_for(dtensor, fqn="w", module=holder, name="w", allow_meta=True).region.indices[0].tolist() == [3, 4]
+    assert layouts.global_shape(dtensor, fqn="w", module=holder, name="w") == (5, 3)
+    meta = torch.nn.Embedding(3, 4, device="meta")
+    shards = {"emb.weight": ManualShard((10, 4), (slice(3, 6), slice(None)))}
+    assert layouts.global_shape(meta.weight, fqn="emb.weight", module=meta, name="weight", shards=shards) == (10, 4)
 
 
 def test_target_for_empty_shard(fake_pg, monkeypatch):
@@ -526,9 +531,11 @@ def test_adapter_order():
     assert target_for(module.w, fqn="m.w", module=module, name="w").description == "plain"
     declare_shard(module, "w", global_shape=(8, 3), region=(slice(2, 4), slice(None)))
     assert target_for(module.w, fqn="m.w", module=module, name="w").description == "manual[2:4, :] of (8, 3)"
-    manual = {"m.w": ManualShard((4, 3), ([0, 3], slice(None)))}
-    assert target_for(module.w, fqn="m.w", module=module, name="w", manual=manual).global_shape == (4, 3)
-    assert target_for(module.w, fqn="m.w", module=module, name="w", manual={"x": manual["m.w"]}).global_shape == (8, 3)
+    shards = {"m.w": ManualShard((4, 3), ([0, 3], slice(None)))}
+    assert target_for(module.w, fqn="m.w", module=module, name="w", shards=shards).global_shape == (4, 3)
+    assert target_for(module.w, fqn="m.w", module=module, name="w", shards={"x": shards["m.w"]}).global_shape == (8, 3)
+    with pytest.raises(TypeError, match=r"shards\['m.w'\] must be a keyinit.layouts.ManualShard"):
+        target_for(module.w, fqn="m.w", module=module, name="w", shards={"m.w": (4, 3)})
 
     class Custom:
         def target(self, tensor, *, fqn, module, name):
@@ -538,7 +545,7 @@ def test_adapter_order():
 
     adapter = layouts.register_layout(Custom())
     try:
-        found = target_for(module.w, fqn="m.w", module=module, name="w", manual=manual)
+        found = target_for(module.w, fqn="m.w", module=module, name="w", shards=shards)
         assert found.description == "custom" and found.global_shape == (2, 6)
     finally:
         layouts.unregister_layout(adapter)

@@ -17,11 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _dist import requires_gloo, run_distributed  # noqa: E402
+import keyinit
+from keyinit.layouts import target_for
 
-import keyinit  # noqa: E402
-from keyinit.layouts import target_for  # noqa: E402
+try:  # tests/ as a package
+    from tests._dist import DistributedFailure, requires_gloo, run_distributed
+except ImportError:  # tests/ on sys.path (pytest's default rootdir-relative imports)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _dist import DistributedFailure, requires_gloo, run_distributed
 
 pytestmark = requires_gloo
 
@@ -315,8 +318,6 @@ def _all_reduce_rank(scale, *, offset):
 
 
 def test_harness_reports_child_traceback_and_kills_waiting_ranks():
-    from _dist import DistributedFailure
-
     with pytest.raises(DistributedFailure, match=r"(?s)rank 1 failed.*RuntimeError: boom on rank 1"):
         run_distributed(_fails_on_rank_1, 2, timeout=60, grace=2)
     with pytest.raises(DistributedFailure, match=r"rank 1 exited with code 3 without reporting"):
