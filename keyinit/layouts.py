@@ -15,7 +15,7 @@ user-registered adapters):
 
 1. manual shards: a plain local tensor declared to be a region of a global
    parameter, either in a ``{fqn: ManualShard}`` mapping passed to
-   :func:`target_for` as ``manual=``, or with :func:`declare_shard` (stored on
+   :func:`target_for` as ``shards=``, or with :func:`declare_shard` (stored on
    the owning module, so it survives ``module.to_empty()``);
 2. DTensor (``torch.distributed.tensor.DTensor``, including FSDP2, TP,
    FSDP+TP and HSDP parameters): the region follows from the device mesh, this
@@ -42,6 +42,7 @@ __all__ = [
     "register_layout",
     "unregister_layout",
     "target_for",
+    "global_shape",
     "ManualShard",
     "declare_shard",
     "declared_shards",
@@ -306,6 +307,19 @@ def _mesh_str(mesh: Any) -> str:
     return f"mesh({sizes[0]},)" if len(sizes) == 1 else "mesh(" + ", ".join(map(str, sizes)) + ")"
 
 
+def _plain_coordinate(coordinate: Optional[Sequence[Any]], fqn: str) -> Optional[tuple[int, ...]]:
+    if coordinate is None:
+        return None
+    try:
+        return tuple(int(c) for c in coordinate)
+    except Exception as exc:  # noqa: BLE001 - e.g. per-rank SymInts under LocalTensorMode
+        raise ValueError(
+            f"{fqn}: this process's mesh coordinate {coordinate!r} is not a tuple of ints (several simulated "
+            "ranks, e.g. under LocalTensorMode?); target_for describes the tensor of one real rank, "
+            "use keyinit.layouts.dtensor_region for each simulated coordinate instead"
+        ) from exc
+
+
 class _DTensorLayout:
     """A DTensor holds the region its mesh coordinate and placements select; ``out`` is its local tensor."""
 
@@ -321,7 +335,7 @@ class _DTensorLayout:
             if isinstance(placement, partial_cls):
                 raise _partial_error(fqn, placement, mesh_dim)
         description = f"DTensor[{', '.join(_placement_str(p) for p in placements)}] {_mesh_str(mesh)}"
-        coordinate = mesh.get_coordinate()
+        coordinate = _plain_coordinate(mesh.get_coordinate(), fqn)
         local = tensor._local_tensor
         region = dtensor_region(
             tuple(tensor.shape),
@@ -525,13 +539,13 @@ def target_for(
     fqn: str,
     module: torch.nn.Module,
     name: str,
-    manual: Optional[Mapping[str, ManualShard]] = None,
+    shards: Optional[Mapping[str, ManualShard]] = None,
     allow_meta: bool = False,
 ) -> Target:
     """The Target of ``tensor``: the first adapter that handles it decides.
 
-    Order: user-registered adapters (latest first), ``manual[fqn]`` when
-    ``manual`` (a ``{fqn: ManualShard}`` mapping) has it, a shard declared with
+    Order: user-registered adapters (latest first), ``shards[fqn]`` when
+    ``shards`` (a ``{fqn: ManualShard}`` mapping) has it, a shard declared with
     :func:`declare_shard` on ``module``, DTensor, plain.
 
     The Target is checked: ``out`` must be shaped like the region and must not
@@ -545,10 +559,10 @@ def target_for(
         found = adapter.target(tensor, fqn=fqn, module=module, name=name)
         if found is not None:
             break
-    if found is None and manual is not None and fqn in manual:
-        shard = manual[fqn]
+    if found is None and shards is not None and fqn in shards:
+        shard = shards[fqn]
         if not isinstance(shard, ManualShard):
-            raise TypeError(f"manual[{fqn!r}] must be a ManualShard, got {type(shard).__name__}")
+            raise TypeError(f"shards[{fqn!r}] must be a keyinit.layouts.ManualShard, got {type(shard).__name__}")
         found = shard.target(tensor, fqn=fqn)
     if found is None:
         for adapter in _builtin_layouts():
@@ -570,3 +584,19 @@ def target_for(
             "materialize the model first (e.g. module.to_empty(device=...))"
         )
     return found
+
+
+def global_shape(
+    tensor: torch.Tensor,
+    *,
+    fqn: str,
+    module: torch.nn.Module,
+    name: str,
+    shards: Optional[Mapping[str, ManualShard]] = None,
+) -> tuple[int, ...]:
+    """The GLOBAL shape of ``tensor``'s parameter, as :func:`target_for` would see it.
+
+    Works on meta tensors (for planning before materialization) and computes
+    nothing but the layout: no collectives, no allocation.
+    """
+    return target_for(tensor, fqn=fqn, module=module, name=name, shards=shards, allow_meta=True).global_shape

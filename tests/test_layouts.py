@@ -119,8 +119,12 @@ DISTRIBUTE_CASES = [
     ((16, 2), (2, 2, 2), [SS(0, 4), SS(0, 2), S(0)]),
     ((8, 6), (2, 2, 3), [SS(0, 2), S(0), S(1)]),
     ((8, 6), (2, 2, 2), [R, SS(0, 2), S(0)]),  # HSDP + TP
-    ((1024, 2), (64, 8), [SS(0, 8), S(0)]),
     ((64, 16), (8, 8), [SS(1, 8), S(1)]),
+    ((128, 3), (8, 8), [SS(0, 8), S(0)]),
+    ((12, 40), (4, 8), [SS(1, 8), S(0)]),
+    # split factors that encode no shard order (as view ops produce): _StridedShard._split_tensor
+    ((16, 4), (4, 2), [SS(0, 2), S(1)]),
+    ((10, 3), (3,), [SS(0, 2)]),
 ]
 
 
@@ -165,6 +169,26 @@ def _roundtrip_full(shape, mesh_shape, placements, spec_kwargs=None):
     return {r: gathered._local_tensors[r] for r in range(world)}
 
 
+@pytest.mark.parametrize(
+    "shape, mesh_shape, placements",
+    [((1024, 2), (64, 8), [SS(0, 8), S(0)]), ((3, 1024), (8, 64), [SS(1, 64), S(1)]),
+     ((2048, 2), (16, 8, 4), [SS(0, 32), SS(0, 4), S(0)])],
+)
+def test_big_mesh_strided_matches_compute_local_shape_and_global_offset(shape, mesh_shape, placements):
+    # FSDP (64) x TP (8) sized meshes. Sharding is even here, so torch's per-mesh-dim computation
+    # agrees with the shard order and every rank holds one contiguous block per dim.
+    # (distribute_tensor under LocalTensorMode checks the same on 8 x 8 above; at 512 ranks it is slow.)
+    seen = torch.zeros(shape, dtype=torch.int64)
+    for coord in itertools.product(*[range(n) for n in mesh_shape]):
+        region = dtensor_region(shape, mesh_shape, coord, placements)
+        local_shape, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
+        assert region.region_shape == tuple(local_shape)
+        for index, start in zip(region.indices, offset):
+            assert index.tolist() == list(range(start, start + index.numel()))
+        seen[np.ix_(*[i.numpy() for i in region.indices])] += 1
+    assert bool((seen == 1).all())
+
+
 # Cases where torch's distribute_tensor cannot serve as the reference: uneven _StridedShard
 # (distribute_tensor applies _StridedShard._split_tensor mesh dim by mesh dim, which for uneven
 # sizes disagrees with what full_tensor()/redistribute and FSDP2 use: the shard ORDER encoded by
@@ -179,6 +203,8 @@ ROUNDTRIP_CASES = [
     ((10, 7), (2, 4), [S(0), S(0)]),
     ((9, 7), (2, 3), [S(1), S(0)]),
     ((5, 3, 9), (2, 2, 2), [S(2), R, S(0)]),
+    ((10, 3), (3,), [SS(0, 2)]),  # no shard order: torch's greedy redistribution, split semantics
+    ((11, 4), (3, 2), [SS(0, 2), S(1)]),
 ]
 
 
@@ -382,11 +408,16 @@ def test_target_for_meta(fake_pg, monkeypatch):
         target_for(holder.weight, fqn="lin.weight", module=holder, name="weight")
     planned = target_for(holder.weight, fqn="lin.weight", module=holder, name="weight", allow_meta=True)
     assert planned.global_shape == (4, 3)
+    assert layouts.global_shape(holder.weight, fqn="lin.weight", module=holder, name="weight") == (4, 3)
     mesh = _mesh((2,))
     dtensor = _dtensor_for_rank(monkeypatch, mesh, [S(0)], (5, 3), 1, torch.empty(2, 3, device="meta"))
     with pytest.raises(ValueError, match=r"w \(DTensor\[Shard\(0\)\] mesh\(2,\)\) is on the meta device"):
         target_for(dtensor, fqn="w", module=holder, name="w")
     assert target_for(dtensor, fqn="w", module=holder, name="w", allow_meta=True).region.indices[0].tolist() == [3, 4]
+    assert layouts.global_shape(dtensor, fqn="w", module=holder, name="w") == (5, 3)
+    meta = torch.nn.Embedding(3, 4, device="meta")
+    shards = {"emb.weight": ManualShard((10, 4), (slice(3, 6), slice(None)))}
+    assert layouts.global_shape(meta.weight, fqn="emb.weight", module=meta, name="weight", shards=shards) == (10, 4)
 
 
 def test_target_for_empty_shard(fake_pg, monkeypatch):
@@ -402,6 +433,14 @@ def test_target_for_dtensor_with_wrong_local_shape(fake_pg, monkeypatch):
     dtensor = _dtensor_for_rank(monkeypatch, mesh, [S(0)], (5, 3), 0, torch.zeros(2, 3))  # rank 0 holds 3 rows
     with pytest.raises(ValueError, match=r"w: the local tensor .* has shape \(2, 3\).*region of shape \(3, 3\)"):
         target_for(dtensor, fqn="w", module=torch.nn.Module(), name="w")
+
+
+def test_target_for_under_local_tensor_mode_says_what_to_do(fake_pg):
+    mesh = _mesh((2,))
+    with LocalTensorMode(frozenset(range(2))):
+        dtensor = distribute_tensor(torch.zeros(5, 3), mesh, [S(0)])
+        with pytest.raises(ValueError, match=r"w: this process's mesh coordinate .* use keyinit.layouts.dtensor_region"):
+            target_for(dtensor, fqn="w", module=torch.nn.Module(), name="w")
 
 
 def test_rank_outside_mesh(fake_pg, monkeypatch):
@@ -492,9 +531,11 @@ def test_adapter_order():
     assert target_for(module.w, fqn="m.w", module=module, name="w").description == "plain"
     declare_shard(module, "w", global_shape=(8, 3), region=(slice(2, 4), slice(None)))
     assert target_for(module.w, fqn="m.w", module=module, name="w").description == "manual[2:4, :] of (8, 3)"
-    manual = {"m.w": ManualShard((4, 3), ([0, 3], slice(None)))}
-    assert target_for(module.w, fqn="m.w", module=module, name="w", manual=manual).global_shape == (4, 3)
-    assert target_for(module.w, fqn="m.w", module=module, name="w", manual={"x": manual["m.w"]}).global_shape == (8, 3)
+    shards = {"m.w": ManualShard((4, 3), ([0, 3], slice(None)))}
+    assert target_for(module.w, fqn="m.w", module=module, name="w", shards=shards).global_shape == (4, 3)
+    assert target_for(module.w, fqn="m.w", module=module, name="w", shards={"x": shards["m.w"]}).global_shape == (8, 3)
+    with pytest.raises(TypeError, match=r"shards\['m.w'\] must be a keyinit.layouts.ManualShard"):
+        target_for(module.w, fqn="m.w", module=module, name="w", shards={"m.w": (4, 3)})
 
     class Custom:
         def target(self, tensor, *, fqn, module, name):
@@ -504,7 +545,7 @@ def test_adapter_order():
 
     adapter = layouts.register_layout(Custom())
     try:
-        found = target_for(module.w, fqn="m.w", module=module, name="w", manual=manual)
+        found = target_for(module.w, fqn="m.w", module=module, name="w", shards=shards)
         assert found.description == "custom" and found.global_shape == (2, 6)
     finally:
         layouts.unregister_layout(adapter)
