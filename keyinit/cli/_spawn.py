@@ -9,6 +9,7 @@ raises, dies or outlives ``timeout`` fails the whole run with its traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import shutil
 import tempfile
@@ -43,7 +44,9 @@ def _child(rank: int, world_size: int, init_method: str, timeout: float, fn: Cal
             value = fn(*args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, value))
+        # pickled by value: torch's multiprocessing reductions would share tensors through
+        # file descriptors that die with this process
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
 
@@ -104,7 +107,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *, 
             last = lines[-1].strip() if lines else "unknown error"
             raise SpawnError(f"rank {rank} failed:\n{failed[rank]}",
                              f"rank {rank} failed: {last} (rerun with --debug for its traceback)")
-        return [got[r][1] for r in range(world_size)]
+        return [pickle.loads(got[r][1]) for r in range(world_size)]
     finally:
         for proc in procs:
             proc.join(timeout=5.0)
