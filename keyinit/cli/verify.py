@@ -74,10 +74,20 @@ def _init_kwargs(kwargs: dict[str, Any], init_method: Any) -> dict[str, Any]:
     return out
 
 
-def verify(spec: str, factory: Any, layouts: list[LayoutSpec], seed: int, init_method: Any = None,
-           *, progress: bool = True) -> dict[str, Any]:
-    """Run the checks; returns ``{"params": [...], "layouts": [...], "ok": bool}`` (see :func:`run`)."""
+def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, init_method: Any = None,
+           progress: bool = True, label: "str | None" = None) -> dict[str, Any]:
+    """What ``keyinit verify`` checks, from Python.
+
+    ``factory()`` (called under ``torch.device("meta")``) returns an ``nn.Module`` or
+    ``(module, init_model_kwargs)``; ``layouts`` are names such as ``"fsdp4"``,
+    ``"fsdp2xtp2"``, ``"pp2"``. Returns ``{"ok": bool, "params": [per-tensor dicts with
+    "fqn", "source", "bad" ({layout: [ranks]}) ...], "layouts": [per-layout summaries]}``,
+    or ``{"ok": False, "plan_error": message}`` if some parameter has no initializer.
+    """
     import keyinit
+
+    spec = label or getattr(factory, "__qualname__", "factory")
+    layouts = [parse_layout(layout) if isinstance(layout, str) else layout for layout in layouts]
 
     model, kwargs = build_model(factory, spec)
     kwargs = _init_kwargs(kwargs, init_method)
@@ -160,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     layouts = [parse_layout(name, rowwise) for name in args.layouts.split(",") if name.strip()]
     if not layouts:
         raise CLIError("--layouts is empty")
-    result = verify(args.factory, factory, layouts, args.seed, args.init_method)
+    result = verify(factory, layouts, args.seed, init_method=args.init_method, label=args.factory)
     if "plan_error" in result:
         print(f"keyinit verify: {args.factory}: not every tensor has an initializer, so nothing was checked:",
               file=sys.stderr)
