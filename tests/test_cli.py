@@ -299,3 +299,23 @@ def test_console_entry_point_and_usage_errors():
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "required" in proc.stderr
+
+
+def test_demo_verdict_fails_on_a_different_value_or_a_collective():
+    from keyinit.cli.demo import summarize
+
+    reference = {"a": "d1", "b": "d2"}
+
+    def rank(digests, init_comms=0):
+        return {"fsdp": {"label": "FSDP2 (2)", "digests": digests, "init_comms": init_comms, "gather_comms": 2,
+                         "seconds": 0.1, "predicted": 2, "dtensors": 2}}
+
+    rows, ok, _, _ = summarize(reference, [rank({"a": "d1", "b": "d2"})] * 2, ["fsdp"], {}, 0.1)
+    assert ok and rows[1][1] == "2/2"
+    rows, ok, _, _ = summarize(reference, [rank({"a": "d1", "b": "d2"}), rank({"a": "d1", "b": "XX"})],
+                               ["fsdp"], {}, 0.1)
+    assert not ok and rows[1][1] == "1/2  MISMATCH"  # one rank disagrees on b
+    rows, ok, _, _ = summarize(reference, [rank({"a": "d1", "b": "d2"}, init_comms=1)] * 2, ["fsdp"], {}, 0.1)
+    assert not ok and rows[1][2] == "1"
+    rows, ok, _, _ = summarize(reference, [rank({"a": "d1"})] * 2, ["fsdp"], {}, 0.1)
+    assert not ok  # a parameter no rank holds

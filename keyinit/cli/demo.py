@@ -189,6 +189,39 @@ def _worker(layouts: list[str], size: str, seed: int) -> dict[str, Any]:
     return results
 
 
+def summarize(reference: dict[str, str], results: list[dict[str, Any]], requested: list[str],
+              skipped: dict[str, str], ref_seconds: float) -> tuple[list[list[str]], bool, int, int]:
+    """Table rows and the verdict from the reference digests and every rank's results.
+
+    A layout passes when every parameter's gathered digest, on every rank that has it,
+    equals the reference, and no rank issued a collective during init.
+    """
+    rows = [["single process (reference)", f"{len(reference)}/{len(reference)}", "-", "-", f"{ref_seconds:.3f}s"]]
+    ok = True
+    predicted = checked = 0
+    for name in requested:
+        if name in skipped:
+            rows.append([name, f"skipped: {skipped[name]}", "", "", ""])
+            continue
+        per_rank = [r[name] for r in results]
+        seen: dict[str, set[str]] = {}
+        for r in per_rank:
+            for fqn, d in r["digests"].items():
+                seen.setdefault(fqn, set()).add(d)
+        identical = sum(1 for fqn, d in reference.items() if seen.get(fqn) == {d})
+        init_comms = max(r["init_comms"] for r in per_rank)
+        gather_comms = max(r["gather_comms"] for r in per_rank)
+        seconds = max(r["seconds"] for r in per_rank)
+        good = identical == len(reference) and init_comms == 0 and set(seen) <= set(reference)
+        ok &= good
+        dtensors = sum(r["dtensors"] for r in per_rank)
+        predicted += sum(r["predicted"] for r in per_rank)
+        checked += dtensors
+        rows.append([per_rank[0]["label"], f"{identical}/{len(reference)}" + ("" if good else "  MISMATCH"),
+                     str(init_comms), str(gather_comms) if dtensors else "- (plain tensors)", f"{seconds:.3f}s"])
+    return rows, ok, predicted, checked
+
+
 def run(args: argparse.Namespace) -> int:
     import keyinit
     from keyinit.cli._spawn import SpawnError, spawn
@@ -225,29 +258,7 @@ def run(args: argparse.Namespace) -> int:
         except SpawnError as exc:
             raise CLIError(f"the demo ranks failed: {exc.summary}") from exc
 
-    rows = [["single process (reference)", f"{len(reference)}/{len(reference)}", "-", "-", f"{ref_seconds:.3f}s"]]
-    ok = True
-    predicted = checked = 0
-    for name in requested:
-        if name in skipped:
-            rows.append([name, f"skipped: {skipped[name]}", "", "", ""])
-            continue
-        per_rank = [r[name] for r in results]
-        seen: dict[str, set[str]] = {}
-        for r in per_rank:
-            for fqn, d in r["digests"].items():
-                seen.setdefault(fqn, set()).add(d)
-        identical = sum(1 for fqn, d in reference.items() if seen.get(fqn) == {d})
-        init_comms = max(r["init_comms"] for r in per_rank)
-        gather_comms = max(r["gather_comms"] for r in per_rank)
-        seconds = max(r["seconds"] for r in per_rank)
-        good = identical == len(reference) and init_comms == 0 and set(seen) <= set(reference)
-        ok &= good
-        dtensors = sum(r["dtensors"] for r in per_rank)
-        predicted += sum(r["predicted"] for r in per_rank)
-        checked += dtensors
-        rows.append([per_rank[0]["label"], f"{identical}/{len(reference)}" + ("" if good else "  MISMATCH"),
-                     str(init_comms), str(gather_comms) if dtensors else "- (plain tensors)", f"{seconds:.3f}s"])
+    rows, ok, predicted, checked = summarize(reference, results, requested, skipped, ref_seconds)
     print()
     print(format_table(["layout", "params bit-identical", "collectives during init",
                         "collectives in check (full_tensor)", "init time (max rank)"], rows, align="lllll"))
