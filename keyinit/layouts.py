@@ -9,18 +9,51 @@ manual shard, or anything a third party registers) into a Target.
 The adapter protocol is deliberately tiny, in the spirit of
 ``torch.distributed.algorithms.Join``'s ``Joinable``: implement
 :meth:`LayoutAdapter.target` and register the adapter.
+
+Built-in layouts, in the order :func:`target_for` asks them (after the
+user-registered adapters):
+
+1. manual shards: a plain local tensor declared to be a region of a global
+   parameter, either in a ``{fqn: ManualShard}`` mapping passed to
+   :func:`target_for` as ``shards=``, or with :func:`declare_shard` (stored on
+   the owning module, so it survives ``module.to_empty()``);
+2. DTensor (``torch.distributed.tensor.DTensor``, including FSDP2, TP,
+   FSDP+TP and HSDP parameters): the region follows from the device mesh, this
+   rank's mesh coordinate and the placements, see :func:`dtensor_region`;
+3. plain tensors: the whole of their global parameter.
+
+Computing a Target never communicates: it reads only the mesh shape, this
+rank's coordinate and the placements.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 import attrs
 import torch
 
-from keyinit.regions import Region, make_region
+from keyinit.regions import Region, RegionEntry, make_region, normalize_shape
 
-__all__ = ["Target", "LayoutAdapter", "register_layout", "target_for"]
+__all__ = [
+    "Target",
+    "LayoutAdapter",
+    "register_layout",
+    "unregister_layout",
+    "target_for",
+    "global_shape",
+    "ManualShard",
+    "declare_shard",
+    "declared_shards",
+    "undeclare_shard",
+    "dtensor_region",
+    "chunk_bounds",
+    "SHARDS_ATTR",
+]
+
+#: Name of the dict attribute :func:`declare_shard` stores on a module: ``{local name: ManualShard}``.
+SHARDS_ATTR = "_keyinit_shards"
 
 
 @attrs.frozen(eq=False)
@@ -29,7 +62,7 @@ class Target:
 
     ``out.shape == region.region_shape``; ``region.shape`` is the global shape.
     ``description`` names the layout for reports (e.g. ``"plain"``,
-    ``"DTensor(Shard(0)) on mesh (2,)"``).
+    ``"DTensor[Shard(0)] mesh(2,)"``, ``"manual[0:17, :] of (33, 16)"``).
     """
 
     fqn: str
@@ -55,6 +88,413 @@ class LayoutAdapter(Protocol):
         ...
 
 
+# ---------------------------------------------------------------------------
+# Chunking: torch.chunk semantics, as DTensor's Shard uses them.
+
+
+def chunk_bounds(size: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``index`` when ``torch.chunk`` splits ``size`` into ``num_chunks``.
+
+    Chunks have ``ceil(size / num_chunks)`` elements except at the end: the
+    last non-empty chunk may be shorter and trailing chunks may be EMPTY (e.g.
+    5 over 4 gives 2, 2, 1, 0; 1 over 2 gives 1, 0). Empty chunks are reported
+    as ``(size, size)``.
+    """
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+    if not 0 <= index < num_chunks:
+        raise IndexError(f"chunk index {index} out of range for {num_chunks} chunks")
+    full = -(-size // num_chunks)
+    return min(full * index, size), min(full * (index + 1), size)
+
+
+def _chunk(indices: torch.Tensor, num_chunks: int, index: int) -> torch.Tensor:
+    start, stop = chunk_bounds(int(indices.numel()), num_chunks, index)
+    return indices[start:stop]
+
+
+def _strided_chunk(indices: torch.Tensor, split_factor: int, num_chunks: int, index: int) -> torch.Tensor:
+    """``_StridedShard._split_tensor``: chunk into ``split_factor`` pieces, chunk each piece into
+    ``num_chunks``, and concatenate chunk ``index`` of every piece."""
+    pieces = [_chunk(indices, split_factor, j) for j in range(split_factor)]
+    return torch.cat([_chunk(piece, num_chunks, index) for piece in pieces])
+
+
+# ---------------------------------------------------------------------------
+# DTensor placements, as a pure function of (global shape, mesh shape, coordinate, placements).
+
+
+def _placement_classes() -> tuple[type, type, type, type]:
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+    return Shard, _StridedShard, Replicate, Partial
+
+
+def _placement_str(placement: Any) -> str:
+    _, strided_cls, _, _ = _placement_classes()
+    if isinstance(placement, strided_cls):
+        return f"_StridedShard({placement.dim}, sf={int(placement.split_factor)})"
+    return repr(placement).replace("dim=", "")
+
+
+def _partial_error(fqn: str, placement: Any, mesh_dim: int) -> ValueError:
+    return ValueError(
+        f"keyinit cannot initialize {fqn} ({_placement_str(placement)} on mesh dim {mesh_dim}): "
+        "a Partial tensor has no element-wise global values (each rank holds a summand); "
+        "redistribute it to Shard/Replicate placements first"
+    )
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"placement shards dim {dim} of a {ndim}-D tensor")
+    return dim + ndim if dim < 0 else dim
+
+
+def _decode_shard_order(
+    ndim: int, mesh_shape: Sequence[int], placements: Sequence[Any]
+) -> Optional[dict[int, list[int]]]:
+    """Mesh dims that shard each tensor dim, in the order they were applied (torch's shard order).
+
+    Mirrors ``DTensorSpec._maybe_convert_StridedShard_to_shard_order`` (torch 2.13):
+    ``_StridedShard(d, sf)`` on mesh dim ``m`` means ``m`` was applied after the
+    mesh dims to its right whose sizes multiply to ``sf``. Returns ``None`` when
+    the split factors match no order.
+    """
+    shard_cls, strided_cls, _, _ = _placement_classes()
+    order: dict[int, list[int]] = {}
+    for mesh_dim in reversed(range(len(placements))):
+        placement = placements[mesh_dim]
+        if not isinstance(placement, (shard_cls, strided_cls)):
+            continue
+        dims = order.setdefault(_norm_dim(placement.dim, ndim), [])
+        split_factor = int(placement.split_factor) if isinstance(placement, strided_cls) else 1
+        accumulated = 1
+        for position in range(len(dims) + 1):
+            if accumulated == split_factor:
+                dims.insert(position, mesh_dim)
+                break
+            if position < len(dims):
+                accumulated *= mesh_shape[dims[position]]
+        else:
+            return None
+    return order
+
+
+def dtensor_region(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Optional[Sequence[int]],
+    placements: Sequence[Any],
+    shard_order: Optional[Sequence[Any]] = None,
+    *,
+    strided_shard_as_shard_order: Optional[bool] = None,
+) -> Region:
+    """The region of a ``global_shape`` tensor that the rank at ``coordinate`` holds.
+
+    ``placements`` has one torch placement per mesh dim (``Replicate``,
+    ``Shard(d)``, ``_StridedShard(d, split_factor=sf)``); ``Partial`` raises.
+    ``coordinate`` is the rank's mesh coordinate (``mesh.get_coordinate()``),
+    or ``None`` for a rank outside the mesh, which holds nothing.
+    ``shard_order`` and ``strided_shard_as_shard_order`` are the
+    ``DTensorSpec`` fields of the same names (leave them out for the defaults).
+
+    Semantics (torch 2.13, checked against real tensors in the tests):
+
+    - ``Replicate``: every index.
+    - ``Shard(d)`` over a mesh dim of size ``k``: the current index vector of
+      dim ``d`` is split like ``torch.chunk`` (chunks of ``ceil(n/k)``; trailing
+      ranks may get fewer or zero) and the rank keeps chunk ``coordinate[m]``.
+      Several mesh dims sharding the same tensor dim nest, in mesh-dim order.
+    - ``_StridedShard`` (FSDP2 + TP): like ``DTensorSpec``, the ``_StridedShard``
+      split factors encode a shard ORDER (``strided_shard_as_shard_order``,
+      default: True iff a ``_StridedShard`` is present): ``_StridedShard(d, sf)``
+      on mesh dim ``m`` was applied after the mesh dims to its right whose sizes
+      multiply to ``sf``. Each tensor dim is then chunked, ``torch.chunk``-style,
+      by its mesh dims in that order. For FSDP2+TP on a ``(dp, tp)`` mesh with
+      ``(_StridedShard(0, sf=tp), Shard(0))`` the rank ``(i, j)`` holds
+      ``chunk_i(chunk_j(rows))``: what FSDP2 stores and what ``full_tensor()``
+      reassembles, also when the sharding is uneven.
+    - ``_StridedShard`` whose split factors decode to no order, or with
+      ``strided_shard_as_shard_order=False``: ``_StridedShard._split_tensor``
+      semantics, applied in ``shard_order`` (default: mesh-dim order): split the
+      current vector into ``sf`` chunks, split each into ``k`` chunks, and keep
+      the concatenation of chunk ``coordinate[m]`` of every piece.
+    - ``shard_order`` (``DTensorSpec.shard_order`` entries with ``tensor_dim``
+      and ``mesh_dims``) sets the order of plain ``Shard`` mesh dims when
+      ``strided_shard_as_shard_order`` is False.
+    """
+    shape = normalize_shape(tuple(global_shape))
+    ndim = len(shape)
+    mesh_shape = tuple(int(size) for size in mesh_shape)
+    placements = tuple(placements)
+    if len(placements) != len(mesh_shape):
+        raise ValueError(f"{len(placements)} placements for a {len(mesh_shape)}-D mesh {mesh_shape}")
+    if any(size < 1 for size in mesh_shape):
+        raise ValueError(f"mesh shape {mesh_shape} must have positive sizes")
+    shard_cls, strided_cls, replicate_cls, partial_cls = _placement_classes()
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, partial_cls):
+            raise ValueError(
+                f"{_placement_str(placement)} on mesh dim {mesh_dim}: a Partial tensor has no element-wise "
+                "global values; redistribute it to Shard/Replicate placements first"
+            )
+        if not isinstance(placement, (shard_cls, strided_cls, replicate_cls)):
+            raise TypeError(f"unsupported placement {placement!r} on mesh dim {mesh_dim}")
+        if isinstance(placement, (shard_cls, strided_cls)):
+            _norm_dim(placement.dim, ndim)
+    if coordinate is None:
+        return make_region(shape, tuple(torch.zeros(0, dtype=torch.int64) for _ in shape))
+    coordinate = tuple(int(c) for c in coordinate)
+    if len(coordinate) != len(mesh_shape) or not all(0 <= c < s for c, s in zip(coordinate, mesh_shape)):
+        raise ValueError(f"coordinate {coordinate} is not in a mesh of shape {mesh_shape}")
+
+    if strided_shard_as_shard_order is None:
+        strided_shard_as_shard_order = any(isinstance(p, strided_cls) for p in placements)
+    decoded = _decode_shard_order(ndim, mesh_shape, placements) if strided_shard_as_shard_order else None
+    if decoded is not None:
+        order = decoded
+        strided_as_split = False
+    else:
+        strided_as_split = True
+        order = {}
+        if shard_order is not None and not strided_shard_as_shard_order:
+            for entry in shard_order:
+                order[_norm_dim(entry.tensor_dim, ndim)] = [int(m) for m in entry.mesh_dims]
+        else:
+            for mesh_dim, placement in enumerate(placements):
+                if isinstance(placement, (shard_cls, strided_cls)):
+                    order.setdefault(_norm_dim(placement.dim, ndim), []).append(mesh_dim)
+        for tensor_dim, mesh_dims in order.items():
+            for mesh_dim in mesh_dims:
+                placement = placements[mesh_dim]
+                if not isinstance(placement, (shard_cls, strided_cls)) or _norm_dim(placement.dim, ndim) != tensor_dim:
+                    raise ValueError(
+                        f"shard order puts mesh dim {mesh_dim} on tensor dim {tensor_dim}, "
+                        f"but its placement is {_placement_str(placement)}"
+                    )
+
+    indices = [torch.arange(size, dtype=torch.int64) for size in shape]
+    for tensor_dim, mesh_dims in order.items():
+        vector = indices[tensor_dim]
+        for mesh_dim in mesh_dims:
+            placement = placements[mesh_dim]
+            if strided_as_split and isinstance(placement, strided_cls):
+                vector = _strided_chunk(vector, int(placement.split_factor), mesh_shape[mesh_dim], coordinate[mesh_dim])
+            else:
+                vector = _chunk(vector, mesh_shape[mesh_dim], coordinate[mesh_dim])
+        indices[tensor_dim] = vector
+    return make_region(shape, tuple(indices))
+
+
+def _dtensor_class() -> Optional[type]:
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available():  # pragma: no cover - torch built without distributed
+            return None
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return None
+    return DTensor
+
+
+def _mesh_str(mesh: Any) -> str:
+    names = getattr(mesh, "mesh_dim_names", None)
+    sizes = tuple(int(s) for s in mesh.shape)
+    if names:
+        return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(names, sizes)) + ")"
+    return f"mesh({sizes[0]},)" if len(sizes) == 1 else "mesh(" + ", ".join(map(str, sizes)) + ")"
+
+
+def _plain_coordinate(coordinate: Optional[Sequence[Any]], fqn: str) -> Optional[tuple[int, ...]]:
+    if coordinate is None:
+        return None
+    try:
+        return tuple(int(c) for c in coordinate)
+    except Exception as exc:  # noqa: BLE001 - e.g. per-rank SymInts under LocalTensorMode
+        raise ValueError(
+            f"{fqn}: this process's mesh coordinate {coordinate!r} is not a tuple of ints (several simulated "
+            "ranks, e.g. under LocalTensorMode?); target_for describes the tensor of one real rank, "
+            "use keyinit.layouts.dtensor_region for each simulated coordinate instead"
+        ) from exc
+
+
+class _DTensorLayout:
+    """A DTensor holds the region its mesh coordinate and placements select; ``out`` is its local tensor."""
+
+    def target(self, tensor: torch.Tensor, *, fqn: str, module: torch.nn.Module, name: str) -> Optional[Target]:
+        dtensor_cls = _dtensor_class()
+        if dtensor_cls is None or not isinstance(tensor, dtensor_cls):
+            return None
+        spec = tensor._spec
+        mesh = spec.mesh
+        placements = tuple(spec.placements)
+        _, _, _, partial_cls = _placement_classes()
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, partial_cls):
+                raise _partial_error(fqn, placement, mesh_dim)
+        description = f"DTensor[{', '.join(_placement_str(p) for p in placements)}] {_mesh_str(mesh)}"
+        coordinate = _plain_coordinate(mesh.get_coordinate(), fqn)
+        local = tensor._local_tensor
+        region = dtensor_region(
+            tuple(tensor.shape),
+            tuple(mesh.shape),
+            coordinate,
+            placements,
+            spec.shard_order,
+            strided_shard_as_shard_order=spec.use_strided_shard_as_shard_order,
+        )
+        if coordinate is None:
+            # A rank outside the mesh holds an empty local tensor of shape (0,).
+            local = local.reshape(region.region_shape)
+            description += " (rank not in mesh)"
+        if tuple(local.shape) != region.region_shape:
+            raise ValueError(
+                f"{fqn}: the local tensor of {description} at mesh coordinate {tuple(coordinate or ())} has shape "
+                f"{tuple(local.shape)}, but its placements select a region of shape {region.region_shape} of the "
+                f"global shape {tuple(tensor.shape)}; keyinit cannot tell which elements it holds"
+            )
+        return Target(fqn, region, local, description)
+
+
+# ---------------------------------------------------------------------------
+# Manual shards: user-defined parallelism without DTensor.
+
+
+def _region_str(region: Region) -> str:
+    parts = []
+    for size, index in zip(region.shape, region.indices):
+        n = int(index.numel())
+        if n == size and (n == 0 or bool((index == torch.arange(size)).all())):
+            parts.append(":")
+        elif n == 0:
+            parts.append("[]")
+        elif n == 1:
+            parts.append(str(int(index[0])))
+        else:
+            start, step = int(index[0]), int(index[1] - index[0])
+            if step > 0 and bool((index == torch.arange(n) * step + start).all()):
+                stop = start + step * (n - 1) + 1
+                parts.append(f"{start}:{stop}" + (f":{step}" if step != 1 else ""))
+            else:
+                parts.append(f"[{n} indices]")
+    return "[" + ", ".join(parts) + "]"
+
+
+@attrs.frozen(eq=False)
+class ManualShard:
+    """A plain local tensor is ``full[region]`` of a parameter of shape ``global_shape``.
+
+    ``region`` takes anything :func:`keyinit.regions.make_region` accepts (one
+    slice / int sequence / 1-D int tensor per dim, ``None`` for the whole
+    tensor, or a :class:`Region`) and is stored normalized. Shapes and indices
+    are checked on construction (``ValueError``/``TypeError``/``IndexError``).
+    """
+
+    global_shape: tuple[int, ...]
+    region: Region = attrs.field(default=None)
+
+    def __attrs_post_init__(self) -> None:
+        shape = normalize_shape(self.global_shape)
+        object.__setattr__(self, "global_shape", shape)
+        object.__setattr__(self, "region", make_region(shape, self.region))
+
+    @property
+    def region_shape(self) -> tuple[int, ...]:
+        return self.region.region_shape
+
+    @property
+    def description(self) -> str:
+        return f"manual{_region_str(self.region)} of {self.global_shape}"
+
+    def check(self, tensor: torch.Tensor, what: str) -> None:
+        """Raise unless ``tensor`` is a plain tensor shaped like the region; errors name ``what``."""
+        dtensor_cls = _dtensor_class()
+        if dtensor_cls is not None and isinstance(tensor, dtensor_cls):
+            raise TypeError(
+                f"{what} is a DTensor, whose layout keyinit reads from its placements; "
+                "declare manual shards only for plain local tensors"
+            )
+        if tuple(tensor.shape) != self.region_shape:
+            raise ValueError(
+                f"{what}: the declared region {_region_str(self.region)} of global shape {self.global_shape} "
+                f"has shape {self.region_shape}, but the local tensor has shape {tuple(tensor.shape)}"
+            )
+
+    def target(self, tensor: torch.Tensor, *, fqn: str) -> Target:
+        """The Target writing this shard of ``fqn`` into ``tensor``."""
+        self.check(tensor, fqn)
+        return Target(fqn, self.region, tensor, self.description)
+
+
+def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    prefix, _, leaf = name.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), leaf
+
+
+def declare_shard(
+    module: torch.nn.Module,
+    name: str,
+    *,
+    global_shape: Sequence[int],
+    region: Union[None, Region, Sequence[RegionEntry]],
+) -> ManualShard:
+    """Declare that ``module.<name>`` (a plain local tensor) is ``full[region]`` of a ``global_shape`` parameter.
+
+    For user-defined ("manual") parallelism without DTensor, e.g. a row-sharded
+    embedding: ``declare_shard(emb, "weight", global_shape=(V, D),
+    region=(slice(r0, r1), slice(None)))``. ``name`` may be dotted
+    (``"layers.0.weight"``); the declaration is stored on the module that owns
+    the tensor, in its ``_keyinit_shards`` dict, so it survives
+    ``module.to_empty()`` (which replaces the Parameter objects but keeps the
+    modules). Meta tensors may be declared (their shape is checked). Declaring
+    the same name again replaces the declaration. Returns the ManualShard.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"declare_shard needs an nn.Module, got {type(module).__name__}")
+    owner, leaf = _owner(module, name)
+    tensor = getattr(owner, leaf, None)
+    if not isinstance(tensor, torch.Tensor):
+        raise AttributeError(
+            f"{type(owner).__name__} has no tensor {leaf!r} to declare a shard of"
+            + (f" (found {type(tensor).__name__})" if tensor is not None else "")
+        )
+    shard = ManualShard(global_shape, region)
+    shard.check(tensor, f"{type(owner).__name__}.{leaf}")
+    shards = owner.__dict__.get(SHARDS_ATTR)
+    if shards is None:
+        shards = {}
+        owner.__dict__[SHARDS_ATTR] = shards
+    shards[leaf] = shard
+    return shard
+
+
+def declared_shards(module: torch.nn.Module) -> dict[str, ManualShard]:
+    """``{fqn relative to module: ManualShard}`` for every shard declared in ``module``'s tree."""
+    found = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for leaf, shard in sub.__dict__.get(SHARDS_ATTR, {}).items():
+            found[f"{prefix}.{leaf}" if prefix else leaf] = shard
+    return found
+
+
+def undeclare_shard(module: torch.nn.Module, name: str) -> None:
+    """Forget the declaration of ``module.<name>`` (no error if there is none)."""
+    owner, leaf = _owner(module, name)
+    owner.__dict__.get(SHARDS_ATTR, {}).pop(leaf, None)
+
+
+class _DeclaredShardLayout:
+    """A tensor declared with :func:`declare_shard` holds the declared region."""
+
+    def target(self, tensor: torch.Tensor, *, fqn: str, module: torch.nn.Module, name: str) -> Optional[Target]:
+        shard = module.__dict__.get(SHARDS_ATTR, {}).get(name)
+        if shard is None:
+            return None
+        return shard.target(tensor, fqn=fqn)
+
+
 class _PlainTensorLayout:
     """A plain tensor is the whole of its global parameter."""
 
@@ -75,14 +515,88 @@ def register_layout(adapter: LayoutAdapter) -> LayoutAdapter:
     return adapter
 
 
+def unregister_layout(adapter: LayoutAdapter) -> None:
+    """Remove a registered adapter (``ValueError`` if it is not registered)."""
+    for i, registered in enumerate(_USER_LAYOUTS):
+        if registered is adapter:
+            del _USER_LAYOUTS[i]
+            return
+    raise ValueError(f"{adapter!r} is not a registered layout adapter")
+
+
+_DECLARED = _DeclaredShardLayout()
+_DTENSOR = _DTensorLayout()
+_PLAIN = _PlainTensorLayout()
+
+
 def _builtin_layouts() -> list[LayoutAdapter]:
-    return [_PlainTensorLayout()]
+    return [_DECLARED, _DTENSOR, _PLAIN]
 
 
-def target_for(tensor: torch.Tensor, *, fqn: str, module: torch.nn.Module, name: str) -> Target:
-    """The Target of ``tensor``: the first adapter that handles it decides."""
-    for adapter in [*_USER_LAYOUTS, *_builtin_layouts()]:
+def target_for(
+    tensor: torch.Tensor,
+    *,
+    fqn: str,
+    module: torch.nn.Module,
+    name: str,
+    shards: Optional[Mapping[str, ManualShard]] = None,
+    allow_meta: bool = False,
+) -> Target:
+    """The Target of ``tensor``: the first adapter that handles it decides.
+
+    Order: user-registered adapters (latest first), ``shards[fqn]`` when
+    ``shards`` (a ``{fqn: ManualShard}`` mapping) has it, a shard declared with
+    :func:`declare_shard` on ``module``, DTensor, plain.
+
+    The Target is checked: ``out`` must be shaped like the region and must not
+    be on the meta device (``ValueError`` naming ``fqn``; materialize first, e.g.
+    with ``module.to_empty(device=...)``). ``allow_meta=True`` skips the meta
+    check, for planning from a meta model (global shapes, regions) before it is
+    materialized. Zero-size shards give a valid, empty Target.
+    """
+    found: Optional[Target] = None
+    for adapter in _USER_LAYOUTS:
         found = adapter.target(tensor, fqn=fqn, module=module, name=name)
         if found is not None:
-            return found
-    raise TypeError(f"{fqn}: no layout adapter handles a {type(tensor).__name__}")  # pragma: no cover
+            break
+    if found is None and shards is not None and fqn in shards:
+        shard = shards[fqn]
+        if not isinstance(shard, ManualShard):
+            raise TypeError(f"shards[{fqn!r}] must be a keyinit.layouts.ManualShard, got {type(shard).__name__}")
+        found = shard.target(tensor, fqn=fqn)
+    if found is None:
+        for adapter in _builtin_layouts():
+            found = adapter.target(tensor, fqn=fqn, module=module, name=name)
+            if found is not None:
+                break
+    if found is None:  # pragma: no cover - the plain layout handles every tensor
+        raise TypeError(f"{fqn}: no layout adapter handles a {type(tensor).__name__}")
+    if not isinstance(found, Target):
+        raise TypeError(f"{fqn}: a layout adapter returned {type(found).__name__}, not a Target")
+    if tuple(found.out.shape) != found.region.region_shape:
+        raise ValueError(
+            f"{fqn}: layout {found.description!r} gives a local tensor of shape {tuple(found.out.shape)} "
+            f"for a region of shape {found.region.region_shape}"
+        )
+    if not allow_meta and found.out.device.type == "meta":
+        raise ValueError(
+            f"{fqn} ({found.description}) is on the meta device: it has no storage to initialize; "
+            "materialize the model first (e.g. module.to_empty(device=...))"
+        )
+    return found
+
+
+def global_shape(
+    tensor: torch.Tensor,
+    *,
+    fqn: str,
+    module: torch.nn.Module,
+    name: str,
+    shards: Optional[Mapping[str, ManualShard]] = None,
+) -> tuple[int, ...]:
+    """The GLOBAL shape of ``tensor``'s parameter, as :func:`target_for` would see it.
+
+    Works on meta tensors (for planning before materialization) and computes
+    nothing but the layout: no collectives, no allocation.
+    """
+    return target_for(tensor, fqn=fqn, module=module, name=name, shards=shards, allow_meta=True).global_shape
