@@ -515,7 +515,7 @@ class _Walker:
             tensor = s.tensor
             source = s.written_by or "kept"
             layout = s.layout or ("meta" if tensor.device.type == "meta" else self._target(s).description)
-            records.append(TensorRecord(s.fqn, s.key_fqn, s.kind, source, math.prod(tensor.shape),
+            records.append(TensorRecord(s.fqn, s.key_fqn, s.kind, source, math.prod(self._global_shape(s)),
                                         s.local_numel, layout, s.element_local))
         return InitReport(self.seed, self.root_key.stream, tuple(records), seconds)
 

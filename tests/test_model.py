@@ -426,3 +426,60 @@ def test_report_counts_and_table():
 def test_seed_validation_names_the_problem():
     with pytest.raises(TypeError, match=r"seed must be an int in \[0, 2\*\*64\), got float"):
         keyinit.init_model(Net(), 1.5)
+
+
+def test_manual_row_shards_equal_slices_of_the_full_table():
+    """Lightning-style manual parallelism: each 'rank' holds rows of an embedding table as a plain tensor."""
+    full = nn.Embedding(10, 4)
+    keyinit.init_model(full, 9)
+    bounds = keyinit.layouts.chunk_bounds
+    for rank in range(3):
+        start, stop = bounds(10, 3, rank)
+        shard = nn.Embedding(stop - start, 4)
+        keyinit.layouts.declare_shard(shard, "weight", global_shape=(10, 4), region=(slice(start, stop), slice(None)))
+        report = keyinit.init_model(shard, 9)
+        assert torch.equal(shard.weight, full.weight[start:stop])
+        assert report.local_elements == (stop - start) * 4 and report.elements == 40
+
+
+def test_manual_shards_passed_by_fqn_and_fans_come_from_the_global_shape():
+    full = nn.Linear(6, 8)
+    keyinit.init_model(full, 2)
+    half = nn.Linear(3, 8)  # column shard of the weight: the LOCAL fan_in (3) would give another bound
+    shards = {
+        "weight": keyinit.layouts.ManualShard((8, 6), (slice(None), slice(3, 6))),
+        "bias": keyinit.layouts.ManualShard((8,), (slice(None),)),
+    }
+    keyinit.init_model(half, 2, shards=shards)
+    assert torch.equal(half.weight, full.weight[:, 3:])
+    assert torch.equal(half.bias, full.bias)
+
+
+def test_pipeline_stage_with_rewritten_fqns_uses_fqn_prefix_or_map():
+    model = Net(layers=2)
+    keyinit.init_model(model, 6)
+    stage = Block()  # e.g. torch.distributed.pipelining's submodule for layers.1
+    keyinit.init_model(stage, 6, fqn_prefix="layers.1")
+    assert torch.equal(stage.proj.weight, model.layers[1].proj.weight)
+    renamed = nn.Module()
+    renamed.layers_1_proj = nn.Linear(8, 8)
+    keyinit.init_model(renamed, 6, fqn_map={"layers_1_proj.weight": "layers.1.proj.weight",
+                                            "layers_1_proj.bias": "layers.1.proj.bias"})
+    assert torch.equal(renamed.layers_1_proj.weight, model.layers[1].proj.weight)
+    assert torch.equal(renamed.layers_1_proj.bias, model.layers[1].proj.bias)
+
+
+def test_integer_and_bool_buffers():
+    bn = nn.BatchNorm1d(3)
+    bn.num_batches_tracked.fill_(7)
+    keyinit.init_model(bn, 0)
+    assert bn.num_batches_tracked.dtype == torch.int64 and int(bn.num_batches_tracked) == 0
+
+    class Flags(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(2))
+            self.register_buffer("mask", torch.ones(3, dtype=torch.bool))
+
+    with pytest.raises(keyinit.InitError, match=r"mask: normal draws floating-point values and cannot fill a torch.bool"):
+        keyinit.init_model(Flags(), 0, rules={"w": init.zeros(), "mask": init.normal()})
