@@ -31,7 +31,6 @@ that without touching the model: ``init.with_zero_rows(init.normal(std=...), pad
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path

@@ -8,9 +8,7 @@ or a GPU. Keep those minimal; each has a runnable counterpart in examples/.
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
