@@ -63,14 +63,20 @@ class Distribution:
 def _finite(value: object, name: str, dist: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{dist}: {name} must be a real number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{dist}: {name} must be finite, got an int too large for a float") from None
     if not math.isfinite(value):
         raise ValueError(f"{dist}: {name} must be finite, got {value}")
     return value
 
 
 def _f32_finite(value: float, name: str, dist: str) -> float:
-    rounded = f32(value)
+    try:
+        rounded = f32(value)
+    except OverflowError:  # struct refuses finite values that round to infinity
+        rounded = math.inf
     if not math.isfinite(rounded):
         raise ValueError(f"{dist}: {name}={value} overflows float32")
     return rounded
