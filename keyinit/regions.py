@@ -62,7 +62,9 @@ def _entry_indices(entry: Any, size: int, dim: int) -> torch.Tensor:
         if entry.step == 0:
             raise ValueError(f"region entry {dim} is a slice with step 0; expected a non-zero step")
         start, stop, step = entry.indices(size)
-        return torch.arange(start, stop, step, dtype=torch.int64)
+        # not torch.arange(start, stop, step): it rejects empty ranges such as slice(1, 0)
+        count = len(range(start, stop, step))
+        return start + step * torch.arange(count, dtype=torch.int64)
     if isinstance(entry, torch.Tensor):
         if entry.dim() != 1 or entry.dtype.is_floating_point or entry.dtype == torch.bool or entry.is_complex():
             raise TypeError(
