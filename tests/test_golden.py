@@ -380,6 +380,37 @@ def test_spec_normal(stream, correct_sqrt):
     assert np.array_equal(got.view(np.int32), expected.view(np.int32))
 
 
+def _neighbours(value: float, count: int = 3) -> list:
+    x = np.float32(value)
+    out = [x]
+    up = down = x
+    for _ in range(count):
+        up, down = np.nextafter(up, np.float32(1)), np.nextafter(down, np.float32(0))
+        out += [up, down]
+    return out
+
+
+def test_spec_ndtri_at_branch_boundaries(correct_sqrt):
+    from keyinit._fp32math import ndtri_f32, ndtri_tail_f32
+
+    central_edge = np.float32(0.5) - _c("PPND_SPLIT_CENTRAL")  # q == 0.425 exactly
+    tail_edge = np.float32(math.exp(-25.0))  # r == 5 nearby
+    t = np.array(
+        _neighbours(central_edge) + _neighbours(tail_edge, 40) + _neighbours(2.0**-126)
+        + _neighbours(2.0**-33) + [np.float32(0.5), np.float32(0.0), np.float32(1e-45), np.float32(3e-39)],
+        dtype=np.float32,
+    )
+    got = ndtri_tail_f32(torch.from_numpy(t)).numpy()
+    assert np.array_equal(got.view(np.int32), spec_ndtri_tail(t).view(np.int32))
+    # both sides of each split are exercised
+    assert (np.float32(0.5) - t <= _c("PPND_SPLIT_CENTRAL")).any() and (np.float32(0.5) - t > _c("PPND_SPLIT_CENTRAL")).any()
+    r = np.sqrt(-spec_log_f32(np.maximum(t, _c("SMALLEST_NORMAL"))))
+    assert (r <= np.float32(5)).any() and (r > np.float32(5)).any()
+    p = np.concatenate([t, np.float32(1) - t, np.array(_neighbours(0.5), dtype=np.float32), np.float32([1.0])])
+    got = ndtri_f32(torch.from_numpy(p)).numpy()
+    assert np.array_equal(got.view(np.int32), spec_ndtri(p).view(np.int32))
+
+
 def test_spec_uniform(stream):
     from keyinit.distributions import Uniform
 
