@@ -163,6 +163,23 @@ def test_unsupported_dtype(name, call, dtype, supported):
         call(dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
+def test_truncated_normal_unsupported_dtype_with_inexact_bounds(dtype):
+    # the dtype is checked before the dtype-dependent bounds are computed
+    with raises(TypeError, f"truncated_normal cannot produce dtype {dtype}; supported: float32, float64, bfloat16, float16"):
+        kr.truncated_normal(K, (3,), a=0.5, b=0.6, dtype=dtype)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: kr.truncated_normal(K, (3,), dtype="float32"),
+    lambda: kr.normal(K, (3,), dtype="float32"),
+    lambda: kr.randint(K, (3,), low=0, high=3, dtype="float32"),
+])
+def test_dtype_not_a_torch_dtype(call):
+    with raises(TypeError, "dtype must be a torch.dtype, got str 'float32'"):
+        call()
+
+
 # ---------------------------------------------------------------- parameters
 
 
