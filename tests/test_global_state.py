@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import keyinit
-from conftest import CASES, assert_bits_equal
+try:  # tests/ as a package (tests/__init__.py) or as a plain directory
+    from tests.conftest import CASES, assert_bits_equal
+except ImportError:
+    from conftest import CASES, assert_bits_equal
 from keyinit import random as kr
 
 K = keyinit.key_for(5, "layers.0.attention.wq.weight")

@@ -15,7 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keyinit
-from conftest import BASE_CASES, CASES, ROOT, assert_bits_equal, bit_view
+try:  # tests/ as a package (tests/__init__.py) or as a plain directory
+    from tests.conftest import BASE_CASES, CASES, ROOT, assert_bits_equal, bit_view
+except ImportError:
+    from conftest import BASE_CASES, CASES, ROOT, assert_bits_equal, bit_view
 from keyinit import random as kr
 from keyinit.distributions import Normal, TruncatedNormal, Uniform
 

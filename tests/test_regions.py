@@ -16,7 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import keyinit
-from conftest import BASE_CASES, assert_bits_equal, index_full
+try:  # tests/ as a package (tests/__init__.py) or as a plain directory
+    from tests.conftest import BASE_CASES, assert_bits_equal, index_full
+except ImportError:
+    from conftest import BASE_CASES, assert_bits_equal, index_full
 from keyinit import _reference
 from keyinit._philox import stream_words
 from keyinit.distributions import Normal, Randint
