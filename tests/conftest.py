@@ -1,7 +1,8 @@
 """Shared test helpers for the stream v1 core.
 
-Tests that take a ``case`` argument are run once per (distribution, parameter
-setting, dtype) in :data:`CASES` (see :func:`pytest_generate_tests`), so adding
+Tests that take a ``sampler`` argument are run once per (distribution, parameter
+setting, dtype) in :data:`CASES`, and tests that take ``base_sampler`` once per
+distribution (:data:`BASE_CASES`; see :func:`pytest_generate_tests`), so adding
 a distribution here covers it in every region/dtype property test.
 """
 
@@ -125,10 +126,11 @@ BASE_CASES: list[Case] = [c for c in CASES if not any(d.name == c.name for d in 
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "case" in metafunc.fixturenames:
-        metafunc.parametrize("case", CASES, ids=[c.id for c in CASES])
-    if "base_case" in metafunc.fixturenames:
-        metafunc.parametrize("base_case", BASE_CASES, ids=[c.id for c in BASE_CASES])
+    explicit = {name for marker in metafunc.definition.iter_markers("parametrize")
+                for name in (marker.args[0].split(",") if isinstance(marker.args[0], str) else marker.args[0])}
+    for name, cases in (("sampler", CASES), ("base_sampler", BASE_CASES)):
+        if name in metafunc.fixturenames and name.strip() not in {n.strip() for n in explicit}:
+            metafunc.parametrize(name, cases, ids=[c.id for c in cases])
 
 
 @pytest.fixture(scope="session", autouse=True)

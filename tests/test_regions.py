@@ -60,47 +60,47 @@ def shape_and_region(draw):
 
 @SETTINGS
 @given(seed=seeds, shape_region=shape_and_region())
-def test_region_equals_indexed_full_draw(case, seed, shape_region):
+def test_region_equals_indexed_full_draw(sampler, seed, shape_region):
     shape, region = shape_region
     k = keyinit.key(seed)
-    full = case(k, shape)
-    assert full.dtype == case.dtype and tuple(full.shape) == shape
-    part = case(k, shape, region=region)
+    full = sampler(k, shape)
+    assert full.dtype == sampler.dtype and tuple(full.shape) == shape
+    part = sampler(k, shape, region=region)
     expected = full if region is None else index_full(full, region)
     assert_bits_equal(part, expected)
 
 
 @settings(max_examples=40, deadline=None)
 @given(seed=seeds, data=st.data())
-def test_full_draw_is_concatenation_of_odd_pieces(base_case, seed, data):
+def test_full_draw_is_concatenation_of_odd_pieces(base_sampler, seed, data):
     k = keyinit.key(seed)
     rows = data.draw(st.integers(1, 40), label="rows")
     cols = data.draw(st.integers(1, 9), label="cols")
-    full = base_case(k, (rows, cols))
+    full = base_sampler(k, (rows, cols))
     # cut dim 0 into pieces of odd sizes (the last piece takes the remainder)
     pieces, start = [], 0
     while start < rows:
         size = min(2 * data.draw(st.integers(0, 4), label="half") + 1, rows - start)
-        pieces.append(base_case(k, (rows, cols), region=(slice(start, start + size), slice(None))))
+        pieces.append(base_sampler(k, (rows, cols), region=(slice(start, start + size), slice(None))))
         start += size
     assert_bits_equal(torch.cat(pieces, dim=0), full)
     # and dim 1, with odd offsets
     cut = data.draw(st.integers(0, cols), label="cut")
-    left = base_case(k, (rows, cols), region=(slice(None), slice(0, cut)))
-    right = base_case(k, (rows, cols), region=(slice(None), slice(cut, None)))
+    left = base_sampler(k, (rows, cols), region=(slice(None), slice(0, cut)))
+    right = base_sampler(k, (rows, cols), region=(slice(None), slice(cut, None)))
     assert_bits_equal(torch.cat([left, right], dim=1), full)
     # flat view: element i of a 1-D draw of numel elements is element i of the 2-D draw
-    flat = base_case(k, (rows * cols,))
+    flat = base_sampler(k, (rows * cols,))
     assert_bits_equal(flat.reshape(rows, cols), full)
 
 
 # ---------------------------------------------------------------- explicit semantics
 
 
-def test_region_examples_follow_numpy_ix(base_case):
+def test_region_examples_follow_numpy_ix(base_sampler):
     k = keyinit.key(77)
     shape = (5, 6, 3)
-    full = base_case(k, shape)
+    full = base_sampler(k, shape)
     f = full.numpy() if full.dtype not in (torch.bfloat16,) else None
     regions = [
         (slice(None), slice(None), slice(None)),
@@ -110,7 +110,7 @@ def test_region_examples_follow_numpy_ix(base_case):
         ([0], [0], [0]),                                  # never drops a dimension
     ]
     for region in regions:
-        part = base_case(k, shape, region=region)
+        part = base_sampler(k, shape, region=region)
         assert_bits_equal(part, index_full(full, region))
         if f is not None:
             lists = [np.arange(n)[e] if isinstance(e, slice) else np.asarray(e, dtype=np.int64).reshape(-1)
@@ -118,16 +118,16 @@ def test_region_examples_follow_numpy_ix(base_case):
             assert part.shape == f[np.ix_(*lists)].shape
 
 
-def test_zero_dim_and_zero_size_shapes(base_case):
+def test_zero_dim_and_zero_size_shapes(base_sampler):
     k = keyinit.key(3)
-    scalar = base_case(k, ())
-    assert scalar.shape == () and scalar.dtype == base_case.dtype
-    assert_bits_equal(base_case(k, (), region=()), scalar)
+    scalar = base_sampler(k, ())
+    assert scalar.shape == () and scalar.dtype == base_sampler.dtype
+    assert_bits_equal(base_sampler(k, (), region=()), scalar)
     # the single element of a 0-d draw is flat index 0, i.e. element 0 of any draw
-    assert_bits_equal(scalar.reshape(1), base_case(k, (9,))[:1])
-    empty = base_case(k, (4, 0, 3))
+    assert_bits_equal(scalar.reshape(1), base_sampler(k, (9,))[:1])
+    empty = base_sampler(k, (4, 0, 3))
     assert empty.shape == (4, 0, 3)
-    assert base_case(k, (4, 5), region=([], slice(None))).shape == (0, 5)
+    assert base_sampler(k, (4, 5), region=([], slice(None))).shape == (0, 5)
 
 
 def test_region_object_is_reused_and_checked():
@@ -141,22 +141,22 @@ def test_region_object_is_reused_and_checked():
         keyinit.random.normal(k, (4, 6), region=region)
 
 
-def test_results_independent_of_chunking(base_case):
+def test_results_independent_of_chunking(base_sampler):
     k = keyinit.key(11)
     shape = (13, 7)
     region = make_region(shape, (slice(None, None, -1), [6, 0, 3, 3]))
-    expected = base_case(k, shape, region=region)
-    dist = _dist_of(base_case, expected.dtype)
+    expected = base_sampler(k, shape, region=region)
+    dist = _dist_of(base_sampler, expected.dtype)
     for chunk in (1, 5, 16):
         out = torch.empty_like(expected)
         _reference.fill(out, dist, k, region, chunk_elements=chunk)
         assert_bits_equal(out, expected)
 
 
-def _dist_of(case, dtype):
+def _dist_of(sampler, dtype):
     from keyinit import distributions as d
 
-    kw = case.kwargs
+    kw = sampler.kwargs
     return {
         "bits": lambda: d.Bits(),
         "uniform": lambda: d.Uniform.create(kw.get("low", 0.0), kw.get("high", 1.0)),
@@ -165,41 +165,41 @@ def _dist_of(case, dtype):
             kw.get("mean", 0.0), kw.get("std", 1.0), kw.get("a", -2.0), kw.get("b", 2.0), dtype),
         "bernoulli": lambda: d.Bernoulli.create(kw.get("p", 0.5)),
         "randint": lambda: d.Randint.create(kw["low"], kw["high"], dtype),
-    }[case.name]()
+    }[sampler.name]()
 
 
 # ---------------------------------------------------------------- out=
 
 
-def test_non_contiguous_out_equals_contiguous_result(base_case):
+def test_non_contiguous_out_equals_contiguous_result(base_sampler):
     k = keyinit.key(21)
     shape = (7, 5)
-    expected = base_case(k, shape)
+    expected = base_sampler(k, shape)
     # a transposed view: out[i, j] lives at storage j * 7 + i
-    storage = torch.zeros(5, 7, dtype=base_case.dtype)
+    storage = torch.zeros(5, 7, dtype=base_sampler.dtype)
     out = storage.T
     assert not out.is_contiguous()
-    result = base_case(k, shape, out=out)
+    result = base_sampler(k, shape, out=out)
     assert result.data_ptr() == out.data_ptr()
     assert_bits_equal(out.contiguous(), expected)
     # a strided view with a storage offset: every other column of a wider tensor; the rest untouched
-    sentinel = torch.ones(1, dtype=base_case.dtype)
+    sentinel = torch.ones(1, dtype=base_sampler.dtype)
     wide = sentinel.expand(8, 11).clone()
     view = wide[1:, 1::2][:, :5]
-    base_case(k, shape, out=view)
+    base_sampler(k, shape, out=view)
     assert_bits_equal(view.contiguous(), expected)
     mask = torch.ones(8, 11, dtype=torch.bool)
     mask[1:, 1:11:2] = False
     assert torch.equal(wide[mask], sentinel.expand(int(mask.sum())))
 
 
-def test_out_region_shape_with_region(base_case):
+def test_out_region_shape_with_region(base_sampler):
     k = keyinit.key(22)
     shape = (9, 4)
     region = ([8, 2, 2], slice(None, None, -1))
-    out = torch.empty(4, 3, dtype=base_case.dtype).T
-    base_case(k, shape, region=region, out=out)
-    assert_bits_equal(out.contiguous(), index_full(base_case(k, shape), region))
+    out = torch.empty(4, 3, dtype=base_sampler.dtype).T
+    base_sampler(k, shape, region=region, out=out)
+    assert_bits_equal(out.contiguous(), index_full(base_sampler(k, shape), region))
 
 
 # ---------------------------------------------------------------- huge shapes, far indices
