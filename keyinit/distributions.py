@@ -55,6 +55,8 @@ class Distribution:
         raise NotImplementedError
 
     def check_dtype(self, dtype: torch.dtype) -> None:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
         if dtype not in self.dtypes:
             allowed = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
             raise TypeError(f"{self.name} cannot produce dtype {dtype}; supported: {allowed}")
@@ -63,14 +65,20 @@ class Distribution:
 def _finite(value: object, name: str, dist: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{dist}: {name} must be a real number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{dist}: {name} must be finite, got an int too large for a float") from None
     if not math.isfinite(value):
         raise ValueError(f"{dist}: {name} must be finite, got {value}")
     return value
 
 
 def _f32_finite(value: float, name: str, dist: str) -> float:
-    rounded = f32(value)
+    try:
+        rounded = f32(value)
+    except OverflowError:  # struct refuses finite values that round to infinity
+        rounded = math.inf
     if not math.isfinite(rounded):
         raise ValueError(f"{dist}: {name}={value} overflows float32")
     return rounded
@@ -212,6 +220,7 @@ class TruncatedNormal(Distribution):
             alpha, beta = -beta, -alpha
         p_low = normal_cdf64(alpha)
         p_span = normal_cdf64(beta) - p_low
+        Distribution.check_dtype(cls, dtype)  # type: ignore[arg-type]  # the bounds need a float dtype
         lower, upper = _inward_bound(a, dtype, True), _inward_bound(b, dtype, False)
         if not lower <= upper:
             raise ValueError(f"truncated_normal: no {dtype} value lies in [a, b] = [{a}, {b}]")

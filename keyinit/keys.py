@@ -140,7 +140,12 @@ def fold_in(parent: Key, data: Union[int, str]) -> Key:
     if isinstance(data, str):
         h0, h1, h2 = _string_words(data)
         return _derive(parent, _TAG_FOLD_STR, h0, h1, h2)
-    value = _as_uint64(data, "fold_in data")
+    try:
+        value = _as_uint64(data, "fold_in data")
+    except TypeError:
+        raise TypeError(
+            f"fold_in data must be an int in [0, 2**64) or a str, got {type(data).__name__} {data!r}"
+        ) from None
     return _derive(parent, _TAG_FOLD_INT, value & _MASK32, value >> 32, 0)
 
 

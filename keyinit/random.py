@@ -56,8 +56,7 @@ def sample(
     """Draw ``full[region]`` of distribution ``dist`` (a :mod:`keyinit.distributions` value)."""
     key = _require_key(key)
     shape = normalize_shape(shape)
-    if dtype is None:
-        dtype = out.dtype if out is not None else dist.dtypes[0]
+    dtype = _resolve_dtype(dtype, out, dist.dtypes[0])
     dist.check_dtype(dtype)
     normalized = make_region(shape, region)
     if out is None:
@@ -67,6 +66,14 @@ def sample(
     with torch.no_grad():
         _dispatch.fill(out, dist, key, normalized)
     return out
+
+
+def _resolve_dtype(dtype: Optional[torch.dtype], out: Optional[torch.Tensor], default: torch.dtype) -> torch.dtype:
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if dtype is not None:
+        return dtype
+    return out.dtype if out is not None else default
 
 
 def _check_out(out: torch.Tensor, region_shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -121,7 +128,7 @@ def truncated_normal(key: Key, shape: ShapeLike, *, mean: float = 0.0, std: floa
     Drawn by inversion with one stream word per element: it never loops, for
     any bounds, and every value lies in ``[a, b]``.
     """
-    resolved = dtype if dtype is not None else (out.dtype if out is not None else torch.float32)
+    resolved = _resolve_dtype(dtype, out, torch.float32)
     dist = TruncatedNormal.create(mean, std, a, b, resolved)
     return sample(dist, key, shape, dtype=resolved, device=device, region=region, out=out)
 
@@ -140,6 +147,6 @@ def randint(key: Key, shape: ShapeLike, *, low: int, high: int, dtype: Optional[
 
     dtype: int64 (default), int32, int16, int8, uint8; the range must fit it.
     """
-    resolved = dtype if dtype is not None else (out.dtype if out is not None else torch.int64)
+    resolved = _resolve_dtype(dtype, out, torch.int64)
     dist = Randint.create(low, high, resolved)
     return sample(dist, key, shape, dtype=resolved, device=device, region=region, out=out)

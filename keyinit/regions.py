@@ -59,8 +59,12 @@ def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _entry_indices(entry: Any, size: int, dim: int) -> torch.Tensor:
     if isinstance(entry, slice):
+        if entry.step == 0:
+            raise ValueError(f"region entry {dim} is a slice with step 0; expected a non-zero step")
         start, stop, step = entry.indices(size)
-        return torch.arange(start, stop, step, dtype=torch.int64)
+        # not torch.arange(start, stop, step): it rejects empty ranges such as slice(1, 0)
+        count = len(range(start, stop, step))
+        return start + step * torch.arange(count, dtype=torch.int64)
     if isinstance(entry, torch.Tensor):
         if entry.dim() != 1 or entry.dtype.is_floating_point or entry.dtype == torch.bool or entry.is_complex():
             raise TypeError(
@@ -70,6 +74,9 @@ def _entry_indices(entry: Any, size: int, dim: int) -> torch.Tensor:
     elif isinstance(entry, Sequence) and not isinstance(entry, (str, bytes)):
         if any(isinstance(i, bool) or not isinstance(i, int) for i in entry):
             raise TypeError(f"region entry {dim} must hold ints, got {list(entry)!r}")
+        bad = next((i for i in entry if not -size <= i < size), None)
+        if bad is not None:  # checked before torch.tensor, which overflows past int64
+            raise IndexError(f"region entry {dim} has index {bad}, out of bounds for size {size}")
         indices = torch.tensor(list(entry), dtype=torch.int64).reshape(-1)
     else:
         raise TypeError(
