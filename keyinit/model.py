@@ -54,7 +54,14 @@ Rules = Optional[Mapping[Union[str, type], Any]]
 
 
 class PlanError(ValueError):
-    """The model cannot be initialized as asked; nothing was written."""
+    """The model cannot be initialized as asked; nothing was written.
+
+    ``fqns`` lists the tensors the error is about (empty when it is about a rule or argument).
+    """
+
+    def __init__(self, message: str, fqns: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fqns = tuple(fqns)
 
 
 class InitError(RuntimeError):
@@ -115,17 +122,18 @@ class InitReport:
 
     def __str__(self) -> str:
         width = max([len(r.fqn) for r in self.records] + [3])
+        source_width = max([len(r.source) for r in self.records] + [6])
         lines = [
             f"keyinit: seed={self.seed} stream={self.stream} tensors={len(self.records)} "
             f"parameters={self.parameters} elements={self.elements} local={self.local_elements} "
             f"time={self.seconds:.3f}s",
-            f"{'fqn':<{width}}  {'source':<32} {'local/global':>21}  layout",
+            f"{'fqn':<{width}}  {'source':<{source_width}} {'local/global':>21}  layout",
         ]
         for r in self.records:
             flag = "  [draws full tensor on every rank]" if not r.element_local else ""
             tied = f" (key of {r.key_fqn})" if r.key_fqn != r.fqn else ""
             lines.append(
-                f"{r.fqn:<{width}}  {r.source:<32} {r.local_numel:>10}/{r.global_numel:<10}  {r.layout}{tied}{flag}"
+                f"{r.fqn:<{width}}  {r.source:<{source_width}} {r.local_numel:>10}/{r.global_numel:<10}  {r.layout}{tied}{flag}"
             )
         return "\n".join(lines)
 
@@ -310,9 +318,9 @@ class _Walker:
         for slot in self.slots:
             for pattern, initializer in patterns:
                 if any(fnmatch.fnmatchcase(name, pattern) for name in slot.names):
-                    slot.plan = (f"pattern {pattern}", initializer)
-                    matched.add(pattern)
-                    break
+                    matched.add(pattern)  # matched, even where an earlier pattern wins
+                    if slot.plan is None:
+                        slot.plan = (f"pattern {pattern}", initializer)
         unmatched = [p for p, _ in pattern_rules if p not in matched]
         if unmatched and self.strict:
             raise PlanError(f"FQN rules matched no tensor of this model: {unmatched}; pass strict=False to allow")
@@ -387,7 +395,7 @@ class _Walker:
             raise PlanError(
                 "no rule or init method covers these tensors: " + ", ".join(missing) + ". Register a rule "
                 "(@keyinit.register(ModuleType) or rules={'fqn glob': initializer}), give the module "
-                "reset_parameters(), or pass init_method=."
+                "reset_parameters(), or pass init_method=.", tuple(missing)
             )
 
     # ------------------------------------------------------------------ write

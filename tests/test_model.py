@@ -306,8 +306,9 @@ def test_module_without_rule_or_method_is_a_plan_error():
 
     model = nn.Sequential(Bare())
     before = model[0].w.detach().clone()
-    with pytest.raises(keyinit.PlanError, match=r"no rule or init method covers these tensors: 0\.w\."):
+    with pytest.raises(keyinit.PlanError, match=r"no rule or init method covers these tensors: 0\.w\.") as info:
         keyinit.init_model(model, 0)
+    assert info.value.fqns == ("0.w",)
     assert torch.equal(model[0].w, before)
 
 
@@ -315,6 +316,8 @@ def test_strict_pattern_that_matches_nothing():
     with pytest.raises(keyinit.PlanError, match=r"FQN rules matched no tensor of this model: \['nope\.\*'\]"):
         keyinit.init_model(Net(), 0, rules={"nope.*": init.zeros()})
     keyinit.init_model(Net(), 0, rules={"nope.*": init.zeros()}, strict=False)
+    # a pattern that matches, even where an earlier pattern wins, is not "unmatched"
+    keyinit.init_model(Net(), 0, rules={"head.weight": init.zeros(), "head.*": init.ones()})
 
 
 def test_tie_to_unknown_fqn():
