@@ -2,6 +2,12 @@
 
 Every implementation must produce exactly the bits of
 :func:`keyinit._reference.fill`; the tests hold them to it.
+
+- CPU tensors: the compiled C kernel (:mod:`keyinit._kernels._cpu`), built on
+  first use; if it cannot be built, one ``RuntimeWarning`` and the reference.
+- CUDA tensors: the Triton kernel (:mod:`keyinit._kernels.triton_kernel`) when
+  the optional ``triton`` package is installed.
+- Anything else, or ``KEYINIT_DISABLE_KERNELS=1``: the reference.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from keyinit import _reference
+from keyinit._kernels import kernels_disabled
 from keyinit.distributions import Distribution
 from keyinit.keys import Key
 from keyinit.regions import Region
@@ -22,4 +29,16 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region) -> Non
         raise ValueError(f"no implementation for stream {key.stream!r}")
     if out.numel() == 0:
         return
+    if not kernels_disabled():
+        device = out.device.type
+        if device == "cpu":
+            from keyinit._kernels import _cpu
+
+            if _cpu.fill(out, dist, key, region):
+                return
+        elif device == "cuda":
+            from keyinit._kernels import triton_kernel
+
+            if triton_kernel.fill(out, dist, key, region):
+                return
     _reference.fill(out, dist, key, region)

@@ -1,0 +1,168 @@
+"""The compiled CPU kernel: planning a fill and calling ``keyinit_fill`` through ctypes.
+
+The kernel writes straight into ``out`` (any strides) with a bounded stack
+workspace per thread, and runs on ``torch.get_num_threads()`` threads; the
+values do not depend on that number. See ``keyinit_kernels.c`` for the
+element addressing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import warnings
+from typing import Optional
+
+import torch
+
+from keyinit.distributions import Bernoulli, Bits, Distribution, Normal, Randint, TruncatedNormal, Uniform
+from keyinit.keys import Key
+from keyinit.regions import Region
+
+from keyinit._kernels import _build
+
+__all__ = ["available", "fill", "library", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
+
+DIST_IDS = {Bits: 0, Uniform: 1, Normal: 2, TruncatedNormal: 3, Bernoulli: 4, Randint: 5}
+DTYPE_IDS = {
+    torch.float32: 0,
+    torch.float64: 1,
+    torch.bfloat16: 2,
+    torch.float16: 3,
+    torch.bool: 4,
+    torch.int64: 5,
+    torch.int32: 6,
+    torch.int16: 7,
+    torch.int8: 8,
+    torch.uint8: 9,
+}
+MAX_DIMS = 64
+#: Below this many elements one thread does the work (thread start-up would dominate).
+MIN_PARALLEL_ELEMENTS = 1 << 16
+
+_lock = threading.Lock()
+_library: Optional[ctypes.CDLL] = None
+_failure: Optional[str] = None
+_warned = False
+
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded kernel library, building it on first call; ``None`` if it cannot be built."""
+    global _library, _failure
+    if _library is not None or _failure is not None:
+        return _library
+    with _lock:
+        if _library is None and _failure is None:
+            try:
+                lib = _build.load()
+                lib.keyinit_fill.restype = ctypes.c_int
+                lib.keyinit_fill.argtypes = [
+                    ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32,
+                    ctypes.POINTER(ctypes.c_float), _I64P,
+                    ctypes.c_int, ctypes.c_int64, _I64P, _I64P, _I64P,
+                    ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_int,
+                ]
+                lib.keyinit_constants.restype = ctypes.c_int
+                lib.keyinit_constants.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_int]
+                lib.keyinit_convert_f32.restype = None
+                lib.keyinit_convert_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+                _library = lib
+            except Exception as exc:  # noqa: BLE001 - any failure means: use the reference
+                _failure = f"{type(exc).__name__}: {exc}"
+    return _library
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def failure_reason() -> Optional[str]:
+    library()
+    return _failure
+
+
+def _warn_once() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "keyinit: the compiled CPU kernel is unavailable, falling back to the slow reference "
+            f"implementation (same values). Reason: {_failure}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _params(dist: Distribution) -> tuple[list[float], list[int]]:
+    f = [0.0] * 6
+    i = [0] * 4
+    if isinstance(dist, Uniform):
+        f[0], f[1] = dist.low, dist.span
+    elif isinstance(dist, Normal):
+        f[0], f[1] = dist.mean, dist.std
+    elif isinstance(dist, TruncatedNormal):
+        f[:6] = [dist.mean, dist.std, dist.p_low, dist.p_span, dist.lower, dist.upper]
+        i[0] = int(dist.flip)
+    elif isinstance(dist, Bernoulli):
+        i[1] = dist.threshold
+    elif isinstance(dist, Randint):
+        i[2], i[3] = dist.low, dist.span
+    return f, i
+
+
+def _geometry(out: torch.Tensor, region: Region):
+    """``(base, dims)`` with dims ``(size, out_stride, global_stride, index)``.
+
+    Size-1 dimensions are folded into ``base``. No pass over the index vectors
+    happens here: the kernel finds contiguous runs itself, tile by tile.
+    """
+    base = 0
+    dims = []
+    for index, gstride, n, ostride in zip(region.indices, region.strides, out.shape, out.stride()):
+        if n == 1:
+            base += int(index[0]) * gstride
+            continue
+        dims.append((n, ostride, gstride, index if index.is_contiguous() else index.contiguous()))
+    if not dims:
+        dims.append((1, 1, 0, _ZERO_INDEX))
+    return base, dims
+
+
+_ZERO_INDEX = torch.zeros(1, dtype=torch.int64)
+
+
+def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, threads: Optional[int] = None) -> bool:
+    """Fill ``out`` with the kernel; ``False`` (nothing written) if the kernel cannot do it.
+
+    ``threads`` defaults to ``torch.get_num_threads()`` (one thread for small fills).
+    """
+    dist_id = DIST_IDS.get(type(dist))
+    dtype_id = DTYPE_IDS.get(out.dtype)
+    if dist_id is None or dtype_id is None or out.device.type != "cpu" or out.dim() > MAX_DIMS:
+        return False
+    lib = library()
+    if lib is None:
+        _warn_once()
+        return False
+    base, dims = _geometry(out, region)
+    nd = len(dims)
+    sizes = (ctypes.c_int64 * nd)(*(d[0] for d in dims))
+    ostrides = (ctypes.c_int64 * nd)(*(d[1] for d in dims))
+    gstrides = (ctypes.c_int64 * nd)(*(d[2] for d in dims))
+    indices = (ctypes.c_void_p * nd)(*(d[3].data_ptr() for d in dims))
+    f, i = _params(dist)
+    fparams = (ctypes.c_float * 6)(*f)
+    iparams = (ctypes.c_int64 * 4)(*i)
+    k0, k1 = key.words
+    if threads is None:
+        threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
+    keep_alive = [d[3] for d in dims]  # noqa: F841 - index vectors must outlive the call
+    rc = lib.keyinit_fill(
+        dist_id, dtype_id, k0, k1, fparams, iparams, nd, base, sizes, ostrides, gstrides, indices,
+        out.data_ptr(), threads,
+    )
+    if rc != 0:  # pragma: no cover - arguments are validated above
+        raise RuntimeError(f"keyinit_fill failed with code {rc}")
+    return True

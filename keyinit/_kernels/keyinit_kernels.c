@@ -1,0 +1,631 @@
+/*
+ * keyinit compiled CPU kernel: stream v1, bit-identical to keyinit._reference.fill.
+ *
+ * Built at first use by keyinit/_kernels/_cpu.py with
+ *     cc -O3 -std=c11 -ffp-contract=off -fno-math-errno -fPIC -shared -pthread
+ * (never -ffast-math: every float operation below must be the IEEE-754
+ * binary32 operation the reference performs, in the same order, with no
+ * fused multiply-add and no flush-to-zero). The only library-like function
+ * used is sqrtf, which IEEE-754 requires to be correctly rounded (with
+ * -fno-math-errno it is the sqrtss / vsqrtps instruction).
+ *
+ * What an element is: element (p_0, ..., p_{d-1}) of the destination has
+ *     global flat index g = base + sum_k off_k(p_k)
+ *     destination address  = out + elsize * sum_k p_k * ostride_k
+ * where off_k(p) = p * gstep_k if dimension k is arithmetic (gvec_k == NULL)
+ * and off_k(p) = gvec_k[p] otherwise (the caller passes index * global stride).
+ * The element consumes stream words w*g .. w*g + w - 1; word j is lane j % 4
+ * of Philox4x32-10((lo32(j/4), hi32(j/4), 0, 0), (k0, k1)).
+ *
+ * Work is split into chunks of CHUNK region elements taken by threads from an
+ * atomic counter, and each chunk into tiles of at most TILE elements held in
+ * fixed-size stack buffers, so the workspace is bounded and the values never
+ * depend on the thread count, the chunking or the vector width: each one is a
+ * pure function of its global index.
+ */
+
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KI_MAX_DIMS 64
+#define TILE 512
+#define CHUNK 32768
+
+/* Distribution ids (keep in sync with _cpu.py). */
+enum { D_BITS = 0, D_UNIFORM = 1, D_NORMAL = 2, D_TRUNC = 3, D_BERNOULLI = 4, D_RANDINT = 5 };
+/* Output dtype ids (keep in sync with _cpu.py). */
+enum {
+    T_F32 = 0, T_F64 = 1, T_BF16 = 2, T_F16 = 3, T_BOOL = 4,
+    T_I64 = 5, T_I32 = 6, T_I16 = 7, T_I8 = 8, T_U8 = 9
+};
+
+#define KI_API __attribute__((visibility("default")))
+
+/* ---------------------------------------------------------------- bit casts */
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* ------------------------------------------------------------------ Philox */
+
+#define PH_M0 0xD2511F53u
+#define PH_M1 0xCD9E8D57u
+#define PH_W0 0x9E3779B9u
+#define PH_W1 0xBB67AE85u
+
+
+/* Philox4x32-10 of the counter (lo32(b), hi32(b), 0, 0). Written for one
+ * block, called from loops over blocks that the compiler vectorizes (the
+ * 32x32->64 products become vector multiplies of 64-bit lanes). */
+#define PHILOX_BLOCK(b, k0, k1, c0, c1, c2, c3)                                  \
+    do {                                                                         \
+        uint32_t key0_ = (k0), key1_ = (k1);                                     \
+        c0 = (uint32_t)(b);                                                      \
+        c1 = (uint32_t)((uint64_t)(b) >> 32);                                    \
+        c2 = 0;                                                                  \
+        c3 = 0;                                                                  \
+        for (int r_ = 0; r_ < 10; r_++) {                                        \
+            uint64_t p0_ = (uint64_t)PH_M0 * c0;                                 \
+            uint64_t p1_ = (uint64_t)PH_M1 * c2;                                 \
+            uint32_t n0_ = (uint32_t)(p1_ >> 32) ^ c1 ^ key0_;                   \
+            uint32_t n2_ = (uint32_t)(p0_ >> 32) ^ c3 ^ key1_;                   \
+            c1 = (uint32_t)p1_;                                                  \
+            c3 = (uint32_t)p0_;                                                  \
+            c0 = n0_;                                                            \
+            c2 = n2_;                                                            \
+            key0_ += PH_W0;                                                      \
+            key1_ += PH_W1;                                                      \
+        }                                                                        \
+    } while (0)
+
+/* Blocks first .. first+n-1, written interleaved: out[4*i + lane]. */
+static void philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+{
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t c0, c1, c2, c3;
+        PHILOX_BLOCK(first + (uint64_t)i, k0, k1, c0, c1, c2, c3);
+        out[4 * i + 0] = c0;
+        out[4 * i + 1] = c1;
+        out[4 * i + 2] = c2;
+        out[4 * i + 3] = c3;
+    }
+}
+
+/* Words of elements with arbitrary global indices g[0..m-1]: element k gets
+ * words[w*k .. w*k + w - 1] (w is 1 or 2; an element's words lie in one block). */
+static void words_gather(const int64_t *restrict g, int64_t m, int w, uint32_t k0, uint32_t k1,
+                         uint32_t *restrict words)
+{
+    if (w == 1) {
+        for (int64_t k = 0; k < m; k++) {
+            uint64_t j = (uint64_t)g[k];
+            uint32_t lane = (uint32_t)(j & 3u), c0, c1, c2, c3;
+            PHILOX_BLOCK(j >> 2, k0, k1, c0, c1, c2, c3);
+            uint32_t lo = lane & 1u ? c1 : c0, hi = lane & 1u ? c3 : c2;
+            words[k] = lane & 2u ? hi : lo;
+        }
+    } else {
+        for (int64_t k = 0; k < m; k++) {
+            uint64_t j = (uint64_t)g[k] * 2u;
+            uint32_t c0, c1, c2, c3;
+            PHILOX_BLOCK(j >> 2, k0, k1, c0, c1, c2, c3);
+            int upper = (j & 2u) != 0;
+            words[2 * k] = upper ? c2 : c0;
+            words[2 * k + 1] = upper ? c3 : c1;
+        }
+    }
+}
+
+/* ---------------------------------------------------- binary32 transforms */
+/* Constants of keyinit._fp32math (V1_CONSTANTS), as exact binary32 values. */
+
+#define C_SQRT2 0x1.6a09e6p+0f
+#define C_LN2_HI 0x1.62e4p-1f
+#define C_LN2_LO 0x1.7f7d1cp-20f
+#define C_AT3 0x1.555556p-2f
+#define C_AT5 0x1.99999ap-3f
+#define C_AT7 0x1.24924ap-3f
+#define C_AT9 0x1.c71c72p-4f
+#define C_SPLIT_CENTRAL 0x1.b33334p-2f
+#define C_CENTRAL_R0 0x1.71eb86p-3f
+#define C_A0 0x1.b18d9p+1f
+#define C_A1 0x1.937964p+5f
+#define C_A2 0x1.3e951p+7f
+#define C_A3 0x1.d8ep+5f
+#define C_B1 0x1.1e529ep+4f
+#define C_B2 0x1.3b07f2p+6f
+#define C_B3 0x1.0cc01p+6f
+#define C_SPLIT_TAIL 0x1.4p+2f
+#define C_TAIL_SHIFT 0x1.99999ap+0f
+#define C_C0 0x1.6c6662p+0f
+#define C_C1 0x1.60df54p+1f
+#define C_C2 0x1.4e85c2p+0f
+#define C_C3 0x1.5ca5dap-3f
+#define C_D1 0x1.795848p-1f
+#define C_D2 0x1.ec62b8p-4f
+#define C_E0 0x1.aa1b1ep+2f
+#define C_E1 0x1.8a65ap+1f
+#define C_E2 0x1.b6f8aap-2f
+#define C_E3 0x1.1c0d82p-6f
+#define C_F1 0x1.ef92a8p-3f
+#define C_F2 0x1.91ad42p-7f
+#define C_SMALLEST_NORMAL 0x1p-126f
+
+/* Exported so the tests can check these constants against V1_CONSTANTS. */
+static const float ki_constants[] = {
+    C_SQRT2, C_LN2_HI, C_LN2_LO, C_AT3, C_AT5, C_AT7, C_AT9, C_SPLIT_CENTRAL, C_CENTRAL_R0,
+    C_A0, C_A1, C_A2, C_A3, 1.0f, C_B1, C_B2, C_B3, C_SPLIT_TAIL, C_TAIL_SHIFT,
+    C_C0, C_C1, C_C2, C_C3, 1.0f, C_D1, C_D2, C_E0, C_E1, C_E2, C_E3, 1.0f, C_F1, C_F2,
+    C_SMALLEST_NORMAL,
+};
+
+KI_API int keyinit_constants(float *dst, int capacity)
+{
+    int n = (int)(sizeof(ki_constants) / sizeof(ki_constants[0]));
+    for (int i = 0; i < n && i < capacity; i++) dst[i] = ki_constants[i];
+    return n;
+}
+
+/* _fp32math.log_f32: positive normal x. */
+static inline float log_f32(float x)
+{
+    int32_t bits = (int32_t)f2u(x);
+    int32_t exponent = (bits >> 23) - 127;
+    float mantissa = u2f((uint32_t)((bits & 0x007FFFFF) | 0x3F800000));
+    int halve = mantissa > C_SQRT2;
+    mantissa = halve ? mantissa * 0.5f : mantissa;
+    float e = (float)(exponent + halve);
+    float s = (mantissa - 1.0f) / (mantissa + 1.0f);
+    float t = s * s;
+    float h = ((C_AT9 * t + C_AT7) * t + C_AT5) * t + C_AT3;
+    float poly = t * h;
+    float two_s = s * 2.0f;
+    float log_m = two_s + two_s * poly;
+    return e * C_LN2_HI + (e * C_LN2_LO + log_m);
+}
+
+/* The central branch of _fp32math.ndtri_tail_f32 (used when q <= 0.425). */
+static inline float ndtri_central(float q)
+{
+    float r_central = C_CENTRAL_R0 - q * q;
+    float a = ((C_A3 * r_central + C_A2) * r_central + C_A1) * r_central + C_A0;
+    float b = ((C_B3 * r_central + C_B2) * r_central + C_B1) * r_central + 1.0f;
+    return q * a / b;
+}
+
+/* The tail branches of _fp32math.ndtri_tail_f32 (used when q > 0.425). */
+static inline float ndtri_tails(float tail)
+{
+    float clamped = tail < C_SMALLEST_NORMAL ? C_SMALLEST_NORMAL : tail;
+    float r = __builtin_sqrtf(-log_f32(clamped));
+    float r_near = r - C_TAIL_SHIFT;
+    float cn = ((C_C3 * r_near + C_C2) * r_near + C_C1) * r_near + C_C0;
+    float dn = (C_D2 * r_near + C_D1) * r_near + 1.0f;
+    float z_near = cn / dn;
+    float r_far = r - C_SPLIT_TAIL;
+    float ef = ((C_E3 * r_far + C_E2) * r_far + C_E1) * r_far + C_E0;
+    float ff = (C_F2 * r_far + C_F1) * r_far + 1.0f;
+    float z_far = ef / ff;
+    return r <= C_SPLIT_TAIL ? z_near : z_far;
+}
+
+/* _fp32math.ndtri_tail_f32 of tail[0..m-1] into mag[0..m-1] (m <= TILE).
+ * The reference evaluates every branch and selects; only the selected one
+ * matters, so the central branch runs on all elements and the tail branches
+ * on the compacted list of elements with q > 0.425 (about 15%). */
+static void ndtri_tail_batch(const float *tail, int64_t m, float *mag)
+{
+    int32_t where[TILE];
+    float tails[TILE], ztail[TILE];
+    int64_t n = 0;
+    for (int64_t k = 0; k < m; k++) {
+        float q = 0.5f - tail[k];
+        mag[k] = ndtri_central(q);
+    }
+    for (int64_t k = 0; k < m; k++) {
+        float q = 0.5f - tail[k];
+        where[n] = (int32_t)k;
+        tails[n] = tail[k];
+        n += !(q <= C_SPLIT_CENTRAL);
+    }
+    for (int64_t j = 0; j < n; j++) ztail[j] = ndtri_tails(tails[j]);
+    for (int64_t j = 0; j < n; j++) mag[where[j]] = ztail[j];
+}
+
+/* ------------------------------------------------ conversions to storage */
+
+/* c10::BFloat16 round_to_nearest_even (NaN -> 0x7FC0). */
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t u = f2u(f);
+    uint32_t rounded = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
+    return (uint16_t)(f != f ? 0x7FC0u : rounded);
+}
+
+/* fp16_ieee_from_fp32_value (the FP16 library that c10::Half uses): IEEE
+ * round-to-nearest-even, overflow to infinity, NaN -> sign | 0x7E00. */
+static inline uint16_t f32_to_f16(float f)
+{
+    const float scale_to_inf = 0x1.0p+112f;
+    const float scale_to_zero = 0x1.0p-110f;
+    uint32_t w = f2u(f);
+    float base = (u2f(w & 0x7FFFFFFFu) * scale_to_inf) * scale_to_zero;
+    uint32_t shl1_w = w + w;
+    uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    base = u2f((bias >> 1) + 0x07800000u) + base;
+    uint32_t bits = f2u(base);
+    uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+    uint32_t mantissa_bits = bits & 0x00000FFFu;
+    uint32_t nonsign = exp_bits + mantissa_bits;
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+/* Exported for the exhaustive conversion tests. */
+KI_API void keyinit_convert_f32(const float *src, int64_t n, int dtype, void *dst)
+{
+    if (dtype == T_BF16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else if (dtype == T_F16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_f16(src[i]);
+    }
+}
+
+/* ------------------------------------------------------------------ plan */
+
+typedef struct {
+    int dist;
+    int dtype;
+    int w;
+    uint32_t k0, k1;
+    /* distribution parameters */
+    float a, b;             /* uniform: low, span; normal/trunc: mean, std */
+    float p_low, p_span;    /* trunc */
+    float lower, upper;     /* trunc */
+    int flip;               /* trunc */
+    uint64_t threshold;     /* bernoulli (<= 2**32) */
+    int64_t low;            /* randint */
+    uint64_t span;          /* randint (<= 2**32) */
+    /* geometry */
+    int ndim;
+    int64_t base;
+    const int64_t *size;
+    const int64_t *ostride;
+    const int64_t *gstride;
+    const int64_t *const *index;
+    char *out;
+    int elsize;
+    int64_t numel;
+    /* scheduling */
+    int64_t nchunks;
+    int64_t next_chunk __attribute__((aligned(64)));
+} plan_t;
+
+static const int elsizes[] = {4, 8, 2, 2, 1, 8, 4, 2, 1, 1};
+
+/* Values of one tile. */
+typedef union {
+    float f[TILE];
+    int64_t i[TILE];
+    uint8_t u[TILE];
+} values_t;
+
+/* ----------------------------------------------------- transform a tile */
+
+static void transform_float(const plan_t *P, const uint32_t *wp, int64_t m, float *v)
+{
+    float tail[TILE] = {0}, mag[TILE];
+    switch (P->dist) {
+    case D_UNIFORM: {
+        const float low = P->a, span = P->b;
+        for (int64_t k = 0; k < m; k++) {
+            float u = (float)(wp[k] >> 8) * 0x1p-24f;
+            v[k] = low + span * u;
+        }
+        break;
+    }
+    case D_NORMAL: {
+        const float mean = P->a, std = P->b;
+        for (int64_t k = 0; k < m; k++) tail[k] = (float)(wp[k] | 1u) * 0x1p-33f;
+        ndtri_tail_batch(tail, m, mag);
+        for (int64_t k = 0; k < m; k++) {
+            float z = (wp[k] & 1u) ? -mag[k] : mag[k];
+            v[k] = mean + std * z;
+        }
+        break;
+    }
+    case D_TRUNC: {
+        const float mean = P->a, std = P->b, p_low = P->p_low, p_span = P->p_span;
+        const float lower = P->lower, upper = P->upper;
+        const int flip = P->flip;
+        float p[TILE];
+        for (int64_t k = 0; k < m; k++) {
+            float u = (float)(((wp[k] >> 9) << 1) | 1u) * 0x1p-24f;
+            p[k] = p_low + u * p_span;
+            tail[k] = p[k] < 0.5f ? p[k] : 1.0f - p[k];
+        }
+        ndtri_tail_batch(tail, m, mag);
+        for (int64_t k = 0; k < m; k++) {
+            float z = p[k] < 0.5f ? -mag[k] : mag[k];
+            z = flip ? -z : z;
+            float y = mean + std * z;
+            y = y < lower ? lower : y;
+            y = y > upper ? upper : y;
+            v[k] = y;
+        }
+        break;
+    }
+    }
+}
+
+static void transform_tile(const plan_t *P, const uint32_t *wp, int64_t m, values_t *v)
+{
+    switch (P->dist) {
+    case D_BITS:
+        for (int64_t k = 0; k < m; k++) v->i[k] = (int64_t)wp[k];
+        break;
+    case D_BERNOULLI: {
+        const uint64_t th = P->threshold;
+        for (int64_t k = 0; k < m; k++) v->u[k] = (uint64_t)wp[k] < th;
+        break;
+    }
+    case D_RANDINT: {
+        const uint64_t n = P->span;
+        const int64_t low = P->low;
+        for (int64_t k = 0; k < m; k++) {
+            uint64_t carry = ((uint64_t)wp[2 * k] * n) >> 32;
+            uint64_t hi = ((uint64_t)wp[2 * k + 1] * n + carry) >> 32;
+            v->i[k] = low + (int64_t)hi;
+        }
+        break;
+    }
+    default:
+        transform_float(P, wp, m, v->f);
+    }
+}
+
+/* ---------------------------------------------------------- store a tile */
+
+/* Destination element offsets: o[k] if o != NULL, else o0 + k*os. */
+#define STORE_LOOP(T, EXPR)                                                      \
+    do {                                                                         \
+        T *d = (T *)out;                                                         \
+        if (o != NULL) {                                                         \
+            for (int64_t k = 0; k < m; k++) d[o[k]] = (EXPR);                    \
+        } else if (os == 1) {                                                    \
+            d += o0;                                                             \
+            for (int64_t k = 0; k < m; k++) d[k] = (EXPR);                       \
+        } else {                                                                 \
+            d += o0;                                                             \
+            for (int64_t k = 0; k < m; k++) d[k * os] = (EXPR);                  \
+        }                                                                        \
+    } while (0)
+
+static void store_tile(const plan_t *P, const values_t *v, int64_t m, const int64_t *o, int64_t o0, int64_t os)
+{
+    char *out = P->out;
+    const float *f = v->f;
+    const int64_t *iv = v->i;
+    const uint8_t *u = v->u;
+    switch (P->dist) {
+    case D_BITS:
+    case D_RANDINT:
+        switch (P->dtype) {
+        case T_I64: STORE_LOOP(int64_t, iv[k]); break;
+        case T_I32: STORE_LOOP(int32_t, (int32_t)iv[k]); break;
+        case T_I16: STORE_LOOP(int16_t, (int16_t)iv[k]); break;
+        case T_I8: STORE_LOOP(int8_t, (int8_t)iv[k]); break;
+        case T_U8: STORE_LOOP(uint8_t, (uint8_t)iv[k]); break;
+        }
+        break;
+    case D_BERNOULLI:
+        switch (P->dtype) {
+        case T_BOOL: case T_U8: STORE_LOOP(uint8_t, u[k]); break;
+        case T_I8: STORE_LOOP(int8_t, (int8_t)u[k]); break;
+        case T_I16: STORE_LOOP(int16_t, (int16_t)u[k]); break;
+        case T_I32: STORE_LOOP(int32_t, (int32_t)u[k]); break;
+        case T_I64: STORE_LOOP(int64_t, (int64_t)u[k]); break;
+        case T_F32: STORE_LOOP(float, (float)u[k]); break;
+        case T_F64: STORE_LOOP(double, (double)u[k]); break;
+        case T_BF16: STORE_LOOP(uint16_t, (uint16_t)(u[k] ? 0x3F80u : 0u)); break;
+        case T_F16: STORE_LOOP(uint16_t, (uint16_t)(u[k] ? 0x3C00u : 0u)); break;
+        }
+        break;
+    default:
+        switch (P->dtype) {
+        case T_F32: STORE_LOOP(float, f[k]); break;
+        case T_F64: STORE_LOOP(double, (double)f[k]); break;
+        case T_BF16: STORE_LOOP(uint16_t, f32_to_bf16(f[k])); break;
+        case T_F16: STORE_LOOP(uint16_t, f32_to_f16(f[k])); break;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- a tile */
+
+/* m elements (m <= TILE). Global indices: g0 .. g0+m-1 if g == NULL, else
+ * g[0..m-1]. Destination offsets: o[k] if o != NULL, else o0 + k*os. */
+static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const int64_t *o, int64_t o0, int64_t os,
+                    int64_t m)
+{
+    const int w = P->w;
+    uint32_t words[2 * TILE + 16];
+    const uint32_t *wp;
+    if (g == NULL) {
+        /* global indices g0 .. g0+m-1 use words w*g0 .. w*(g0+m)-1 */
+        uint64_t j0 = (uint64_t)g0 * (uint64_t)w;
+        uint64_t j1 = j0 + (uint64_t)(m * w); /* exclusive */
+        uint64_t b0 = j0 >> 2, b1 = (j1 + 3) >> 2;
+        philox_range(b0, (int64_t)(b1 - b0), P->k0, P->k1, words);
+        wp = words + (j0 & 3u);
+    } else {
+        words_gather(g, m, w, P->k0, P->k1, words);
+        wp = words;
+    }
+    /* Write straight into the destination when it has the value buffer's type. */
+    int direct = o == NULL && os == 1 &&
+                 (((P->dist == D_UNIFORM || P->dist == D_NORMAL || P->dist == D_TRUNC) && P->dtype == T_F32) ||
+                  ((P->dist == D_BITS || P->dist == D_RANDINT) && P->dtype == T_I64));
+    if (direct) {
+        transform_tile(P, wp, m, (values_t *)(P->out + o0 * (int64_t)P->elsize));
+        return;
+    }
+    values_t v;
+    transform_tile(P, wp, m, &v);
+    store_tile(P, &v, m, o, o0, os);
+}
+
+/* Elements p0 .. p0+m-1 of one row of the innermost dimension. */
+static void do_row_tile(const plan_t *P, int64_t gouter, int64_t oouter, int64_t p0, int64_t m)
+{
+    const int last = P->ndim - 1;
+    const int64_t *iv = P->index[last] + p0;
+    const int64_t gs = P->gstride[last], os = P->ostride[last];
+    int contiguous = gs == 1;
+    if (contiguous) {
+        const int64_t first = iv[0];
+        for (int64_t k = 1; k < m; k++) contiguous &= iv[k] == first + k;
+    }
+    if (contiguous) {
+        do_tile(P, NULL, gouter + iv[0], NULL, oouter + p0 * os, os, m);
+    } else {
+        int64_t g[TILE];
+        for (int64_t k = 0; k < m; k++) g[k] = gouter + iv[k] * gs;
+        do_tile(P, g, 0, NULL, oouter + p0 * os, os, m);
+    }
+}
+
+/* Rows shorter than this are batched into tiles that span rows. */
+#define SHORT_ROW 128
+
+/* Region elements start .. stop-1 in row-major order. */
+static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
+{
+    const int last = P->ndim - 1;
+    const int64_t inner = P->size[last];
+    int64_t pos[KI_MAX_DIMS];
+    int64_t rest = start;
+    for (int k = last; k >= 0; k--) {
+        pos[k] = rest % P->size[k];
+        rest /= P->size[k];
+    }
+    const int short_rows = inner < SHORT_ROW;
+    int64_t g[TILE], o[TILE];
+    int64_t fill = 0; /* elements gathered into g/o (short rows) */
+    int64_t done = start;
+    while (done < stop) {
+        int64_t gouter = P->base, oouter = 0;
+        for (int d = 0; d < last; d++) {
+            gouter += P->index[d][pos[d]] * P->gstride[d];
+            oouter += pos[d] * P->ostride[d];
+        }
+        int64_t p0 = pos[last];
+        int64_t cnt = inner - p0 < stop - done ? inner - p0 : stop - done;
+        if (!short_rows) {
+            for (int64_t t = 0; t < cnt; t += TILE)
+                do_row_tile(P, gouter, oouter, p0 + t, cnt - t < TILE ? cnt - t : TILE);
+        } else {
+            const int64_t *iv = P->index[last];
+            const int64_t gs = P->gstride[last], os = P->ostride[last];
+            for (int64_t j = 0; j < cnt; j++) {
+                g[fill] = gouter + iv[p0 + j] * gs;
+                o[fill] = oouter + (p0 + j) * os;
+                if (++fill == TILE || done + j + 1 == stop) {
+                    int contiguous = 1, dense = 1;
+                    for (int64_t k = 1; k < fill; k++) {
+                        contiguous &= g[k] == g[0] + k;
+                        dense &= o[k] == o[0] + k;
+                    }
+                    do_tile(P, contiguous ? NULL : g, g[0], dense ? NULL : o, o[0], 1, fill);
+                    fill = 0;
+                }
+            }
+        }
+        done += cnt;
+        pos[last] += cnt;
+        for (int d = last; d > 0 && pos[d] == P->size[d]; d--) {
+            pos[d] = 0;
+            pos[d - 1] += 1;
+        }
+    }
+}
+
+static void *worker(void *arg)
+{
+    plan_t *P = (plan_t *)arg;
+    for (;;) {
+        int64_t c = __atomic_fetch_add(&P->next_chunk, 1, __ATOMIC_RELAXED);
+        if (c >= P->nchunks) break;
+        int64_t start = c * CHUNK;
+        int64_t stop = start + CHUNK < P->numel ? start + CHUNK : P->numel;
+        do_chunk(P, start, stop);
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------ entry point */
+
+/*
+ * Element (p_0, ..., p_{d-1}) of the destination has global flat index
+ * base + sum_k index[k][p_k] * gstride[k] and destination element offset
+ * sum_k p_k * ostride[k] (in elements of the output dtype).
+ * fparams: [a, b, p_low, p_span, lower, upper]   (binary32 values)
+ * iparams: [flip, threshold, low, span]
+ * Returns 0 on success, a negative number for invalid arguments.
+ */
+KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
+                        const float *fparams, const int64_t *iparams,
+                        int ndim, int64_t base, const int64_t *size, const int64_t *ostride,
+                        const int64_t *gstride, const int64_t *const *index,
+                        void *out, int nthreads)
+{
+    if (ndim < 1 || ndim > KI_MAX_DIMS) return -1;
+    if (dist < D_BITS || dist > D_RANDINT || dtype < T_F32 || dtype > T_U8) return -2;
+    static plan_t zero_plan;
+    plan_t P = zero_plan;
+    P.dist = dist;
+    P.dtype = dtype;
+    P.w = dist == D_RANDINT ? 2 : 1;
+    P.k0 = k0;
+    P.k1 = k1;
+    P.a = fparams[0];
+    P.b = fparams[1];
+    P.p_low = fparams[2];
+    P.p_span = fparams[3];
+    P.lower = fparams[4];
+    P.upper = fparams[5];
+    P.flip = (int)iparams[0];
+    P.threshold = (uint64_t)iparams[1];
+    P.low = iparams[2];
+    P.span = (uint64_t)iparams[3];
+    P.ndim = ndim;
+    P.base = base;
+    P.size = size;
+    P.ostride = ostride;
+    P.gstride = gstride;
+    P.index = index;
+    P.out = (char *)out;
+    P.elsize = elsizes[dtype];
+    int64_t numel = 1;
+    for (int k = 0; k < ndim; k++) numel *= size[k];
+    P.numel = numel;
+    if (numel == 0) return 0;
+    P.nchunks = (numel + CHUNK - 1) / CHUNK;
+    P.next_chunk = 0;
+    if (nthreads > P.nchunks) nthreads = (int)P.nchunks;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > 256) nthreads = 256;
+    pthread_t threads[256];
+    int started = 0;
+    for (int t = 1; t < nthreads; t++) {
+        if (pthread_create(&threads[started], NULL, worker, &P) != 0) break;
+        started++;
+    }
+    worker(&P);
+    for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
+    return 0;
+}
