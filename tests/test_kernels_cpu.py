@@ -1,0 +1,353 @@
+"""The compiled CPU kernel reproduces the reference bit for bit.
+
+Every comparison calls the reference (:func:`keyinit._reference.fill`, through
+``_testing.reference_fill``, which only makes ``torch.sqrt`` the correctly
+rounded one the spec requires where this torch build's is not) and the kernel
+(:func:`keyinit._kernels._cpu.fill`) directly, never the dispatcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from keyinit import _dispatch, _fp32math, _reference
+from keyinit._kernels import _build, _cpu
+from keyinit._kernels._testing import SQRT_PROBES, ieee_sqrt, reference_fill, torch_sqrt_is_correctly_rounded
+from keyinit.distributions import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    Bernoulli,
+    Bits,
+    Normal,
+    Randint,
+    TruncatedNormal,
+    Uniform,
+)
+from keyinit.keys import key
+from keyinit.regions import make_region
+
+pytestmark = pytest.mark.skipif(
+    not _cpu.available(), reason=f"compiled CPU kernel unavailable: {_cpu.failure_reason()}"
+)
+
+KEY = key(20240611)
+
+
+def _cases():
+    """(id, distribution, dtypes): every distribution with every dtype it supports."""
+    return [
+        ("bits", Bits(), (torch.int64,)),
+        ("uniform", Uniform.create(-1.5, 2.25), FLOAT_DTYPES),
+        ("uniform_tiny", Uniform.create(0.0, 1e-40), FLOAT_DTYPES),  # subnormal span
+        ("normal", Normal.create(0.25, 2.0), FLOAT_DTYPES),
+        ("normal_huge", Normal.create(1.0, 3e37), FLOAT_DTYPES),  # overflows f16/bf16 ranges
+        ("trunc", TruncatedNormal.create(0.0, 1.0, -2.0, 2.0, torch.float32), FLOAT_DTYPES),
+        ("trunc_flip", TruncatedNormal.create(1.0, 0.5, 1.2, 9.0, torch.float32), FLOAT_DTYPES),
+        ("trunc_far", TruncatedNormal.create(0.0, 1.0, -14.0, -13.0, torch.float32), FLOAT_DTYPES),
+        ("bernoulli", Bernoulli.create(0.3), (torch.bool, *FLOAT_DTYPES, *INT_DTYPES)),
+        ("bernoulli_1", Bernoulli.create(1.0), (torch.bool, torch.float16)),
+        ("randint", Randint.create(-7, 100, torch.int8), INT_DTYPES),
+        ("randint_2_32", Randint.create(-(2**31), 2**31, torch.int64), (torch.int64,)),
+    ]
+
+
+CASES = [(name, dist, dtype) for name, dist, dtypes in _cases() for dtype in dtypes]
+CASE_IDS = [f"{name}-{str(dtype).replace('torch.', '')}" for name, _, dtype in CASES]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` in row-major order (so -0.0 != 0.0 and NaN == NaN)."""
+    dense = torch.empty(t.shape, dtype=t.dtype).copy_(t)
+    return dense.view(torch.uint8) if t.dtype != torch.bool else dense
+
+
+def assert_same(dist, shape, region=None, out_factory=None, threads=None, k=KEY):
+    reg = make_region(shape, region)
+    if out_factory is None or isinstance(out_factory, torch.dtype):
+        make = lambda: torch.empty(reg.region_shape, dtype=out_factory)  # noqa: E731
+    else:
+        make = lambda: out_factory(reg.region_shape)  # noqa: E731
+    expected = make()
+    reference_fill(expected, dist, k, reg)
+    got = make()
+    got.zero_()
+    assert _cpu.fill(got, dist, k, reg, threads=threads)
+    assert got.shape == expected.shape and got.stride() == expected.stride()
+    if not torch.equal(_bits(got), _bits(expected)):
+        bad = (got.reshape(-1) != expected.reshape(-1)).nonzero().flatten()[:5].tolist()
+        raise AssertionError(f"kernel != reference at flat positions {bad} of {reg.region_shape}")
+    return got
+
+
+# ------------------------------------------------------------------ basics
+
+
+def test_constants_match_fp32math():
+    buf = (ctypes.c_float * 64)()
+    n = _cpu.library().keyinit_constants(buf, 64)
+    c = _fp32math
+    expected = [c.SQRT2, c.LN2_HI, c.LN2_LO, *c.LOG_ATANH, c.PPND_SPLIT_CENTRAL, c.PPND_CENTRAL_R0,
+                *c.PPND_A, *c.PPND_B, c.PPND_SPLIT_TAIL, c.PPND_TAIL_SHIFT, *c.PPND_C, *c.PPND_D,
+                *c.PPND_E, *c.PPND_F, c.SMALLEST_NORMAL]
+    assert list(buf[:n]) == expected
+
+
+def test_known_answer_vectors():
+    got = torch.empty(4, dtype=torch.int64)
+    assert _cpu.fill(got, Bits(), key(0), make_region((4,), None))
+    assert [hex(v) for v in got.tolist()] == ["0x6627e8d5", "0xe169c58d", "0xbc57ac4c", "0x9b00dbd8"]
+
+
+@pytest.mark.parametrize("name,dist,dtype", CASES, ids=CASE_IDS)
+def test_every_distribution_and_dtype(name, dist, dtype):
+    for n in (1, 3, 17, 1031):
+        assert_same(dist, (n,), out_factory=dtype)
+    assert_same(dist, (23, 41), (slice(3, 20, 2), [40, 0, 7, 7, 39, 1]), out_factory=dtype)
+
+
+LARGE = {"bits-int64", "uniform-float32", "normal-bfloat16", "normal-float32", "trunc-float16",
+         "bernoulli-bool", "randint-int8", "randint_2_32-int64"}
+
+
+@pytest.mark.parametrize("name,dist,dtype", [c for i, c in zip(CASE_IDS, CASES) if i in LARGE],
+                         ids=[i for i in CASE_IDS if i in LARGE])
+def test_large_sizes_and_threads(name, dist, dtype):
+    n = 65537 + 5  # more than one chunk, not a multiple of any vector width
+    one = assert_same(dist, (n,), out_factory=dtype, threads=1)
+    two = assert_same(dist, (n,), out_factory=dtype, threads=2)
+    assert torch.equal(_bits(one), _bits(two))
+
+
+# ------------------------------------------------------------------ regions
+
+REGIONS = [
+    ((30, 40), (slice(1, 29, 3), slice(5, 39))),
+    ((30, 40), (slice(None, None, -1), slice(None, None, -7))),
+    ((30, 40), ([29, 0, 5, 5, 11], [39, 38, 1, 2, 3, 4])),
+    ((7, 9, 11), (slice(1, 6), [8, 0, 3], slice(2, 11, 4))),
+    ((7, 1, 11), (slice(None), slice(None), [10])),
+    ((5, 3), (slice(None), slice(None))),  # short rows: tiles span rows
+    ((200, 3), (slice(1, 199, 2), [2, 0])),
+    ((1, 1, 1), None),
+    ((4, 300), (torch.tensor([3, 1]), torch.arange(0, 300, 2)[::3])),  # a non-contiguous index tensor
+]
+
+
+@pytest.mark.parametrize("shape,region", REGIONS)
+@pytest.mark.parametrize("name,dist", [(n, d) for n, d, _ in _cases() if n in ("bits", "normal", "trunc", "randint", "bernoulli")])
+def test_regions(shape, region, name, dist):
+    dtype = dist.dtypes[0]
+    assert_same(dist, shape, region, out_factory=dtype)
+
+
+def test_flat_indices_beyond_2_pow_32_and_up_to_2_pow_62():
+    for shape, region in [
+        ((2**20, 2**14), (slice(2**20 - 3, None), slice(100, 2**14, 997))),  # ~2**34
+        ((2**21, 2**14), ([2**21 - 1, 2**20], slice(2**14 - 40, None))),  # block counter hi word != 0
+        ((2**31, 2**31), (slice(2**31 - 2, None), slice(2**31 - 130, None))),  # ~2**62
+    ]:
+        for dist in (Bits(), Normal.create(0, 1), Randint.create(0, 2**32, torch.int64), Bernoulli.create(0.5)):
+            assert_same(dist, shape, region, out_factory=dist.dtypes[0])
+
+
+# ------------------------------------------------------- strided destinations
+
+
+def _transposed(dtype):
+    return lambda shape: torch.empty(tuple(reversed(shape)), dtype=dtype).t()
+
+
+def _step_sliced(dtype):
+    return lambda shape: torch.empty((shape[0] * 2, shape[1] * 3 + 1), dtype=dtype)[::2, 1::3]
+
+
+def _permuted3(dtype):
+    return lambda shape: torch.empty((shape[2], shape[0], shape[1]), dtype=dtype).permute(1, 2, 0)
+
+
+STRIDED = {"bits-int64", "uniform-bfloat16", "uniform-float64", "normal-float32", "normal-float16",
+           "trunc_flip-float32", "bernoulli-bool", "bernoulli-float16", "randint-int16"}
+
+
+@pytest.mark.parametrize("name,dist,dtype", [c for i, c in zip(CASE_IDS, CASES) if i in STRIDED],
+                         ids=[i for i in CASE_IDS if i in STRIDED])
+def test_non_contiguous_destinations(name, dist, dtype):
+    assert_same(dist, (37, 29), (slice(None), slice(1, None)), out_factory=_transposed(dtype))
+    assert_same(dist, (20, 33), (slice(0, 19, 2), [5, 3, 1, 2]), out_factory=_step_sliced(dtype))
+    assert_same(dist, (5, 6, 7), None, out_factory=_permuted3(dtype))
+    # many chunks of a transposed destination, two threads
+    assert_same(dist, (260, 130), None, out_factory=_transposed(dtype), threads=2)
+
+
+def test_destination_with_storage_offset_and_neighbours_untouched():
+    storage = torch.full((50, 60), -3.0)
+    view = storage[7:19, 11:40:2]
+    reg = make_region((100, 100), (slice(40, 52), slice(0, 29, 2)))
+    assert _cpu.fill(view, Normal.create(0, 1), KEY, reg)
+    expected = torch.empty(view.shape)
+    reference_fill(expected, Normal.create(0, 1), KEY, reg)
+    assert torch.equal(view, expected)
+    mask = torch.ones_like(storage, dtype=torch.bool)
+    mask[7:19, 11:40:2] = False
+    assert bool((storage[mask] == -3.0).all())
+
+
+# ------------------------------------------------------------- property test
+
+
+@st.composite
+def _problems(draw):
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(1, 40)) for _ in range(ndim))
+    region = []
+    for size in shape:
+        kind = draw(st.sampled_from(["all", "slice", "list"]))
+        if kind == "all":
+            region.append(slice(None))
+        elif kind == "slice":
+            start = draw(st.integers(-size, size))
+            stop = draw(st.integers(-size, size))
+            step = draw(st.sampled_from([1, 2, 3, -1, -2]))
+            if len(range(*slice(start, stop, step).indices(size))) == 0:
+                start, stop, step = 0, size, 1
+            region.append(slice(start, stop, step))
+        else:
+            region.append(draw(st.lists(st.integers(-size, size - 1), min_size=1, max_size=6)))
+    name, dist, dtypes = draw(st.sampled_from(_cases()))
+    dtype = draw(st.sampled_from(dtypes))
+    layout = draw(st.sampled_from(["contiguous", "reversed", "strided"]))
+    seed = draw(st.integers(0, 2**64 - 1))
+    return shape, tuple(region), dist, dtype, layout, seed
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_problems())
+def test_property_kernel_equals_reference(problem):
+    shape, region, dist, dtype, layout, seed = problem
+    if layout == "contiguous":
+        factory = dtype
+    elif layout == "reversed":
+        def factory(s):
+            return torch.empty(tuple(reversed(s)), dtype=dtype).permute(*reversed(range(len(s))))
+    else:
+        def factory(s):
+            return torch.empty(tuple(2 * n for n in s), dtype=dtype)[tuple(slice(None, None, 2) for _ in s)]
+    assert_same(dist, shape, region, out_factory=factory, k=key(seed))
+
+
+# ------------------------------------------------- conversions to bf16 / fp16
+
+
+def _conversion_inputs() -> np.ndarray:
+    """A few million float32 bit patterns: a stride through all 2**32, dense runs at the
+    rounding edges of fp16/bf16 (overflow, subnormals, ties), and the specials."""
+    sweep = np.arange(0, 2**32, 1021, dtype=np.uint64).astype(np.uint32)
+    edges = []
+    for center in (65504.0, 65520.0, 2.0**-14, 2.0**-24, 2.0**-25, 1.0, 3.0e38, 2.0**-126, 2.0**-149):
+        c = int(np.float32(center).view(np.uint32))
+        edges.append(np.arange(max(c - 20000, 0), min(c + 20000, 0x7F800000), dtype=np.uint32))
+    edges.append(np.arange(0, 70000, dtype=np.uint32))  # zero and float32 subnormals
+    specials = np.array([0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0x7F7FFFFF], dtype=np.uint32)
+    bits = np.concatenate([sweep, *edges, specials])
+    return np.concatenate([bits, bits | np.uint32(0x80000000)])
+
+
+@pytest.mark.parametrize("dtype,dtype_id", [(torch.bfloat16, 2), (torch.float16, 3)])
+def test_float32_conversions_match_torch(dtype, dtype_id):
+    bits = _conversion_inputs()
+    assert bits.size > 8_000_000
+    src = torch.from_numpy(bits.view(np.float32))
+    expected = src.to(dtype).view(torch.int16)
+    got = torch.empty(src.shape, dtype=torch.int16)
+    _cpu.library().keyinit_convert_f32(src.data_ptr(), src.numel(), dtype_id, got.data_ptr())
+    nan = torch.isnan(src)
+    assert torch.equal(got[~nan], expected[~nan])
+    # NaN maps to NaN. The bits are not compared: torch itself is inconsistent there
+    # (bf16: 0xFFFF from the vector path, 0x7FC0 from c10's scalar rule; fp16: payload kept
+    # by F16C, 0x7E00 from the scalar rule), and no v1 distribution ever produces a NaN.
+    assert bool(torch.isnan(got[nan].view(dtype).float()).all())
+
+
+# ------------------------------------------------------ dispatch and fallback
+
+
+def test_dispatch_uses_kernel_and_env_var_forces_reference(monkeypatch):
+    calls = []
+    original = _reference.fill
+    monkeypatch.setattr(_reference, "fill", lambda *a, **k: (calls.append(1), original(*a, **k)))
+    reg = make_region((64,), None)
+    out = torch.empty(64)
+    _dispatch.fill(out, Uniform.create(0, 1), KEY, reg)
+    assert calls == []
+    monkeypatch.setenv("KEYINIT_DISABLE_KERNELS", "1")
+    forced = torch.empty(64)
+    _dispatch.fill(forced, Uniform.create(0, 1), KEY, reg)
+    assert calls == [1]
+    assert torch.equal(out, forced)
+
+
+def test_unbuildable_kernel_warns_once_and_falls_back(monkeypatch):
+    monkeypatch.setattr(_cpu, "_library", None)
+    monkeypatch.setattr(_cpu, "_failure", "BuildError: no C compiler found")
+    monkeypatch.setattr(_cpu, "_warned", False)
+    reg = make_region((10,), None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = torch.empty(10)
+        _dispatch.fill(a, Uniform.create(0, 1), KEY, reg)
+        b = torch.empty(10)
+        _dispatch.fill(b, Uniform.create(0, 1), KEY, reg)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "reference" in messages[0] and "no C compiler" in messages[0]
+    expected = torch.empty(10)
+    reference_fill(expected, Uniform.create(0, 1), KEY, reg)
+    assert torch.equal(a, expected) and torch.equal(b, expected)
+
+
+def test_build_cache_is_keyed_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("KEYINIT_CACHE_DIR", str(tmp_path))
+    first = _build.build()
+    assert first.parent == tmp_path and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert _build.build() == first and first.stat().st_mtime_ns == stamp
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_no_compiler_is_a_build_error(monkeypatch):
+    monkeypatch.setattr(_build, "find_compiler", lambda: None)
+    with pytest.raises(_build.BuildError, match="no C compiler"):
+        _build.build()
+
+
+# ------------------------------------------------ the reference's torch.sqrt
+
+
+def test_reference_helper_only_fixes_sqrt():
+    x = torch.tensor(SQRT_PROBES, dtype=torch.float32)
+    with ieee_sqrt():
+        fixed = torch.sqrt(x)
+    assert torch.equal(fixed, torch.from_numpy(np.sqrt(x.numpy())))
+    assert not isinstance(torch.sqrt, functools.partial)
+
+
+@pytest.mark.xfail(
+    not torch_sqrt_is_correctly_rounded(),
+    reason="this torch build's CPU torch.sqrt (MKL vsSqrt) is not correctly rounded, so the unmodified "
+    "reference deviates from spec v1 for ~0.1% of normal/truncated-normal elements; the kernel follows the spec",
+    strict=True,
+)
+def test_unmodified_reference_matches_kernel_for_normal():
+    reg = make_region((4096,), None)
+    expected = torch.empty(4096)
+    _reference.fill(expected, Normal.create(0, 1), KEY, reg)
+    got = torch.empty(4096)
+    assert _cpu.fill(got, Normal.create(0, 1), KEY, reg)
+    assert torch.equal(got, expected)
