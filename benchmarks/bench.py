@@ -55,6 +55,21 @@ def best_of(fn, repeats: int) -> float:
     return best
 
 
+def best_of_pair(peer, mine, repeats: int) -> tuple[float, float]:
+    """Best times of ``peer`` and ``mine``, measured alternately so both see the same machine load."""
+    peer()
+    mine()
+    best_peer = best_mine = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        peer()
+        best_peer = min(best_peer, time.perf_counter() - start)
+        start = time.perf_counter()
+        mine()
+        best_mine = min(best_mine, time.perf_counter() - start)
+    return best_peer, best_mine
+
+
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -79,23 +94,35 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 
 def bench_throughput(repeats: int, all_threads: int) -> None:
+    from keyinit import _dispatch
+    from keyinit.distributions import Normal, Uniform
+    from keyinit.regions import make_region
+
     rows = []
-    for shape in ((4096, 4096), (1 << 24,)):
+    # "prebuilt": the same 1-D fill through keyinit._dispatch with the Region made once,
+    # i.e. without make_region's 2**24-entry int64 index vector (see docs/benchmarks.md).
+    for shape, label in (((4096, 4096), "4096x4096"), ((1 << 24,), "2**24"), ((1 << 24,), "2**24 prebuilt")):
         n = 1
         for s in shape:
             n *= s
+        region = make_region(shape, None)
         for dist in ("normal", "uniform"):
             for dtype in (torch.float32, torch.bfloat16):
                 buf = torch.empty(shape, dtype=dtype)
                 for threads in sorted({1, all_threads}):
                     torch.set_num_threads(threads)
                     if dist == "normal":
-                        t_peer = best_of(lambda: buf.normal_(0.0, 1.0), repeats)
-                        t_ki = best_of(lambda: kr.normal(KEY, shape, dtype=dtype, out=buf), repeats)
+                        peer = lambda: buf.normal_(0.0, 1.0)  # noqa: E731
+                        mine = lambda: kr.normal(KEY, shape, dtype=dtype, out=buf)  # noqa: E731
+                        d = Normal.create(0.0, 1.0)
                     else:
-                        t_peer = best_of(lambda: buf.uniform_(0.0, 1.0), repeats)
-                        t_ki = best_of(lambda: kr.uniform(KEY, shape, dtype=dtype, out=buf), repeats)
-                    rows.append([dist, str(dtype).replace("torch.", ""), "x".join(map(str, shape)), threads,
+                        peer = lambda: buf.uniform_(0.0, 1.0)  # noqa: E731
+                        mine = lambda: kr.uniform(KEY, shape, dtype=dtype, out=buf)  # noqa: E731
+                        d = Uniform.create(0.0, 1.0)
+                    if label.endswith("prebuilt"):
+                        mine = lambda: _dispatch.fill(buf, d, KEY, region)  # noqa: E731
+                    t_peer, t_ki = best_of_pair(peer, mine, repeats)
+                    rows.append([dist, str(dtype).replace("torch.", ""), label, threads,
                                  f"{n / t_peer / 1e6:.0f}", f"{n / t_ki / 1e6:.0f}", f"{t_peer / t_ki:.2f}x"])
     torch.set_num_threads(all_threads)
     table("1. Throughput vs torch's own RNG (2**24 elements, same thread count)",
@@ -117,9 +144,10 @@ def bench_tp(repeats: int) -> None:
     out_rows = []
     for tp in (2, 4, 8):
         rows = WEIGHT[0] // tp
-        t_peer = best_of(lambda: megatron_cpu_shard(slice(0, rows)), repeats)
-        t_col = best_of(lambda: kr.normal(KEY, WEIGHT, std=0.02, region=(slice(0, rows), slice(None))), repeats)
         cols = WEIGHT[1] // tp
+        t_peer, t_col = best_of_pair(lambda: megatron_cpu_shard(slice(0, rows)),
+                                     lambda: kr.normal(KEY, WEIGHT, std=0.02, region=(slice(0, rows), slice(None))),
+                                     repeats)
         t_row = best_of(lambda: kr.normal(KEY, WEIGHT, std=0.02, region=(slice(None), slice(cols, 2 * cols))), repeats)
         out_rows.append([tp, f"{t_peer * 1e3:.1f}", f"{t_col * 1e3:.1f}", f"{t_peer / t_col:.1f}x",
                          f"{t_row * 1e3:.1f}", f"{t_peer / t_row:.1f}x"])
