@@ -69,7 +69,7 @@ def _compiler_identity(cc: str, flags: tuple[str, ...]) -> str:
     """Version banner plus, for ``-march=native``, the target macros the compiler predefines here."""
     version = _run([cc, "--version"]).stdout
     macros = ""
-    if "-march=native" in flags:
+    if any(flag.startswith(("-march", "-mcpu", "-mtune", "-mavx", "-msse")) for flag in flags):
         result = _run([cc, *flags, "-dM", "-E", "-x", "c", "-"], stdin="")
         if result.returncode != 0:
             raise BuildError(f"{cc} does not accept {' '.join(flags)}: {result.stderr.strip()[:500]}")
@@ -103,13 +103,18 @@ def _compile(cc: str, flags: tuple[str, ...], target: Path) -> None:
             os.unlink(tmp_name)
 
 
-def build(native: bool = True) -> Path:
-    """Path of the compiled library, compiling it if the cache has no matching build."""
+def build(native: bool = True, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Path of the compiled library, compiling it if the cache has no matching build.
+
+    ``native=False`` builds for the compiler's default target (no ``-march=native``);
+    ``extra_flags`` are appended (the tests use them to build the AVX2 and portable variants).
+    """
     cc = find_compiler()
     if cc is None:
         raise BuildError("no C compiler found (set $CC, or install cc/gcc/clang)")
     source = SOURCE.read_bytes()
-    attempts = [BASE_FLAGS + NATIVE_FLAGS, BASE_FLAGS] if native else [BASE_FLAGS]
+    extra = tuple(extra_flags)
+    attempts = [BASE_FLAGS + NATIVE_FLAGS + extra, BASE_FLAGS + extra] if native else [BASE_FLAGS + extra]
     errors = []
     for flags in attempts:
         try:
@@ -128,8 +133,8 @@ def build(native: bool = True) -> Path:
     raise BuildError("\n".join(errors))
 
 
-def load(native: bool = True) -> ctypes.CDLL:
-    path = build(native)
+def load(native: bool = True, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    path = build(native, extra_flags)
     try:
         return ctypes.CDLL(str(path))
     except OSError as exc:

@@ -56,22 +56,30 @@ def library() -> Optional[ctypes.CDLL]:
     with _lock:
         if _library is None and _failure is None:
             try:
-                lib = _build.load()
-                lib.keyinit_fill.restype = ctypes.c_int
-                lib.keyinit_fill.argtypes = [
-                    ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32,
-                    ctypes.POINTER(ctypes.c_float), _I64P,
-                    ctypes.c_int, ctypes.c_int64, _I64P, _I64P, _I64P,
-                    ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_int,
-                ]
-                lib.keyinit_constants.restype = ctypes.c_int
-                lib.keyinit_constants.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_int]
-                lib.keyinit_convert_f32.restype = None
-                lib.keyinit_convert_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+                lib = declare(_build.load())
                 _library = lib
             except Exception as exc:  # noqa: BLE001 - any failure means: use the reference
                 _failure = f"{type(exc).__name__}: {exc}"
     return _library
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the ctypes signatures of the kernel library's functions."""
+    lib.keyinit_fill.restype = ctypes.c_int
+    lib.keyinit_fill.argtypes = [
+        ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32,
+        ctypes.POINTER(ctypes.c_float), _I64P,
+        ctypes.c_int, ctypes.c_int64, _I64P, _I64P, _I64P,
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_int,
+    ]
+    lib.keyinit_constants.restype = ctypes.c_int
+    lib.keyinit_constants.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_int]
+    lib.keyinit_convert_f32.restype = None
+    lib.keyinit_convert_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.keyinit_philox_range.restype = None
+    lib.keyinit_philox_range.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32,
+                                         ctypes.c_void_p]
+    return lib
 
 
 def available() -> bool:
@@ -133,16 +141,19 @@ def _geometry(out: torch.Tensor, region: Region):
 _ZERO_INDEX = torch.zeros(1, dtype=torch.int64)
 
 
-def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, threads: Optional[int] = None) -> bool:
+def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, threads: Optional[int] = None,
+         lib: Optional[ctypes.CDLL] = None) -> bool:
     """Fill ``out`` with the kernel; ``False`` (nothing written) if the kernel cannot do it.
 
-    ``threads`` defaults to ``torch.get_num_threads()`` (one thread for small fills).
+    ``threads`` defaults to ``torch.get_num_threads()`` (one thread for small fills);
+    ``lib`` to the library built for this machine (tests pass other builds).
     """
     dist_id = DIST_IDS.get(type(dist))
     dtype_id = DTYPE_IDS.get(out.dtype)
     if dist_id is None or dtype_id is None or out.device.type != "cpu" or out.dim() > MAX_DIMS:
         return False
-    lib = library()
+    if lib is None:
+        lib = library()
     if lib is None:
         _warn_once()
         return False

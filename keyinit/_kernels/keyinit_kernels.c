@@ -80,7 +80,7 @@ static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
     } while (0)
 
 /* Blocks first .. first+n-1, written interleaved: out[4*i + lane]. */
-static void philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+static void philox_range_scalar(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, uint32_t *restrict out)
 {
     for (int64_t i = 0; i < n; i++) {
         uint32_t c0, c1, c2, c3;
@@ -90,6 +90,159 @@ static void philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, ui
         out[4 * i + 2] = c2;
         out[4 * i + 3] = c3;
     }
+}
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+/* 16 blocks per vector in 32-bit lanes; the 32x32->64 products of the even and
+ * odd lanes come from two vpmuludq. Same integer results as PHILOX_BLOCK. */
+static inline void mulhilo16(__m512i a, __m512i m, __m512i *hi, __m512i *lo)
+{
+    __m512i even = _mm512_mul_epu32(a, m);
+    __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
+    *hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+    *lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+}
+
+/* Transpose (c0, c1, c2, c3) x 16 blocks into out[4*i + lane]. */
+static inline void store_blocks16(__m512i c0, __m512i c1, __m512i c2, __m512i c3, uint32_t *restrict out)
+{
+    __m512i t0 = _mm512_unpacklo_epi32(c0, c1);
+    __m512i t1 = _mm512_unpackhi_epi32(c0, c1);
+    __m512i t2 = _mm512_unpacklo_epi32(c2, c3);
+    __m512i t3 = _mm512_unpackhi_epi32(c2, c3);
+    __m512i u0 = _mm512_unpacklo_epi64(t0, t2); /* 128-bit chunk j: block 4j */
+    __m512i u1 = _mm512_unpackhi_epi64(t0, t2); /* block 4j+1 */
+    __m512i u2 = _mm512_unpacklo_epi64(t1, t3); /* block 4j+2 */
+    __m512i u3 = _mm512_unpackhi_epi64(t1, t3); /* block 4j+3 */
+    const __m512i i01 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i i23 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    __m512i v01a = _mm512_permutex2var_epi64(u0, i01, u1); /* blocks 0 1 4 5 */
+    __m512i v01b = _mm512_permutex2var_epi64(u0, i23, u1); /* blocks 8 9 12 13 */
+    __m512i v23a = _mm512_permutex2var_epi64(u2, i01, u3); /* blocks 2 3 6 7 */
+    __m512i v23b = _mm512_permutex2var_epi64(u2, i23, u3); /* blocks 10 11 14 15 */
+    const __m512i j0 = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11);
+    const __m512i j1 = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
+    _mm512_storeu_si512(out + 0, _mm512_permutex2var_epi64(v01a, j0, v23a));
+    _mm512_storeu_si512(out + 16, _mm512_permutex2var_epi64(v01a, j1, v23a));
+    _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi64(v01b, j0, v23b));
+    _mm512_storeu_si512(out + 48, _mm512_permutex2var_epi64(v01b, j1, v23b));
+}
+
+/* 4 independent groups of 16 blocks, interleaved to hide the multiply latency. */
+#define SIMD_GROUPS 4
+static void philox_simd(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+{
+    __m512i c0[SIMD_GROUPS], c1[SIMD_GROUPS], c2[SIMD_GROUPS], c3[SIMD_GROUPS];
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int g = 0; g < SIMD_GROUPS; g++) {
+        uint64_t b0 = first + (uint64_t)(16 * g);
+        /* lo32(b0 + i) and hi32(b0 + i), with the carry out of the low word */
+        __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)b0), lane);
+        __mmask16 carry = _mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32((int)(uint32_t)b0));
+        __m512i hi = _mm512_mask_add_epi32(_mm512_set1_epi32((int)(uint32_t)(b0 >> 32)), carry,
+                                           _mm512_set1_epi32((int)(uint32_t)(b0 >> 32)), _mm512_set1_epi32(1));
+        c0[g] = lo;
+        c1[g] = hi;
+        c2[g] = _mm512_setzero_si512();
+        c3[g] = _mm512_setzero_si512();
+    }
+    const __m512i m0 = _mm512_set1_epi64(PH_M0), m1 = _mm512_set1_epi64(PH_M1);
+    uint32_t key0 = k0, key1 = k1;
+    for (int r = 0; r < 10; r++) {
+        const __m512i kk0 = _mm512_set1_epi32((int)key0), kk1 = _mm512_set1_epi32((int)key1);
+        for (int g = 0; g < SIMD_GROUPS; g++) {
+            __m512i hi0, lo0, hi1, lo1;
+            mulhilo16(c0[g], m0, &hi0, &lo0);
+            mulhilo16(c2[g], m1, &hi1, &lo1);
+            c0[g] = _mm512_ternarylogic_epi32(hi1, c1[g], kk0, 0x96); /* a ^ b ^ c */
+            c2[g] = _mm512_ternarylogic_epi32(hi0, c3[g], kk1, 0x96);
+            c1[g] = lo1;
+            c3[g] = lo0;
+        }
+        key0 += PH_W0;
+        key1 += PH_W1;
+    }
+    for (int g = 0; g < SIMD_GROUPS; g++) store_blocks16(c0[g], c1[g], c2[g], c3[g], out + 64 * g);
+}
+#define SIMD_BLOCKS (16 * SIMD_GROUPS)
+#elif defined(__AVX2__)
+static inline void mulhilo8(__m256i a, __m256i m, __m256i *hi, __m256i *lo)
+{
+    __m256i even = _mm256_mul_epu32(a, m);
+    __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
+    *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+    *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+}
+
+/* 2 independent groups of 8 blocks, interleaved to hide the multiply latency. */
+#define SIMD_GROUPS 2
+#define SIMD_BLOCKS (8 * SIMD_GROUPS)
+static void philox_simd(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+{
+    __m256i c0[SIMD_GROUPS], c1[SIMD_GROUPS], c2[SIMD_GROUPS], c3[SIMD_GROUPS];
+    for (int g = 0; g < SIMD_GROUPS; g++) {
+        uint32_t lo[8], hi[8];
+        for (int i = 0; i < 8; i++) {
+            uint64_t b = first + (uint64_t)(8 * g + i);
+            lo[i] = (uint32_t)b;
+            hi[i] = (uint32_t)(b >> 32);
+        }
+        c0[g] = _mm256_loadu_si256((const __m256i *)lo);
+        c1[g] = _mm256_loadu_si256((const __m256i *)hi);
+        c2[g] = _mm256_setzero_si256();
+        c3[g] = _mm256_setzero_si256();
+    }
+    const __m256i m0 = _mm256_set1_epi64x(PH_M0), m1 = _mm256_set1_epi64x(PH_M1);
+    uint32_t key0 = k0, key1 = k1;
+    for (int r = 0; r < 10; r++) {
+        const __m256i kk0 = _mm256_set1_epi32((int)key0), kk1 = _mm256_set1_epi32((int)key1);
+        for (int g = 0; g < SIMD_GROUPS; g++) {
+            __m256i hi0, lo0, hi1, lo1;
+            mulhilo8(c0[g], m0, &hi0, &lo0);
+            mulhilo8(c2[g], m1, &hi1, &lo1);
+            c0[g] = _mm256_xor_si256(_mm256_xor_si256(hi1, c1[g]), kk0);
+            c2[g] = _mm256_xor_si256(_mm256_xor_si256(hi0, c3[g]), kk1);
+            c1[g] = lo1;
+            c3[g] = lo0;
+        }
+        key0 += PH_W0;
+        key1 += PH_W1;
+    }
+    for (int g = 0; g < SIMD_GROUPS; g++) {
+        uint32_t *o = out + 32 * g;
+        __m256i t0 = _mm256_unpacklo_epi32(c0[g], c1[g]);
+        __m256i t1 = _mm256_unpackhi_epi32(c0[g], c1[g]);
+        __m256i t2 = _mm256_unpacklo_epi32(c2[g], c3[g]);
+        __m256i t3 = _mm256_unpackhi_epi32(c2[g], c3[g]);
+        __m256i u0 = _mm256_unpacklo_epi64(t0, t2); /* blocks 0 | 4 */
+        __m256i u1 = _mm256_unpackhi_epi64(t0, t2); /* blocks 1 | 5 */
+        __m256i u2 = _mm256_unpacklo_epi64(t1, t3); /* blocks 2 | 6 */
+        __m256i u3 = _mm256_unpackhi_epi64(t1, t3); /* blocks 3 | 7 */
+        _mm256_storeu_si256((__m256i *)(o + 0), _mm256_permute2x128_si256(u0, u1, 0x20));
+        _mm256_storeu_si256((__m256i *)(o + 8), _mm256_permute2x128_si256(u2, u3, 0x20));
+        _mm256_storeu_si256((__m256i *)(o + 16), _mm256_permute2x128_si256(u0, u1, 0x31));
+        _mm256_storeu_si256((__m256i *)(o + 24), _mm256_permute2x128_si256(u2, u3, 0x31));
+    }
+}
+#endif
+
+static void philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+{
+    int64_t i = 0;
+#ifdef SIMD_BLOCKS
+    for (; i + SIMD_BLOCKS <= n; i += SIMD_BLOCKS) philox_simd(first + (uint64_t)i, k0, k1, out + 4 * i);
+#endif
+    philox_range_scalar(first + (uint64_t)i, n - i, k0, k1, out + 4 * i);
+}
+
+/* Exported for the tests: Philox blocks first .. first+n-1 through the path the fills use. */
+KI_API void keyinit_philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, uint32_t *out)
+{
+    philox_range(first, n, k0, k1, out);
 }
 
 /* Words of elements with arbitrary global indices g[0..m-1]: element k gets
@@ -218,16 +371,26 @@ static void ndtri_tail_batch(const float *tail, int64_t m, float *mag)
 {
     int32_t where[TILE];
     float tails[TILE], ztail[TILE];
-    int64_t n = 0;
+    uint8_t is_tail[TILE];
     for (int64_t k = 0; k < m; k++) {
         float q = 0.5f - tail[k];
         mag[k] = ndtri_central(q);
+        is_tail[k] = !(q <= C_SPLIT_CENTRAL);
     }
-    for (int64_t k = 0; k < m; k++) {
-        float q = 0.5f - tail[k];
-        where[n] = (int32_t)k;
-        tails[n] = tail[k];
-        n += !(q <= C_SPLIT_CENTRAL);
+    /* Compaction through 64-bit masks: the work is per tail element, with no
+     * store whose address depends on the previous element. */
+    int64_t n = 0;
+    for (int64_t base = 0; base < m; base += 64) {
+        int64_t cnt = m - base < 64 ? m - base : 64;
+        uint64_t bits = 0;
+        for (int64_t j = 0; j < cnt; j++) bits |= (uint64_t)is_tail[base + j] << j;
+        while (bits) {
+            int j = __builtin_ctzll(bits);
+            bits &= bits - 1;
+            where[n] = (int32_t)(base + j);
+            tails[n] = tail[base + j];
+            n++;
+        }
     }
     for (int64_t j = 0; j < n; j++) ztail[j] = ndtri_tails(tails[j]);
     for (int64_t j = 0; j < n; j++) mag[where[j]] = ztail[j];
@@ -297,6 +460,7 @@ typedef struct {
     const int64_t *ostride;
     const int64_t *gstride;
     const int64_t *const *index;
+    int inner_unit; /* 1: index[last][p] == index[last][0] + p for all p; 0: not; -1: unknown */
     char *out;
     int elsize;
     int64_t numel;
@@ -485,8 +649,8 @@ static void do_row_tile(const plan_t *P, int64_t gouter, int64_t oouter, int64_t
     const int last = P->ndim - 1;
     const int64_t *iv = P->index[last] + p0;
     const int64_t gs = P->gstride[last], os = P->ostride[last];
-    int contiguous = gs == 1;
-    if (contiguous) {
+    int contiguous = gs == 1 && P->inner_unit != 0;
+    if (contiguous && P->inner_unit < 0) {
         const int64_t first = iv[0];
         for (int64_t k = 1; k < m; k++) contiguous &= iv[k] == first + k;
     }
@@ -608,6 +772,14 @@ KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
     P.ostride = ostride;
     P.gstride = gstride;
     P.index = index;
+    /* Scan a short innermost index vector once, rather than once per tile. */
+    P.inner_unit = -1;
+    if (size[ndim - 1] <= (1 << 20)) {
+        const int64_t *iv = index[ndim - 1];
+        int unit = 1;
+        for (int64_t k = 1; k < size[ndim - 1]; k++) unit &= iv[k] == iv[0] + k;
+        P.inner_unit = unit;
+    }
     P.out = (char *)out;
     P.elsize = elsizes[dtype];
     int64_t numel = 1;
