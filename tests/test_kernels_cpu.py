@@ -1,15 +1,12 @@
 """The compiled CPU kernel reproduces the reference bit for bit.
 
-Every comparison calls the reference (:func:`keyinit._reference.fill`, through
-``_testing.reference_fill``, which only makes ``torch.sqrt`` the correctly
-rounded one the spec requires where this torch build's is not) and the kernel
-(:func:`keyinit._kernels._cpu.fill`) directly, never the dispatcher.
+Every comparison calls the reference (:func:`keyinit._reference.fill`) and the
+kernel (:func:`keyinit._kernels._cpu.fill`) directly, never the dispatcher.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import warnings
 
 import numpy as np
@@ -20,7 +17,6 @@ from hypothesis import strategies as st
 
 from keyinit import _dispatch, _fp32math, _reference
 from keyinit._kernels import _build, _cpu
-from keyinit._kernels._testing import SQRT_PROBES, ieee_sqrt, reference_fill, torch_sqrt_is_correctly_rounded
 from keyinit.distributions import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -76,7 +72,7 @@ def assert_same(dist, shape, region=None, out_factory=None, threads=None, k=KEY)
     else:
         make = lambda: out_factory(reg.region_shape)  # noqa: E731
     expected = make()
-    reference_fill(expected, dist, k, reg)
+    _reference.fill(expected, dist, k, reg)
     got = make()
     got.zero_()
     assert _cpu.fill(got, dist, k, reg, threads=threads)
@@ -193,7 +189,7 @@ def test_destination_with_storage_offset_and_neighbours_untouched():
     reg = make_region((100, 100), (slice(40, 52), slice(0, 29, 2)))
     assert _cpu.fill(view, Normal.create(0, 1), KEY, reg)
     expected = torch.empty(view.shape)
-    reference_fill(expected, Normal.create(0, 1), KEY, reg)
+    _reference.fill(expected, Normal.create(0, 1), KEY, reg)
     assert torch.equal(view, expected)
     mask = torch.ones_like(storage, dtype=torch.bool)
     mask[7:19, 11:40:2] = False
@@ -244,7 +240,7 @@ def test_build_variants_agree(variant, native, extra, tmp_path, monkeypatch):
         got = torch.empty(reg.region_shape, dtype=dist.dtypes[0])
         assert _cpu.fill(got, dist, KEY, reg, threads=2, lib=lib)
         expected = torch.empty_like(got)
-        reference_fill(expected, dist, KEY, reg)
+        _reference.fill(expected, dist, KEY, reg)
         assert torch.equal(_bits(got), _bits(expected))
 
 
@@ -356,7 +352,7 @@ def test_unbuildable_kernel_warns_once_and_falls_back(monkeypatch):
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "reference" in messages[0] and "no C compiler" in messages[0]
     expected = torch.empty(10)
-    reference_fill(expected, Uniform.create(0, 1), KEY, reg)
+    _reference.fill(expected, Uniform.create(0, 1), KEY, reg)
     assert torch.equal(a, expected) and torch.equal(b, expected)
 
 
@@ -373,29 +369,3 @@ def test_no_compiler_is_a_build_error(monkeypatch):
     monkeypatch.setattr(_build, "find_compiler", lambda: None)
     with pytest.raises(_build.BuildError, match="no C compiler"):
         _build.build()
-
-
-# ------------------------------------------------ the reference's torch.sqrt
-
-
-def test_reference_helper_only_fixes_sqrt():
-    x = torch.tensor(SQRT_PROBES, dtype=torch.float32)
-    with ieee_sqrt():
-        fixed = torch.sqrt(x)
-    assert torch.equal(fixed, torch.from_numpy(np.sqrt(x.numpy())))
-    assert not isinstance(torch.sqrt, functools.partial)
-
-
-@pytest.mark.xfail(
-    not torch_sqrt_is_correctly_rounded(),
-    reason="this torch build's CPU torch.sqrt (MKL vsSqrt) is not correctly rounded, so the unmodified "
-    "reference deviates from spec v1 for ~0.1% of normal/truncated-normal elements; the kernel follows the spec",
-    strict=True,
-)
-def test_unmodified_reference_matches_kernel_for_normal():
-    reg = make_region((4096,), None)
-    expected = torch.empty(4096)
-    _reference.fill(expected, Normal.create(0, 1), KEY, reg)
-    got = torch.empty(4096)
-    assert _cpu.fill(got, Normal.create(0, 1), KEY, reg)
-    assert torch.equal(got, expected)
