@@ -183,6 +183,13 @@ def test_non_contiguous_destinations(name, dist, dtype):
     assert_same(dist, (260, 130), None, out_factory=_transposed(dtype), threads=2)
 
 
+def test_write_bumps_the_version_counter():
+    out = torch.empty(10)
+    before = out._version
+    assert _cpu.fill(out, Uniform.create(0, 1), KEY, make_region((10,), None))
+    assert out._version > before
+
+
 def test_destination_with_storage_offset_and_neighbours_untouched():
     storage = torch.full((50, 60), -3.0)
     view = storage[7:19, 11:40:2]

@@ -176,4 +176,6 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, thread
     )
     if rc != 0:  # pragma: no cover - arguments are validated above
         raise RuntimeError(f"keyinit_fill failed with code {rc}")
+    # The write bypassed torch, so bump the version counter as an in-place op would.
+    torch.autograd.graph.increment_version(out)
     return True
