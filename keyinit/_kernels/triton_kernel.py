@@ -128,11 +128,15 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, int
         ilow, ispan = dist.low, dist.span
     k0, k1 = key.words
     grid = ((numel + BLOCK - 1) // BLOCK,)
-    kernel[grid](
-        _storage_view(out), meta, index_all, numel, base, k0, k1,
-        float(fa), float(fb), float(p_low), float(p_span), float(lower), float(upper),
-        flip, threshold, ilow, ispan,
-        NDIM=len(rows), DIST=dist_id, OUT=out_kind, BLOCK=BLOCK,
-        enable_fp_fusion=False,
-    )
+    args = (_storage_view(out), meta, index_all, numel, base, k0, k1,
+            float(fa), float(fb), float(p_low), float(p_span), float(lower), float(upper),
+            flip, threshold, ilow, ispan)
+    options = dict(NDIM=len(rows), DIST=dist_id, OUT=out_kind, BLOCK=BLOCK, enable_fp_fusion=False)
+    if out.device.type == "cuda":
+        with torch.cuda.device(out.device):
+            kernel[grid](*args, **options)
+    else:  # the interpreter (tests)
+        kernel[grid](*args, **options)
+    # The write bypassed torch's in-place ops, so bump the version counter as they would.
+    torch.autograd.graph.increment_version(out)
     return True
