@@ -12,11 +12,15 @@ or machine never reuses a stale build. The library is written to a temporary
 file and renamed into place, so concurrent processes are safe. The library is
 loaded with :mod:`ctypes`; nothing needs torch headers, ninja or setuptools.
 
-Flags: ``-O3 -std=c11 -ffp-contract=off -fno-math-errno -fPIC -shared -pthread``,
-plus ``-march=native`` when the compiler accepts it. None of them can change a
-result: there is no ``-ffast-math`` (no reassociation, no flush-to-zero), no FP
-contraction into FMA, and the only math function, ``sqrtf``, is correctly
-rounded by IEEE-754 (``-fno-math-errno`` only drops the ``errno`` write).
+Flags: ``-O3 -std=c11 -ffp-contract=off -fno-math-errno -fno-trapping-math -fPIC
+-shared -pthread``, plus ``-march=native`` when the compiler accepts it. None of
+them can change a result: there is no ``-ffast-math`` (no reassociation, no
+flush-to-zero), no FP contraction into FMA, and the only math function,
+``sqrtf``, is correctly rounded by IEEE-754. ``-fno-math-errno`` only drops the
+``errno`` write and ``-fno-trapping-math`` only lets the compiler assume no FP
+trap handler is watching (so selects can be vectorized); neither permits a
+value-changing transformation. With ``-march=native`` the cache key includes the
+target macros the compiler predefines on this machine.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from typing import Optional
 __all__ = ["SOURCE", "BASE_FLAGS", "cache_dir", "find_compiler", "build", "load"]
 
 SOURCE = Path(__file__).with_name("keyinit_kernels.c")
-BASE_FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread")
+BASE_FLAGS = (
+    "-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread",
+)
 NATIVE_FLAGS = ("-march=native",)
 
 

@@ -2,7 +2,9 @@
  * keyinit compiled CPU kernel: stream v1, bit-identical to keyinit._reference.fill.
  *
  * Built at first use by keyinit/_kernels/_cpu.py with
- *     cc -O3 -std=c11 -ffp-contract=off -fno-math-errno -fPIC -shared -pthread
+ *     cc -O3 -std=c11 -ffp-contract=off -fno-math-errno -fno-trapping-math -fPIC -shared -pthread
+ * (plus -march=native where accepted; AVX-512 and AVX2 get explicit Philox code,
+ * other targets the portable loop, all with the same integer results)
  * (never -ffast-math: every float operation below must be the IEEE-754
  * binary32 operation the reference performs, in the same order, with no
  * fused multiply-add and no flush-to-zero). The only library-like function
