@@ -7,6 +7,7 @@ kernel (:func:`keyinit._kernels._cpu.fill`) directly, never the dispatcher.
 from __future__ import annotations
 
 import ctypes
+import os
 import warnings
 
 import numpy as np
@@ -325,6 +326,20 @@ def test_float32_conversions_match_torch(dtype, dtype_id):
     # (bf16: 0xFFFF from the vector path, 0x7FC0 from c10's scalar rule; fp16: payload kept
     # by F16C, 0x7E00 from the scalar rule), and no v1 distribution ever produces a NaN.
     assert bool(torch.isnan(got[nan].view(dtype).float()).all())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("KEYINIT_EXHAUSTIVE"), reason="set KEYINIT_EXHAUSTIVE=1 for the 2**32 sweep (~1.5 min)")
+def test_float32_conversions_match_torch_exhaustively():
+    """Every float32 bit pattern except NaNs, against torch's .to() (run once: all equal)."""
+    chunk = 1 << 26
+    got = torch.empty(chunk, dtype=torch.int16)
+    for start in range(0, 1 << 32, chunk):
+        src = torch.from_numpy(np.arange(start, start + chunk, dtype=np.uint64).astype(np.uint32).view(np.float32))
+        keep = ~torch.isnan(src)
+        for dtype, dtype_id in ((torch.bfloat16, 2), (torch.float16, 3)):
+            _cpu.library().keyinit_convert_f32(src.data_ptr(), chunk, dtype_id, got.data_ptr())
+            assert torch.equal(got[keep], src.to(dtype).view(torch.int16)[keep]), (dtype, start)
 
 
 # ------------------------------------------------------ dispatch and fallback
