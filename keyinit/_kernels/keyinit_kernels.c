@@ -1,23 +1,22 @@
 /*
  * keyinit compiled CPU kernel: stream v1, bit-identical to keyinit._reference.fill.
  *
- * Built at first use by keyinit/_kernels/_cpu.py with
+ * Built on first use by keyinit/_kernels/_build.py with
  *     cc -O3 -std=c11 -ffp-contract=off -fno-math-errno -fno-trapping-math -fPIC -shared -pthread
- * (plus -march=native where accepted; AVX-512 and AVX2 get explicit Philox code,
- * other targets the portable loop, all with the same integer results)
- * (never -ffast-math: every float operation below must be the IEEE-754
- * binary32 operation the reference performs, in the same order, with no
- * fused multiply-add and no flush-to-zero). The only library-like function
- * used is sqrtf, which IEEE-754 requires to be correctly rounded (with
- * -fno-math-errno it is the sqrtss / vsqrtps instruction).
+ * plus -march=native where the compiler accepts it. AVX-512 and AVX2 targets get
+ * explicit Philox code, other targets a portable loop; all give the same integers.
+ * Never -ffast-math: every float operation below is the IEEE-754 binary32
+ * operation the reference performs, in the same order, with no fused
+ * multiply-add and no flush-to-zero. The only math function is sqrt
+ * (__builtin_sqrtf), which IEEE-754 requires to be correctly rounded; with
+ * -fno-math-errno it is the sqrtss / vsqrtps instruction.
  *
- * What an element is: element (p_0, ..., p_{d-1}) of the destination has
- *     global flat index g = base + sum_k off_k(p_k)
- *     destination address  = out + elsize * sum_k p_k * ostride_k
- * where off_k(p) = p * gstep_k if dimension k is arithmetic (gvec_k == NULL)
- * and off_k(p) = gvec_k[p] otherwise (the caller passes index * global stride).
- * The element consumes stream words w*g .. w*g + w - 1; word j is lane j % 4
- * of Philox4x32-10((lo32(j/4), hi32(j/4), 0, 0), (k0, k1)).
+ * Addressing (see keyinit_fill): element (p_0, ..., p_{d-1}) of the destination
+ * has global flat index  g = base + sum_k index[k][p_k] * gstride[k]  and sits at
+ * element offset  sum_k p_k * ostride[k]  from out. It consumes stream words
+ * w*g .. w*g + w - 1 (w = 2 for randint, else 1); word j is lane j % 4 of
+ * Philox4x32-10((lo32(j/4), hi32(j/4), 0, 0), (k0, k1)). Where a tile's global
+ * indices are consecutive, one Philox block serves 4/w elements.
  *
  * Work is split into chunks of CHUNK region elements taken by threads from an
  * atomic counter, and each chunk into tiles of at most TILE elements held in
