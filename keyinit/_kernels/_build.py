@@ -53,8 +53,12 @@ def cache_dir() -> Path:
     if explicit:
         return Path(explicit)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    root = Path(xdg) if xdg else Path.home() / ".cache"
-    return root / "keyinit"
+    if xdg:
+        return Path(xdg) / "keyinit"
+    try:
+        return Path.home() / ".cache" / "keyinit"
+    except RuntimeError:  # no home directory
+        return Path(tempfile.gettempdir()) / f"keyinit-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
 def find_compiler() -> Optional[str]:
