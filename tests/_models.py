@@ -1,69 +1,31 @@
-"""Small models for the multi-process tests: a Llama-like transformer and a conv net.
+"""Models for the multi-process tests: the shared Llama-like transformer and conv net at odd sizes.
 
-Sizes are odd on purpose (vocab 33, hidden 40) so shards are uneven.
+The classes live in ``keyinit.cli.models`` (the demo uses them too); the tests
+pick sizes that shard unevenly (vocab 33, FFN hidden 40) and their own TP plan,
+which also puts the norms under sequence parallelism.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
+
+from keyinit.cli.models import ConvNet, llama
+
+__all__ = ["ConvNet", "TinyLlama", "llama_rules", "tp_plan", "full_state"]
 
 
-class Attention(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(dim)
-        self.attention = Attention(dim)
-        self.ffn_norm = nn.RMSNorm(dim)
-        self.feed_forward = FeedForward(dim, hidden)
-
-
-class TinyLlama(nn.Module):
-    def __init__(self, vocab: int = 33, dim: int = 16, hidden: int = 40, layers: int = 2) -> None:
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): Block(dim, hidden) for i in range(layers)})
-        self.norm = nn.RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
-
-
-class ConvNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 5, 3)
-        self.bn1 = nn.BatchNorm2d(5)
-        self.conv2 = nn.Conv2d(5, 6, 3, groups=1)
-        self.head = nn.Linear(6, 3)
-
-
-#: Rules every test run uses, so FQN rules are exercised under every layout too.
-LLAMA_RULES = {"layers.*.attention.w*.weight": "trunc_normal"}
+def TinyLlama(vocab: int = 33) -> torch.nn.Module:  # noqa: N802 - a model factory named like the class
+    return llama("tiny", dim=16, n_heads=2, n_kv_heads=1, vocab_size=vocab, ffn_hidden=40)
 
 
 def llama_rules():
+    """FQN rules every test run uses, so FQN rules are exercised under every layout too."""
     from keyinit import init
 
     return {"layers.*.attention.w*.weight": init.trunc_normal(std=0.02, a=-0.04, b=0.04)}
 
 
-def tp_plan(model: TinyLlama) -> dict:
+def tp_plan(model: torch.nn.Module) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     plan = {"tok_embeddings": RowwiseParallel(), "norm": SequenceParallel(), "output": ColwiseParallel()}

@@ -155,7 +155,7 @@ def _two_d():
     report, counts = _init_counted(hsdp, rules=llama_rules())
     results["hsdp"] = (full_state(hsdp), counts, report.local_elements, report.elements, set())
 
-    fsdp4 = TinyLlama(vocab=3, dim=16, hidden=40)  # world size 4 > 3 rows: a rank holds an empty shard
+    fsdp4 = TinyLlama(vocab=3)  # world size 4 > 3 rows: a rank holds an empty shard
     fully_shard(fsdp4)
     report, counts = _init_counted(fsdp4, rules=llama_rules())
     results["fsdp4_empty_shard"] = (full_state(fsdp4), counts, report.local_elements, report.elements, set())
