@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import attrs
 import torch

@@ -59,8 +59,6 @@ class RuleContext:
 ModuleRule = Callable[[torch.nn.Module, RuleContext], Mapping[str, Initializer]]
 
 
-Rule = object  # an Initializer (for FQN patterns) or a ModuleRule (for module types)
-
 
 class Registry:
     """The documented, process-wide table of user rules (``keyinit.REGISTRY``).

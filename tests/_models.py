@@ -45,7 +45,7 @@ def tp_plan(model: torch.nn.Module) -> dict:
     return plan
 
 
-def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer as a full plain CPU tensor (gathers DTensors: call outside counted regions)."""
     out = {}
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):

@@ -16,16 +16,6 @@ from keyinit.layouts import Target
 from keyinit.regions import make_region
 
 KEY = keyinit.key_for(20240501, "layer.weight")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """These tests make many small tensors; on a shared 2-core box torch's intra-op
-    threads spin-wait and multiply the run time, so run them on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 FQN = "layer.weight"
 
 

@@ -20,16 +20,6 @@ from keyinit.rules import RuleContext
 SEED = 1234
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """These tests make many small tensors; on a shared 2-core box torch's intra-op
-    threads spin-wait and multiply the run time, so run them on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def direct_tensors(module):
     pairs = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
     return {name: tensor for name, tensor in pairs if tensor is not None}

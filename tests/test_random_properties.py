@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st

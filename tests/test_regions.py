@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 import keyinit
 try:  # tests/ as a package (tests/__init__.py) or as a plain directory
-    from tests.conftest import BASE_CASES, assert_bits_equal, index_full
+    from tests.conftest import assert_bits_equal, index_full
 except ImportError:
-    from conftest import BASE_CASES, assert_bits_equal, index_full
+    from conftest import assert_bits_equal, index_full
 from keyinit import _reference
 from keyinit._philox import stream_words
 from keyinit.distributions import Normal, Randint

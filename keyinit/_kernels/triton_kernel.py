@@ -25,7 +25,6 @@ semantics, IEEE binary32), which is how the tests check it without a GPU.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 

@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(header)
     if result["full_module"]:
-        print(f"(written by init code: the tensors of its module were computed in full)", file=sys.stderr)
+        print("(written by init code: the tensors of its module were computed in full)", file=sys.stderr)
     if args.full:
         torch.set_printoptions(profile="full")
     print(tensor)

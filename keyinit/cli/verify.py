@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(["layout", "tensors bit-identical", "max elements on a rank", "time", ""], rows,
                        align="lrrrl"))
     if result["ok"]:
-        print(f"\nOK: every simulated rank of every layout holds exactly the single-process values.")
+        print("\nOK: every simulated rank of every layout holds exactly the single-process values.")
         return 0
     print("\nMISMATCH: some simulated ranks differ from the single-process values (see DIFF above).")
     return 1
