@@ -7,9 +7,9 @@ keys. See ``docs/spec.md`` for the stream contract and ``docs/`` for the guide.
 
 from keyinit import init, layouts, random
 from keyinit.keys import DEFAULT_STREAM, STREAM_VERSIONS, Key, fold_in, key, key_for, split
-from keyinit.model import InitError, InitReport, PlanError, TensorRecord, init_model, materialize
+from keyinit.model import InitReport, TensorRecord, init_model, materialize
 from keyinit.rules import REGISTRY, Registry, RuleContext, register, register_pattern
-from keyinit._keyed_mode import UnkeyedRandomnessError
+from keyinit.errors import InitError, PlanError, UnkeyedRandomnessError
 
 __version__ = "0.1.0"
 

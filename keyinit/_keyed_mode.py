@@ -27,13 +27,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from keyinit.errors import UnkeyedRandomnessError
+
 __all__ = ["KeyedInitMode", "UnkeyedRandomnessError"]
 
 _init = torch.nn.init
 
 
-class UnkeyedRandomnessError(RuntimeError):
-    """Init code asked for randomness that keyinit cannot key."""
 
 
 def _random_functions() -> frozenset:

@@ -41,6 +41,7 @@ import torch
 
 from keyinit import layouts
 from keyinit._keyed_mode import KeyedInitMode
+from keyinit.errors import InitError, PlanError
 from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
 from keyinit.keys import DEFAULT_STREAM, Key, key, key_for
 from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext
@@ -51,25 +52,6 @@ logger = logging.getLogger("keyinit")
 
 InitMethod = Union[str, Callable[[torch.nn.Module], Any], None]
 Rules = Optional[Mapping[Union[str, type], Any]]
-
-
-class PlanError(ValueError):
-    """The model cannot be initialized as asked; nothing was written.
-
-    ``fqns`` lists the tensors the error is about (empty when it is about a rule or argument).
-    """
-
-    def __init__(self, message: str, fqns: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.fqns = tuple(fqns)
-
-
-class InitError(RuntimeError):
-    """Writing failed part-way. ``written`` lists the FQNs that were already written."""
-
-    def __init__(self, message: str, written: tuple[str, ...]) -> None:
-        super().__init__(message)
-        self.written = written
 
 
 @attrs.frozen

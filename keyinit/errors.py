@@ -1,0 +1,31 @@
+"""keyinit's exceptions, in one place so every module (init, dropout, CLI) raises the same classes."""
+
+from __future__ import annotations
+
+__all__ = ["PlanError", "InitError", "UnkeyedRandomnessError"]
+
+
+class PlanError(ValueError):
+    """The model cannot be initialized as asked; nothing was written (or allocated).
+
+    ``fqns`` lists the tensors the error is about (empty when it is about a rule or argument).
+    """
+
+    def __init__(self, message: str, fqns: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fqns = tuple(fqns)
+
+
+class InitError(RuntimeError):
+    """Writing failed part-way. ``written`` lists the FQNs that were already written."""
+
+    def __init__(self, message: str, written: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.written = written
+
+
+class UnkeyedRandomnessError(RuntimeError):
+    """Code asked for randomness that keyinit cannot key (it never falls back to the global RNG).
+
+    The message names the module and the op.
+    """
