@@ -219,18 +219,30 @@ def test_data_alias_is_keyed_like_the_parameter():
     assert torch.equal(model.w, expected(init.normal(std=0.5), "w", (3, 2)))
 
 
-def test_random_fill_of_a_partial_view_is_an_error():
+def test_random_fill_of_a_partial_view_is_keyed_by_its_position_in_the_tensor():
+    """A draw on a view is keyed ``fold_in(key_for(seed, fqn), position)``; elements no code writes keep
+    their values under init_model (and are an error under materialize, which has none)."""
+
     class RowInit(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.w = nn.Parameter(torch.empty(3, 2))
+            self.w = nn.Parameter(torch.full((3, 2), 7.0))
 
         def reset_parameters(self) -> None:
             with torch.no_grad():
                 self.w[0].normal_()
 
-    with pytest.raises(keyinit.InitError, match=r"RowInit at <root>: init code called normal_\(\) on a temporary"):
-        keyinit.init_model(RowInit(), 0)
+    model = RowInit()
+    report = keyinit.init_model(model, 0)
+    row = keyinit.random.normal(keyinit.fold_in(keyed("w"), 0), (2,))
+    assert torch.equal(model.w[0], row)
+    assert torch.equal(model.w[1:], torch.full((2, 2), 7.0))
+    assert report.records[0].source == "reset_parameters"
+    with torch.device("meta"):
+        meta = RowInit()
+    with pytest.raises(keyinit.PlanError, match=r"init code writes only part of these tensors .*: w") as info:
+        keyinit.materialize(meta, 0, device="cpu")
+    assert info.value.fqns == ("w",) and meta.w.is_meta
 
 
 def test_torchtitan_style_init_weights():
@@ -283,7 +295,7 @@ def test_hf_style_init_weights_callable():
     assert torch.equal(model.dense.bias, torch.zeros(8))
 
 
-def test_unkeyable_randomness_is_an_error_naming_the_module():
+def test_draw_on_a_temporary_is_keyed_by_where_it_lands():
     class Noisy(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -291,11 +303,34 @@ def test_unkeyable_randomness_is_an_error_naming_the_module():
 
         def reset_parameters(self) -> None:
             with torch.no_grad():
-                self.w.copy_(torch.randn(3))
+                self.w.copy_(torch.randn(3) * 0.5)
 
     model = nn.Sequential(nn.Linear(2, 2), Noisy())
-    with pytest.raises(keyinit.InitError, match=r"Noisy at 1: init code called randn\(\) on a temporary tensor"):
+    before = torch.get_rng_state()
+    keyinit.init_model(model, 0)
+    assert torch.equal(before, torch.get_rng_state())
+    z = keyinit.random.normal(keyinit.fold_in(keyed("1.w"), 0), (3,))
+    assert torch.equal(model[1].w, z * 0.5)
+
+
+def test_unkeyable_randomness_is_an_error_naming_the_module_and_op():
+    class Poisson(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(3))
+
+        def reset_parameters(self) -> None:
+            with torch.no_grad():
+                self.w.copy_(torch.poisson(torch.ones(3)))
+
+    model = nn.Sequential(nn.Linear(2, 2), Poisson())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(keyinit.UnkeyedRandomnessError, match=r"Poisson at 1: init code called poisson\(\)"):
         keyinit.init_model(model, 0)
+    assert_same(before, model.state_dict())  # raised while planning: nothing written
+    # A rule for the tensor wins, and the init code that fed it no longer matters.
+    keyinit.init_model(model, 0, rules={"1.w": init.zeros()})
+    assert torch.equal(model[1].w, torch.zeros(3))
 
 
 def test_module_without_rule_or_method_is_a_plan_error():
@@ -484,5 +519,7 @@ def test_integer_and_bool_buffers():
             self.w = nn.Parameter(torch.empty(2))
             self.register_buffer("mask", torch.ones(3, dtype=torch.bool))
 
-    with pytest.raises(keyinit.InitError, match=r"mask: normal draws floating-point values and cannot fill a torch.bool"):
-        keyinit.init_model(Flags(), 0, rules={"w": init.zeros(), "mask": init.normal()})
+    flags = Flags()
+    with pytest.raises(keyinit.PlanError, match=r"mask: normal draws floating-point values and cannot fill a torch.bool") as info:
+        keyinit.init_model(flags, 0, rules={"w": init.zeros(), "mask": init.normal()})
+    assert info.value.fqns == ("mask",) and bool(flags.mask.all())  # nothing was written

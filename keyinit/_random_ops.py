@@ -1,0 +1,316 @@
+r"""Keyed equivalents of torch's random ops, for init code captured by :mod:`keyinit.capture`.
+
+Every aten op torch tags ``nondeterministic_seeded`` (plus ``random_``) that init
+code calls on a captured tensor becomes program nodes whose randomness is a
+:mod:`keyinit.random` draw, keyed later by where it lands (never the global RNG,
+never a ``generator=``). The distribution is the op's; the bits are keyinit's:
+
+==========================  =============================================================
+op                          keyed value (``u``: a 32-bit stream word ``x`` as
+                            :math:`(x + 1/2)\,2^{-32}` in binary64; ``z``: keyinit normal)
+==========================  =============================================================
+``uniform_(a, b)``, rand    ``keyinit.random.uniform(low=a, high=b)`` (``a == b``: the constant ``a``)
+``normal_(m, s)``, randn    ``keyinit.random.normal(mean=m, std=s)``; tensor ``m``/``s``: ``m + s z`` in binary64
+``randint``, ``random_``    ``keyinit.random.randint`` (ranges up to :math:`2^{32}`)
+``bernoulli(p)``            ``keyinit.random.bernoulli(p)``; tensor ``p``: ``x < round(p 2^32)``
+``exponential_(l)``         :math:`-\ln(u) / l`
+``geometric_(p)``           :math:`\lceil \ln(u) / \ln(1 - p) \rceil`
+``log_normal_(m, s)``       :math:`\exp(m + s z)`
+``cauchy_(m, s)``           :math:`m + s \tan(\pi (u - 1/2))`
+``randperm(n)``             stable argsort of two words per element (whole)
+``multinomial``             inverse CDF (with replacement) or the exponential race (without), whole
+``native_dropout``          keep with ``keyinit.random.bernoulli(1 - p)``
+``rrelu_with_noise``        slope ``keyinit.random.uniform(lower, upper)`` on negative inputs
+==========================  =============================================================
+
+Transforms are computed in binary64 and rounded once to the output dtype. Ops
+with no exact inversion here (``poisson``, ``binomial``, gamma/Dirichlet samplers,
+fused attention and RNN kernels with dropout) become *unkeyable* draws: an
+:class:`keyinit.UnkeyedRandomnessError` if any tensor that needs them is initialized.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import attrs
+import torch
+
+from keyinit import random as keyed
+from keyinit.distributions import FLOAT_DTYPES, INT_DTYPES
+from keyinit.keys import Key
+from keyinit.program import Const, Node, Pointwise, Random, Whole
+
+__all__ = ["is_random", "keyed_effects", "Effects"]
+
+_RANDOM_ALSO = {"aten::random_", "aten::random"}
+
+
+def is_random(func: Any) -> bool:
+    """True for every aten op that draws from a generator."""
+    tags = getattr(func, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags or func._schema.name in _RANDOM_ALSO
+
+
+@attrs.frozen
+class _Sampler:
+    """``fill(key, target)`` of a :mod:`keyinit.random` sampler (values depend only on the flat index)."""
+
+    name: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def __call__(self, key: Key, target: Any) -> None:
+        getattr(keyed, self.name)(key, target.global_shape, **dict(self.params), region=target.region, out=target.out)
+
+
+@attrs.frozen
+class Effects:
+    """What a random op does: the values of its returns (None: the return is a mutated argument)
+    and the values written into its mutated tensor arguments (by argument name)."""
+
+    returns: tuple[Optional[Node], ...]
+    writes: tuple[tuple[str, Node], ...]
+
+
+def _bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+        else:
+            bound[arg.name] = None
+    return bound
+
+
+class _Builder:
+    def __init__(self, func: Any, shape: tuple[int, ...], dtype: torch.dtype, site: str,
+                 read: Callable[[Any], Node]) -> None:
+        self.op = func._schema.name.replace("aten::", "") + (f".{func._overloadname}" if func._overloadname != "default" else "")
+        self.shape, self.dtype, self.site, self.read = shape, dtype, site, read
+
+    def unkeyable(self, why: str, shape: Optional[tuple[int, ...]] = None, dtype: Optional[torch.dtype] = None) -> Random:
+        return Random(shape or self.shape, dtype or self.dtype, self.op, self.site,
+                      unkeyable=f"init code called {self.op}(), which keyinit cannot key: {why}")
+
+    def sample(self, name: str, dtype: Optional[torch.dtype] = None, shape: Optional[tuple[int, ...]] = None,
+               **params: Any) -> Random:
+        return Random(shape if shape is not None else self.shape, dtype or self.dtype,
+                      f"{self.op}({', '.join(f'{k}={v}' for k, v in params.items())})", self.site,
+                      _Sampler(name, tuple(params.items())), by_index=True)
+
+    def words(self) -> Random:
+        return self.sample("bits", torch.int64)
+
+    def unit(self) -> Random:
+        """Stream words for ``u = (x + 1/2) 2**-32`` (open interval (0, 1))."""
+        return self.words()
+
+    def pointwise(self, fn: Callable[..., torch.Tensor], *args: Node, name: str) -> Pointwise:
+        return Pointwise(self.shape, self.dtype, fn, tuple(args), f"{self.op}:{name}")
+
+    def cast(self, node: Node) -> Node:
+        if node.dtype == self.dtype:
+            return node
+        dtype = self.dtype
+        return Pointwise(self.shape, dtype, lambda x: x.to(dtype), (node,), f"{self.op}:cast", exact=True)
+
+
+def _u(words: torch.Tensor) -> torch.Tensor:
+    return (words.double() + 0.5) * 2.0**-32
+
+
+def _uniform(b: _Builder, low: float, high: float) -> Node:
+    if b.dtype not in FLOAT_DTYPES:
+        return b.unkeyable(f"it fills a {b.dtype} tensor (keyinit draws float32, float64, bfloat16, float16)")
+    low, high = float(low), float(high)
+    if low == high:
+        return Const(b.shape, b.dtype, low)
+    return b.sample("uniform", low=low, high=high)
+
+
+def _normal(b: _Builder, mean: Any, std: Any) -> Node:
+    if b.dtype not in FLOAT_DTYPES:
+        return b.unkeyable(f"it fills a {b.dtype} tensor (keyinit draws float32, float64, bfloat16, float16)")
+    if not isinstance(mean, torch.Tensor) and not isinstance(std, torch.Tensor):
+        return b.sample("normal", mean=float(mean), std=float(std))
+    z = b.sample("normal", torch.float32)
+    dtype = b.dtype
+    m = b.read(mean) if isinstance(mean, torch.Tensor) else Const((), torch.float64, float(mean))
+    s = b.read(std) if isinstance(std, torch.Tensor) else Const((), torch.float64, float(std))
+    return b.pointwise(lambda z, m, s: (m.double() + s.double() * z.double()).to(dtype), z, m, s, name="mean+std*z")
+
+
+def _randint(b: _Builder, low: int, high: int) -> Node:
+    if high - low > 2**32:
+        return b.unkeyable(f"its range [{low}, {high}) is wider than 2**32 (keyinit.random.randint's limit)")
+    if high <= low:
+        return b.unkeyable(f"its range [{low}, {high}) is empty")
+    draw_dtype = b.dtype if b.dtype in INT_DTYPES else torch.int64
+    return b.cast(b.sample("randint", draw_dtype, low=int(low), high=int(high)))
+
+
+def _random_range(b: _Builder, low: Optional[int], high: Optional[int]) -> Node:
+    dtype = b.dtype
+    if high is None:
+        if dtype == torch.bool:
+            high = 2
+        elif dtype.is_floating_point:
+            high = 2 ** (torch.finfo(dtype).nmant + 1) + 1
+        else:
+            high = torch.iinfo(dtype).max + 1
+    return _randint(b, 0 if low is None else int(low), int(high))
+
+
+def _bernoulli(b: _Builder, p: Any) -> Node:
+    if not isinstance(p, torch.Tensor):
+        return b.sample("bernoulli", p=float(p))
+    words = b.words()
+    dtype = b.dtype
+    return b.pointwise(lambda x, p: (x < torch.round(p.double() * 2.0**32)).to(dtype), words, b.read(p),
+                       name="x<round(p*2**32)")
+
+
+def _transform(b: _Builder, fn: Callable[[torch.Tensor], torch.Tensor], name: str) -> Node:
+    if b.dtype not in FLOAT_DTYPES:
+        return b.unkeyable(f"it fills a {b.dtype} tensor")
+    dtype = b.dtype
+    return b.pointwise(lambda x: fn(_u(x)).to(dtype), b.unit(), name=name)
+
+
+def _randperm(b: _Builder, n: int) -> Node:
+    hi = b.sample("bits", torch.int64, (n,))
+    lo = b.sample("randint", torch.int64, (n,), low=0, high=2**32)  # a second, independent word per element
+    dtype = b.dtype
+
+    def permutation(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+        order = torch.argsort(lo, stable=True)
+        return order[torch.argsort(hi[order], stable=True)].to(dtype)
+
+    return Whole((n,), dtype, permutation, (hi, lo), f"{b.op}(n={n})")
+
+
+def _multinomial(b: _Builder, probs: Any, num_samples: int, replacement: bool) -> Node:
+    p = b.read(probs)
+    rows = 1 if len(p.shape) == 1 else p.shape[0]
+    categories = p.shape[-1]
+    draws = b.sample("bits", torch.int64, (rows, num_samples if replacement else categories))
+    shape = b.shape
+
+    def sample(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        weights = p.double().reshape(rows, categories)
+        u = _u(x)
+        if replacement:
+            cdf = torch.cumsum(weights, dim=1)
+            picks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=categories - 1)
+        else:  # the first num_samples of an exponential race with rates p
+            race = -torch.log(u) / weights
+            picks = torch.argsort(race, dim=1, stable=True)[:, :num_samples]
+        return picks.reshape(shape).to(torch.int64)
+
+    return Whole(shape, torch.int64, sample, (p, draws), f"{b.op}(num_samples={num_samples}, replacement={replacement})")
+
+
+def keyed_effects(func: Any, args: tuple, kwargs: dict, outputs: list[torch.Tensor], site: str,
+                  read: Callable[[Any], Node]) -> Effects:
+    """The keyed version of the random op ``func(*args, **kwargs)``.
+
+    ``outputs`` are the op's returns run on meta tensors (their shapes and dtypes);
+    ``read(tensor)`` turns an argument into a node.
+    """
+    name = func._schema.name.replace("aten::", "")
+    inplace = name.endswith("_")
+    base = name.rstrip("_")
+    a = _bind(func, args, kwargs)
+    first = outputs[0] if outputs else None
+    shape = tuple(first.shape) if first is not None else ()
+    dtype = first.dtype if first is not None else torch.float32
+    b = _Builder(func, shape, dtype, site, read)
+    returns_alias = inplace or any(arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write
+                                   for arg in func._schema.arguments)
+    out_name = "self" if inplace else next((arg.name for arg in func._schema.arguments if arg.kwarg_only
+                                            and arg.alias_info is not None and arg.alias_info.is_write), None)
+
+    def single(value: Node) -> Effects:
+        if returns_alias:
+            return Effects((None,), ((out_name, value),))
+        return Effects((value,), ())
+
+    if base in ("uniform",):
+        return single(_uniform(b, a.get("from", 0.0), a.get("to", 1.0)))
+    if base in ("normal", "normal_functional"):
+        return single(_normal(b, a.get("mean", 0.0), a.get("std", 1.0)))
+    if base in ("rand", "rand_like"):
+        return single(_uniform(b, 0.0, 1.0))
+    if base in ("randn", "randn_like"):
+        return single(_normal(b, 0.0, 1.0))
+    if base in ("randint", "randint_like"):
+        high = a.get("high")
+        if isinstance(high, torch.Tensor):
+            return single(b.unkeyable("its bound is a tensor"))
+        return single(_randint(b, int(a.get("low") or 0), int(high)))
+    if base == "random":
+        return single(_random_range(b, a.get("from"), a.get("to")))
+    if base == "bernoulli":
+        p = a.get("p")
+        if p is None:
+            p = a.get("self")  # bernoulli(self): the probabilities are the input's values
+        return single(_bernoulli(b, p))
+    if base == "exponential":
+        lambd = float(a.get("lambd", 1.0))
+        return single(_transform(b, lambda u: -torch.log(u) / lambd, f"-log(u)/{lambd}"))
+    if base == "geometric":
+        p = float(a["p"])
+        return single(_transform(b, lambda u: torch.ceil(torch.log(u) / math.log1p(-p)), f"ceil(log(u)/log1p(-{p}))"))
+    if base == "log_normal":
+        mean, std = float(a.get("mean", 1.0)), float(a.get("std", 2.0))
+        z = b.sample("normal", torch.float32)
+        dtype = b.dtype
+        return single(b.pointwise(lambda z: torch.exp(mean + std * z.double()).to(dtype), z, name="exp(mean+std*z)"))
+    if base == "cauchy":
+        median, sigma = float(a.get("median", 0.0)), float(a.get("sigma", 1.0))
+        return single(_transform(b, lambda u: median + sigma * torch.tan(math.pi * (u - 0.5)), "cauchy"))
+    if base == "randperm":
+        return single(_randperm(b, int(a["n"])))
+    if base == "multinomial":
+        return single(_multinomial(b, a["self"], int(a["num_samples"]), bool(a.get("replacement"))))
+    if base == "native_dropout":
+        x = a["input"]
+        p = float(a["p"])
+        train = a.get("train")
+        xs = read(x)
+        if train is False or p == 0.0:
+            out_dtype = b.dtype
+            return Effects((Pointwise(shape, out_dtype, lambda v: v.clone(), (xs,), "dropout:identity", exact=True),
+                            Const(tuple(outputs[1].shape), torch.bool, True)), ())
+        keep = b.sample("bernoulli", torch.bool, p=1.0 - p)
+        scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+        out_dtype = b.dtype
+        out = Pointwise(shape, out_dtype, lambda v, k: v * k * scale, (xs, keep), "dropout")
+        return Effects((out, keep), ())
+    if base in ("rrelu_with_noise", "rrelu_with_noise_functional"):
+        x = read(a["self"])
+        lower, upper = float(a.get("lower", 0.125)), float(a.get("upper", 1.0 / 3)),
+        training = bool(a.get("training"))
+        dtype = b.dtype
+        if training:
+            slope: Node = b.sample("uniform", dtype, low=lower, high=upper) if lower < upper else Const(shape, dtype, lower)
+        else:
+            slope = Const(shape, dtype, (lower + upper) / 2)
+        out = Pointwise(shape, dtype, lambda v, r: torch.where(v >= 0, v, v * r), (x, slope), "rrelu")
+        noise = Pointwise(shape, dtype, lambda v, r: torch.where(v >= 0, torch.ones_like(r), r), (x, slope), "rrelu:noise")
+        if name == "rrelu_with_noise_functional":
+            return Effects((out, noise), ())
+        if inplace:
+            return Effects((None,), (("self", out), ("noise", noise)))
+        return Effects((out,), (("noise", noise),))
+    # Anything else (poisson, binomial, gamma, Dirichlet, fused attention/RNN dropout kernels).
+    values = tuple(b.unkeyable("it has no keyed equivalent (no exact inversion from uniform words)",
+                               tuple(o.shape), o.dtype) for o in outputs)
+    if returns_alias:
+        return Effects((None,) * len(values), ((out_name, values[0]),) if values else ())
+    return Effects(values, ())

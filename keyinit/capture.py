@@ -1,0 +1,478 @@
+"""Capture: run existing init code once, on global-shape stand-ins, and record what it does.
+
+:class:`Capture` gives every model tensor a *stand-in*: a :class:`LazyTensor` with the
+tensor's GLOBAL shape and dtype, reporting device ``cpu``, holding no memory. Init code
+(``reset_parameters``, ``init_weights(**kwargs)``, HF's ``_init_weights``) runs on the
+stand-ins unchanged, so it never sees a DTensor, a shard or a meta tensor. Under the
+capture's ``TorchDispatchMode`` every aten op the code issues is recorded into
+:mod:`keyinit.program` nodes instead of being computed:
+
+- views (slicing, ``select``, ``.T``, ``.data``, ``view``, ``chunk``, ...) share the
+  buffer of their base; in-place ops, ``copy_`` and ``out=`` become writes into it;
+- factories (``empty``, ``zeros``, ``arange``, ``torch.tensor``) become new buffers;
+- element-wise ops, ``cat``/``stack`` and everything else become nodes over their inputs;
+- random ops become keyed draws (:mod:`keyinit._random_ops`). ``nn.init.trunc_normal_``
+  and ``nn.init.orthogonal_``, whose torch algorithms draw in loops, are recognised by
+  their frames and recorded as the :mod:`keyinit.init` initializer of the same
+  distribution (the draw keyinit gives every rule); the rest of their body is suppressed.
+
+Python that needs a value (``.item()``, ``bool(t)``, ``.tolist()``) gets it computed on
+the spot when it depends on no random draw; depending on one is an
+:class:`keyinit.UnkeyedRandomnessError`, because a draw is keyed by where it lands. The
+global torch RNG is never read or advanced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from keyinit import init as _init
+from keyinit._random_ops import Effects, is_random, keyed_effects
+from keyinit.errors import UnkeyedRandomnessError
+from keyinit.program import (
+    Cat,
+    Const,
+    Geometry,
+    Item,
+    Literal,
+    Node,
+    Pointwise,
+    Random,
+    Read,
+    Storage,
+    Suppressed,
+    Whole,
+)
+from keyinit.replay import Evaluator
+
+__all__ = ["LazyTensor", "Capture", "CaptureError"]
+
+aten = torch.ops.aten
+
+
+class CaptureError(RuntimeError):
+    """Init code did something keyinit cannot record."""
+
+
+class LazyTensor(torch.Tensor):
+    """A tensor of a captured program: shape, strides and dtype, no data (see :class:`Capture`)."""
+
+    _meta: torch.Tensor
+    _capture: "Capture"
+
+    @staticmethod
+    def __new__(cls, meta: torch.Tensor, capture: "Capture", requires_grad: bool = False) -> "LazyTensor":
+        tensor = torch.Tensor._make_wrapper_subclass(
+            cls, meta.size(), strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
+            device="cpu", requires_grad=requires_grad,
+        )
+        tensor._meta = meta
+        tensor._capture = capture
+        return tensor
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+        return f"LazyTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_function__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func in _NEEDS_VALUES:
+            capture = next(a._capture for a in tree_flatten((args, kwargs))[0] if isinstance(a, LazyTensor))
+            concrete = tree_map(lambda x: capture.concrete(x, getattr(func, "__name__", "value"))
+                                if isinstance(x, LazyTensor) else x, (args, kwargs))
+            return func(*concrete[0], **concrete[1])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
+        raise CaptureError(f"a keyinit stand-in tensor was used outside keyinit's capture ({func})")
+
+
+_NEEDS_VALUES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
+
+#: Init functions whose torch algorithm draws in a loop; recorded as keyinit's initializer.
+def _recognised() -> dict[types.CodeType, Callable[[dict], Any]]:
+    nn_init = torch.nn.init
+    table: dict[types.CodeType, Callable[[dict], Any]] = {}
+
+    def trunc(loc: dict) -> Any:
+        return _init.trunc_normal(mean=float(loc["mean"]), std=float(loc["std"]), a=float(loc["a"]), b=float(loc["b"]))
+
+    def orthogonal(loc: dict) -> Any:
+        return _init.orthogonal(gain=float(loc["gain"]))
+
+    for name, make in (("trunc_normal_", trunc), ("_no_grad_trunc_normal_", trunc), ("orthogonal_", orthogonal)):
+        fn = getattr(nn_init, name, None)
+        if fn is not None:
+            table[fn.__code__] = make
+    return table
+
+
+_FILL_VALUE = {aten.fill_.Scalar, aten.fill.Scalar}
+_ZERO = {aten.zero_.default, aten.zero.default}
+_COPY = {aten.copy_.default}
+_ALLOC = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+          aten.new_empty_strided.default, aten.empty_like.default, aten.empty_permuted.default}
+_CONST_FACTORIES = {
+    aten.zeros.default: 0, aten.ones.default: 1, aten.zeros_like.default: 0, aten.ones_like.default: 1,
+    aten.new_zeros.default: 0, aten.new_ones.default: 1,
+}
+_FULL = {aten.full.default, aten.full_like.default, aten.new_full.default, aten.scalar_tensor.default}
+_IDENTITY = {aten.clone.default, aten._to_copy.default, aten.copy.default, aten.lift_fresh_copy.default,
+             aten.lift_fresh.default, aten.alias_copy.default, aten.detach_copy.default, aten.to.dtype}
+_CAT = {aten.cat.default: False, aten.stack.default: True}
+#: Ops whose results are Python values (no tensors): computed on real values.
+_VALUE_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
+
+
+def _mutated_args(func: Any) -> list[str]:
+    return [arg.name for arg in func._schema.arguments if arg.alias_info is not None and arg.alias_info.is_write]
+
+
+def _bind_names(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+    return bound
+
+
+def _op_name(func: Any) -> str:
+    name = func._schema.name.replace("aten::", "")
+    return name if func._overloadname == "default" else f"{name}.{func._overloadname}"
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, capture: "Capture") -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
+        return self.capture.handle(func, args, kwargs or {})
+
+
+class Capture:
+    """A capture session: stand-ins, the dispatch mode, and the buffers of everything recorded.
+
+    ``site`` names the code running now (for errors); ``label`` names it in reports.
+    """
+
+    def __init__(self) -> None:
+        self._storages: dict[int, Storage] = {}
+        self._bases: list[torch.Tensor] = []  # keeps meta storages alive, so their ids stay unique
+        self._claimed: list[types.FrameType] = []
+        self._recognised = _recognised()
+        self.site = "<init code>"
+        self.label = "init code"
+        self._mode = _Mode(self)
+
+    # ------------------------------------------------------------------ stand-ins
+    def standin(self, shape: tuple[int, ...], dtype: torch.dtype, label: str) -> LazyTensor:
+        """A fresh stand-in of a contiguous buffer of ``shape`` (nothing written yet)."""
+        meta = torch.empty(shape, dtype=dtype, device="meta")
+        self._register(meta, label)
+        return LazyTensor(meta, self)
+
+    def storage_of(self, tensor: LazyTensor) -> Storage:
+        return self._storages[tensor._meta.untyped_storage()._cdata]
+
+    def _register(self, meta: torch.Tensor, label: str) -> Storage:
+        cdata = meta.untyped_storage()._cdata
+        storage = self._storages.get(cdata)
+        if storage is None:
+            numel = meta.untyped_storage().nbytes() // max(meta.element_size(), 1)
+            storage = Storage(numel, meta.dtype, label)
+            self._storages[cdata] = storage
+            self._bases.append(meta)
+        return storage
+
+    @contextlib.contextmanager
+    def active(self, site: str, label: str) -> Iterator[None]:
+        """Run init code under capture; ``site`` names it in errors, ``label`` in reports."""
+        before = (self.site, self.label)
+        self.site, self.label = site, label
+        try:
+            with torch.no_grad(), self._mode:
+                yield
+        finally:
+            self.site, self.label = before
+            self._claimed.clear()
+
+    # ------------------------------------------------------------------ reading values
+    def node(self, value: Any) -> Node:
+        """The node of a tensor argument at this moment."""
+        if isinstance(value, LazyTensor):
+            storage = self.storage_of(value)
+            return Read(storage.current, Geometry.of(value._meta), value.dtype)
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "meta":
+                raise CaptureError(f"{self.site}: init code used a meta tensor of shape {tuple(value.shape)} that keyinit "
+                                   "did not create; it holds no values")
+            return Literal(value.detach().to("cpu").contiguous())
+        raise TypeError(f"internal: not a tensor: {type(value).__name__}")
+
+    def concrete(self, value: LazyTensor, why: str) -> torch.Tensor:
+        """The real value of a stand-in now (deterministic code only)."""
+        with _disable_current_modes():
+            evaluator = Evaluator({}, why_unkeyed=f"uses the values of a tensor in Python ({why})")
+            return evaluator.full(self.node(value))
+
+    # ------------------------------------------------------------------ frames
+    def _stack(self) -> list[types.FrameType]:
+        frames = []
+        frame: Optional[types.FrameType] = sys._getframe(2)
+        while frame is not None:
+            frames.append(frame)
+            frame = frame.f_back
+        return frames
+
+    def _suppressed(self, stack: list[types.FrameType]) -> bool:
+        if not self._claimed:
+            return False
+        live = {id(f) for f in stack}
+        self._claimed = [f for f in self._claimed if id(f) in live]
+        return bool(self._claimed)
+
+    def _claim(self, stack: list[types.FrameType]) -> bool:
+        """Record the innermost recognised init function on the stack as a keyed initializer."""
+        for frame in stack:
+            make = self._recognised.get(frame.f_code)
+            if make is None:
+                continue
+            target = frame.f_locals.get("tensor")
+            if not isinstance(target, LazyTensor):
+                raise UnkeyedRandomnessError(
+                    f"{self.site}: init code called nn.init.{frame.f_code.co_name.lstrip('_')}() on a tensor keyinit "
+                    f"does not manage (not a parameter, buffer or tensor created inside the init code)")
+            initializer = make(frame.f_locals)
+            draw = Random(tuple(target.shape), target.dtype, f"nn.init.{frame.f_code.co_name}", self.site,
+                          initializer, by_index=False, element_local=initializer.element_local)
+            self.storage_of(target).write(Geometry.of(target._meta), draw, self.label)
+            self._claimed.append(frame)
+            return True
+        return False
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        stack = self._stack()
+        if self._suppressed(stack):
+            return self._run_suppressed(func, args, kwargs)
+        if func in _VALUE_OPS:
+            concrete = tree_map(lambda x: self.concrete(x, _op_name(func)) if isinstance(x, LazyTensor) else x,
+                                (args, kwargs))
+            return func(*concrete[0], **concrete[1])
+        if is_random(func):
+            if self._claim(stack):
+                return self._run_suppressed(func, args, kwargs)
+            return self._record(func, args, kwargs, random=True)
+        flat, _ = tree_flatten((args, kwargs))
+        if not any(isinstance(x, LazyTensor) for x in flat) and any(isinstance(x, torch.Tensor) for x in flat) \
+                and func not in _IDENTITY:
+            return func(*args, **kwargs)  # real tensors only: run it for real
+        return self._record(func, args, kwargs, random=False)
+
+    def _to_meta(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def convert(x: Any) -> Any:
+            if isinstance(x, LazyTensor):
+                return x._meta
+            if isinstance(x, torch.Tensor):
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+            if isinstance(x, torch.device):
+                return torch.device("meta")
+            return x
+
+        margs, mkwargs = tree_map(convert, (args, kwargs))
+        if "device" in mkwargs:
+            mkwargs["device"] = torch.device("meta")
+        return margs, mkwargs
+
+    def _run_meta(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        margs, mkwargs = self._to_meta(args, kwargs)
+        return func(*margs, **mkwargs)
+
+    def _run_suppressed(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Inside a recognised init function: shapes only, nothing recorded."""
+        if func in _VALUE_OPS:
+            return False if func is not aten._local_scalar_dense.default else 0
+        out = self._run_meta(func, args, kwargs)
+        outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        returns = [Suppressed(tuple(o.shape), o.dtype) for o in outputs]
+        return self._wrap(args, kwargs, _bind_names(func, args, kwargs), _mutated_args(func), out, returns)
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, *, random: bool) -> Any:
+        try:
+            out = self._run_meta(func, args, kwargs)
+        except Exception as exc:  # no meta kernel, or a data-dependent shape: compute it for real
+            if random:
+                raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: {exc}") from exc
+            return self._run_concrete(func, args, kwargs, exc)
+        outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        bound = _bind_names(func, args, kwargs)
+        if random:
+            effects = keyed_effects(func, args, kwargs, outputs, self.site, self.node)
+        else:
+            effects = self._effects(func, args, kwargs, bound, outputs)
+        for name, value in effects.writes:
+            self._write(bound.get(name), value)
+        return self._wrap(args, kwargs, bound, _mutated_args(func), out, list(effects.returns))
+
+    def _run_concrete(self, func: Any, args: tuple, kwargs: dict, why: Exception) -> Any:
+        with _disable_current_modes():
+            concrete_args = tree_map(lambda x: self.concrete(x, _op_name(func)) if isinstance(x, LazyTensor) else x,
+                                     (args, kwargs))
+            try:
+                result = func(*concrete_args[0], **concrete_args[1])
+            except Exception as exc:
+                raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: {why}") from exc
+
+        def lift(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                lazy = self.standin(tuple(x.shape), x.dtype, "temporary")
+                self.storage_of(lazy).write(Geometry.of(lazy._meta), Literal(x.contiguous()), self.label)
+                return lazy
+            return x
+
+        return tree_map(lift, result)
+
+    def _write(self, target: Any, value: Node) -> None:
+        if not isinstance(target, LazyTensor):
+            raise UnkeyedRandomnessError(
+                f"{self.site}: init code writes into a tensor keyinit does not manage"
+                + (f" (shape {tuple(target.shape)})" if isinstance(target, torch.Tensor) else "")
+                + ": not a parameter, buffer or tensor created inside the init code")
+        self.storage_of(target).write(Geometry.of(target._meta), _fit(value, target._meta), self.label)
+
+    def _effects(self, func: Any, args: tuple, kwargs: dict, bound: dict[str, Any],
+                 outputs: list[torch.Tensor]) -> Effects:
+        """What a deterministic op computes: values of its new outputs and of its mutated arguments."""
+        name = _op_name(func)
+        mutated = _mutated_args(func)
+        first = outputs[0] if outputs else None
+
+        def result(value: Optional[Node]) -> Effects:
+            if mutated:
+                return Effects((None,) * len(outputs), ((mutated[0], value),) if value is not None else ())
+            return Effects((value,), ())
+
+        if func in _ALLOC:
+            return Effects((None,) * len(outputs), ())
+        if func in _CONST_FACTORIES:
+            return result(Const(tuple(first.shape), first.dtype, _CONST_FACTORIES[func]))
+        if func in _FULL:
+            return result(Const(tuple(first.shape), first.dtype, bound.get("fill_value", bound.get("s"))))
+        if func in _ZERO or func in _FILL_VALUE:
+            value = 0 if func in _ZERO else bound["value"]
+            if isinstance(value, torch.Tensor):
+                return result(_convert(self.node(value), tuple(first.shape), first.dtype, name))
+            return result(Const(tuple(first.shape), first.dtype, value))
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        if not positions:  # a factory with no tensor inputs (arange, linspace, eye, ...): compute it
+            values = self._factory(func, args, kwargs)
+            return Effects(tuple(values), ())
+        if func in _COPY:
+            return result(_convert(self.node(bound["src"]), tuple(first.shape), first.dtype, name))
+        if func in _IDENTITY:
+            return result(_convert(self.node(flat[positions[0]]), tuple(first.shape), first.dtype, name))
+        if func in _CAT:
+            nodes = [self.node(t) for t in bound["tensors"]]
+            d = int(bound.get("dim", 0)) % len(first.shape)
+            if not _CAT[func]:  # torch.cat skips 1-D empty tensors of any other shape
+                nodes = [n for n in nodes if n.numel or len(n.shape) == len(first.shape)]
+            return result(Cat(tuple(first.shape), first.dtype,
+                              tuple(_convert(n, n.shape, first.dtype, name) for n in nodes), d, _CAT[func]))
+        inputs = tuple(self.node(flat[i]) for i in positions)
+        writes_to = {id(bound[m]) for m in mutated if m in bound}
+        out_kwargs = {m for m in mutated if _is_kwarg_only(func, m)}
+        fresh = [j for j, i in enumerate(positions) if id(flat[i]) in writes_to]
+
+        def call(*values: torch.Tensor) -> Any:
+            rebuilt = list(flat)
+            for j, (i, v) in enumerate(zip(positions, values)):
+                if j in fresh:
+                    # the written argument: a copy (an out= argument's old contents are never read)
+                    v = torch.empty(0, dtype=v.dtype) if any(flat[i] is bound.get(m) for m in out_kwargs) else v.clone()
+                rebuilt[i] = v
+            a, k = tree_unflatten(rebuilt, spec)
+            if k.get("device") is not None:
+                k = {**k, "device": torch.device("cpu")}
+            produced = func(*a, **k)
+            if mutated:  # the written argument's new contents
+                written = [rebuilt[positions[j]] for j in fresh]
+                return written[0] if len(written) == 1 else tuple(written)
+            return produced
+
+        if torch.Tag.pointwise in func.tags and len(outputs) == 1 and len(fresh) <= 1:
+            return result(Pointwise(tuple(first.shape), first.dtype, call, inputs, name))
+        if len(outputs) == 1 or (mutated and len(fresh) == 1):
+            return result(Whole(tuple(first.shape), first.dtype, call, inputs, name))
+        whole = Whole((), first.dtype, call, inputs, name)
+        if mutated:
+            return Effects((None,) * len(outputs), tuple((m, Item(tuple(bound[m].shape), bound[m].dtype, whole, j))
+                                                         for j, m in enumerate(mutated) if m in bound))
+        return Effects(tuple(Item(tuple(o.shape), o.dtype, whole, j) for j, o in enumerate(outputs)), ())
+
+    def _factory(self, func: Any, args: tuple, kwargs: dict) -> list[Node]:
+        with _disable_current_modes():
+            k = dict(kwargs)
+            if any(a.name == "device" for a in func._schema.arguments):
+                k["device"] = torch.device("cpu")
+            result = func(*args, **k)
+        return [Literal(r.contiguous()) for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor)]
+
+    def _wrap(self, args: tuple, kwargs: dict, bound: dict[str, Any], mutated: list[str], out: Any,
+              returns: list[Optional[Node]]) -> Any:
+        """Turn meta results into stand-ins: views and mutated arguments share their input's buffer."""
+        by_storage = {}
+        for x in tree_flatten((args, kwargs))[0]:
+            if isinstance(x, LazyTensor):
+                by_storage.setdefault(x._meta.untyped_storage()._cdata, x)
+        written = [bound[m] for m in mutated if isinstance(bound.get(m), LazyTensor)]
+        values = iter(returns)
+
+        def wrap(meta: Any) -> Any:
+            if not isinstance(meta, torch.Tensor):
+                return meta
+            value = next(values, None)
+            cdata = meta.untyped_storage()._cdata
+            for arg in written:
+                if arg._meta.untyped_storage()._cdata == cdata and Geometry.of(arg._meta) == Geometry.of(meta):
+                    return arg  # an in-place or out= op returns the argument it wrote
+            if cdata in by_storage:
+                return LazyTensor(meta, self)  # a view
+            storage = self._register(meta, "temporary")
+            if value is not None:
+                storage.write(Geometry.of(meta), _fit(value, meta), self.label)
+            return LazyTensor(meta, self)
+
+        return tree_map(wrap, out)
+
+
+def _is_kwarg_only(func: Any, name: str) -> bool:
+    return any(a.name == name and a.kwarg_only for a in func._schema.arguments)
+
+
+def _fit(value: Node, meta: torch.Tensor) -> Node:
+    if tuple(value.shape) == tuple(meta.shape) and value.dtype == meta.dtype:
+        return value
+    return _convert(value, tuple(meta.shape), meta.dtype, "broadcast")
+
+
+def _convert(node: Node, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> Node:
+    """``node`` broadcast to ``shape`` and converted to ``dtype`` (exact data movement)."""
+    if tuple(node.shape) == tuple(shape) and node.dtype == dtype:
+        return node
+    if isinstance(node, Const):
+        return Const(tuple(shape), dtype, node.value)
+    return Pointwise(tuple(shape), dtype, lambda x: x.to(dtype), (node,), f"{name}:to", exact=True)

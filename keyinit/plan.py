@@ -1,0 +1,566 @@
+"""Planning: the program of every tensor of a model, decided before anything is allocated or written.
+
+:func:`plan_model` finds every parameter and buffer (canonical FQN, ties, global shape),
+resolves which declarative rule covers each (FQN patterns, module rules, the built-in
+torch.nn defaults), runs the model's own init code under :class:`keyinit.capture.Capture`
+on global-shape stand-ins, and gives every tensor a :class:`keyinit.program.SlotProgram`:
+
+1. the built-in default of its module (``keyinit.nn_defaults``), if any;
+2. then what ``reset_parameters()`` (modules no declarative rule fully covers) and the
+   user's ``init_method`` wrote on top of it, in that order;
+3. unless a module-type rule or, above it, an FQN pattern covers the tensor: then the
+   rule's initializer alone, and whatever init code did to it is discarded.
+
+Draws are keyed by where they land (:func:`keyinit.program.assign_keys`). Every error a
+plan can see is raised here, before any memory is allocated: uncovered tensors
+(:class:`PlanError` with ``.fqns``), randomness that cannot be keyed
+(:class:`UnkeyedRandomnessError`), initializers that cannot fill their tensor.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional, Union
+
+import attrs
+import torch
+
+from keyinit import layouts
+from keyinit.capture import Capture, CaptureError, LazyTensor
+from keyinit.errors import PlanError, UnkeyedRandomnessError
+from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
+from keyinit.init import Initializer
+from keyinit.keys import DEFAULT_STREAM, Key, key
+from keyinit.program import Geometry, Random, SlotProgram, Storage, assign_keys, iter_nodes
+from keyinit.regions import make_region
+from keyinit.replay import Evaluator, element_local, write_target
+from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext
+
+__all__ = ["Plan", "PlannedTensor", "plan_model", "InitMethod", "Rules"]
+
+InitMethod = Union[str, Callable[..., Any], None]
+Rules = Optional[Mapping[Union[str, type], Any]]
+
+#: Precedence of the sources of a tensor's values, lowest first (also the order they are written).
+_PRECEDENCE = ("default", "code", "rule", "pattern")
+
+
+@attrs.define(eq=False)
+class PlannedTensor:
+    """One tensor of the model (a tied tensor is one entry with several names) and its program."""
+
+    fqn: str
+    names: list[str]
+    key_fqn: str
+    kind: str  # "parameter" or "buffer"
+    module: torch.nn.Module
+    module_fqn: str
+    attr: str
+    aliases: list = attrs.Factory(list)  # further (module, attr) locations of the same tensor
+    rule: Optional[tuple[str, str, Any]] = None  # (precedence class, label, initializer)
+    program: Optional[SlotProgram] = None
+    global_shape: tuple[int, ...] = ()
+    dtype: Optional[torch.dtype] = None
+    recreated: bool = False  # init code assigned a new tensor of another shape or dtype
+    origin: str = "kept"  # what the values come from: "default", "code", "rule", "pattern" (or "kept")
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return getattr(self.module, self.attr)
+
+    @property
+    def source(self) -> str:
+        if self.program is None:
+            return "kept"
+        return self.program.source or "kept"
+
+    def locations(self) -> list[tuple[torch.nn.Module, str]]:
+        return [(self.module, self.attr), *self.aliases]
+
+    def distinct_alias_tensors(self) -> list[tuple[torch.nn.Module, str]]:
+        """Alias locations that no longer hold the same tensor (``to_empty`` unties)."""
+        first = self.tensor
+        return [(m, a) for m, a in self.aliases if getattr(m, a) is not first]
+
+
+def _nn_defaults() -> Mapping[type, ModuleRule]:
+    from keyinit import nn_defaults
+
+    return nn_defaults.DEFAULT_RULES
+
+
+def _default_rule(module: torch.nn.Module) -> Optional[tuple[type, ModuleRule]]:
+    """The built-in rule for ``module``, unless its class overrides ``reset_parameters``."""
+    defaults = _nn_defaults()
+    for cls in type(module).__mro__:
+        if cls in defaults:
+            if getattr(type(module), "reset_parameters", None) is getattr(cls, "reset_parameters", None):
+                return cls, defaults[cls]
+            return None
+    return None
+
+
+def _root_key(seed: Union[int, Key], stream: str) -> tuple[Key, int]:
+    if isinstance(seed, Key):
+        return seed, -1
+    return key(seed, stream=stream), seed
+
+
+def _initializer_program(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, label: str, initializer: Any) -> SlotProgram:
+    """A program that is one whole-tensor fill by ``initializer`` (keyed by the tensor's key)."""
+    local = getattr(initializer, "element_local", True)
+    storage = Storage(math.prod(shape), dtype, fqn)
+    storage.write(Geometry.contiguous(shape), Random(shape, dtype, label, label, initializer, element_local=local), label)
+    return SlotProgram.of_storage(fqn, shape, storage)
+
+
+def _takes_module(fn: Callable[..., Any]) -> bool:
+    """Whether a callable init method takes the module as its first argument (HF's ``_init_weights``)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    for parameter in signature.parameters.values():
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            return parameter.default is parameter.empty
+        if parameter.kind is parameter.VAR_POSITIONAL:
+            return True
+    return False
+
+
+class Plan:
+    """What :func:`plan_model` decided. ``tensors`` in model order; :meth:`write` writes one."""
+
+    def __init__(self, model: torch.nn.Module, root_key: Key, seed: int, tensors: list[PlannedTensor],
+                 shards: Mapping[str, Any], notes: Sequence[str]) -> None:
+        self.model = model
+        self.root_key = root_key
+        self.seed = seed
+        self.tensors = tensors
+        self.shards = dict(shards)
+        self.notes = tuple(notes)
+        programs = [(t.program, t.key_fqn) for t in tensors if t.program is not None]
+        self.keys = assign_keys(programs, root_key)
+        self.evaluator = Evaluator(self.keys)
+
+    def target(self, tensor: PlannedTensor, module: Optional[torch.nn.Module] = None,
+               attr: Optional[str] = None, *, allow_meta: bool = False) -> layouts.Target:
+        module, attr = (module, attr) if module is not None else (tensor.module, tensor.attr)
+        return layouts.target_for(getattr(module, attr), fqn=tensor.fqn, module=module, name=attr,
+                                  shards=self.shards, allow_meta=allow_meta)
+
+    def write(self, tensor: PlannedTensor, target: layouts.Target) -> None:
+        """Write ``tensor``'s values at ``target.region`` into ``target.out``."""
+        if tensor.program is None:
+            raise ValueError(f"{tensor.fqn}: nothing initializes this tensor")
+        write_target(self.evaluator, tensor.program, target)
+
+    def element_local(self, tensor: PlannedTensor) -> bool:
+        return tensor.program is None or element_local(tensor.program.roots())
+
+
+class _Planner:
+    def __init__(self, model: torch.nn.Module, seed: Union[int, Key], *, rules: Rules, init_method: InitMethod,
+                 init_kwargs: Optional[Mapping[str, Any]], ties: Optional[Mapping[str, str]],
+                 fqn_prefix: Optional[str], fqn_map: Optional[FqnMap], shards: Optional[Mapping[str, Any]],
+                 strict: bool, stream: str, registry: Registry) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"init_model expects an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.root_key, self.seed = _root_key(seed, stream)
+        self.rules = dict(rules or {})
+        self.init_method = init_method
+        if init_kwargs is not None and not isinstance(init_kwargs, Mapping):
+            raise PlanError(f"init_kwargs must be a mapping of keyword arguments, got {type(init_kwargs).__name__}")
+        self.init_kwargs = dict(init_kwargs or {})
+        self.ties = dict(ties or {})
+        self.fqn_prefix = fqn_prefix
+        self.fqn_map = fqn_map
+        self.shards = dict(shards or {})
+        self.strict = strict
+        self.registry = registry
+        self.tensors: list[PlannedTensor] = []
+        self.notes: list[str] = []
+
+    # ------------------------------------------------------------------ tensors
+    def collect(self) -> None:
+        seen: dict[int, PlannedTensor] = {}
+        by_fqn: dict[str, PlannedTensor] = {}
+        for _raw, canonical, module in canonical_modules(self.model):
+            for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
+                for attr, tensor in table.items():
+                    if tensor is None:
+                        continue
+                    local = f"{canonical}.{attr}" if canonical else attr
+                    fqn = apply_fqn_mapping(local, self.fqn_prefix, self.fqn_map)
+                    if id(tensor) in seen:
+                        entry = seen[id(tensor)]
+                        if fqn not in entry.names:
+                            entry.names.append(fqn)
+                        entry.aliases.append((module, attr))
+                        continue
+                    if fqn in by_fqn:
+                        raise PlanError(
+                            f"two different tensors have the canonical FQN {fqn!r}; keyinit keys tensors by "
+                            f"FQN, so each must be unique (check fqn_map / fqn_prefix and wrapper modules)", (fqn,)
+                        )
+                    entry = PlannedTensor(fqn, [fqn], fqn, kind, module, canonical, attr)
+                    seen[id(tensor)] = entry
+                    by_fqn[fqn] = entry
+                    self.tensors.append(entry)
+        self.by_fqn = {name: t for t in self.tensors for name in t.names}
+        self._resolve_ties()
+        for t in self.tensors:
+            try:
+                t.global_shape = layouts.global_shape(t.tensor, fqn=t.fqn, module=t.module, name=t.attr,
+                                                      shards=self.shards)
+            except (ValueError, TypeError) as exc:
+                raise PlanError(f"{t.fqn}: {exc}", (t.fqn,)) from exc
+            t.dtype = t.tensor.dtype
+
+    def _resolve_ties(self) -> None:
+        for alias, target in self.ties.items():
+            for name in (alias, target):
+                if not isinstance(name, str) or not name:
+                    raise PlanError(f"ties must map FQN strings to FQN strings, got {alias!r}: {target!r}")
+            if alias not in self.by_fqn and target not in self.by_fqn and self.strict:
+                raise PlanError(
+                    f"tie {alias!r} -> {target!r} names no tensor of this model (neither FQN exists); "
+                    f"pass strict=False for pipeline stages that hold neither"
+                )
+        for t in self.tensors:
+            t.key_fqn = next((self.ties[name] for name in t.names if name in self.ties), t.names[0])
+
+    def _own(self, module: torch.nn.Module) -> dict[str, PlannedTensor]:
+        found = {}
+        for t in self.tensors:
+            for m, a in t.locations():
+                if m is module:
+                    found[a] = t
+        return found
+
+    def _context(self, module: torch.nn.Module, module_fqn: str) -> RuleContext:
+        own = self._own(module)
+        shapes = {attr: t.global_shape for attr, t in own.items()}
+        dtypes = {attr: t.dtype for attr, t in own.items()}
+        return RuleContext(module_fqn, shapes, dtypes)
+
+    # ------------------------------------------------------------------ declarative rules
+    def resolve_rules(self) -> None:
+        type_rules = {k: v for k, v in self.rules.items() if isinstance(k, type)}
+        pattern_rules = [(k, v) for k, v in self.rules.items() if isinstance(k, str)]
+        bad = [k for k in self.rules if not isinstance(k, (str, type))]
+        if bad:
+            raise PlanError(f"rules keys must be FQN glob strings or nn.Module types, got {bad!r}")
+        for pattern, initializer in pattern_rules:
+            if not callable(initializer):
+                raise PlanError(f"the rule for FQN pattern {pattern!r} is not callable: {initializer!r}")
+        for module_type, rule in type_rules.items():
+            if not callable(rule):
+                raise PlanError(f"the rule for {module_type.__name__} is not callable: {rule!r}")
+        patterns = pattern_rules + list(self.registry.patterns)
+        self.modules: dict[int, tuple[torch.nn.Module, str]] = {}
+        for _raw, canonical, module in canonical_modules(self.model):
+            self.modules.setdefault(id(module), (module, canonical))
+
+        matched: set[str] = set()
+        for t in self.tensors:
+            for pattern, initializer in patterns:
+                if any(fnmatch.fnmatchcase(name, pattern) for name in t.names):
+                    matched.add(pattern)  # matched, even where an earlier pattern wins
+                    if t.rule is None:
+                        t.rule = ("pattern", f"pattern {pattern}", initializer)
+        unmatched = [p for p, _ in pattern_rules if p not in matched]
+        if unmatched and self.strict:
+            raise PlanError(f"FQN rules matched no tensor of this model: {unmatched}; pass strict=False to allow")
+
+        for module, module_fqn in self.modules.values():
+            if not self._own(module):
+                continue
+            default = _default_rule(module)
+            if default is not None:
+                self._apply_module_rule(module, module_fqn, default[1], "default", f"default {default[0].__name__}")
+            user = next(((cls, type_rules[cls]) for cls in type(module).__mro__ if cls in type_rules), None)
+            user = user or self.registry.module_rule(type(module))
+            if user is not None:
+                self._apply_module_rule(module, module_fqn, user[1], "rule", f"rule {user[0].__name__}")
+
+    def _apply_module_rule(self, module: torch.nn.Module, module_fqn: str, rule: ModuleRule, kind: str,
+                           label: str) -> None:
+        own = self._own(module)
+        where = module_fqn or "<root>"
+        try:
+            produced = rule(module, self._context(module, module_fqn))
+        except Exception as exc:
+            raise PlanError(f"{label} raised while planning {where}: {exc!r}") from exc
+        if not isinstance(produced, Mapping):
+            raise PlanError(f"{label} for {where} must return a mapping of tensor name to initializer, "
+                            f"got {type(produced).__name__}")
+        for name, initializer in produced.items():
+            if name not in own:
+                raise PlanError(f"{label} for {where} returned {name!r}, which is not a parameter or buffer "
+                                f"of it (it has {sorted(own)})")
+            if not callable(initializer):
+                raise PlanError(f"{label} for {own[name].fqn}: {initializer!r} is not an initializer", (own[name].fqn,))
+            t = own[name]
+            if t.rule is not None and (t.rule[0] == "pattern" or t.module is not module):
+                continue  # a pattern wins; a tied tensor follows its first name's module
+            t.rule = (kind, label, initializer)
+
+    # ------------------------------------------------------------------ init code
+    def code_calls(self) -> list[tuple[torch.nn.Module, str, str, Callable[[], Any]]]:
+        """``(module, module_fqn, label, call)`` for the init code to capture, in order."""
+        calls: list[tuple[torch.nn.Module, str, str, Callable[[], Any]]] = []
+        # 1. reset_parameters of modules with tensors no declarative rule covers
+        for module, module_fqn in self.modules.values():
+            uncovered = [t for t in self._own(module).values() if t.rule is None and t.module is module]
+            if uncovered and callable(getattr(module, "reset_parameters", None)):
+                calls.append((module, module_fqn, "reset_parameters", module.reset_parameters))
+        # 2. the user's init method
+        method = self.init_method
+        kwargs = self.init_kwargs
+        if method is None:
+            if kwargs:
+                raise PlanError("init_kwargs given without an init_method")
+            return calls
+        if isinstance(method, str):
+            roots = []
+            covered: set[int] = set()
+            for _raw, canonical, module in canonical_modules(self.model):
+                if id(module) in covered or not callable(getattr(module, method, None)):
+                    continue
+                roots.append((module, canonical))
+                covered.update(id(sub) for sub in module.modules())
+            if not roots and self.strict:
+                raise PlanError(f"init_method {method!r}: no module of this model has that method")
+            for module, canonical in roots:
+                bound = getattr(module, method)
+                if _takes_module(bound):  # e.g. "_init_weights": applied to every module of its subtree
+                    calls += self._per_module(module, canonical, bound, method, kwargs)
+                else:
+                    calls.append((module, canonical, method, _bind_call(bound, kwargs)))
+            return calls
+        if callable(method):
+            label = getattr(method, "__name__", "init_method")
+            if _takes_module(method):
+                return calls + self._per_module(self.model, "", method, label, kwargs)
+            return calls + [(self.model, "", label, _bind_call(method, kwargs))]
+        raise PlanError(f"init_method must be a method name or a callable, got {method!r}")
+
+    def _per_module(self, root: torch.nn.Module, root_fqn: str, fn: Callable[..., Any], label: str,
+                    kwargs: Mapping[str, Any]) -> list[tuple[torch.nn.Module, str, str, Callable[[], Any]]]:
+        """``fn(module)`` for every module under ``root``, children before parents (as HF's
+        ``smart_apply``). A descendant with its own method of the same name (an HF sub-model)
+        has its subtree initialized by that method instead."""
+        name = getattr(fn, "__name__", None)
+        owner = getattr(fn, "__self__", None)
+        calls: list[tuple[torch.nn.Module, str, str, Callable[[], Any]]] = []
+        seen: set[int] = set()
+
+        def visit(module: torch.nn.Module, fqn: str, current: Callable[..., Any]) -> None:
+            if id(module) in seen:
+                return
+            seen.add(id(module))
+            for child_name, child in module._modules.items():
+                if child is None:
+                    continue
+                child_fqn = _child_fqn(module, fqn, child_name)
+                own = getattr(child, name, None) if (name and isinstance(owner, torch.nn.Module)) else None
+                nxt = own if (own is not None and getattr(own, "__self__", None) is child) else current
+                visit(child, child_fqn, nxt)
+            calls.append((module, fqn, label, _bind_call(current, kwargs, module)))
+
+        visit(root, root_fqn, fn)
+        return calls
+
+    def capture(self, materializing: bool) -> None:
+        """Run the init code on stand-ins and give every tensor its program."""
+        calls = self.code_calls()
+        declared = {}
+        for t in self.tensors:
+            if t.rule is not None:
+                declared[id(t)] = _initializer_program(t.fqn, t.global_shape, t.dtype, t.rule[1], t.rule[2])
+        if not calls:
+            for t in self.tensors:
+                t.program = declared.get(id(t))
+                t.origin = t.rule[0] if t.rule is not None else "kept"
+            return
+        capture = Capture()
+        standins: dict[int, LazyTensor] = {}
+        for t in self.tensors:
+            stand = capture.standin(t.global_shape, t.dtype, t.fqn)
+            if t.rule is not None and t.rule[0] == "default":  # the default is the base the code writes on
+                program = declared[id(t)]
+                capture.storage_of(stand).write(Geometry.contiguous(t.global_shape), program.writes[0].value,
+                                                t.rule[1])
+            standins[id(t)] = stand
+        failures = []
+        with _Installed(self.tensors, standins, capture) as installed:
+            for module, fqn, label, call in calls:
+                site = f"{type(module).__name__} at {fqn or '<root>'}"
+                try:
+                    with capture.active(site, label):
+                        call()
+                except (UnkeyedRandomnessError, CaptureError, Exception) as exc:  # noqa: B014 - kept explicit
+                    failures.append((module, fqn, site, label, exc))
+            reassigned = installed.reassigned()
+        for t in self.tensors:
+            if t.rule is not None and t.rule[0] in ("rule", "pattern"):
+                t.program, t.origin = declared[id(t)], t.rule[0]
+                continue
+            new = reassigned.get(id(t))
+            if new is not None:
+                t.origin = "code"
+                t.program = SlotProgram(t.fqn, tuple(new.shape), new.dtype, (), capture.node(new), True)
+                if tuple(new.shape) != t.global_shape or new.dtype != t.dtype:
+                    t.recreated = True
+                    t.global_shape, t.dtype = tuple(new.shape), new.dtype
+                continue
+            program = SlotProgram.of_storage(t.fqn, t.global_shape, capture.storage_of(standins[id(t)]))
+            t.program = None if program.empty else program
+            only_default = t.rule is not None and len(program.writes) == 1 and program.source == t.rule[1]
+            t.origin = "kept" if program.empty else ("default" if only_default else "code")
+        self._check_failures(failures)
+
+    def _check_failures(self, failures: list) -> None:
+        """Init code that failed is an error unless a rule covers every tensor it could write."""
+        for module, fqn, site, label, exc in failures:
+            subtree = {id(sub) for sub in module.modules()}
+            exposed = [t.fqn for t in self.tensors
+                       if any(id(m) in subtree for m, _ in t.locations())
+                       and not (t.rule is not None and t.rule[0] in ("rule", "pattern"))]
+            if not exposed:
+                self.notes.append(f"{label} of {site} failed ({exc}); every tensor it could write has a rule")
+                continue
+            if isinstance(exc, UnkeyedRandomnessError):
+                raise exc
+            raise PlanError(f"{site}: {label} failed while keyinit captured it on global-shape stand-ins: "
+                            f"{type(exc).__name__}: {exc}", tuple(exposed)) from exc
+
+    # ------------------------------------------------------------------ checks
+    def check(self, materializing: bool) -> None:
+        missing = [t.fqn for t in self.tensors if t.program is None and (materializing or t.kind == "parameter")]
+        if missing:
+            raise PlanError(
+                "no rule or init method covers these tensors: " + ", ".join(missing) + ". Register a rule "
+                "(@keyinit.register(ModuleType) or rules={'fqn glob': initializer}), give the module "
+                "reset_parameters(), or pass init_method=.", tuple(missing)
+            )
+        partial = [t.fqn for t in self.tensors if t.program is not None and not t.program.complete]
+        if partial and materializing:
+            raise PlanError("init code writes only part of these tensors (the rest would be uninitialized memory): "
+                            + ", ".join(partial), tuple(partial))
+        for t in self.tensors:
+            if t.program is None:
+                continue
+            for node in iter_nodes(t.program.roots()):
+                if isinstance(node, Random) and node.unkeyable is not None:
+                    raise UnkeyedRandomnessError(f"{node.site}: {node.unkeyable} (it feeds {t.fqn})")
+        for t in self.tensors:
+            if t.program is not None:
+                self._dry_run(t)
+
+    def _dry_run(self, t: PlannedTensor) -> None:
+        """Run every keyinit initializer of the program on an empty region: dtype, shape and bound
+        errors surface now, naming the tensor, instead of part-way through writing."""
+        for node in iter_nodes(t.program.roots()):
+            if not isinstance(node, Random) or node.by_index or not isinstance(node.fill, Initializer):
+                continue
+            shape = node.shape
+            if shape and math.prod(shape) > 0:
+                region = make_region(shape, (slice(0, 0),) + tuple(slice(None) for _ in shape[1:]))
+            else:
+                region = make_region(shape, None)
+            out = torch.empty(region.region_shape, dtype=node.dtype, device="cpu")
+            try:
+                node.fill(Key(0, 0, self.root_key.stream), layouts.Target(t.fqn, region, out))
+            except (ValueError, TypeError, IndexError) as exc:
+                message = str(exc) if t.fqn in str(exc) else f"{t.fqn}: {exc}"
+                raise PlanError(f"{message} (planned by {node.what})", (t.fqn,)) from exc
+
+
+def _child_fqn(module: torch.nn.Module, fqn: str, name: str) -> str:
+    from keyinit.fqn import WRAPPER_ATTRIBUTES, _is_data_parallel
+
+    if name in WRAPPER_ATTRIBUTES or (_is_data_parallel(module) and name == "module"):
+        return fqn
+    return f"{fqn}.{name}" if fqn else name
+
+
+def _bind_call(fn: Callable[..., Any], kwargs: Mapping[str, Any], *args: Any) -> Callable[[], Any]:
+    return lambda: fn(*args, **kwargs)
+
+
+class _Installed:
+    """Stand-ins swapped into the model's modules (``with`` restores the originals)."""
+
+    def __init__(self, tensors: list[PlannedTensor], standins: dict[int, LazyTensor], capture: Capture) -> None:
+        self.entries: list[tuple[PlannedTensor, dict, str, Any, Any]] = []  # (tensor, table, attr, original, stand-in)
+        for t in tensors:
+            stand = standins[id(t)]
+            original = t.tensor
+            replacement: Any = stand
+            if isinstance(original, torch.nn.Parameter):
+                with capture.active("keyinit", "keyinit"):
+                    replacement = torch.nn.Parameter(stand, requires_grad=original.requires_grad)
+            for name, value in vars(original).items():  # flags init code reads (HF's _is_hf_initialized, ...)
+                if not name.startswith("_") or name == "_is_hf_initialized":
+                    try:
+                        setattr(replacement, name, value)
+                    except (AttributeError, TypeError):
+                        pass
+            for module, attr in t.locations():
+                table = module._parameters if attr in module._parameters else module._buffers
+                self.entries.append((t, table, attr, table[attr], replacement))
+
+    def __enter__(self) -> "_Installed":
+        for _t, table, attr, _original, replacement in self.entries:
+            table[attr] = replacement
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for _t, table, attr, original, _replacement in reversed(self.entries):
+            table[attr] = original
+
+    def reassigned(self) -> dict[int, LazyTensor]:
+        """Tensors the init code assigned in place of a stand-in (``self.cache = ...``)."""
+        found: dict[int, LazyTensor] = {}
+        for t, table, attr, _original, replacement in self.entries:
+            value = table.get(attr)
+            if value is not replacement and isinstance(value, LazyTensor):
+                found[id(t)] = value
+        return found
+
+
+def plan_model(
+    model: torch.nn.Module,
+    seed: Union[int, Key],
+    *,
+    rules: Rules = None,
+    init_method: InitMethod = None,
+    init_kwargs: Optional[Mapping[str, Any]] = None,
+    ties: Optional[Mapping[str, str]] = None,
+    fqn_prefix: Optional[str] = None,
+    fqn_map: Optional[FqnMap] = None,
+    shards: Optional[Mapping[str, Any]] = None,
+    strict: bool = True,
+    stream: str = DEFAULT_STREAM,
+    registry: Registry = REGISTRY,
+    materializing: bool = False,
+) -> Plan:
+    """Plan every tensor of ``model`` (see the module docstring); takes :func:`keyinit.init_model`'s options.
+
+    ``materializing``: every buffer must be covered too (``materialize`` has no old values to keep).
+    Nothing is allocated or written; the model is left exactly as it was.
+    """
+    planner = _Planner(model, seed, rules=rules, init_method=init_method, init_kwargs=init_kwargs, ties=ties,
+                       fqn_prefix=fqn_prefix, fqn_map=fqn_map, shards=shards, strict=strict, stream=stream,
+                       registry=registry)
+    planner.collect()
+    planner.resolve_rules()
+    planner.capture(materializing)
+    planner.check(materializing)
+    return Plan(model, planner.root_key, planner.seed, planner.tensors, planner.shards, planner.notes)

@@ -1,0 +1,407 @@
+"""Replay: evaluate any region of a captured program, on the CPU, bit-identically under any layout.
+
+:class:`Evaluator` computes the values of :mod:`keyinit.program` nodes at any set
+of elements (``at``: row-major flat positions) or whole (``full``). Every way of
+evaluating a node gives the same bits:
+
+- draws come from :mod:`keyinit.random` (values depend only on the key and the
+  element's flat index) or a :mod:`keyinit.init` initializer over a region;
+- element-wise math runs in blocks of :data:`BLOCK` elements aligned to the
+  node's own flat indices, at most :data:`CALL` elements per torch call, so every
+  element takes the same vectorized code path whatever region was asked for
+  (torch's CPU kernels switch between SIMD bodies and scalar tails by position);
+- data movement (views, copies, ``cat``, dtype conversion) is exact.
+
+:func:`write_target` writes one model tensor's program into a
+:class:`keyinit.layouts.Target` (this process's region): a whole-tensor draw or
+fill is written straight by the initializer (the fast kernels, on the target's
+device); later writes through views touch only the part of the region they cover;
+anything else is evaluated in chunks of the region on the CPU and copied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Optional
+
+import torch
+
+from keyinit.errors import UnkeyedRandomnessError
+from keyinit.keys import Key
+from keyinit.layouts import Target
+from keyinit.program import (
+    Alloc,
+    Cat,
+    Const,
+    Geometry,
+    Item,
+    Literal,
+    Node,
+    Pointwise,
+    Random,
+    Read,
+    SlotProgram,
+    Suppressed,
+    Version,
+    Whole,
+    Write,
+    iter_nodes,
+    ravel,
+    unravel,
+)
+from keyinit.regions import Region, make_region
+
+__all__ = ["Evaluator", "write_target", "element_local", "BLOCK", "CALL", "CHUNK"]
+
+#: Element-wise math is evaluated in blocks of this many elements, aligned to flat indices.
+BLOCK = 64
+#: At most this many elements per torch call (below torch's intra-op parallel grain, 32768).
+CALL = 32768
+#: Region elements evaluated at once on the general path (bounded workspace).
+CHUNK = 1 << 18
+
+_CPU = torch.device("cpu")
+
+
+class UninitializedRead(RuntimeError):
+    """A program reads elements nothing wrote."""
+
+
+def _arange(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int64, device=_CPU)
+
+
+def element_local(roots: Sequence[Node]) -> bool:
+    """True when a region of these values costs about that region (no whole evaluation)."""
+    for node in iter_nodes(roots):
+        if isinstance(node, (Whole, Item)):
+            return False
+        if isinstance(node, Random) and not node.element_local:
+            return False
+    return True
+
+
+class Evaluator:
+    """Evaluates nodes with the draws keyed by ``keys`` (a draw without a key cannot be evaluated).
+
+    Whole evaluations of non-local nodes are cached for the evaluator's lifetime.
+    """
+
+    def __init__(self, keys: Mapping[Random, Key], *, why_unkeyed: Optional[str] = None) -> None:
+        self.keys = keys
+        self.why_unkeyed = why_unkeyed
+        self._cache: dict[int, tuple[Node, object]] = {}
+
+    # ------------------------------------------------------------------ keys
+    def key(self, node: Random) -> Key:
+        if node.unkeyable is not None:
+            raise UnkeyedRandomnessError(f"{node.site}: {node.unkeyable}")
+        key = self.keys.get(node)
+        if key is None:
+            raise UnkeyedRandomnessError(
+                f"{node.site}: init code {self.why_unkeyed or 'needs the values of a random draw'} "
+                f"({node.what}) before the draw landed in a model tensor; keyinit keys a draw by the "
+                f"tensor it ends up in, so it cannot let Python code depend on random values"
+            )
+        return key
+
+    # ------------------------------------------------------------------ values at flat positions
+    def at(self, node: Node, pos: torch.Tensor) -> torch.Tensor:
+        """The values of ``node`` at row-major flat indices ``pos`` (1-D int64, CPU), as a 1-D tensor."""
+        n = int(pos.numel())
+        if isinstance(node, Const):
+            return torch.full((n,), node.value, dtype=node.dtype, device=_CPU)
+        if isinstance(node, Suppressed):
+            return torch.zeros((n,), dtype=node.dtype, device=_CPU)
+        if isinstance(node, Literal):
+            return node.tensor.reshape(-1)[pos] if node.shape else node.tensor.reshape(1).expand(n).clone()
+        if isinstance(node, Random):
+            return self._random_at(node, pos)
+        if isinstance(node, Pointwise):
+            return self._pointwise_at(node, pos)
+        if isinstance(node, Cat):
+            return self._cat_at(node, pos)
+        if isinstance(node, Read):
+            return self.storage_at(node.version, node.geometry.positions(pos), node.dtype)
+        if isinstance(node, (Whole, Item)):
+            return self.full(node).reshape(-1)[pos]
+        raise TypeError(f"internal: cannot evaluate {type(node).__name__}")
+
+    def _random_at(self, node: Random, pos: torch.Tensor) -> torch.Tensor:
+        key = self.key(node)
+        n = int(pos.numel())
+        if node.by_index:
+            out = torch.empty(n, dtype=node.dtype, device=_CPU)
+            node.fill(key, Target(node.what, make_region((max(node.numel, 1),), (pos,)), out))
+            return out
+        if not node.element_local or not node.shape:
+            return self.full(node).reshape(-1)[pos]
+        # Fans depend on the shape: draw the smallest box of the shape that holds the positions.
+        coords = unravel(pos, node.shape)
+        uniques, inverses = [], []
+        for coord in coords:
+            unique, inverse = torch.unique(coord, sorted=True, return_inverse=True)
+            uniques.append(unique)
+            inverses.append(inverse)
+        if math.prod(int(u.numel()) for u in uniques) > 4 * n + 4096:
+            return self.full(node).reshape(-1)[pos]
+        region = make_region(node.shape, tuple(uniques))
+        out = torch.empty(region.region_shape, dtype=node.dtype, device=_CPU)
+        node.fill(key, Target(node.what, region, out))
+        return out.reshape(-1)[ravel(inverses, region.region_shape)]
+
+    def _pointwise_at(self, node: Pointwise, pos: torch.Tensor) -> torch.Tensor:
+        if node.exact:
+            return self._apply(node, pos)
+        # Evaluate whole aligned blocks so every element runs the same code path.
+        blocks, where = torch.unique(torch.div(pos, BLOCK, rounding_mode="floor"), sorted=True, return_inverse=True)
+        padded = (blocks.unsqueeze(1) * BLOCK + _arange(BLOCK)).reshape(-1).clamp_(max=max(node.numel - 1, 0))
+        values = torch.cat([self._apply(node, padded[i:i + CALL]) for i in range(0, int(padded.numel()), CALL)]) \
+            if padded.numel() else torch.empty(0, dtype=node.dtype, device=_CPU)
+        return values[where * BLOCK + pos % BLOCK]
+
+    def _apply(self, node: Pointwise, pos: torch.Tensor) -> torch.Tensor:
+        coords = unravel(pos, node.shape) if node.shape else []
+        values = []
+        for arg in node.args:
+            if not arg.shape:  # 0-D inputs keep their own type-promotion role
+                values.append(self.at(arg, torch.zeros(1, dtype=torch.int64, device=_CPU)).reshape(()))
+                continue
+            offset = len(node.shape) - len(arg.shape)
+            arg_coords = [coords[offset + d] if size != 1 else torch.zeros_like(pos)
+                          for d, size in enumerate(arg.shape)]
+            values.append(self.at(arg, ravel(arg_coords, arg.shape)))
+        result = node.fn(*values)
+        if result.dtype != node.dtype:
+            raise TypeError(f"internal: {node.name} gave {result.dtype}, expected {node.dtype}")
+        result = result.reshape(-1)
+        return result.expand(int(pos.numel())) if result.numel() == 1 else result
+
+    def _cat_at(self, node: Cat, pos: torch.Tensor) -> torch.Tensor:
+        coords = unravel(pos, node.shape)
+        along = coords[node.dim]
+        sizes = [1 if node.stack else arg.shape[node.dim] for arg in node.args]
+        starts = torch.tensor([0] + list(_cumsum(sizes))[:-1], dtype=torch.int64, device=_CPU)
+        which = torch.searchsorted(starts, along, right=True) - 1
+        out = torch.empty(int(pos.numel()), dtype=node.dtype, device=_CPU)
+        for i, arg in enumerate(node.args):
+            hit = (which == i).nonzero().reshape(-1)
+            if not hit.numel():
+                continue
+            local = [c[hit] for c in coords]
+            if node.stack:
+                del local[node.dim]
+            else:
+                local[node.dim] = local[node.dim] - int(starts[i])
+            flat = ravel(local, arg.shape) if arg.shape else torch.zeros_like(hit)
+            out[hit] = self.at(arg, flat).to(node.dtype)
+        return out
+
+    def storage_at(self, version: Version, spos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer's values at positions ``spos`` as of ``version``."""
+        out = torch.empty(int(spos.numel()), dtype=dtype, device=_CPU)
+        pending = _arange(int(spos.numel()))
+        while pending.numel():
+            if isinstance(version, Alloc):
+                raise UninitializedRead(
+                    f"init code reads {int(pending.numel())} element(s) of {version.storage.label} that nothing wrote"
+                )
+            covered, flat = version.geometry.inverse(spos[pending])
+            if bool(covered.any()):
+                hit = pending[covered]
+                out[hit] = self.at(version.value, flat[covered])
+                pending = pending[~covered]
+            version = version.prev
+        return out
+
+    # ------------------------------------------------------------------ whole values
+    def full(self, node: Node) -> torch.Tensor:
+        """The whole value of ``node`` (cached for non-local nodes)."""
+        cached = self._cache.get(id(node))
+        if cached is not None and cached[0] is node:
+            return cached[1]  # type: ignore[return-value]
+        value = self._full(node)
+        if isinstance(node, (Whole, Item)) or (isinstance(node, Random) and not node.element_local):
+            self._cache[id(node)] = (node, value)
+        return value
+
+    def _full(self, node: Node) -> torch.Tensor:
+        if isinstance(node, Whole):
+            return self._whole(node)
+        if isinstance(node, Item):
+            result = self._whole(node.whole)
+            return result[node.index]
+        if isinstance(node, Random):
+            out = torch.empty(node.shape, dtype=node.dtype, device=_CPU)
+            node.fill(self.key(node), Target(node.what, make_region(node.shape, None), out))
+            return out
+        if isinstance(node, Literal):
+            return node.tensor.contiguous()
+        if isinstance(node, Read):
+            buffer, written = self.storage_full(node.version)
+            g = node.geometry
+            if written is not None and not bool(written.as_strided(g.size, g.stride, g.offset).all()):
+                raise UninitializedRead(f"init code reads elements of {_label(node.version)} that nothing wrote")
+            return buffer.as_strided(g.size, g.stride, g.offset).contiguous()
+        return self.at(node, _arange(node.numel)).reshape(node.shape)
+
+    def _whole(self, node: Whole) -> object:
+        cached = self._cache.get(id(node))
+        if cached is not None and cached[0] is node:
+            return cached[1]
+        result = node.fn(*[self.full(arg) for arg in node.args])
+        self._cache[id(node)] = (node, result)
+        return result
+
+    def storage_full(self, version: Version) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The whole buffer as of ``version``, and a mask of written elements (None: all written)."""
+        chain = []
+        while isinstance(version, Write):
+            chain.append(version)
+            version = version.prev
+        storage = version.storage
+        buffer = torch.empty(storage.numel, dtype=storage.dtype, device=_CPU)
+        written = torch.zeros(storage.numel, dtype=torch.bool, device=_CPU)
+        for write in reversed(chain):
+            g = write.geometry
+            buffer.as_strided(g.size, g.stride, g.offset).copy_(self.full(write.value))
+            written.as_strided(g.size, g.stride, g.offset).fill_(True)
+        return buffer, (None if bool(written.all()) else written)
+
+
+def _label(version: Version) -> str:
+    while isinstance(version, Write):
+        version = version.prev
+    return version.storage.label
+
+
+def _cumsum(values: Sequence[int]) -> list[int]:
+    total, out = 0, []
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+# --------------------------------------------------------------------------- writing a target
+
+
+def _box_positions(region: Region, start: int, stop: int) -> torch.Tensor:
+    return region.flat_indices(start, stop)
+
+
+def _write_chunks(evaluator: Evaluator, node: Node, target: Target) -> None:
+    """``target.out`` = ``node`` at the target's region, evaluated on the CPU in chunks."""
+    region = target.region
+    out = target.out
+    flat_out = out.reshape(-1) if out.is_contiguous() else None
+    for start, stop in region.chunks(CHUNK):
+        values = evaluator.at(node, _box_positions(region, start, stop))
+        if flat_out is not None:
+            flat_out[start:stop].copy_(values)
+        else:
+            _scatter(out, start, stop, values)
+
+
+def _scatter(out: torch.Tensor, start: int, stop: int, values: torch.Tensor) -> None:
+    coords = unravel(_arange(stop - start) + start, tuple(out.shape))
+    out[tuple(c.to(out.device) for c in coords)] = values.to(out.device)
+
+
+def _base_write(evaluator: Evaluator, write: Write, program: SlotProgram, target: Target) -> None:
+    value = write.value
+    if write.geometry == Geometry.contiguous(program.shape):
+        if isinstance(value, Random) and value.shape == program.shape:
+            value.fill(evaluator.key(value), target)  # the fast kernels, on the target's device
+        elif isinstance(value, Const):
+            target.out.fill_(value.value)
+        else:
+            _write_chunks(evaluator, value, target)
+        return
+    # A full write through a permuted view (e.g. ``w.T.copy_(x)``): read it back through the buffer.
+    _write_chunks(evaluator, Read(write, Geometry.contiguous(program.shape), program.dtype), target)
+
+
+def _partial_write(evaluator: Evaluator, write: Write, program: SlotProgram, target: Target) -> None:
+    region = target.region
+    structure = write.geometry.structure(program.shape)
+    if structure is None:
+        _partial_write_general(evaluator, write, target)
+        return
+    local, view_coord = [], []
+    for d, (start, step, count, _view_dim) in enumerate(structure):
+        indices = region.indices[d]
+        rel = indices - start
+        if step == 0:
+            hit = rel == 0
+        else:
+            hit = (rel >= 0) & (rel % step == 0) & (torch.div(rel, step, rounding_mode="floor") < count)
+        where = hit.nonzero().reshape(-1)
+        if not where.numel():
+            return
+        local.append(where)
+        view_coord.append(torch.div(rel[where], step, rounding_mode="floor") if step else torch.zeros_like(where))
+    view_strides = _view_strides(write.geometry.size)
+    shape = tuple(int(w.numel()) for w in local)
+    vpos = torch.zeros(shape, dtype=torch.int64, device=_CPU)
+    for d, (_start, _step, _count, view_dim) in enumerate(structure):
+        if view_dim is None:
+            continue
+        index_shape = [1] * len(shape)
+        index_shape[d] = shape[d]
+        vpos = vpos + view_coord[d].reshape(index_shape) * view_strides[view_dim]
+    values = evaluator.at(write.value, vpos.reshape(-1)).reshape(shape)
+    out = target.out
+    if not shape:
+        out.copy_(values.reshape(()))
+        return
+    index = []
+    for d, where in enumerate(local):
+        index_shape = [1] * len(shape)
+        index_shape[d] = shape[d]
+        index.append(where.reshape(index_shape).to(out.device))
+    out[tuple(index)] = values.to(out.device)
+
+
+def _view_strides(size: Sequence[int]) -> list[int]:
+    strides, running = [], 1
+    for s in reversed(tuple(size)):
+        strides.append(running)
+        running *= max(s, 1)
+    return list(reversed(strides))
+
+
+def _partial_write_general(evaluator: Evaluator, write: Write, target: Target) -> None:
+    region = target.region
+    out = target.out
+    for start, stop in region.chunks(CHUNK):
+        covered, flat = write.geometry.inverse(_box_positions(region, start, stop))
+        if not bool(covered.any()):
+            continue
+        hit = covered.nonzero().reshape(-1)
+        values = evaluator.at(write.value, flat[hit])
+        coords = unravel(hit + start, tuple(out.shape)) if out.dim() else []
+        if out.dim():
+            out[tuple(c.to(out.device) for c in coords)] = values.to(out.device)
+        else:
+            out.copy_(values.reshape(()))
+
+
+def write_target(evaluator: Evaluator, program: SlotProgram, target: Target) -> None:
+    """Write ``program``'s values at ``target.region`` into ``target.out``."""
+    if target.out.numel() == 0:
+        return
+    with torch.no_grad():
+        if program.read is not None:
+            _write_chunks(evaluator, program.read, target)
+            return
+        if not program.writes:
+            raise UninitializedRead(f"{program.fqn}: nothing writes this tensor")
+        writes = program.writes
+        if program.complete:
+            _base_write(evaluator, writes[0], program, target)
+            writes = writes[1:]
+        # Otherwise some elements are never written: they keep the target's current values.
+        for write in writes:
+            _partial_write(evaluator, write, program, target)
