@@ -30,7 +30,7 @@ class CLIError(Exception):
     """A user-facing error: printed as one line on stderr, exit code 2."""
 
 
-_INIT_KWARGS = {"rules", "init_method", "ties", "fqn_prefix", "fqn_map", "shards", "strict", "stream", "registry"}
+_INIT_KWARGS = {"rules", "init_method", "init_kwargs", "ties", "fqn_prefix", "fqn_map", "shards", "strict", "stream", "registry"}
 
 
 def load_factory(spec: str) -> Any:

@@ -15,6 +15,7 @@ HSDP, TP and FSDP2xTP would give each parameter.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import re
@@ -37,6 +38,9 @@ __all__ = [
     "ROWWISE_NAMES",
     "tp_shard_dim",
 ]
+
+#: Most distinct shards ``keyinit verify`` checks for one tensor under one layout.
+MAX_DISTINCT_SHARDS = 1 << 16
 
 #: Linear layers that tensor parallelism shards row-wise (input dim) by default, by the leaf module name.
 ROWWISE_NAMES = frozenset({"wo", "w2", "o_proj", "down_proj", "out_proj", "c_proj", "fc2", "dense_4h_to_h",
@@ -212,6 +216,43 @@ class LayoutSpec:
         strided = any(isinstance(p, _StridedShard) for p in placements)
         return dtensor_region(slot.shape, self.mesh_shape, coordinate, placements,
                               strided_shard_as_shard_order=True if strided else None)
+
+    def distinct_regions(self, slot: Slot) -> list[tuple[Region, tuple[int, ...], int]]:
+        """``(region, a mesh coordinate holding it, how many coordinates hold it)`` for each distinct
+        region ranks of this layout hold of ``slot``: costs grow with the number of distinct shards,
+        not with the number of ranks (a mesh dim of size ``k`` that shards a dim of size ``n < k``
+        gives ``n`` non-empty chunks and empty ones, which are all alike)."""
+        if not self.mesh_shape:
+            return [(make_region(slot.shape, None), (), 1)]
+        from torch.distributed.tensor.placement_types import Replicate
+
+        placements = self.placements(slot)
+        choices: list[list[tuple[int, int]]] = []
+        for size, placement in zip(self.mesh_shape, placements):
+            if isinstance(placement, Replicate):
+                choices.append([(0, size)])
+                continue
+            bound = slot.shape[placement.dim] if slot.shape else 0
+            if size <= bound + 1:
+                choices.append([(c, 1) for c in range(size)])
+            else:  # coordinates >= bound all hold empty chunks
+                choices.append([(c, 1) for c in range(bound)] + [(bound, size - bound)])
+        combos = math.prod(len(c) for c in choices)
+        if combos > MAX_DISTINCT_SHARDS:
+            raise CLIError(f"{self.name}: {slot.fqn} would have {combos:,} distinct shards to check "
+                           f"(more than {MAX_DISTINCT_SHARDS:,}); choose a smaller layout")
+        seen: dict[tuple, list] = {}
+        for combo in itertools.product(*choices):
+            coordinate = tuple(c for c, _ in combo)
+            count = math.prod(w for _, w in combo)
+            region = self.region(slot, coordinate)
+            signature = tuple(hashlib.sha256(index.numpy().tobytes()).hexdigest() for index in region.indices)
+            entry = seen.get(signature)
+            if entry is None:
+                seen[signature] = [region, coordinate, count]
+            else:
+                entry[2] += count
+        return [(r, c, n) for r, c, n in seen.values()]
 
     def describe(self) -> str:
         parts = [f"pp={self.pp}"] if self.pp > 1 else []

@@ -10,9 +10,10 @@ Index syntax is Python's, applied to the GLOBAL tensor: ``[0:4, :8]``,
 (lists index each dimension independently, like ``numpy.ix_``). An int drops
 its dimension, as in torch. No brackets means the whole tensor.
 
-If the tensor is written by init code (``reset_parameters``, ``init_method``)
-rather than a rule, that code may read its module's other tensors, so the
-tensors of the owning module are computed in full (still nothing else).
+Init code (``reset_parameters``, ``init_method``) is captured on stand-ins and
+replayed for the selected region only, exactly as a training run's ranks do;
+a tensor whose init code is not element-local (a reduction, QR) is computed
+whole and then sliced.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from keyinit.cli._common import CLIError, build_model, digest, load_factory
-from keyinit.cli._virtual import empty_region, shard_in_place, slots_of
+from keyinit.layouts import Target
 from keyinit.regions import make_region
 
 __all__ = ["add_parser", "run", "parse_selector", "compute_slice"]
@@ -133,63 +134,44 @@ def to_region(shape: tuple[int, ...], index: Optional[list[Any]], where: str) ->
 # --------------------------------------------------------------------------- computing
 
 
-_DECLARATIVE = ("default", "rule", "pattern")
-
-
 def compute_slice(spec: str, factory: Any, fqn: str, index: Optional[list[Any]], seed: int,
                   init_method: Any = None) -> dict[str, Any]:
-    """The selected values and what produced them: ``{"tensor", "fqn", "key_fqn", "source", "shape", ...}``."""
+    """The selected values and what produced them: ``{"tensor", "fqn", "key_fqn", "source", "shape", ...}``.
+
+    Plans the model on the meta device (capturing its init code on stand-ins) and replays
+    only the selected region of the selected tensor: nothing else is allocated.
+    """
     import keyinit
+    from keyinit.plan import plan_model
 
-    def attempt(full_module: bool) -> dict[str, Any]:
-        model, kwargs = build_model(factory, spec)
-        if init_method:
-            kwargs["init_method"] = init_method
-        slots = slots_of(model)
-        by_name = {name: slot for slot in slots for name in slot.names}
-        if fqn not in by_name:
-            close = difflib.get_close_matches(fqn, list(by_name), n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else f"; it has {len(by_name)} tensors, e.g. {list(by_name)[:3]}"
-            raise CLIError(f"{spec}'s model has no parameter or buffer {fqn!r}{hint}")
-        wanted = by_name[fqn]
-        entries, dropped = to_region(wanted.shape, index, fqn)
-        region = make_region(wanted.shape, entries)
-        owners = {id(m) for m, _, _ in wanted.locations}
-
-        def region_for(slot: Any) -> Any:
-            if slot is wanted:
-                return make_region(slot.shape, None) if full_module else region
-            if full_module and any(id(m) in owners for m, _, _ in slot.locations):
-                return make_region(slot.shape, None)
-            return empty_region(slot.shape)
-
-        shards = shard_in_place(model, region_for, slots)
-        try:
-            with torch.no_grad():
-                report = keyinit.init_model(model, seed, **kwargs)
-        except keyinit.PlanError as exc:
-            raise CLIError(f"cannot plan {spec}'s initialization: {exc}") from exc
-        except keyinit.InitError as exc:
-            raise CLIError(f"initialization failed: {exc}") from exc
-        record = next(r for r in report.records if r.fqn == wanted.fqn or r.fqn in wanted.names)
-        values = shards[wanted.fqn][2].detach()
-        if full_module:
-            from keyinit.cli._common import take_region
-
-            values = take_region(values, region)
-        for dim in reversed(dropped):
-            values = values.squeeze(dim)
-        return {"tensor": values, "fqn": fqn, "canonical": wanted.fqn, "key_fqn": record.key_fqn,
-                "source": record.source, "shape": wanted.shape, "dtype": wanted.dtype,
-                "region_shape": region.region_shape, "full_module": full_module}
-
-    first = attempt(full_module=False)
-    if first["source"] == "kept":
+    model, kwargs = build_model(factory, spec)
+    if init_method:
+        kwargs["init_method"] = init_method
+    try:
+        plan = plan_model(model, seed, **kwargs)
+    except (keyinit.PlanError, keyinit.UnkeyedRandomnessError) as exc:
+        raise CLIError(f"cannot plan {spec}'s initialization: {exc}") from exc
+    by_name = {name: t for t in plan.tensors for name in t.names}
+    if fqn not in by_name:
+        close = difflib.get_close_matches(fqn, list(by_name), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; it has {len(by_name)} tensors, e.g. {list(by_name)[:3]}"
+        raise CLIError(f"{spec}'s model has no parameter or buffer {fqn!r}{hint}")
+    wanted = by_name[fqn]
+    if wanted.program is None:
         raise CLIError(f"{fqn} is a buffer that no rule or init method initializes; its value comes from "
                        f"the model's constructor, not from the seed")
-    if first["source"].split(" ", 1)[0] in _DECLARATIVE:
-        return first
-    return attempt(full_module=True)
+    entries, dropped = to_region(wanted.global_shape, index, fqn)
+    region = make_region(wanted.global_shape, entries)
+    values = torch.empty(region.region_shape, dtype=wanted.dtype)
+    try:
+        plan.write(wanted, Target(wanted.fqn, region, values))
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's initializers
+        raise CLIError(f"initialization failed: {type(exc).__name__}: {exc}") from exc
+    for dim in reversed(dropped):
+        values = values.squeeze(dim)
+    return {"tensor": values, "fqn": fqn, "canonical": wanted.fqn, "key_fqn": wanted.key_fqn,
+            "source": wanted.source, "shape": wanted.global_shape, "dtype": wanted.dtype,
+            "region_shape": region.region_shape, "element_local": plan.element_local(wanted)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -220,8 +202,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"saved to {os.path.abspath(path)} (sha256 {digest(tensor)[:16]})")
         return 0
     print(header)
-    if result["full_module"]:
-        print("(written by init code: the tensors of its module were computed in full)", file=sys.stderr)
+    if not result["element_local"]:
+        print("(its values are computed whole, then sliced: the init code is not element-local)", file=sys.stderr)
     if args.full:
         torch.set_printoptions(profile="full")
     print(tensor)

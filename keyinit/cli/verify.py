@@ -1,32 +1,32 @@
 """``keyinit verify MODULE:FACTORY``: check your model initializes identically under other layouts.
 
-In ONE process, with no process group: initialize the model once in a single
-process (the reference), then simulate every rank of every ``--layouts``
-entry. A simulated rank builds the model on the meta device, gives each tensor
-a local tensor holding only the region that rank would hold (from the DTensor
+In ONE process, with no process group, verify runs the same machinery a real run
+does: the model is built on the meta device and planned exactly as
+``keyinit.materialize`` plans it (rules resolved, init code captured once on
+global-shape stand-ins), the single-process values are computed, and then every
+distinct region a rank of each ``--layouts`` entry would hold (from the DTensor
 placements FSDP2 / HSDP / TP / FSDP2xTP would give it, computed with
-``keyinit.layouts.dtensor_region``, or the pipeline stage's share), declares
-those regions as manual shards, and runs the real ``keyinit.init_model`` over
-it. Every local tensor must equal the same region of the reference, bit for bit.
+``keyinit.layouts.dtensor_region``) is replayed and compared bit for bit.
+Pipeline stages are cut (FQNs kept, other stages' modules removed) and planned
+on their own, as a real stage is. The cost grows with the number of distinct
+shards, not with the number of ranks.
 
 Layout names: ``fsdpN``, ``fsdpRxS`` / ``hsdpRxS`` (HSDP), ``tpN``, ``dpN``,
 ``ppN``, joined with ``x`` (``fsdp2xtp2``, ``pp2xfsdp4``). Tensor parallelism
 shards ``nn.Linear`` column-wise, except layers whose leaf name is in
 ``--rowwise`` (row-wise); embeddings and other >=2-D tensors on dim 0.
 
-Limitation: init code that reads a tensor's SHAPE (a custom
-``reset_parameters`` computing a bound from ``self.weight.shape``) sees the
-local shape here, as it would under hand-cut shards, whereas a DTensor reports
-the global shape. Built-in rules, ``keyinit.init`` initializers and
-``nn.init.*`` calls on the tensor are keyed with global shapes either way.
+A model with an ``_init_weights`` method (Hugging Face) and no ``init_method`` in
+its factory's kwargs is checked with that method as its init code.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -34,9 +34,9 @@ from keyinit.cli._common import CLIError, Progress, aliases, bitwise_equal, buil
 from keyinit.cli._virtual import (
     ROWWISE_NAMES,
     LayoutSpec,
+    Slot,
     cut_stage,
     parse_layout,
-    shard_in_place,
     slots_of,
     stage_assignment,
 )
@@ -67,11 +67,46 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _init_kwargs(kwargs: dict[str, Any], init_method: Any) -> dict[str, Any]:
+def _init_kwargs(model: torch.nn.Module, kwargs: dict[str, Any], init_method: Any) -> tuple[dict[str, Any], Optional[str]]:
+    """The factory's kwargs plus ``--init-method``; an HF-style model with no init method uses its
+    own ``_init_weights`` (returned as a note)."""
     out = dict(kwargs)
     if init_method:
         out["init_method"] = init_method
-    return out
+    elif "init_method" not in out and callable(getattr(model, "_init_weights", None)):
+        out["init_method"] = "_init_weights"
+        return out, "using the model's own _init_weights as its init code"
+    return out, None
+
+
+def _slot(tensor: Any) -> Slot:
+    return Slot(tensor.fqn, tensor.kind, [(m, a, tensor.fqn) for m, a in tensor.locations()],
+                tuple(tensor.global_shape), tensor.dtype, False)
+
+
+def _check(plan: Any, tensor: Any, layout: LayoutSpec, expected: torch.Tensor, stage_rank: int,
+           stage_ranks: int) -> tuple[list[int], int, int]:
+    """Replay ``tensor`` for every distinct region ``layout`` gives it; return (bad ranks, ranks holding it,
+    largest region)."""
+    from keyinit.layouts import Target
+
+    bad, held, largest = [], 0, 0
+    for region, coordinate, count in layout.distinct_regions(_slot(tensor)):
+        rank = stage_rank * stage_ranks + (_ravel(coordinate, layout.mesh_shape) if coordinate else 0)
+        out = torch.empty(region.region_shape, dtype=tensor.dtype)
+        plan.write(tensor, Target(tensor.fqn, region, out))
+        held += count
+        largest = max(largest, out.numel())
+        if not bitwise_equal(out, take_region(expected, region)):
+            bad.append(rank)
+    return bad, held, largest
+
+
+def _ravel(coordinate: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    flat = 0
+    for c, s in zip(coordinate, shape):
+        flat = flat * s + c
+    return flat
 
 
 def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, init_method: Any = None,
@@ -80,85 +115,115 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
 
     ``factory()`` (called under ``torch.device("meta")``) returns an ``nn.Module`` or
     ``(module, init_model_kwargs)``; ``layouts`` are names such as ``"fsdp4"``,
-    ``"fsdp2xtp2"``, ``"pp2"``. Returns ``{"ok": bool, "params": [per-tensor dicts with
-    "fqn", "source", "bad" ({layout: [ranks]}) ...], "layouts": [per-layout summaries]}``,
-    or ``{"ok": False, "plan_error": message}`` if some parameter has no initializer.
+    ``"fsdp2xtp2"``, ``"pp2"``. The model is planned exactly as ``materialize`` plans it (init
+    code captured on global-shape stand-ins), the single-process values are computed once,
+    and then every distinct region a rank of each layout would hold is replayed and compared
+    bit for bit. Pipeline stages are cut and planned on their own, as a real stage is.
+    Returns ``{"ok": bool, "params": [per-tensor dicts with "fqn", "source", "bad"
+    ({layout: [ranks]}) ...], "layouts": [per-layout summaries]}``, or
+    ``{"ok": False, "plan_error": message}`` if the model cannot be planned.
     """
     import keyinit
+    from keyinit.layouts import Target
+    from keyinit.plan import plan_model
+    from keyinit.regions import make_region
 
     spec = label or getattr(factory, "__qualname__", "factory")
     layouts = [parse_layout(layout) if isinstance(layout, str) else layout for layout in layouts]
 
     model, kwargs = build_model(factory, spec)
-    kwargs = _init_kwargs(kwargs, init_method)
-    ref_slots = slots_of(model)
+    kwargs, note = _init_kwargs(model, kwargs, init_method)
     ref_aliases = aliases(model)
     try:
-        with torch.no_grad():
-            report = keyinit.materialize(model, seed, device="cpu", **kwargs)
-    except keyinit.PlanError as exc:
+        plan = plan_model(model, seed, materializing=True, **kwargs)
+    except (keyinit.PlanError, keyinit.UnkeyedRandomnessError) as exc:
         return {"plan_error": str(exc), "ok": False}
-    reference = {slot.fqn: slot.locations[0][0]._parameters.get(slot.attr) if slot.kind == "parameter"
-                 else slot.locations[0][0]._buffers.get(slot.attr) for slot in ref_slots}
-    records = {r.fqn: r for r in report.records}
+    reference: dict[str, torch.Tensor] = {}
+    for tensor in plan.tensors:
+        full = torch.empty(tensor.global_shape, dtype=tensor.dtype)
+        plan.write(tensor, Target(tensor.fqn, make_region(tensor.global_shape, None), full))
+        reference[tensor.fqn] = full
 
-    cells: dict[str, dict[str, list[int]]] = {s.fqn: {} for s in ref_slots}  # fqn -> layout -> bad ranks
-    held: dict[str, dict[str, int]] = {s.fqn: {} for s in ref_slots}  # fqn -> layout -> ranks holding it
+    notes = [note] if note else []
+    cells: dict[str, dict[str, list[int]]] = {t.fqn: {} for t in plan.tensors}  # fqn -> layout -> bad ranks
+    held: dict[str, dict[str, int]] = {t.fqn: {} for t in plan.tensors}  # fqn -> layout -> ranks holding it
     summaries = []
-    total = sum(layout.world_size for layout in layouts)
-    bar = Progress(total, "keyinit verify", enabled=None if progress else False)
+    bar = Progress(len(layouts), "keyinit verify", enabled=None if progress else False)
     for layout in layouts:
         start = time.perf_counter()
         max_local = 0
-        for rank, stage, coordinate in layout.ranks():
-            rank_model, rank_kwargs = build_model(factory, spec)
-            rank_kwargs = _init_kwargs(rank_kwargs, init_method)
-            slots = slots_of(rank_model)
+        mesh_ranks = math.prod(layout.mesh_shape) if layout.mesh_shape else 1
+        for stage in range(layout.pp):
+            stage_plan, stage_tensors = plan, plan.tensors
             if layout.pp > 1:
-                assignment = stage_assignment(rank_model, slots, layout.pp)
-                slots = cut_stage(rank_model, slots, assignment, stage)
-                ties = dict(rank_kwargs.get("ties") or {})
-                for slot in slots:
-                    first = ref_aliases.get(slot.fqn)
-                    if first is not None and first not in {s.fqn for s in slots}:
-                        ties.setdefault(slot.fqn, first)  # tied across stages: key it as the first name
-                rank_kwargs["ties"] = ties
-                rank_kwargs["strict"] = False  # a stage holds only some of the FQNs the rules name
-            shards = shard_in_place(rank_model, lambda s: layout.region(s, coordinate), slots)
-            try:
-                with torch.no_grad():
-                    keyinit.init_model(rank_model, seed, **rank_kwargs)
-            except (keyinit.PlanError, keyinit.InitError) as exc:
-                raise CLIError(f"{layout.name} rank {rank}: init_model failed: {exc}") from exc
+                stage_plan, stage_tensors, stage_note = _stage_plan(factory, spec, layout, stage, seed, init_method,
+                                                                    ref_aliases, plan)
+                if stage_note:
+                    notes.append(stage_note)
             local_numel = 0
-            for fqn, (slot, region, local) in shards.items():
-                ref_fqn = ref_aliases.get(fqn, fqn)
-                local_numel += local.numel()
-                expected = take_region(reference[ref_fqn], region)
-                held[ref_fqn][layout.name] = held[ref_fqn].get(layout.name, 0) + 1
-                bad = cells[ref_fqn].setdefault(layout.name, [])
-                if not bitwise_equal(local, expected):
-                    bad.append(rank)
+            for tensor in stage_tensors:
+                ref_fqn = ref_aliases.get(tensor.fqn, tensor.fqn)
+                if ref_fqn not in reference:
+                    raise CLIError(f"{layout.name} stage {stage}: {tensor.fqn} is not a tensor of the full model")
+                bad, count, largest = _check(stage_plan, tensor, layout, reference[ref_fqn], stage, mesh_ranks)
+                held[ref_fqn][layout.name] = held[ref_fqn].get(layout.name, 0) + count
+                cells[ref_fqn].setdefault(layout.name, []).extend(bad)
+                local_numel += largest
             max_local = max(max_local, local_numel)
-            bar.update(note=f"{layout.name} rank {rank}")
         seconds = time.perf_counter() - start
         good = sum(1 for fqn in cells if not cells[fqn].get(layout.name) and held[fqn].get(layout.name))
         missing = [fqn for fqn in cells if not held[fqn].get(layout.name)]
         summaries.append({"layout": layout.name, "description": layout.describe(), "ranks": layout.world_size,
                           "identical": good, "total": len(cells), "missing": missing,
                           "max_local_elements": max_local, "seconds": seconds})
+        bar.update(note=layout.name)
     bar.close()
     params = []
-    for slot in ref_slots:
-        record = records.get(slot.fqn)
-        params.append({"fqn": slot.fqn, "kind": slot.kind, "shape": slot.shape, "dtype": str(slot.dtype).replace("torch.", ""),
-                       "source": record.source if record else "?", "element_local": record.element_local if record else True,
-                       "tied": [n for n in slot.names if n != slot.fqn],
-                       "bad": {name: ranks for name, ranks in cells[slot.fqn].items() if ranks},
-                       "held": held[slot.fqn]})
+    for tensor in plan.tensors:
+        params.append({"fqn": tensor.fqn, "kind": tensor.kind, "shape": tensor.global_shape,
+                       "dtype": str(tensor.dtype).replace("torch.", ""), "source": tensor.source,
+                       "element_local": plan.element_local(tensor),
+                       "tied": [n for n in tensor.names if n != tensor.fqn],
+                       "bad": {name: ranks for name, ranks in cells[tensor.fqn].items() if ranks},
+                       "held": held[tensor.fqn]})
     ok = all(not p["bad"] for p in params) and all(not s["missing"] for s in summaries)
-    total_numel = sum(int(torch.Size(s.shape).numel()) for s in ref_slots)
-    return {"params": params, "layouts": summaries, "ok": ok, "numel": total_numel, "seed": seed}
+    total_numel = sum(math.prod(t.global_shape) for t in plan.tensors)
+    return {"params": params, "layouts": summaries, "ok": ok, "numel": total_numel, "seed": seed, "notes": notes}
+
+
+def _stage_plan(factory: Any, spec: str, layout: LayoutSpec, stage: int, seed: int, init_method: Any,
+                ref_aliases: dict[str, str], full_plan: Any) -> tuple[Any, list[Any], Optional[str]]:
+    """Cut a fresh model to pipeline stage ``stage`` (FQNs kept) and plan it as that stage's ranks would.
+
+    Returns ``(plan, the stage's planned tensors, note)``. Init code that cannot run on the cut
+    stage (it reaches into modules of other stages, as Hugging Face's root ``_init_weights``
+    does) is a fact about the model, not about keyinit: the stage's tensors are then checked
+    with the full model's plan, as when the whole model is planned on meta and then split.
+    """
+    import keyinit
+    from keyinit.plan import plan_model
+
+    model, kwargs = build_model(factory, spec)
+    kwargs, _ = _init_kwargs(model, kwargs, init_method)
+    slots = slots_of(model)
+    assignment = stage_assignment(model, slots, layout.pp)
+    kept = cut_stage(model, slots, assignment, stage)
+    ties = dict(kwargs.get("ties") or {})
+    names = {s.fqn for s in kept}
+    for slot in kept:
+        first = ref_aliases.get(slot.fqn)
+        if first is not None and first not in names:
+            ties.setdefault(slot.fqn, first)  # tied across stages: key it as the first name
+    kwargs["ties"] = ties
+    kwargs["strict"] = False  # a stage holds only some of the FQNs the rules name
+    try:
+        plan = plan_model(model, seed, materializing=True, **kwargs)
+    except (keyinit.PlanError, keyinit.UnkeyedRandomnessError) as exc:
+        wanted = {ref_aliases.get(name, name) for name in names}
+        note = (f"{layout.name} stage {stage}: the init code cannot run on the cut stage ({exc}); its "
+                f"{len(wanted)} tensors were checked with the full model's plan instead")
+        return full_plan, [t for t in full_plan.tensors if t.fqn in wanted], note
+    return plan, plan.tensors, None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
     if not layouts:
         raise CLIError("--layouts is empty")
     result = verify(factory, layouts, args.seed, init_method=args.init_method, label=args.factory)
+    for note in result.get("notes", ()):
+        print(f"keyinit verify: {note}", file=sys.stderr)
     if "plan_error" in result:
         print(f"keyinit verify: {args.factory}: not every tensor has an initializer, so nothing was checked:",
               file=sys.stderr)
