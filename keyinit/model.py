@@ -112,8 +112,9 @@ class InitReport:
 class _Writer:
     """Writes every planned tensor into its target (this process's region), lowest precedence first."""
 
-    def __init__(self, plan: Plan, progress: Optional[bool]) -> None:
+    def __init__(self, plan: Plan, progress: Optional[bool], device: Union[torch.device, str, None] = None) -> None:
         self.plan = plan
+        self.device = device
         self.written: list[PlannedTensor] = []
         self.layouts: dict[int, tuple[str, int]] = {}
         self._total = sum(math.prod(t.global_shape) for t in plan.tensors if t.program is not None)
@@ -143,7 +144,9 @@ class _Writer:
             self._finish_progress()
 
     def _write(self, tensor: PlannedTensor) -> None:
-        if tensor.recreated:
+        if tensor.new:
+            self._create(tensor)
+        elif tensor.recreated:
             self._recreate(tensor)
         target = self.plan.target(tensor)
         self.plan.write(tensor, target)
@@ -165,6 +168,22 @@ class _Writer:
                 module._parameters[attr] = torch.nn.Parameter(fresh, requires_grad=old.requires_grad)
             else:
                 module._buffers[attr] = fresh
+
+    def _create(self, tensor: PlannedTensor) -> None:
+        """A tensor init code created where there was none: a plain tensor on the module's device."""
+        module = tensor.module
+        device = self.device
+        if device is None:
+            existing = next(iter([*module.parameters(), *module.buffers()]), None)
+            local = getattr(existing, "_local_tensor", existing)
+            device = local.device if local is not None else "cpu"
+        fresh = torch.empty(tensor.global_shape, dtype=tensor.dtype, device=device)
+        if tensor.kind == "parameter":
+            module.register_parameter(tensor.attr, torch.nn.Parameter(fresh))
+        elif tensor.kind.startswith("buffer"):
+            module.register_buffer(tensor.attr, fresh, persistent=tensor.kind == "buffer")
+        else:
+            setattr(module, tensor.attr, fresh)
 
     def _tick(self, tensor: PlannedTensor) -> None:
         self._done += math.prod(tensor.global_shape)
@@ -190,7 +209,9 @@ class _Writer:
         records = []
         for t in self.plan.tensors:
             layout, local = self.layouts.get(id(t), (None, 0))
-            if layout is None:
+            if layout is None and t.new:
+                layout = "not created"
+            elif layout is None:
                 tensor = t.tensor
                 layout = "meta" if tensor.device.type == "meta" else self.plan.target(t).description
             source = t.source if id(t) in self.layouts else "kept"
@@ -288,13 +309,16 @@ def materialize(
     options = _plan_kwargs(kwargs)
     progress = options.pop("progress")
     plan = plan_model(model, seed, materializing=True, **options)
-    writer = _Writer(plan, progress)
+    writer = _Writer(plan, progress, device)
     try:
         model.to_empty(device=device)
         _retie(plan)
         writer.run()
     except BaseException as exc:
-        model.to_empty(device="meta")
+        torch.nn.Module.to_empty(model, device="meta")  # the base method: an override may be what failed
+        for tensor in plan.tensors:
+            if tensor.new and tensor.kind == "attribute" and tensor.attr in vars(tensor.module):
+                delattr(tensor.module, tensor.attr)
         if not isinstance(exc, Exception):
             raise  # KeyboardInterrupt, SystemExit: the model is back on meta
         written = exc.written if isinstance(exc, InitError) else ()
@@ -306,6 +330,8 @@ def materialize(
 def _retie(plan: Plan) -> None:
     """Re-tie plain parameters that ``to_empty`` untied, restoring the model's sharing."""
     for tensor in plan.tensors:
+        if tensor.new:
+            continue
         first = tensor.tensor
         for module, attr in tensor.distinct_alias_tensors():
             if isinstance(first, torch.nn.Parameter) and type(first) is torch.nn.Parameter:

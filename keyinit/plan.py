@@ -55,7 +55,7 @@ class PlannedTensor:
     fqn: str
     names: list[str]
     key_fqn: str
-    kind: str  # "parameter" or "buffer"
+    kind: str  # "parameter", "buffer", or what init code created: "attribute", "buffer (not persistent)"
     module: torch.nn.Module
     module_fqn: str
     attr: str
@@ -66,6 +66,7 @@ class PlannedTensor:
     dtype: Optional[torch.dtype] = None
     recreated: bool = False  # init code assigned a new tensor of another shape or dtype
     origin: str = "kept"  # what the values come from: "default", "code", "rule", "pattern" (or "kept")
+    new: bool = False  # init code created it (a new attribute or buffer): the writer creates the tensor
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -398,7 +399,8 @@ class _Planner:
                                                 t.rule[1])
             standins[id(t)] = stand
         failures = []
-        with _Installed(self.tensors, standins, capture) as installed:
+        installed = _Installed(self.tensors, standins, capture, list(self.modules.values()))
+        with installed:
             for module, fqn, label, call in calls:
                 site = f"{type(module).__name__} at {fqn or '<root>'}"
                 try:
@@ -423,6 +425,12 @@ class _Planner:
             t.program = None if program.empty else program
             only_default = t.rule is not None and len(program.writes) == 1 and program.source == t.rule[1]
             t.origin = "kept" if program.empty else ("default" if only_default else "code")
+        for module, module_fqn, name, kind, value in installed.assigned():
+            fqn = apply_fqn_mapping(f"{module_fqn}.{name}" if module_fqn else name, self.fqn_prefix, self.fqn_map)
+            entry = PlannedTensor(fqn, [fqn], fqn, kind, module, module_fqn, name, origin="code", new=True,
+                                  global_shape=tuple(value.shape), dtype=value.dtype)
+            entry.program = SlotProgram(fqn, tuple(value.shape), value.dtype, (), capture.node(value), True)
+            self.tensors.append(entry)
         self._check_failures(failures)
 
     def _check_failures(self, failures: list) -> None:
@@ -495,10 +503,16 @@ def _bind_call(fn: Callable[..., Any], kwargs: Mapping[str, Any], *args: Any) ->
 
 
 class _Installed:
-    """Stand-ins swapped into the model's modules (``with`` restores the originals)."""
+    """Stand-ins swapped into the model's modules (``with`` restores every module exactly).
 
-    def __init__(self, tensors: list[PlannedTensor], standins: dict[int, LazyTensor], capture: Capture) -> None:
+    Init code may also assign tensors to new attributes or register new buffers; those are
+    taken back out on exit and reported by :meth:`assigned`.
+    """
+
+    def __init__(self, tensors: list[PlannedTensor], standins: dict[int, LazyTensor], capture: Capture,
+                 modules: list[tuple[torch.nn.Module, str]]) -> None:
         self.entries: list[tuple[PlannedTensor, dict, str, Any, Any]] = []  # (tensor, table, attr, original, stand-in)
+        self.modules = modules
         for t in tensors:
             stand = standins[id(t)]
             original = t.tensor
@@ -515,13 +529,43 @@ class _Installed:
             for module, attr in t.locations():
                 table = module._parameters if attr in module._parameters else module._buffers
                 self.entries.append((t, table, attr, table[attr], replacement))
+        self._assigned: list[tuple[torch.nn.Module, str, str, str, LazyTensor]] = []
 
     def __enter__(self) -> "_Installed":
+        self.snapshots = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
+                          for m, _ in self.modules]
         for _t, table, attr, _original, replacement in self.entries:
             table[attr] = replacement
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        installed = {(id(table), attr) for _t, table, attr, _o, _r in self.entries}
+        fqns = {id(m): fqn for m, fqn in self.modules}
+        for module, attributes, parameters, buffers, non_persistent in self.snapshots:
+            for kind, table, before in (("parameter", module._parameters, parameters), ("buffer", module._buffers, buffers)):
+                for name in list(table):
+                    if name not in before and isinstance(table[name], LazyTensor):
+                        persistent = name not in module._non_persistent_buffers_set
+                        self._assigned.append((module, fqns[id(module)], name,
+                                               kind if persistent or kind == "parameter" else "buffer (not persistent)",
+                                               table[name]))
+                    if name not in before:
+                        del table[name]
+                for name, value in before.items():
+                    if (id(table), name) not in installed:
+                        table[name] = value
+            for name in list(vars(module)):
+                value = vars(module)[name]
+                if name in attributes and attributes[name] is value:
+                    continue
+                if isinstance(value, LazyTensor):
+                    self._assigned.append((module, fqns[id(module)], name, "attribute", value))
+                if name in attributes:
+                    object.__setattr__(module, name, attributes[name])
+                elif isinstance(value, LazyTensor):
+                    delattr(module, name)
+            module._non_persistent_buffers_set.clear()
+            module._non_persistent_buffers_set.update(non_persistent)
         for _t, table, attr, original, _replacement in reversed(self.entries):
             table[attr] = original
 
@@ -533,6 +577,10 @@ class _Installed:
             if value is not replacement and isinstance(value, LazyTensor):
                 found[id(t)] = value
         return found
+
+    def assigned(self) -> list[tuple[torch.nn.Module, str, str, str, LazyTensor]]:
+        """``(module, module fqn, name, kind, value)`` of tensors init code put where no tensor was."""
+        return list(self._assigned)
 
 
 def plan_model(

@@ -186,7 +186,7 @@ class LayoutSpec:
         """
         from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-        if slot.kind == "buffer":  # FSDP2 and TP leave buffers as plain, replicated tensors
+        if slot.kind != "parameter":  # FSDP2 and TP leave buffers as plain, replicated tensors
             return tuple(Replicate() for _ in self.mesh_kinds)
         tp_dim = tp_shard_dim(slot, self.rowwise) if "tp" in self.mesh_kinds else None
         tp_size = self.mesh_shape[self.mesh_kinds.index("tp")] if "tp" in self.mesh_kinds else 1
