@@ -180,7 +180,8 @@ class Capture:
     # ------------------------------------------------------------------ stand-ins
     def standin(self, shape: tuple[int, ...], dtype: torch.dtype, label: str) -> LazyTensor:
         """A fresh stand-in of a contiguous buffer of ``shape`` (nothing written yet)."""
-        meta = torch.empty(shape, dtype=dtype, device="meta")
+        with _disable_current_modes():  # also from inside init code running under the capture
+            meta = torch.empty(shape, dtype=dtype, device="meta")
         self._register(meta, label)
         return LazyTensor(meta, self)
 
@@ -316,7 +317,10 @@ class Capture:
         except Exception as exc:  # no meta kernel, or a data-dependent shape: compute it for real
             if random:
                 raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: {exc}") from exc
-            return self._run_concrete(func, args, kwargs, exc)
+            try:
+                return self._run_concrete(func, args, kwargs, exc)
+            except UnkeyedRandomnessError:
+                out = self._infer(func, args, kwargs, exc)  # the inputs depend on draws: record it
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         bound = _bind_names(func, args, kwargs)
         if random:
@@ -326,6 +330,30 @@ class Capture:
         for name, value in effects.writes:
             self._write(bound.get(name), value)
         return self._wrap(args, kwargs, bound, _mutated_args(func), out, list(effects.returns))
+
+    def _infer(self, func: Any, args: tuple, kwargs: dict, why: Exception) -> Any:
+        """Output shapes of an op with no meta kernel (``geqrf``): run it on zeros of the inputs' shapes.
+
+        Only for ops whose output shapes cannot depend on the input values."""
+        tags = set(getattr(func, "tags", ()))
+        if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
+            raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: its output shape depends on values "
+                               f"that depend on random draws ({why})") from why
+        with _disable_current_modes():
+            def zeros(x: Any) -> Any:
+                if isinstance(x, LazyTensor):
+                    return torch.zeros_like(x._meta, device="cpu")
+                if isinstance(x, torch.device):
+                    return torch.device("cpu")
+                return x
+
+            dummy_args, dummy_kwargs = tree_map(zeros, (args, kwargs))
+            try:
+                result = func(*dummy_args, **dummy_kwargs)
+            except Exception as exc:
+                raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: {why}") from exc
+            return tree_map(lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+                            if isinstance(x, torch.Tensor) else x, result)
 
     def _run_concrete(self, func: Any, args: tuple, kwargs: dict, why: Exception) -> Any:
         with _disable_current_modes():

@@ -19,9 +19,12 @@ child's rule does it: :data:`DEFAULT_RULES` maps
 ``MultiheadAttention.out_proj``) to :func:`mha_out_proj` (Linear's weight
 init, zero bias).
 
-Not expressible with per-module rules, hence not here: ``nn.Transformer``,
-whose ``_reset_parameters`` re-initializes every >1-D parameter of all its
-descendants with ``xavier_uniform_`` (its layers get their own defaults here).
+``nn.Transformer``'s ``_reset_parameters`` re-initializes every >1-D parameter
+of all its descendants with ``xavier_uniform_``, which a per-module rule (a
+module's own tensors only) cannot say. :data:`DEFAULT_INIT_CODE` holds such
+built-in init code: keyinit captures it like a module's ``reset_parameters``,
+on top of its descendants' defaults, so an ``nn.Transformer`` gets
+``xavier_uniform()`` on every >1-D parameter and its layers' defaults on the rest.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from keyinit.rules import ModuleRule, RuleContext
 
 __all__ = [
     "DEFAULT_RULES",
+    "DEFAULT_INIT_CODE",
     "linear",
     "bilinear",
     "conv",
@@ -210,4 +214,16 @@ DEFAULT_RULES: dict[type[nn.Module], ModuleRule] = {
     nn.InstanceNorm2d: batch_norm,
     nn.InstanceNorm3d: batch_norm,
     nn.MultiheadAttention: multihead_attention,
+}
+
+
+def transformer_reset(module: nn.Module) -> None:
+    """``nn.Transformer``: its own ``_reset_parameters`` (``xavier_uniform_`` on every >1-D parameter)."""
+    module._reset_parameters()
+
+
+#: torch.nn module type -> built-in init code that spans its descendants (captured, lowest precedence
+#: after the per-module defaults).
+DEFAULT_INIT_CODE: dict[type[nn.Module], "object"] = {
+    nn.Transformer: transformer_reset,
 }

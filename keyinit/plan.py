@@ -185,6 +185,8 @@ class _Planner:
         self.registry = registry
         self.tensors: list[PlannedTensor] = []
         self.notes: list[str] = []
+        # rules for parametrized tensors: (id(module), name) -> (module, fqn, name, kind, label, initializer)
+        self.parametrized: dict[tuple[int, str], tuple] = {}
 
     # ------------------------------------------------------------------ tensors
     def collect(self) -> None:
@@ -247,7 +249,28 @@ class _Planner:
         own = self._own(module)
         shapes = {attr: t.global_shape for attr, t in own.items()}
         dtypes = {attr: t.dtype for attr, t in own.items()}
+        for name in _parametrized_names(module):
+            shapes[name], dtypes[name] = self._parametrized_value(module, name)
         return RuleContext(module_fqn, shapes, dtypes)
+
+    def _parametrized_value(self, module: torch.nn.Module, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Global shape and dtype of a parametrized tensor (``module.weight`` under ``weight_norm``):
+        its parametrizations are run on stand-ins of their originals, which computes nothing."""
+        plist = module.parametrizations[name]
+        inside = {id(m) for m in plist.modules()}
+        tensors = [t for t in self.tensors if any(id(m) in inside for m, _ in t.locations())]
+        capture = Capture()
+        standins = {id(t): capture.standin(t.global_shape, t.dtype, t.fqn) for t in tensors}
+        try:
+            with _Installed(tensors, standins, capture, [(plist, "")]):
+                with capture.active(f"{type(module).__name__}.{name}", "parametrization"):
+                    value = getattr(module, name)
+        except Exception as exc:
+            kinds = ", ".join(type(p).__name__ for p in plist)
+            raise PlanError(f"{type(module).__name__}.{name} is parametrized ({kinds}) and its parametrization does "
+                            f"not run on stand-ins of its originals ({type(exc).__name__}: {exc}); give rules for "
+                            f"its parametrizations.{name}.original* and buffers instead") from exc
+        return tuple(value.shape), value.dtype
 
     # ------------------------------------------------------------------ declarative rules
     def resolve_rules(self) -> None:
@@ -301,6 +324,13 @@ class _Planner:
             raise PlanError(f"{label} for {where} must return a mapping of tensor name to initializer, "
                             f"got {type(produced).__name__}")
         for name, initializer in produced.items():
+            if name not in own and name in _parametrized_names(module):
+                if not callable(initializer):
+                    raise PlanError(f"{label} for {where}.{name}: {initializer!r} is not an initializer")
+                current = self.parametrized.get((id(module), name))
+                if current is None or current[3] == "default":
+                    self.parametrized[(id(module), name)] = (module, module_fqn, name, kind, label, initializer)
+                continue
             if name not in own:
                 raise PlanError(f"{label} for {where} returned {name!r}, which is not a parameter or buffer "
                                 f"of it (it has {sorted(own)})")
@@ -315,11 +345,29 @@ class _Planner:
     def code_calls(self) -> list[tuple[torch.nn.Module, str, str, Callable[[], Any]]]:
         """``(module, module_fqn, label, call)`` for the init code to capture, in order."""
         calls: list[tuple[torch.nn.Module, str, str, Callable[[], Any]]] = []
+        # 0. rules for parametrized tensors, written into the originals through right_inverse
+        for module, module_fqn, name, _kind, label, initializer in self.parametrized.values():
+            shape, dtype = self._parametrized_value(module, name)
+            calls.append((module, module_fqn, label,
+                          _through_right_inverse(module, module_fqn, name, shape, dtype, initializer)))
+        parents = {id(child): parent for parent, _ in self.modules.values() for child in parent.children()}
+        for module, module_fqn in self.modules.values():
+            uncovered = [t for t in self._own(module).values() if t.rule is None and t.module is module]
+            start = _parametrization_start(module, parents.get(id(module)))
+            if uncovered and start is not None:
+                calls.append((module, module_fqn, f"{type(module).__name__} start", start))
         # 1. reset_parameters of modules with tensors no declarative rule covers
         for module, module_fqn in self.modules.values():
             uncovered = [t for t in self._own(module).values() if t.rule is None and t.module is module]
             if uncovered and callable(getattr(module, "reset_parameters", None)):
                 calls.append((module, module_fqn, "reset_parameters", module.reset_parameters))
+        # built-in init code spanning a module's descendants (nn.Transformer's xavier re-init)
+        from keyinit.nn_defaults import DEFAULT_INIT_CODE
+
+        for module, module_fqn in self.modules.values():
+            code = DEFAULT_INIT_CODE.get(type(module))
+            if code is not None:
+                calls.append((module, module_fqn, f"default {type(module).__name__}", _bind_call(code, {}, module)))
         # 2. the user's init method
         method = self.init_method
         kwargs = self.init_kwargs
@@ -488,6 +536,69 @@ class _Planner:
             except (ValueError, TypeError, IndexError) as exc:
                 message = str(exc) if t.fqn in str(exc) else f"{t.fqn}: {exc}"
                 raise PlanError(f"{message} (planned by {node.what})", (t.fqn,)) from exc
+
+
+def _parametrized_names(module: torch.nn.Module) -> list[str]:
+    plists = getattr(module, "parametrizations", None)
+    if not isinstance(plists, torch.nn.ModuleDict) or not torch.nn.utils.parametrize.is_parametrized(module):
+        return []
+    return list(plists.keys())
+
+
+def _through_right_inverse(module: torch.nn.Module, module_fqn: str, name: str, shape: tuple[int, ...],
+                           dtype: torch.dtype, initializer: Any) -> Callable[[], Any]:
+    """Init code for a rule on a parametrized tensor: draw the tensor as the rule says, then set the
+    originals from it through the parametrizations' ``right_inverse`` (what assigning
+    ``module.<name> = value`` does in torch)."""
+
+    def call() -> None:
+        plist = module.parametrizations[name]
+        capture = next(t for t in plist.parameters())._capture  # type: ignore[attr-defined]
+        fqn = f"{module_fqn}.{name}" if module_fqn else name
+        value = capture.standin(shape, dtype, fqn)
+        draw = Random(shape, dtype, f"{fqn} ({initializer!r})", capture.site, initializer,
+                      element_local=getattr(initializer, "element_local", True))
+        capture.storage_of(value).write(Geometry.contiguous(shape), draw, capture.label)
+        for parametrization in reversed(plist):
+            if not hasattr(parametrization, "right_inverse"):
+                raise PlanError(f"{fqn}: {type(parametrization).__name__} has no right_inverse, so a rule for the "
+                                f"parametrized tensor cannot set its originals; give rules for "
+                                f"{fqn.rsplit('.', 1)[0] + '.' if '.' in fqn else ''}parametrizations.{name}.original* instead")
+            value = parametrization.right_inverse(value)
+        if plist.is_tensor:
+            plist.original.copy_(value)
+        else:
+            for i, part in enumerate(value):
+                getattr(plist, f"original{i}").copy_(part)
+
+    return call
+
+
+def _parametrization_start(module: torch.nn.Module, parent: Optional[torch.nn.Module]) -> Optional[Callable[[], Any]]:
+    """Init code for the state a parametrization module computes in its constructor.
+
+    ``spectral_norm``'s ``_u``/``_v`` start as normalized normal vectors refined by 15 power
+    iterations on the weight, as ``torch.nn.utils.parametrizations._SpectralNorm.__init__`` does.
+    """
+    from torch.nn.utils.parametrizations import _SpectralNorm
+
+    if not isinstance(module, _SpectralNorm) or not hasattr(module, "_u"):
+        return None
+    if not isinstance(parent, torch.nn.utils.parametrize.ParametrizationList):
+        return None
+    owner = parent
+
+    def call() -> None:
+        weight = owner.original if owner.is_tensor else owner.original0
+        matrix = module._reshape_weight_to_matrix(weight)
+        rows, cols = matrix.shape
+        u = matrix.new_empty(rows).normal_(0, 1)
+        v = matrix.new_empty(cols).normal_(0, 1)
+        module._u.copy_(torch.nn.functional.normalize(u, dim=0, eps=module.eps))
+        module._v.copy_(torch.nn.functional.normalize(v, dim=0, eps=module.eps))
+        module._power_method(matrix, 15)
+
+    return call
 
 
 def _child_fqn(module: torch.nn.Module, fqn: str, name: str) -> str:
