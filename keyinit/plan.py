@@ -19,10 +19,11 @@ plan can see is raised here, before any memory is allocated: uncovered tensors
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
 import attrs
@@ -420,7 +421,7 @@ class _Planner:
                 own = getattr(child, name, None) if (name and isinstance(owner, torch.nn.Module)) else None
                 nxt = own if (own is not None and getattr(own, "__self__", None) is child) else current
                 visit(child, child_fqn, nxt)
-            calls.append((module, fqn, label, _bind_call(current, kwargs, module)))
+            calls.append((module, fqn, label, _PerModuleCall(current, kwargs, module)))
 
         visit(root, root_fqn, fn)
         return calls
@@ -452,7 +453,8 @@ class _Planner:
             for module, fqn, label, call in calls:
                 site = f"{type(module).__name__} at {fqn or '<root>'}"
                 try:
-                    with capture.active(site, label):
+                    with capture.active(site, label), installed.untied(module if getattr(call, "untie", False)
+                                                                          else None, capture):
                         call()
                 except (UnkeyedRandomnessError, CaptureError, Exception) as exc:  # noqa: B014 - kept explicit
                     failures.append((module, fqn, site, label, exc))
@@ -609,6 +611,22 @@ def _child_fqn(module: torch.nn.Module, fqn: str, name: str) -> str:
     return f"{fqn}.{name}" if fqn else name
 
 
+class _PerModuleCall:
+    """``fn(module, **kwargs)`` of a per-module init method (HF's ``_init_weights``).
+
+    Runs with the module's tied aliases untied (``untie``): HF initializes every module on
+    untied weights and ties them afterwards, so a tied tensor keeps its first owner's init
+    (the embedding's padding row, not ``lm_head``'s plain normal draw)."""
+
+    untie = True
+
+    def __init__(self, fn: Callable[..., Any], kwargs: Mapping[str, Any], module: torch.nn.Module) -> None:
+        self.fn, self.kwargs, self.module = fn, kwargs, module
+
+    def __call__(self) -> Any:
+        return self.fn(self.module, **self.kwargs)
+
+
 def _bind_call(fn: Callable[..., Any], kwargs: Mapping[str, Any], *args: Any) -> Callable[[], Any]:
     return lambda: fn(*args, **kwargs)
 
@@ -679,6 +697,25 @@ class _Installed:
             module._non_persistent_buffers_set.update(non_persistent)
         for _t, table, attr, original, _replacement in reversed(self.entries):
             table[attr] = original
+
+    @contextlib.contextmanager
+    def untied(self, module: Optional[torch.nn.Module], capture: Capture) -> Iterator[None]:
+        """While ``module``'s init runs, its aliases of tensors first owned elsewhere are throwaway copies."""
+        swapped = []
+        if module is not None:
+            for t, table, attr, _original, replacement in self.entries:
+                owned_here = table is module._parameters or table is module._buffers
+                if owned_here and not (t.module is module and t.attr == attr):
+                    stand = capture.standin(tuple(replacement.shape), replacement.dtype, f"{t.fqn} (untied alias)")
+                    if isinstance(replacement, torch.nn.Parameter):
+                        stand = torch.nn.Parameter(stand, requires_grad=replacement.requires_grad)
+                    swapped.append((table, attr, table[attr]))
+                    table[attr] = stand
+        try:
+            yield
+        finally:
+            for table, attr, value in reversed(swapped):
+                table[attr] = value
 
     def reassigned(self) -> dict[int, LazyTensor]:
         """Tensors the init code assigned in place of a stand-in (``self.cache = ...``)."""
