@@ -20,7 +20,10 @@ user-registered adapters):
 2. DTensor (``torch.distributed.tensor.DTensor``, including FSDP2, TP,
    FSDP+TP and HSDP parameters): the region follows from the device mesh, this
    rank's mesh coordinate and the placements, see :func:`dtensor_region`;
-3. plain tensors: the whole of their global parameter.
+3. tensors megatron-core marks as tensor-parallel (``tensor_model_parallel``,
+   ``partition_dim``, ``partition_stride``): see :class:`MegatronLayout`;
+4. plain tensors: the whole of their global parameter. A plain local shard
+   that nothing marks is indistinguishable from a whole tensor: declare it.
 
 Computing a Target never communicates: it reads only the mesh shape, this
 rank's coordinate and the placements.
@@ -44,6 +47,7 @@ __all__ = [
     "target_for",
     "global_shape",
     "ManualShard",
+    "MegatronLayout",
     "declare_shard",
     "declared_shards",
     "undeclare_shard",
@@ -495,6 +499,67 @@ class _DeclaredShardLayout:
         return shard.target(tensor, fqn=fqn)
 
 
+@attrs.frozen
+class MegatronLayout:
+    """Megatron-core tensor parallelism: parameters marked ``tensor_model_parallel``.
+
+    megatron-core marks a TP-sharded parameter with ``tensor_model_parallel = True``,
+    ``partition_dim`` and ``partition_stride``. Its global shape is the local one with
+    ``partition_dim`` multiplied by ``tp_size``; rank ``tp_rank`` holds, along that dim,
+    chunks ``k * tp_size + tp_rank`` (``k < partition_stride``) of ``local_size /
+    partition_stride`` elements each, as megatron's CPU initialization splits a master weight.
+
+    Built in: when megatron-core's ``parallel_state`` is initialized, ``tp_rank``/``tp_size``
+    are read from it. Otherwise register one with this process's values:
+    ``keyinit.layouts.register_layout(MegatronLayout(tp_rank, tp_size))``. Local shards
+    without these markers are plain tensors to keyinit: declare them (:func:`declare_shard`).
+    """
+
+    tp_rank: Optional[int] = None
+    tp_size: Optional[int] = None
+
+    def _rank_and_size(self, fqn: str) -> tuple[int, int]:
+        if self.tp_rank is not None and self.tp_size is not None:
+            return int(self.tp_rank), int(self.tp_size)
+        try:
+            from megatron.core import parallel_state  # type: ignore[import-not-found]
+
+            return (int(parallel_state.get_tensor_model_parallel_rank()),
+                    int(parallel_state.get_tensor_model_parallel_world_size()))
+        except Exception as exc:  # noqa: BLE001 - not installed, or not initialized
+            raise ValueError(
+                f"{fqn} is marked tensor_model_parallel by megatron-core, but keyinit cannot tell this process's "
+                f"tensor-parallel rank and size (megatron.core.parallel_state: {exc}); register "
+                f"keyinit.layouts.MegatronLayout(tp_rank, tp_size)"
+            ) from None
+
+    def target(self, tensor: torch.Tensor, *, fqn: str, module: torch.nn.Module, name: str) -> Optional[Target]:
+        if not getattr(tensor, "tensor_model_parallel", False):
+            return None
+        rank, size = self._rank_and_size(fqn)
+        if not 0 <= rank < size:
+            raise ValueError(f"{fqn}: tensor-parallel rank {rank} is not in [0, {size})")
+        shape = tuple(tensor.shape)
+        dim = int(getattr(tensor, "partition_dim", 0))
+        stride = int(getattr(tensor, "partition_stride", 1))
+        if not -len(shape) <= dim < len(shape):
+            raise ValueError(f"{fqn}: partition_dim {dim} is out of range for a {len(shape)}-D tensor")
+        dim %= len(shape)
+        if stride < 1 or shape[dim] % stride:
+            raise ValueError(f"{fqn}: partition_stride {stride} does not divide its local size {shape[dim]} on "
+                             f"partition_dim {dim}")
+        chunk = shape[dim] // stride
+        rows = torch.cat([torch.arange((k * size + rank) * chunk, (k * size + rank + 1) * chunk, dtype=torch.int64,
+                                       device="cpu") for k in range(stride)]) if chunk else \
+            torch.zeros(0, dtype=torch.int64, device="cpu")
+        global_shape = tuple(s * size if d == dim else s for d, s in enumerate(shape))
+        entries: list[Any] = [slice(None)] * len(shape)
+        entries[dim] = rows
+        region = make_region(global_shape, tuple(entries))
+        description = f"megatron TP[{rank}/{size}] dim {dim}" + (f" stride {stride}" if stride > 1 else "")
+        return Target(fqn, region, tensor, description)
+
+
 class _PlainTensorLayout:
     """A plain tensor is the whole of its global parameter."""
 
@@ -525,12 +590,13 @@ def unregister_layout(adapter: LayoutAdapter) -> None:
 
 
 _DECLARED = _DeclaredShardLayout()
+_MEGATRON = MegatronLayout()
 _DTENSOR = _DTensorLayout()
 _PLAIN = _PlainTensorLayout()
 
 
 def _builtin_layouts() -> list[LayoutAdapter]:
-    return [_DECLARED, _DTENSOR, _PLAIN]
+    return [_DECLARED, _DTENSOR, _MEGATRON, _PLAIN]
 
 
 def target_for(

@@ -310,9 +310,14 @@ def materialize(
     progress = options.pop("progress")
     plan = plan_model(model, seed, materializing=True, **options)
     writer = _Writer(plan, progress, device)
+    marks = [(t, dict(vars(t.tensor))) for t in plan.tensors if not t.new]
     try:
         model.to_empty(device=device)
         _retie(plan)
+        for tensor, attributes in marks:  # to_empty makes new tensors: keep their markers (megatron's, HF's)
+            for name, value in attributes.items():
+                if not hasattr(tensor.tensor, name):
+                    setattr(tensor.tensor, name, value)
         writer.run()
     except BaseException as exc:
         torch.nn.Module.to_empty(model, device="meta")  # the base method: an override may be what failed

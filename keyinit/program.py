@@ -431,6 +431,7 @@ class SlotProgram:
     writes: tuple[Write, ...] = ()
     read: Optional[Node] = None
     complete: bool = True
+    history: tuple[Write, ...] = ()  # every write of the buffer, dead ones included
 
     @classmethod
     def of_storage(cls, fqn: str, shape: tuple[int, ...], storage: Storage) -> "SlotProgram":
@@ -443,7 +444,7 @@ class SlotProgram:
         complete = bool(live) and live[0].geometry.covers_buffer(storage.numel)
         if not complete and live:
             complete = _covered_everywhere(live, storage.numel)
-        return cls(fqn, tuple(shape), storage.dtype, live, None, complete or storage.numel == 0)
+        return cls(fqn, tuple(shape), storage.dtype, live, None, complete or storage.numel == 0, tuple(chain))
 
     @property
     def source(self) -> Optional[str]:
@@ -501,14 +502,19 @@ def random_nodes(program: SlotProgram) -> list[Random]:
     return [node for node in iter_nodes(program.roots()) if isinstance(node, Random)]
 
 
-def own_fill(program: SlotProgram) -> Optional[Random]:
-    """The draw that fills the whole tensor directly (``nn.init.normal_(w)``, ``w.data.uniform_()``), if any."""
-    if program.read is not None or not program.writes:
+def own_fill(program: SlotProgram, reachable: Sequence[Random]) -> Optional[Random]:
+    """The draw that filled the whole tensor directly (``nn.init.normal_(w)``, ``w.data.uniform_()``),
+    if the program still depends on one: the latest such fill (``normal_`` then ``div_`` by a norm
+    depends on the ``normal_``)."""
+    if program.read is not None:
         return None
-    first = program.writes[0]
-    if (isinstance(first.value, Random) and first.geometry == Geometry.contiguous(program.shape)
-            and first.value.shape == program.shape):
-        return first.value
+    wanted = {id(node) for node in reachable}
+    whole = Geometry.contiguous(program.shape)
+    for write in reversed(program.history):
+        value = write.value
+        if isinstance(value, Random) and write.geometry == whole and value.shape == program.shape \
+                and id(value) in wanted:
+            return value
     return None
 
 
@@ -527,7 +533,7 @@ def assign_keys(programs: Sequence[tuple[SlotProgram, str]], root: Key) -> dict[
         if not draws:
             continue
         base = key_for(root, key_fqn)
-        whole = own_fill(program)
+        whole = own_fill(program, draws)
         position = 0
         for draw in draws:
             if draw is whole:
