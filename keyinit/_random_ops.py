@@ -159,8 +159,8 @@ def _random_range(b: _Builder, low: Optional[int], high: Optional[int]) -> Node:
     if high is None:
         if dtype == torch.bool:
             high = 2
-        elif dtype.is_floating_point:
-            high = 2 ** (torch.finfo(dtype).nmant + 1) + 1
+        elif dtype.is_floating_point:  # torch: [0, 2**digits], digits of the significand
+            high = 2 ** (1 - int(round(math.log2(torch.finfo(dtype).eps)))) + 1
         else:
             high = torch.iinfo(dtype).max + 1
     return _randint(b, 0 if low is None else int(low), int(high))
@@ -294,7 +294,7 @@ def keyed_effects(func: Any, args: tuple, kwargs: dict, outputs: list[torch.Tens
         return Effects((out, keep), ())
     if base in ("rrelu_with_noise", "rrelu_with_noise_functional"):
         x = read(a["self"])
-        lower, upper = float(a.get("lower", 0.125)), float(a.get("upper", 1.0 / 3)),
+        lower, upper = float(a.get("lower", 0.125)), float(a.get("upper", 1.0 / 3))
         training = bool(a.get("training"))
         dtype = b.dtype
         if training:
@@ -305,8 +305,8 @@ def keyed_effects(func: Any, args: tuple, kwargs: dict, outputs: list[torch.Tens
         noise = Pointwise(shape, dtype, lambda v, r: torch.where(v >= 0, torch.ones_like(r), r), (x, slope), "rrelu:noise")
         if name == "rrelu_with_noise_functional":
             return Effects((out, noise), ())
-        if inplace:
-            return Effects((None,), (("self", out), ("noise", noise)))
+        if inplace or returns_alias:  # rrelu_with_noise_ writes self; the .out variant writes out
+            return Effects((None,), ((out_name, out), ("noise", noise)))
         return Effects((out,), (("noise", noise),))
     # Anything else (poisson, binomial, gamma, Dirichlet, fused attention/RNN dropout kernels).
     values = tuple(b.unkeyable("it has no keyed equivalent (no exact inversion from uniform words)",

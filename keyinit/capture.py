@@ -300,6 +300,11 @@ class Capture:
 
     def _run_meta(self, func: Any, args: tuple, kwargs: dict) -> Any:
         margs, mkwargs = self._to_meta(args, kwargs)
+        if is_random(func):
+            # Some meta kernels of random ops advance the global generator (rand decomposes into uniform_):
+            # keep its state exactly as it was. Nothing is drawn from it.
+            with torch.random.fork_rng(devices=[]):
+                return func(*margs, **mkwargs)
         return func(*margs, **mkwargs)
 
     def _run_suppressed(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -312,19 +317,33 @@ class Capture:
         return self._wrap(args, kwargs, _bind_names(func, args, kwargs), _mutated_args(func), out, returns)
 
     def _record(self, func: Any, args: tuple, kwargs: dict, *, random: bool) -> Any:
+        bound = _bind_names(func, args, kwargs)
+        mutated = [bound[m] for m in _mutated_args(func) if isinstance(bound.get(m), LazyTensor)]
+        before = [Geometry.of(t._meta) for t in mutated]
         try:
             out = self._run_meta(func, args, kwargs)
         except Exception as exc:  # no meta kernel, or a data-dependent shape: compute it for real
             if random:
-                raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: {exc}") from exc
-            try:
-                return self._run_concrete(func, args, kwargs, exc)
-            except UnkeyedRandomnessError:
-                out = self._infer(func, args, kwargs, exc)  # the inputs depend on draws: record it
+                try:
+                    out = self._infer(func, args, kwargs, exc)  # shapes only: the draw itself is keyed below
+                except CaptureError as failure:
+                    raise UnkeyedRandomnessError(f"{self.site}: init code called {_op_name(func)}(), which keyinit "
+                                                 f"cannot key: it cannot run on stand-ins ({exc})") from failure
+            else:
+                try:
+                    return self._run_concrete(func, args, kwargs, exc)
+                except UnkeyedRandomnessError:
+                    out = self._infer(func, args, kwargs, exc)  # the inputs depend on draws: record it
+        if any(Geometry.of(t._meta) != g for t, g in zip(mutated, before)):
+            raise CaptureError(f"{self.site}: init code's {_op_name(func)} resizes the tensor it writes into (an out= "
+                               f"argument of another shape); keyinit captures writes into tensors of fixed shape")
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-        bound = _bind_names(func, args, kwargs)
         if random:
             effects = keyed_effects(func, args, kwargs, outputs, self.site, self.node)
+            names = _mutated_args(func)
+            if names and not effects.writes and any(v is not None for v in effects.returns):
+                # an out= variant: the returns are written into the out arguments, in order
+                effects = Effects((None,) * len(effects.returns), tuple(zip(names, effects.returns)))
         else:
             effects = self._effects(func, args, kwargs, bound, outputs)
         for name, value in effects.writes:
@@ -339,7 +358,7 @@ class Capture:
         if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
             raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: its output shape depends on values "
                                f"that depend on random draws ({why})") from why
-        with _disable_current_modes():
+        with _disable_current_modes(), torch.random.fork_rng(devices=[]):  # a random op must not move the RNG
             def zeros(x: Any) -> Any:
                 if isinstance(x, LazyTensor):
                     return torch.zeros_like(x._meta, device="cpu")

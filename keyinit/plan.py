@@ -35,7 +35,7 @@ from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
 from keyinit.init import Initializer
 from keyinit.keys import DEFAULT_STREAM, Key, key
-from keyinit.program import Geometry, Random, SlotProgram, Storage, assign_keys, iter_nodes
+from keyinit.program import Geometry, Random, Read, SlotProgram, Storage, assign_keys, iter_nodes, root_of, writes_of
 from keyinit.regions import make_region
 from keyinit.replay import Evaluator, element_local, write_target
 from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext
@@ -517,6 +517,9 @@ class _Planner:
             for node in iter_nodes(t.program.roots()):
                 if isinstance(node, Random) and node.unkeyable is not None:
                     raise UnkeyedRandomnessError(f"{node.site}: {node.unkeyable} (it feeds {t.fqn})")
+                if isinstance(node, Read) and not _reads_written(node):
+                    raise PlanError(f"init code reads elements of {_buffer_label(node)} that nothing wrote "
+                                    f"(uninitialized memory) to compute {t.fqn}", (t.fqn,))
         for t in self.tensors:
             if t.program is not None:
                 self._dry_run(t)
@@ -538,6 +541,31 @@ class _Planner:
             except (ValueError, TypeError, IndexError) as exc:
                 message = str(exc) if t.fqn in str(exc) else f"{t.fqn}: {exc}"
                 raise PlanError(f"{message} (planned by {node.what})", (t.fqn,)) from exc
+
+
+#: Buffers up to this many elements get an exact check that init code reads only written elements.
+_READ_CHECK_LIMIT = 1 << 24
+
+
+def _reads_written(read: Read) -> bool:
+    """Whether every element a read sees was written before it (exact for buffers up to the limit)."""
+    chain = writes_of(read.version)
+    numel = root_of(read.version).storage.numel
+    if any(write.geometry.covers_buffer(numel) for write in chain):
+        return True
+    if numel > _READ_CHECK_LIMIT:
+        return True  # replay still raises if an unwritten element is read
+    written = torch.zeros(numel, dtype=torch.bool, device="cpu")
+    for write in chain:
+        g = write.geometry
+        written.as_strided(g.size, g.stride, g.offset).fill_(True)
+    g = read.geometry
+    return bool(written.as_strided(g.size, g.stride, g.offset).all())
+
+
+def _buffer_label(read: Read) -> str:
+    label = root_of(read.version).storage.label
+    return "a temporary tensor" if label == "temporary" else label
 
 
 def _parametrized_names(module: torch.nn.Module) -> list[str]:
