@@ -165,12 +165,12 @@ def test_nothing_of_the_inputs_size_is_saved_for_backward():
 
 
 def test_torch_compile_fullgraph_matches_eager():
-    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.testing import CompileCounterWithBackend
 
     def fn(t):
         return KF.dropout(t * 2, 0.25, K, global_shape=(10, 6), region=(slice(3, 7), slice(None))) + 1
 
-    counter = CompileCounter()
+    counter = CompileCounterWithBackend("aot_eager")  # AOTAutograd: the fake kernel and the registered backward
     compiled = torch.compile(fn, fullgraph=True, backend=counter)
     x = data((4, 6)).requires_grad_()
     grad = data((4, 6), seed=5)

@@ -149,6 +149,15 @@ def test_outputs_every_dtype_and_p(golden):
         assert _hex(y) == case["output"], (case["dtype"], case["p"])
 
 
+def test_the_spec_example_key():
+    import re
+
+    spec = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "spec.md").read_text()
+    match = re.search(r'`dropout_key\(key\(0\), 0, "", 0\) = \((0x[0-9a-f]{8}), (0x[0-9a-f]{8})\)`', spec)
+    assert match is not None, "docs/spec.md section 14.1 lost its example"
+    assert dropout_key(0, 0, "", 0).words == (int(match.group(1), 16), int(match.group(2), 16))
+
+
 # ---------------------------------------------------------------- from the spec text alone
 
 _M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85

@@ -22,8 +22,11 @@ modules is running its forward in that thread:
   nothing and pass.
 
 Module boundaries come from forward pre-hooks and ``always_call`` forward hooks
-registered on every module of ``model`` for the duration of the context.
-The global torch RNG is never read or advanced.
+registered on every module of ``model`` for the duration of the context. The two
+modes are entered by the outermost forward and left when it returns, so code
+outside the model's forwards (the loss, the backward pass, the optimizer) runs
+without them; a forward that activation checkpointing recomputes during
+backward enters them again. The global torch RNG is never read or advanced.
 """
 
 from __future__ import annotations
@@ -59,13 +62,13 @@ def inside_keyed_forward() -> bool:
 
 
 class _Frame:
-    __slots__ = ("module", "fqn", "calls", "pushed_mode")
+    __slots__ = ("module", "fqn", "calls", "pushed")
 
     def __init__(self, module: torch.nn.Module, fqn: str) -> None:
         self.module = module
         self.fqn = fqn
         self.calls = 0
-        self.pushed_mode: Optional[TorchFunctionMode] = None
+        self.pushed: list[Any] = []  # the modes this forward entered (exited by its post-hook)
 
     def describe(self) -> str:
         name = f"module '{self.fqn}'" if self.fqn else "the root module"
@@ -255,7 +258,7 @@ class _SeededOpGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             frame = self.ctx._current_frame()
             if frame is not None and not _draws_nothing(func, args, kwargs):
                 raise UnkeyedRandomnessError(
@@ -270,10 +273,14 @@ class _SeededOpGuard(TorchDispatchMode):
 # ----------------------------------------------------------------------------- the context
 
 
-def _function_mode_stack() -> list:
-    from torch.overrides import _get_current_function_mode_stack
+def _mode_is_active(mode: Any) -> bool:
+    if isinstance(mode, TorchFunctionMode):
+        from torch.overrides import _get_current_function_mode_stack
 
-    return _get_current_function_mode_stack()
+        return any(m is mode for m in _get_current_function_mode_stack())
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(m is mode for m in _get_current_dispatch_mode_stack())
 
 
 class Keyed:
@@ -306,12 +313,13 @@ class Keyed:
             if threading.get_ident() != self._thread:
                 return
             frame = _Frame(module, fqn)
-            # The autograd engine does not carry torch-function modes into backward, where activation
-            # checkpointing recomputes forwards: put ours back for the duration of this forward.
-            mode = self._modes[0] if self._modes else None
-            if mode is not None and mode not in _function_mode_stack():
-                mode.__enter__()
-                frame.pushed_mode = mode
+            # The modes are active only while one of the model's forwards runs: entered by the outermost
+            # forward (and again by a forward that activation checkpointing recomputes in backward, where
+            # the autograd engine does not carry torch-function modes), exited by its post-hook.
+            for mode in self._modes:
+                if not _mode_is_active(mode):
+                    mode.__enter__()
+                    frame.pushed.append(mode)
             self._frames.append(frame)
 
         return hook
@@ -322,8 +330,8 @@ class Keyed:
                 return
             while self._frames:  # robust to a forward that raised inside a child
                 frame = self._frames.pop()
-                if frame.pushed_mode is not None:
-                    frame.pushed_mode.__exit__(None, None, None)
+                for mode in reversed(frame.pushed):
+                    mode.__exit__(None, None, None)
                 if frame.module is module:
                     break
 
@@ -348,8 +356,6 @@ class Keyed:
                 self._handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
             _active().append(self)
             self._modes = [_DropoutFunctionMode(self), _SeededOpGuard(self)]
-            for mode in self._modes:
-                mode.__enter__()
         except BaseException:
             self._teardown()
             raise
@@ -357,8 +363,9 @@ class Keyed:
         return self
 
     def _teardown(self) -> None:
-        for mode in reversed(self._modes):
-            mode.__exit__(None, None, None)
+        for frame in reversed(self._frames):  # a forward left without its post-hook (e.g. an exception)
+            for mode in reversed(frame.pushed):
+                mode.__exit__(None, None, None)
         self._modes = []
         for handle in self._handles:
             handle.remove()

@@ -50,7 +50,7 @@ def run(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         elif x.device.type == "cuda":
             try:
                 from keyinit._kernels import triton_dropout
-            except ImportError:
+            except Exception:  # noqa: BLE001 - no (working) triton: the reference gives the same values
                 triton_dropout = None
             if triton_dropout is not None and triton_dropout.run(x, out, geometry):
                 return out
