@@ -342,6 +342,11 @@ def test_unkeyable_randomness_names_module_and_op():
     with pytest.raises(UnkeyedRandomnessError, match=r"module 'block' \(Noisy\).*rand_like"):
         with knn.keyed(model, 0, step=0):
             model(torch.ones(2, 4))
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert _get_current_function_mode_stack() == [] and _get_current_dispatch_mode_stack() == []  # nothing leaked
+    assert not model.block._forward_pre_hooks and not model.block._forward_hooks
 
     class Sdpa(nn.Module):
         def __init__(self, p: float) -> None:

@@ -155,7 +155,8 @@ def _keyed_masked(ctx: "Keyed", kind: str, mask: str, input: torch.Tensor, p: fl
     if p == 1.0:  # torch: input * 0
         return x * torch.zeros((), dtype=x.dtype, device=x.device)
     a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1.0) * (1.0 - p))
-    return torch.where(keep, x * a + _ALPHA * a * p, torch.full((), _ALPHA * a * (p - 1.0), dtype=x.dtype, device=x.device))
+    dropped = torch.full((), _ALPHA * a * (p - 1.0), dtype=x.dtype, device=x.device)
+    return torch.where(keep, x * a + _ALPHA * a * p, dropped)
 
 
 def _handle_dropout(ctx: "Keyed", frame: _Frame, kind: str, mask: str, inplace_op: bool, args: tuple,
@@ -182,7 +183,9 @@ def _handle_dropout(ctx: "Keyed", frame: _Frame, kind: str, mask: str, inplace_o
     try:
         out = _keyed_masked(ctx, kind, mask, input, p, key)
     except (ValueError, TypeError, RuntimeError) as exc:
-        raise type(exc)(f"{frame.describe()}: {kind} under keyinit.nn.keyed: {exc}") from None
+        if type(exc) not in (ValueError, TypeError, RuntimeError):
+            raise
+        raise type(exc)(f"{frame.describe()}: {kind} under keyinit.nn.keyed: {exc}") from exc
     if inplace:
         input.copy_(out)
         return input
