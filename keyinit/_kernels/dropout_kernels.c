@@ -69,28 +69,21 @@ static inline float kd_f16_to_f32(uint16_t h)
     return kd_float(out);
 }
 
-/* binary32 -> float16, round to nearest even; overflow to infinity; NaN -> sign | 0x7E00. */
+/* binary32 -> float16, round to nearest even; overflow to infinity; NaN -> sign | 0x7E00.
+ * Every case is computed and one is selected (no branches, so the loops vectorize). */
 static inline uint16_t kd_f32_to_f16(float f)
 {
     uint32_t u = kd_bits(f);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t sign = (u >> 16) & 0x8000u;
     uint32_t a = u & 0x7FFFFFFFu;
-    uint16_t out;
-    if (a > 0x7F800000u) {
-        out = 0x7E00u; /* NaN */
-    } else if (a >= 0x477FF000u) {
-        out = 0x7C00u; /* >= 65520 (and inf): rounds to infinity */
-    } else if (a >= 0x38800000u) {
-        /* normal half: drop 13 mantissa bits with RNE, rebias the exponent 127 -> 15 */
-        uint32_t rounded = a + 0x0FFFu + ((a >> 13) & 1u);
-        out = (uint16_t)((rounded - 0x38000000u) >> 13);
-    } else {
-        /* |f| < 2^-14: a subnormal half, round(|f| * 2^24) with ties to even (exact scaling,
-         * then the 2^23 trick rounds the value < 2^10 to an integer in the current mode, RNE) */
-        float scaled = kd_float(a) * 0x1p24f;
-        float integral = (scaled + 0x1p23f) - 0x1p23f;
-        out = (uint16_t)(uint32_t)integral; /* 1024 is the smallest normal, 0x0400: correct */
-    }
+    /* normal half (2^-14 <= |f| < 65520): drop 13 mantissa bits with RNE, rebias the exponent 127 -> 15 */
+    uint32_t normal = (a + 0x0FFFu + ((a >> 13) & 1u) - 0x38000000u) >> 13;
+    /* subnormal half (|f| < 2^-14): round(|f| * 2^24), ties to even, read off the bits of 2^23 + |f| * 2^24
+     * (the scaling is exact; the addition rounds to an integer); 1024 is the smallest normal, 0x0400 */
+    uint32_t subnormal = kd_bits(kd_float(a) * 0x1p24f + 0x1p23f) - 0x4B000000u;
+    uint32_t out = a >= 0x38800000u ? normal : subnormal;
+    out = a >= 0x477FF000u ? 0x7C00u : out; /* >= 65520 (and inf) rounds to infinity */
+    out = a > 0x7F800000u ? 0x7E00u : out;  /* NaN */
     return (uint16_t)(sign | out);
 }
 
