@@ -7,7 +7,7 @@
   ``count_collectives``); full tensors are gathered afterwards and compared with
   one process, bit for bit.
 - DropLlama (tests/test_dropout_keyed.py) under ``keyed``: real data parallelism
-  (DDP over 2 ranks, each with its ``sample_offset``) gives the one-process
+  (DDP and FSDP2 over 2 ranks, each with its ``sample_offset``) gives the one-process
   logits and dropout outputs; tensor parallelism with sequence-parallel DTensor
   activations gives the one-process masks (the values differ only by the order
   of the row-parallel sums).
@@ -109,11 +109,21 @@ def test_functional_contract_on_dtensor_placements_2_ranks():
 
 
 def _data_parallel():
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = build()
-    ddp = DistributedDataParallel(model)
+    ddp = _data_parallel_run(model, DistributedDataParallel(model))
+    sharded = DropLlama()
+    for block in sharded.layers.values():
+        fully_shard(block)
+    fully_shard(sharded)
+    keyinit.init_model(sharded, 0)  # the same weights as build()
+    return {"ddp": ddp, "fsdp2": _data_parallel_run(sharded.train(), sharded)}
+
+
+def _data_parallel_run(model, wrapped):
+    rank, world = dist.get_rank(), dist.get_world_size()
     ids = tokens()
     rows = ids.shape[0] // world
     lo = rank * rows
@@ -123,8 +133,8 @@ def _data_parallel():
     for m in model.modules():
         if hasattr(m, "taps"):
             m.taps = taps
-    with knn.keyed(ddp, SEED, step=3, sample_offset=lo):  # DDP's "module." is stripped from the FQNs
-        logits = ddp(ids[lo:lo + rows])
+    with knn.keyed(wrapped, SEED, step=3, sample_offset=lo):  # DDP's "module." is stripped from the FQNs
+        logits = wrapped(ids[lo:lo + rows])
         logits.sum().backward()
     for h in handles:
         h.remove()
@@ -132,14 +142,16 @@ def _data_parallel():
 
 
 @pytest.mark.slow
-def test_data_parallel_ddp_equals_one_process():
+def test_data_parallel_ddp_and_fsdp2_equal_one_process():
     per_rank = run_distributed(_data_parallel, 2, timeout=240)
     logits, taps = tapped(build(), tokens(), step=3)
-    for out, rank_taps, lo, rows in per_rank:
-        assert torch.equal(out, logits[lo:lo + rows])
-        assert len(rank_taps) == len(taps)
-        for got, whole in zip(rank_taps, taps):
-            assert torch.equal(got, whole[lo:lo + rows])
+    for results in per_rank:
+        for name in ("ddp", "fsdp2"):
+            out, rank_taps, lo, rows = results[name]
+            assert torch.equal(out, logits[lo:lo + rows]), name
+            assert len(rank_taps) == len(taps)
+            for got, whole in zip(rank_taps, taps):
+                assert torch.equal(got, whole[lo:lo + rows]), name
 
 
 def tp_sp_plan(model: DropLlama) -> dict:

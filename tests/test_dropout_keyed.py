@@ -89,10 +89,11 @@ class DropLlama(nn.Module):
         self.output = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.emb_dropout(self.tok_embeddings(tokens))
+        """Pipeline stages (torchtitan style) set tok_embeddings or norm/output to None and drop layers."""
+        h = self.emb_dropout(self.tok_embeddings(tokens)) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if self.output is not None else h
 
 
 def dropout_modules(model: nn.Module) -> list[nn.Module]:
@@ -304,6 +305,20 @@ def test_activation_checkpointing_recomputes_the_same_masks():
         wrapped(ids).sum().backward()
     for (name, a), b in zip(plain.named_parameters(), wrapped.inner.parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_pipeline_stages_draw_the_whole_models_masks():
+    ids = tokens()
+    whole, whole_taps = tapped(build(), ids, step=8, sample_offset=16)
+    first, second = build(), build()
+    del first.layers["1"]
+    first.norm = first.output = None
+    del second.layers["0"]
+    second.tok_embeddings = second.emb_dropout = None
+    hidden, taps_a = tapped(first, ids, step=8, sample_offset=16)
+    logits, taps_b = tapped(second, hidden, step=8, sample_offset=16)
+    assert torch.equal(logits, whole)
+    assert all(torch.equal(a, b) for a, b in zip(taps_a + taps_b, whole_taps))
 
 
 def test_wrappers_do_not_change_fqns():
