@@ -32,6 +32,7 @@ pytestmark = requires_gloo
 KEY = dropout_key(11, 4, "layers.0.feed_forward", 1)
 SHAPE = (5, 7, 9)  # uneven over 2 ranks in every dimension
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+CASES = [(dtype, 0.3) for dtype in DTYPES] + [(torch.float32, 0.05), (torch.float32, 0.9)]
 
 
 def _placements():
@@ -53,16 +54,21 @@ def _functional_on_dtensors():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results = {}
     for name, placement in _placements().items():
-        for dtype in DTYPES:
+        for dtype, p in CASES:
             x, grad = _inputs(dtype)
             dx = distribute_tensor(x, mesh, [placement], src_data_rank=None).requires_grad_()
             dgrad = distribute_tensor(grad, mesh, [placement], src_data_rank=None)
             with count_collectives() as counts:
-                out = KF.dropout(dx, 0.3, KEY)
+                out = KF.dropout(dx, p, KEY)
                 out.backward(dgrad)
-            results[(name, str(dtype))] = (
+            results[(name, str(dtype), p)] = (
                 out.full_tensor().detach(), dx.grad.full_tensor(), dict(counts), tuple(out.placements),
             )
+    try:
+        KF.dropout(dx, 0.5, KEY, global_shape=SHAPE)
+        results["global_shape"] = "no error"
+    except TypeError as exc:
+        results["global_shape"] = str(exc)
     from torch.distributed.tensor import DTensor, Partial
 
     partial = DTensor.from_local(torch.ones(4), mesh, [Partial()], run_check=False)
@@ -92,17 +98,18 @@ def _keyed_dtensor_rows():
 def test_functional_contract_on_dtensor_placements_2_ranks():
     per_rank = run_distributed(_functional_on_dtensors, 2, timeout=240)
     for name in _placements():
-        for dtype in DTYPES:
+        for dtype, p in CASES:
             x, grad = _inputs(dtype)
-            want = KF.dropout(x, 0.3, KEY)
-            want_grad = KF.dropout(grad, 0.3, KEY)
+            want = KF.dropout(x, p, KEY)
+            want_grad = KF.dropout(grad, p, KEY)
             for rank, results in enumerate(per_rank):
-                out, x_grad, counts, placements = results[(name, str(dtype))]
+                out, x_grad, counts, placements = results[(name, str(dtype), p)]
                 assert counts == {"c10d": 0, "comm_debug": 0}, (name, dtype, rank, counts)
                 assert placements == (_placements()[name],)
                 assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), (name, dtype, rank)
                 assert torch.equal(x_grad.view(torch.uint8), want_grad.view(torch.uint8)), (name, dtype, rank)
     assert all("Partial" in r["partial"] for r in per_rank), per_rank[0]["partial"]
+    assert all("come from its placements" in r["global_shape"] for r in per_rank), per_rank[0]["global_shape"]
 
 
 # ----------------------------------------------------------------------------- models

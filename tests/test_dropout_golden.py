@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
-import struct
 import sys
 
 import numpy as np
