@@ -10,6 +10,7 @@ from keyinit.keys import DEFAULT_STREAM, STREAM_VERSIONS, Key, fold_in, key, key
 from keyinit.model import InitReport, TensorRecord, init_model, materialize
 from keyinit.rules import REGISTRY, Registry, RuleContext, register, register_pattern
 from keyinit.errors import InitError, PlanError, UnkeyedRandomnessError
+from keyinit import nn
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "random",
     "init",
     "layouts",
+    "nn",
     "init_model",
     "materialize",
     "InitReport",

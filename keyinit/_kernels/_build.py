@@ -97,15 +97,15 @@ def _library_path(cc: str, flags: tuple[str, ...], source: bytes) -> Path:
     return cache_dir() / f"keyinit_kernels-{digest.hexdigest()[:20]}{suffix}"
 
 
-def _compile(cc: str, flags: tuple[str, ...], target: Path) -> None:
+def _compile(cc: str, flags: tuple[str, ...], target: Path, source: Path = SOURCE) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        result = _run([cc, *flags, "-o", tmp_name, str(SOURCE)])
+        result = _run([cc, *flags, "-o", tmp_name, str(source)])
         if result.returncode != 0:
             raise BuildError(
-                f"compiling {SOURCE.name} with {cc} {' '.join(flags)} failed:\n{result.stderr.strip()[:2000]}"
+                f"compiling {source.name} with {cc} {' '.join(flags)} failed:\n{result.stderr.strip()[:2000]}"
             )
         os.replace(tmp_name, target)  # atomic: readers see the old file or the whole new one
     finally:
@@ -113,38 +113,40 @@ def _compile(cc: str, flags: tuple[str, ...], target: Path) -> None:
             os.unlink(tmp_name)
 
 
-def build(native: bool = True, extra_flags: tuple[str, ...] = ()) -> Path:
+def build(native: bool = True, extra_flags: tuple[str, ...] = (), source: Optional[Path] = None) -> Path:
     """Path of the compiled library, compiling it if the cache has no matching build.
 
     ``native=False`` builds for the compiler's default target (no ``-march=native``);
     ``extra_flags`` are appended (the tests use them to build the AVX2 and portable variants).
+    ``source`` is the C file to build (default :data:`SOURCE`).
     """
+    source_path = SOURCE if source is None else Path(source)
     cc = find_compiler()
     if cc is None:
         raise BuildError("no C compiler found (set $CC, or install cc/gcc/clang)")
-    source = SOURCE.read_bytes()
+    source_bytes = source_path.read_bytes()
     extra = tuple(extra_flags)
     attempts = [BASE_FLAGS + NATIVE_FLAGS + extra, BASE_FLAGS + extra] if native else [BASE_FLAGS + extra]
     errors = []
     for flags in attempts:
         try:
-            target = _library_path(cc, flags, source)
+            target = _library_path(cc, flags, source_bytes)
             if not target.exists():
                 try:
-                    _compile(cc, flags, target)
+                    _compile(cc, flags, target, source_path)
                 except OSError:
                     # Unwritable cache directory: build into a private temporary one.
                     private = Path(tempfile.mkdtemp(prefix="keyinit-"))
                     target = private / target.name
-                    _compile(cc, flags, target)
+                    _compile(cc, flags, target, source_path)
             return target
         except (BuildError, OSError, subprocess.SubprocessError) as exc:
             errors.append(str(exc))
     raise BuildError("\n".join(errors))
 
 
-def load(native: bool = True, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    path = build(native, extra_flags)
+def load(native: bool = True, extra_flags: tuple[str, ...] = (), source: Optional[Path] = None) -> ctypes.CDLL:
+    path = build(native, extra_flags, source)
     try:
         return ctypes.CDLL(str(path))
     except OSError as exc:

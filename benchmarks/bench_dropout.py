@@ -1,0 +1,219 @@
+"""Keyed dropout against torch's F.dropout, measured in the same run.
+
+    python benchmarks/bench_dropout.py                 # CPU: (8, 1024, 1024), fp32 and bf16, 1 and 2 threads
+    python benchmarks/bench_dropout.py --quick         # (8, 512, 1024), fewer repeats
+    python benchmarks/bench_dropout.py --device cuda   # CUDA: (8, 4096, 4096) bf16 and fp32 (needs a GPU + triton)
+
+Sections (every ratio is torch time / keyinit time, so > 1 means keyinit is faster):
+
+1. forward: ``F.dropout(x, p, True)`` vs ``keyinit.nn.functional.dropout(x, p, key)``;
+2. forward+backward: the same with ``x.requires_grad_()`` and ``y.backward(g)``;
+3. activation memory: bytes each saves for backward (measured with
+   ``torch.autograd.graph.saved_tensors_hooks``), per dropout call;
+4. keyed overhead (CPU): a small Llama-like model's forward+backward under
+   ``keyinit.nn.keyed`` vs the same model with torch's dropout.
+
+Timings alternate torch and keyinit call by call (so both see the same machine
+load) and report the MEDIAN of the repeats. ``p = 0.1``. This is not a test.
+``run(...)`` returns the results as a dict (for benchmarks/bench.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import keyinit  # noqa: E402
+from keyinit.nn import dropout_key  # noqa: E402
+from keyinit.nn import functional as KF  # noqa: E402
+
+KEY = dropout_key(1234, 0, "layers.0.attention", 0)
+P = 0.1
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_pair(peer, mine, repeats: int, device: str) -> tuple[float, float]:
+    """Median wall times of ``peer`` and ``mine``, called alternately after one warm-up each."""
+    peer()
+    mine()
+    _sync(device)
+    peer_times, mine_times = [], []
+    for _ in range(repeats):
+        for fn, times in ((peer, peer_times), (mine, mine_times)):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(peer_times), statistics.median(mine_times)
+
+
+def saved_bytes(fn, x: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves for backward while ``fn(x)`` runs."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return total
+
+
+def bench_ops(shape, dtypes, threads_list, repeats: int, device: str) -> list[dict]:
+    rows = []
+    for threads in threads_list:
+        if device == "cpu":
+            torch.set_num_threads(threads)
+        for dtype in dtypes:
+            g = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(shape, generator=g, device=device).to(dtype)
+            grad = torch.randn(shape, generator=g, device=device).to(dtype)
+
+            def fwd_torch():
+                return F.dropout(x, P, True)
+
+            def fwd_keyinit():
+                return KF.dropout(x, P, KEY)
+
+            def both_torch():
+                xr = x.detach().requires_grad_()
+                F.dropout(xr, P, True).backward(grad)
+
+            def both_keyinit():
+                xr = x.detach().requires_grad_()
+                KF.dropout(xr, P, KEY).backward(grad)
+
+            fwd = median_pair(fwd_torch, fwd_keyinit, repeats, device)
+            both = median_pair(both_torch, both_keyinit, repeats, device)
+            xr = x.detach().requires_grad_()
+            rows.append({
+                "device": device, "threads": threads if device == "cpu" else None, "dtype": str(dtype)[6:],
+                "shape": list(shape),
+                "fwd_torch_ms": fwd[0] * 1e3, "fwd_keyinit_ms": fwd[1] * 1e3, "fwd_ratio": fwd[0] / fwd[1],
+                "fwdbwd_torch_ms": both[0] * 1e3, "fwdbwd_keyinit_ms": both[1] * 1e3,
+                "fwdbwd_ratio": both[0] / both[1],
+                "saved_torch_bytes": saved_bytes(lambda t: F.dropout(t, P, True), xr),
+                "saved_keyinit_bytes": saved_bytes(lambda t: KF.dropout(t, P, KEY), xr),
+                "input_bytes": x.numel() * x.element_size(),
+            })
+    return rows
+
+
+def bench_keyed_model(repeats: int, threads: int) -> dict:
+    """Forward+backward of a small Llama-like model: torch dropout vs the same model under keyed()."""
+    from torch import nn
+
+    torch.set_num_threads(threads)
+
+    class Block(nn.Module):
+        def __init__(self, dim: int, heads: int) -> None:
+            super().__init__()
+            self.heads = heads
+            self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+            self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+            self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+            self.drop = nn.Dropout(P)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            w = F.dropout((q @ k.transpose(-2, -1) * (d // self.heads) ** -0.5).softmax(-1), P, self.training)
+            x = x + self.drop(self.proj((w @ v).transpose(1, 2).reshape(b, t, d)))
+            return x + self.drop(self.down(F.gelu(self.up(self.norm2(x)))))
+
+    model = nn.Sequential(*[Block(256, 4) for _ in range(4)]).train()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 128, 256, generator=g)
+
+    def plain():
+        model(x).sum().backward()
+
+    def keyed():
+        with keyinit.nn.keyed(model, 0, step=1):
+            model(x).sum().backward()
+
+    t_plain, t_keyed = median_pair(plain, keyed, repeats, "cpu")
+    return {"model": "4 blocks, dim 256, batch (8, 128)", "threads": threads,
+            "torch_ms": t_plain * 1e3, "keyed_ms": t_keyed * 1e3, "ratio": t_plain / t_keyed}
+
+
+def run(device: str = "cpu", quick: bool = False, repeats: int | None = None) -> dict:
+    if device == "cuda":
+        shape, dtypes, threads_list = (8, 4096, 4096), (torch.bfloat16, torch.float32), (None,)
+        repeats = repeats or 20
+    else:
+        shape = (8, 512, 1024) if quick else (8, 1024, 1024)
+        dtypes, threads_list = (torch.float32, torch.bfloat16), (1, 2)
+        repeats = repeats or (5 if quick else 9)
+    before = torch.get_num_threads()
+    try:
+        result = {"ops": bench_ops(shape, dtypes, threads_list, repeats, device)}
+        if device == "cpu":
+            result["keyed_model"] = bench_keyed_model(repeats, 1)
+    finally:
+        torch.set_num_threads(before)
+    result["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                         "torch": torch.__version__, "keyinit": keyinit.__version__,
+                         "gpu": torch.cuda.get_device_name() if device == "cuda" else None}
+    return result
+
+
+def print_report(result: dict) -> None:
+    print(f"machine: {result['machine']}")
+    print(f"\n{'device':6} {'thr':>3} {'dtype':8} {'shape':16} {'fwd torch':>10} {'fwd keyinit':>11} {'ratio':>6}"
+          f" {'f+b torch':>10} {'f+b keyinit':>11} {'ratio':>6}")
+    for r in result["ops"]:
+        print(f"{r['device']:6} {str(r['threads'] or '-'):>3} {r['dtype']:8} {str(tuple(r['shape'])):16}"
+              f" {r['fwd_torch_ms']:8.2f}ms {r['fwd_keyinit_ms']:9.2f}ms {r['fwd_ratio']:5.2f}x"
+              f" {r['fwdbwd_torch_ms']:8.2f}ms {r['fwdbwd_keyinit_ms']:9.2f}ms {r['fwdbwd_ratio']:5.2f}x")
+    print("\nsaved for backward per dropout call (measured with saved_tensors_hooks):")
+    seen = set()
+    for r in result["ops"]:
+        if r["dtype"] in seen:
+            continue
+        seen.add(r["dtype"])
+        print(f"  {r['dtype']:8} input {r['input_bytes'] / 2**20:7.1f} MiB: torch {r['saved_torch_bytes'] / 2**20:7.1f}"
+              f" MiB, keyinit {r['saved_keyinit_bytes'] / 2**20:7.1f} MiB")
+    if "keyed_model" in result:
+        m = result["keyed_model"]
+        print(f"\nkeyed() on a model ({m['model']}, {m['threads']} thread), forward+backward: torch dropout "
+              f"{m['torch_ms']:.1f} ms, keyed {m['keyed_ms']:.1f} ms, ratio {m['ratio']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--quick", action="store_true", help="smaller CPU shape, fewer repeats")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device")
+    result = run(args.device, args.quick, args.repeats)
+    print_report(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The compiled CPU dropout kernel (``dropout_kernels.c``): build on first use, call through ctypes.
+
+The library is built by :mod:`keyinit._kernels._build` like the init kernel,
+from ``dropout_kernels.c``, which includes ``philox.h``. The build cache is
+keyed by the ``.c`` source; the header's SHA-256 is passed as a ``-D`` flag
+(part of the cache key), so a changed header never reuses a stale build.
+
+:func:`run` takes a prepared :class:`~keyinit.nn._geometry.Geometry` and
+writes ``out`` (contiguous, like ``x``); it returns ``False`` when the kernel
+is unavailable (no compiler), and the caller then uses the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from keyinit._kernels import _build
+
+__all__ = ["SOURCE", "HEADER", "DTYPE_IDS", "library", "available", "failure_reason", "run", "MIN_PARALLEL_ELEMENTS"]
+
+SOURCE = Path(__file__).with_name("dropout_kernels.c")
+HEADER = Path(__file__).with_name("philox.h")
+DTYPE_IDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+MAX_DIMS = 64
+#: Below this many elements one thread does the work (thread start-up would dominate).
+MIN_PARALLEL_ELEMENTS = 1 << 17
+
+_lock = threading.Lock()
+_library: Optional[ctypes.CDLL] = None
+_failure: Optional[str] = None
+_warned = False
+
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+def header_flag() -> str:
+    """``-D`` flag carrying ``philox.h``'s digest, so the build cache notices a changed header."""
+    return "-DKI_PHILOX_H_DIGEST=0x" + hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the ctypes signatures of the dropout library's functions."""
+    lib.keyinit_dropout.restype = ctypes.c_int
+    lib.keyinit_dropout.argtypes = [
+        ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_float, ctypes.c_double,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, _I64P, _I64P, _I64P,
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+    ]
+    lib.keyinit_dropout_philox_stream.restype = None
+    lib.keyinit_dropout_philox_stream.argtypes = [
+        ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p,
+    ]
+    lib.keyinit_dropout_f16_roundtrip.restype = None
+    lib.keyinit_dropout_f16_roundtrip.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def build_library(native: bool = True, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build (or reuse from the cache) and load a variant of the library; the tests build several."""
+    return declare(_build.load(native, (header_flag(), *extra_flags), source=SOURCE))
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The library built for this machine, building it on first call; ``None`` if it cannot be built."""
+    global _library, _failure
+    if _library is not None or _failure is not None:
+        return _library
+    with _lock:
+        if _library is None and _failure is None:
+            try:
+                _library = build_library()
+            except Exception as exc:  # noqa: BLE001 - any failure means: use the reference
+                _failure = f"{type(exc).__name__}: {exc}"
+    return _library
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def failure_reason() -> Optional[str]:
+    library()
+    return _failure
+
+
+def _warn_once() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "keyinit: the compiled CPU dropout kernel is unavailable, falling back to the reference "
+            f"implementation (same values, slower). Reason: {_failure}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+
+def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = None,
+        lib: Optional[ctypes.CDLL] = None) -> bool:
+    """``out = dropout(x)`` for contiguous CPU tensors ``x`` and ``out`` of ``geometry``'s shape.
+
+    ``geometry`` is a coalesced :class:`keyinit.nn._geometry.Geometry`. ``threads``
+    defaults to ``torch.get_num_threads()`` (one thread for small tensors);
+    ``lib`` to the library built for this machine. ``False``: nothing written.
+    """
+    dtype_id = DTYPE_IDS.get(x.dtype)
+    if dtype_id is None or x.device.type != "cpu" or len(geometry.sizes) > MAX_DIMS:
+        return False
+    if lib is None:
+        lib = library()
+    if lib is None:
+        _warn_once()
+        return False
+    nd = len(geometry.sizes)
+    sizes = (ctypes.c_int64 * nd)(*geometry.sizes)
+    gstrides = (ctypes.c_int64 * nd)(*geometry.gstrides)
+    starts = (ctypes.c_int64 * nd)(*geometry.starts)
+    keep_alive = [None if i is None else i.contiguous() for i in geometry.indices]
+    pointers = (ctypes.c_void_p * nd)(*(None if i is None else i.data_ptr() for i in keep_alive))
+    if threads is None:
+        threads = 1 if x.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
+    rc = lib.keyinit_dropout(
+        dtype_id, geometry.k0, geometry.k1, geometry.threshold, geometry.scale32, geometry.scale64,
+        x.data_ptr(), out.data_ptr(), nd, geometry.base, sizes, gstrides, starts, pointers, threads,
+    )
+    if rc != 0:  # pragma: no cover - arguments are validated by Geometry
+        raise RuntimeError(f"keyinit_dropout failed with code {rc}")
+    del keep_alive
+    torch.autograd.graph.increment_version(out)
+    return True

@@ -1,0 +1,22 @@
+"""keyinit.nn: keyed dropout, the same masks under any data, tensor, sequence or pipeline layout.
+
+The keep-mask of an element is a pure function of (seed, step, the module's
+canonical FQN, the call's ordinal in that module's forward, the element's
+global index):
+
+- :func:`keyinit.nn.functional.dropout`: keyed dropout of a tensor (plain local
+  shard with ``global_shape``/``region``, or DTensor) under an explicit key;
+- :class:`Dropout`: a drop-in for ``torch.nn.Dropout`` that never draws unkeyed;
+- :func:`keyed`: a context manager under which every dropout in a model's forward
+  (``nn.Dropout``, ``F.dropout``, HF eager attention, ...) is keyed;
+- :func:`dropout_key`: the key ``keyed`` gives a call (``docs/spec.md`` section 14).
+
+See ``docs/dropout.md``.
+"""
+
+from keyinit.nn import functional
+from keyinit.nn._keyed import Keyed, keyed
+from keyinit.nn._keys import DROPOUT_DOMAIN, dropout_key
+from keyinit.nn.modules import Dropout
+
+__all__ = ["functional", "Dropout", "keyed", "Keyed", "dropout_key", "DROPOUT_DOMAIN"]

@@ -1,0 +1,88 @@
+"""The ``keyinit::dropout`` operator: a ``torch.library`` custom op with a fake kernel and autograd.
+
+    keyinit::dropout(Tensor input, int k0, int k1, float p, int[] gstrides, int[] starts,
+                     Tensor?[] indices) -> Tensor
+
+returns the keyed dropout of ``input`` (contiguous, same shape and dtype) for the
+key ``(k0, k1)``, with the input's elements placed in the global stream by the
+layout ``(gstrides, starts, indices)`` (see :mod:`keyinit.nn._geometry`).
+
+Autograd: the op is linear in ``input`` with a diagonal 0 / ``1/(1-p)`` Jacobian,
+so its backward is the same op applied to the gradient: the mask is
+regenerated from the key, and nothing of the input's size is saved (only the
+optional per-dimension index vectors). It is its own double backward.
+
+Being a custom op with a fake kernel, it traces under ``torch.compile``
+(``fullgraph=True``) as one opaque node; the key words and ``p`` are
+compile-time constants there, so a new key means a new graph.
+
+Implementations, all bit-identical: the C kernel on CPU
+(:mod:`keyinit._kernels._dropout_cpu`), Triton on CUDA
+(:mod:`keyinit._kernels.triton_dropout`), and the torch reference
+(:mod:`keyinit.nn._reference`) anywhere else or with ``KEYINIT_DISABLE_KERNELS=1``.
+"""
+
+from typing import Optional
+
+import torch
+
+from keyinit._kernels import kernels_disabled
+from keyinit.nn import _reference
+from keyinit.nn._geometry import Geometry, plan
+
+__all__ = ["dropout", "run"]
+
+_SCHEMA = "(Tensor input, int k0, int k1, float p, int[] gstrides, int[] starts, Tensor?[] indices) -> Tensor"
+
+
+def run(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    """Dropout of ``x`` by ``geometry`` with the best implementation for its device (a new contiguous tensor)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if not kernels_disabled():
+        if x.device.type == "cpu":
+            from keyinit._kernels import _dropout_cpu
+
+            if _dropout_cpu.run(x, out, geometry):
+                return out
+        elif x.device.type == "cuda":
+            try:
+                from keyinit._kernels import triton_dropout
+            except Exception:  # noqa: BLE001 - no (working) triton: the reference gives the same values
+                triton_dropout = None
+            if triton_dropout is not None and triton_dropout.run(x, out, geometry):
+                return out
+    _reference.dropout(x, out, geometry)
+    return out
+
+
+@torch.library.custom_op("keyinit::dropout", mutates_args=(), schema=_SCHEMA)
+def dropout(input: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: list,
+            indices: list) -> torch.Tensor:
+    """Keyed dropout of ``input``; see the module docstring."""
+    return run(input, plan(input.shape, k0, k1, p, gstrides, starts, indices))
+
+
+@dropout.register_fake
+def _(input: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: list,
+      indices: list) -> torch.Tensor:
+    return torch.empty(input.shape, dtype=input.dtype, device=input.device)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, k0, k1, p, gstrides, starts, indices = inputs
+    ctx.args = (k0, k1, p, list(gstrides), list(starts))
+    ctx.has_index = [index is not None for index in indices]
+    ctx.save_for_backward(*(index for index in indices if index is not None))
+
+
+def _backward(ctx, grad: torch.Tensor):
+    saved = iter(ctx.saved_tensors)
+    indices: list[Optional[torch.Tensor]] = [next(saved) if has else None for has in ctx.has_index]
+    k0, k1, p, gstrides, starts = ctx.args
+    return dropout(grad, k0, k1, p, gstrides, starts, indices), None, None, None, None, None, None
+
+
+dropout.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,132 @@
+"""Keyed dropout as a function: the mask is a pure function of (key, the element's global index).
+
+.. math::
+
+    \\mathrm{keep}_i = \\bigl[\\mathrm{word}(K, i) < \\mathrm{round}((1 - p)\\, 2^{32})\\bigr],
+    \\qquad y_i = \\begin{cases} x_i / (1 - p) & \\mathrm{keep}_i \\\\ 0 & \\text{otherwise} \\end{cases}
+
+where ``i`` is the element's row-major index in the GLOBAL tensor and
+``keep`` is exactly ``keyinit.random.bernoulli(key, global_shape, p=1 - p)``.
+The gradient is ``grad * keep / (1 - p)``, with the mask regenerated from the
+key; no mask is stored. Exact arithmetic per dtype: ``docs/spec.md`` section 14.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from keyinit.keys import Key, _require_key
+from keyinit.nn._geometry import Layout, dtensor_layout, layout_for, rows_layout
+
+__all__ = ["dropout"]
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _check_p(p: Any) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"dropout probability must be a float in [0, 1], got {type(p).__name__} {p!r}")
+    p = float(p)
+    if not (math.isfinite(p) and 0.0 <= p <= 1.0):
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    return p
+
+
+def _check_input(input: Any) -> None:
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"dropout: input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"dropout: input must be float32, float64, bfloat16 or float16, got {input.dtype}"
+        )
+
+
+def _dtensor_class() -> Optional[type]:
+    from keyinit.layouts import _dtensor_class as find
+
+    return find()
+
+
+def _is_dtensor(input: torch.Tensor) -> bool:
+    cls = _dtensor_class()
+    return cls is not None and isinstance(input, cls)
+
+
+def _run(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch.Tensor:
+    from keyinit.nn import _op
+
+    k0, k1 = key.words
+    return _op.dropout(local, k0, k1, p, list(layout.gstrides), list(layout.starts), list(layout.indices))
+
+
+def _dtensor_dropout(input: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    layout = dtensor_layout(input, row_offset)
+    spec = input._spec
+    out_local = _run(input.to_local(), p, key, layout)
+    return DTensor.from_local(
+        out_local, spec.mesh, spec.placements, run_check=False, shape=input.shape, stride=input.stride()
+    )
+
+
+def dropout(
+    input: torch.Tensor,
+    p: float,
+    key: Key,
+    *,
+    training: bool = True,
+    global_shape: Optional[Sequence[int]] = None,
+    region: Optional[Sequence[Any]] = None,
+) -> torch.Tensor:
+    """Keyed dropout: zero each element with probability ``p`` and scale the rest by ``1 / (1 - p)``.
+
+    The keep-mask is ``keyinit.random.bernoulli(key, global_shape, p=1 - p)`` at the
+    global elements ``input`` holds, so it does not depend on how the tensor is
+    split, on the device or on the global RNG (which is never read):
+
+    - a plain tensor is ``full[region]`` of a ``global_shape`` tensor, as for the
+      samplers (default: the whole tensor, ``global_shape = input.shape``);
+    - a DTensor takes its global shape and region from its placements (Shard,
+      ``_StridedShard``, Replicate; Partial is an error) and returns a DTensor of
+      the same placements, with no communication.
+
+    ``p = 0`` or ``training=False`` returns ``input`` itself; ``p = 1`` gives zeros.
+    Kept values are ``input * (1 / (1 - p))`` (binary32 arithmetic for 16-bit
+    dtypes, then rounded); dropped ones are ``+0``. The backward is
+    ``grad * keep / (1 - p)``, the mask regenerated from the key; nothing of the
+    input's size is saved. Works under ``torch.compile(fullgraph=True)`` (the key is
+    a compile-time constant; regions of step-1 slices).
+    """
+    p = _check_p(p)
+    key = _require_key(key)
+    _check_input(input)
+    if _is_dtensor(input):
+        if global_shape is not None or region is not None:
+            raise TypeError(
+                "dropout: a DTensor's global shape and region come from its placements; "
+                "pass global_shape/region only with a plain local tensor"
+            )
+        if not training or p == 0.0:
+            return input
+        return _dtensor_dropout(input, p, key, 0)
+    layout = layout_for(tuple(input.shape), global_shape, region)
+    if not training or p == 0.0:
+        return input
+    return _run(input, p, key, layout)
+
+
+def _dropout_rows(input: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:
+    """Dropout with dimension 0 read as the batch: local row ``r`` is global row ``row_offset + r``.
+
+    What :func:`keyinit.nn.keyed` applies to every activation (``p`` in ``(0, 1]``).
+    A DTensor's own row ``r`` (after its placements) is global row ``row_offset + r``.
+    """
+    _check_input(input)
+    if _is_dtensor(input):
+        return _dtensor_dropout(input, p, key, row_offset)
+    return _run(input, p, key, rows_layout(tuple(input.shape), row_offset))

@@ -1,0 +1,223 @@
+"""Keyed dropout on real gloo ranks: the gathered result equals one process, with 0 collectives.
+
+- The functional contract on DTensors (Shard(0), Shard(1), Shard(2), Replicate,
+  uneven shapes, every dtype, forward and backward) on 2 ranks: the collectives
+  issued during each dropout call are counted two ways (``CommDebugMode`` and
+  wrappers around the c10d entry points, tests/test_model_dist.py's
+  ``count_collectives``); full tensors are gathered afterwards and compared with
+  one process, bit for bit.
+- DropLlama (tests/test_dropout_keyed.py) under ``keyed``: real data parallelism
+  (DDP and FSDP2 over 2 ranks, each with its ``sample_offset``) gives the one-process
+  logits and dropout outputs; tensor parallelism with sequence-parallel DTensor
+  activations gives the one-process masks (the values differ only by the order
+  of the row-parallel sums).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import keyinit
+import keyinit.nn as knn
+from keyinit.nn import dropout_key
+from keyinit.nn import functional as KF
+from tests._dist import requires_gloo, run_distributed
+from tests.test_dropout_keyed import SEED, DropLlama, build, masks, tapped, tokens
+from tests.test_model_dist import count_collectives
+
+pytestmark = requires_gloo
+
+KEY = dropout_key(11, 4, "layers.0.feed_forward", 1)
+SHAPE = (5, 7, 9)  # uneven over 2 ranks in every dimension
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+CASES = [(dtype, 0.3) for dtype in DTYPES] + [(torch.float32, 0.05), (torch.float32, 0.9)]
+
+
+def _placements():
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "Shard(2)": Shard(2), "Replicate": Replicate()}
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(4)
+    return torch.randn(SHAPE, generator=g, dtype=torch.float64).to(dtype), \
+        torch.randn(SHAPE, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _functional_on_dtensors():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    results = {}
+    for name, placement in _placements().items():
+        for dtype, p in CASES:
+            x, grad = _inputs(dtype)
+            dx = distribute_tensor(x, mesh, [placement], src_data_rank=None).requires_grad_()
+            dgrad = distribute_tensor(grad, mesh, [placement], src_data_rank=None)
+            with count_collectives() as counts:
+                out = KF.dropout(dx, p, KEY)
+                out.backward(dgrad)
+            results[(name, str(dtype), p)] = (
+                out.full_tensor().detach(), dx.grad.full_tensor(), dict(counts), tuple(out.placements),
+            )
+    try:
+        KF.dropout(dx, 0.5, KEY, global_shape=SHAPE)
+        results["global_shape"] = "no error"
+    except TypeError as exc:
+        results["global_shape"] = str(exc)
+    from torch.distributed.tensor import DTensor, Partial
+
+    partial = DTensor.from_local(torch.ones(4), mesh, [Partial()], run_check=False)
+    try:
+        KF.dropout(partial, 0.5, KEY)
+        results["partial"] = "no error"
+    except ValueError as exc:
+        results["partial"] = str(exc)
+    return results
+
+
+def _keyed_dtensor_rows():
+    """keyed() on a model whose activation is a Shard(0) DTensor (each rank holds rows of the batch)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = torch.nn.Dropout(0.5)
+    x = torch.ones(6, 10)
+    with knn.keyed(model, 1, step=2, sample_offset=4):
+        with count_collectives() as counts:
+            out = model(distribute_tensor(x, mesh, [Shard(0)], src_data_rank=None))
+    return out.full_tensor(), dict(counts)
+
+
+@pytest.mark.slow
+def test_functional_contract_on_dtensor_placements_2_ranks():
+    per_rank = run_distributed(_functional_on_dtensors, 2, timeout=240)
+    for name in _placements():
+        for dtype, p in CASES:
+            x, grad = _inputs(dtype)
+            want = KF.dropout(x, p, KEY)
+            want_grad = KF.dropout(grad, p, KEY)
+            for rank, results in enumerate(per_rank):
+                out, x_grad, counts, placements = results[(name, str(dtype), p)]
+                assert counts == {"c10d": 0, "comm_debug": 0}, (name, dtype, rank, counts)
+                assert placements == (_placements()[name],)
+                assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), (name, dtype, rank)
+                assert torch.equal(x_grad.view(torch.uint8), want_grad.view(torch.uint8)), (name, dtype, rank)
+    assert all("Partial" in r["partial"] for r in per_rank), per_rank[0]["partial"]
+    assert all("come from its placements" in r["global_shape"] for r in per_rank), per_rank[0]["global_shape"]
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _data_parallel():
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build()
+    ddp = _data_parallel_run(model, DistributedDataParallel(model))
+    sharded = DropLlama()
+    for block in sharded.layers.values():
+        fully_shard(block)
+    fully_shard(sharded)
+    keyinit.init_model(sharded, 0)  # the same weights as build()
+    return {"ddp": ddp, "fsdp2": _data_parallel_run(sharded.train(), sharded)}
+
+
+def _data_parallel_run(model, wrapped):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids = tokens()
+    rows = ids.shape[0] // world
+    lo = rank * rows
+    taps: list = []
+    handles = [m.register_forward_hook(lambda mod, args, out: taps.append(out))
+               for m in model.modules() if isinstance(m, (torch.nn.Dropout, knn.Dropout))]
+    for m in model.modules():
+        if hasattr(m, "taps"):
+            m.taps = taps
+    with knn.keyed(wrapped, SEED, step=3, sample_offset=lo):  # DDP's "module." is stripped from the FQNs
+        logits = wrapped(ids[lo:lo + rows])
+        logits.sum().backward()
+    for h in handles:
+        h.remove()
+    return logits.detach(), [t.detach() for t in taps], lo, rows
+
+
+@pytest.mark.slow
+def test_data_parallel_ddp_and_fsdp2_equal_one_process():
+    per_rank = run_distributed(_data_parallel, 2, timeout=240)
+    logits, taps = tapped(build(), tokens(), step=3)
+    for results in per_rank:
+        for name in ("ddp", "fsdp2"):
+            out, rank_taps, lo, rows = results[name]
+            assert torch.equal(out, logits[lo:lo + rows]), name
+            assert len(rank_taps) == len(taps)
+            for got, whole in zip(rank_taps, taps):
+                assert torch.equal(got, whole[lo:lo + rows]), name
+
+
+def tp_sp_plan(model: DropLlama) -> dict:
+    """Tensor + sequence parallelism with DTensor activations everywhere (use_local_output=False)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=False),
+    }
+    for name in model.layers:
+        prefix = f"layers.{name}"
+        for sub in ("attention", "feed_forward"):
+            plan[f"{prefix}.{sub}"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
+            )
+        for norm in ("attention_norm", "ffn_norm"):
+            plan[f"{prefix}.{norm}"] = SequenceParallel()
+        for leaf in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[f"{prefix}.{leaf}"] = ColwiseParallel(use_local_output=False)
+        for leaf in ("attention.wo", "feed_forward.w2"):
+            plan[f"{prefix}.{leaf}"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return plan
+
+
+def _tensor_sequence_parallel():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = DropLlama()
+    parallelize_module(model, mesh, tp_sp_plan(model))
+    keyinit.init_model(model, 0)  # the same weights as one process
+    model.train()
+    logits, taps = tapped(model, tokens(), step=5, sample_offset=2)
+    placements = [str(t.placements) for t in taps if isinstance(t, DTensor)]
+    full = [(t.full_tensor() if isinstance(t, DTensor) else t).detach() for t in taps]
+    rows = _keyed_dtensor_rows()
+    return logits.full_tensor().detach(), full, placements, rows
+
+
+@pytest.mark.slow
+def test_tensor_and_sequence_parallel_masks_equal_one_process():
+    per_rank = run_distributed(_tensor_sequence_parallel, 2, timeout=240)
+    logits, taps = tapped(build(), tokens(), step=5, sample_offset=2)
+    for out, rank_taps, placements, (rows, counts) in per_rank:
+        assert len(placements) == len(taps), "every dropout input was a DTensor"
+        assert any("Shard(dim=1)" in p for p in placements) and any("Shard(dim=2)" in p for p in placements)
+        for got, whole in zip(masks(rank_taps), masks(taps)):
+            assert torch.equal(got, whole)
+        assert torch.allclose(out, logits, atol=1e-5)  # row-parallel sums reassociate: not bitwise
+        assert counts == {"c10d": 0, "comm_debug": 0}
+        assert torch.equal(rows, KF.dropout(torch.ones(6, 10), 0.5, dropout_key(1, 2, "", 0), global_shape=(10, 10),
+                                            region=(slice(4, 10), slice(None))))
