@@ -222,7 +222,8 @@ class _Planner:
                 t.global_shape = layouts.global_shape(t.tensor, fqn=t.fqn, module=t.module, name=t.attr,
                                                       shards=self.shards)
             except (ValueError, TypeError) as exc:
-                raise PlanError(f"{t.fqn}: {exc}", (t.fqn,)) from exc
+                message = str(exc) if str(exc).startswith(t.fqn) else f"{t.fqn}: {exc}"
+                raise PlanError(message, (t.fqn,)) from exc
             t.dtype = t.tensor.dtype
 
     def _resolve_ties(self) -> None:

@@ -1,0 +1,84 @@
+"""keyinit verify runs the real plan: zoo models under its default layouts, and costs that follow distinct shards.
+
+``tests/test_zoo.py`` shows real gloo runs of the zoo (FSDP2 x4, FSDP2xTP 2x2) bit-identical to one
+process; here ``verify`` reaches the same verdict in one process, for its default layouts (pipeline
+stages of encoder-decoder models included), with no factory kwargs: an HF model's ``_init_weights``
+is found on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import keyinit
+from keyinit.cli.verify import DEFAULT_LAYOUTS, verify
+from keyinit.plan import Plan
+from tests import _zoo
+
+
+@pytest.mark.parametrize("name", [*_zoo.NAMES])
+def test_verify_default_layouts_on_the_zoo(name):
+    result = verify(functools.partial(_zoo.build, name), DEFAULT_LAYOUTS.split(","), seed=3, progress=False,
+                    label=name)
+    assert "plan_error" not in result, result.get("plan_error")
+    assert result["ok"], [(p["fqn"], p["bad"]) for p in result["params"] if p["bad"]]
+    assert "_init_weights" in result["notes"][0]
+    assert all(p["source"] != "kept" for p in result["params"])
+
+
+def test_verify_reports_clip_as_a_plan_error():
+    result = verify(functools.partial(_zoo.build, "clip"), ["fsdp4"], progress=False)
+    assert not result["ok"] and "logit_scale" in result["plan_error"]
+
+
+def test_verify_catches_what_a_real_run_gets_wrong():
+    """An initializer that ignores its region gives every shard the same values: verify says MISMATCH."""
+
+    def first_rows(key, target):
+        values = keyinit.random.normal(key, target.global_shape)
+        target.out.copy_(values.reshape(-1)[: target.out.numel()].reshape(target.out.shape))
+
+    def factory():
+        return nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)), {"rules": {"0.weight": first_rows}}
+
+    result = verify(factory, ["fsdp4"], progress=False)
+    assert not result["ok"]
+    bad = {p["fqn"]: p["bad"] for p in result["params"] if p["bad"]}
+    assert bad == {"0.weight": {"fsdp4": [1, 2, 3]}}
+
+
+def test_verify_cost_follows_distinct_shards_not_ranks(monkeypatch):
+    from examples.models import tiny_llama
+
+    calls = {"n": 0}
+    original = Plan.write
+
+    def counting(self, tensor, target):
+        calls["n"] += 1
+        return original(self, tensor, target)
+
+    monkeypatch.setattr(Plan, "write", counting)
+    tensors = len(verify(tiny_llama, ["1"], progress=False)["params"])
+    calls["n"] = 0
+    result = verify(tiny_llama, ["fsdp1024x8"], progress=False)  # 8192 ranks, 8 distinct shards per tensor
+    assert result["ok"] and result["layouts"][0]["ranks"] == 8192
+    assert calls["n"] <= tensors * (1 + 8)  # the reference, then at most 8 regions per tensor
+    calls["n"] = 0
+    result = verify(tiny_llama, ["fsdp100000"], progress=False)  # more ranks than any dim has rows
+    assert result["ok"]
+    largest = max(p["shape"][0] for p in result["params"] if p["shape"])
+    assert calls["n"] <= tensors * (1 + largest + 1)
+
+
+def test_a_layout_with_too_many_distinct_shards_is_a_clear_error():
+    from keyinit.cli._common import CLIError
+
+    def wide():
+        return nn.Sequential(nn.Linear(4, 300000, bias=False))
+
+    with pytest.raises(CLIError, match=r"distinct shards to check"):
+        verify(wide, ["fsdp100000"], progress=False)
