@@ -216,6 +216,10 @@ class _Planner:
                     by_fqn[fqn] = entry
                     self.tensors.append(entry)
         self.by_fqn = {name: t for t in self.tensors for name in t.names}
+        self._own_index: dict[int, dict[str, PlannedTensor]] = {}
+        for t in self.tensors:
+            for m, a in t.locations():
+                self._own_index.setdefault(id(m), {})[a] = t
         self._resolve_ties()
         for t in self.tensors:
             try:
@@ -240,12 +244,8 @@ class _Planner:
             t.key_fqn = next((self.ties[name] for name in t.names if name in self.ties), t.names[0])
 
     def _own(self, module: torch.nn.Module) -> dict[str, PlannedTensor]:
-        found = {}
-        for t in self.tensors:
-            for m, a in t.locations():
-                if m is module:
-                    found[a] = t
-        return found
+        """``{attr: tensor}`` of the tensors ``module`` holds directly (aliases included)."""
+        return dict(self._own_index.get(id(module), {}))
 
     def _context(self, module: torch.nn.Module, module_fqn: str) -> RuleContext:
         own = self._own(module)
