@@ -20,13 +20,12 @@ an exact record of what was written.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import math
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import attrs
 import torch

@@ -19,11 +19,9 @@ plan can see is raised here, before any memory is allocated: uncovered tensors
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import inspect
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
 import attrs
@@ -31,6 +29,16 @@ import torch
 
 from keyinit import layouts
 from keyinit.capture import Capture, CaptureError, LazyTensor
+from keyinit.init_code import (
+    Installed,
+    PerModuleCall,
+    bind_call,
+    child_fqn,
+    parametrization_start,
+    parametrized_names,
+    takes_module,
+    through_right_inverse,
+)
 from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
 from keyinit.init import Initializer
@@ -44,10 +52,6 @@ __all__ = ["Plan", "PlannedTensor", "plan_model", "InitMethod", "Rules"]
 
 InitMethod = Union[str, Callable[..., Any], None]
 Rules = Optional[Mapping[Union[str, type], Any]]
-
-#: Precedence of the sources of a tensor's values, lowest first (also the order they are written).
-_PRECEDENCE = ("default", "code", "rule", "pattern")
-
 
 @attrs.define(eq=False)
 class PlannedTensor:
@@ -117,20 +121,6 @@ def _initializer_program(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, l
     storage = Storage(math.prod(shape), dtype, fqn)
     storage.write(Geometry.contiguous(shape), Random(shape, dtype, label, label, initializer, element_local=local), label)
     return SlotProgram.of_storage(fqn, shape, storage)
-
-
-def _takes_module(fn: Callable[..., Any]) -> bool:
-    """Whether a callable init method takes the module as its first argument (HF's ``_init_weights``)."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return True
-    for parameter in signature.parameters.values():
-        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
-            return parameter.default is parameter.empty
-        if parameter.kind is parameter.VAR_POSITIONAL:
-            return True
-    return False
 
 
 class Plan:
@@ -251,7 +241,7 @@ class _Planner:
         own = self._own(module)
         shapes = {attr: t.global_shape for attr, t in own.items()}
         dtypes = {attr: t.dtype for attr, t in own.items()}
-        for name in _parametrized_names(module):
+        for name in parametrized_names(module):
             shapes[name], dtypes[name] = self._parametrized_value(module, name)
         return RuleContext(module_fqn, shapes, dtypes)
 
@@ -264,7 +254,7 @@ class _Planner:
         capture = Capture()
         standins = {id(t): capture.standin(t.global_shape, t.dtype, t.fqn) for t in tensors}
         try:
-            with _Installed(tensors, standins, capture, [(plist, "")]):
+            with Installed(tensors, standins, capture, [(plist, "")]):
                 with capture.active(f"{type(module).__name__}.{name}", "parametrization"):
                     value = getattr(module, name)
         except Exception as exc:
@@ -326,7 +316,7 @@ class _Planner:
             raise PlanError(f"{label} for {where} must return a mapping of tensor name to initializer, "
                             f"got {type(produced).__name__}")
         for name, initializer in produced.items():
-            if name not in own and name in _parametrized_names(module):
+            if name not in own and name in parametrized_names(module):
                 if not callable(initializer):
                     raise PlanError(f"{label} for {where}.{name}: {initializer!r} is not an initializer")
                 current = self.parametrized.get((id(module), name))
@@ -351,11 +341,11 @@ class _Planner:
         for module, module_fqn, name, _kind, label, initializer in self.parametrized.values():
             shape, dtype = self._parametrized_value(module, name)
             calls.append((module, module_fqn, label,
-                          _through_right_inverse(module, module_fqn, name, shape, dtype, initializer)))
+                          through_right_inverse(module, module_fqn, name, shape, dtype, initializer)))
         parents = {id(child): parent for parent, _ in self.modules.values() for child in parent.children()}
         for module, module_fqn in self.modules.values():
             uncovered = [t for t in self._own(module).values() if t.rule is None and t.module is module]
-            start = _parametrization_start(module, parents.get(id(module)))
+            start = parametrization_start(module, parents.get(id(module)))
             if uncovered and start is not None:
                 calls.append((module, module_fqn, f"{type(module).__name__} start", start))
         # 1. reset_parameters of modules with tensors no declarative rule covers
@@ -369,7 +359,7 @@ class _Planner:
         for module, module_fqn in self.modules.values():
             code = DEFAULT_INIT_CODE.get(type(module))
             if code is not None:
-                calls.append((module, module_fqn, f"default {type(module).__name__}", _bind_call(code, {}, module)))
+                calls.append((module, module_fqn, f"default {type(module).__name__}", bind_call(code, {}, module)))
         # 2. the user's init method
         method = self.init_method
         kwargs = self.init_kwargs
@@ -389,16 +379,16 @@ class _Planner:
                 raise PlanError(f"init_method {method!r}: no module of this model has that method")
             for module, canonical in roots:
                 bound = getattr(module, method)
-                if _takes_module(bound):  # e.g. "_init_weights": applied to every module of its subtree
+                if takes_module(bound):  # e.g. "_init_weights": applied to every module of its subtree
                     calls += self._per_module(module, canonical, bound, method, kwargs)
                 else:
-                    calls.append((module, canonical, method, _bind_call(bound, kwargs)))
+                    calls.append((module, canonical, method, bind_call(bound, kwargs)))
             return calls
         if callable(method):
             label = getattr(method, "__name__", "init_method")
-            if _takes_module(method):
+            if takes_module(method):
                 return calls + self._per_module(self.model, "", method, label, kwargs)
-            return calls + [(self.model, "", label, _bind_call(method, kwargs))]
+            return calls + [(self.model, "", label, bind_call(method, kwargs))]
         raise PlanError(f"init_method must be a method name or a callable, got {method!r}")
 
     def _per_module(self, root: torch.nn.Module, root_fqn: str, fn: Callable[..., Any], label: str,
@@ -418,11 +408,11 @@ class _Planner:
             for child_name, child in module._modules.items():
                 if child is None:
                     continue
-                child_fqn = _child_fqn(module, fqn, child_name)
+                child_name_fqn = child_fqn(module, fqn, child_name)
                 own = getattr(child, name, None) if (name and isinstance(owner, torch.nn.Module)) else None
                 nxt = own if (own is not None and getattr(own, "__self__", None) is child) else current
-                visit(child, child_fqn, nxt)
-            calls.append((module, fqn, label, _PerModuleCall(current, kwargs, module)))
+                visit(child, child_name_fqn, nxt)
+            calls.append((module, fqn, label, PerModuleCall(current, kwargs, module)))
 
         visit(root, root_fqn, fn)
         return calls
@@ -449,7 +439,7 @@ class _Planner:
                                                 t.rule[1])
             standins[id(t)] = stand
         failures = []
-        installed = _Installed(self.tensors, standins, capture, list(self.modules.values()))
+        installed = Installed(self.tensors, standins, capture, list(self.modules.values()))
         with installed:
             for module, fqn, label, call in calls:
                 site = f"{type(module).__name__} at {fqn or '<root>'}"
@@ -567,197 +557,6 @@ def _reads_written(read: Read) -> bool:
 def _buffer_label(read: Read) -> str:
     label = root_of(read.version).storage.label
     return "a temporary tensor" if label == "temporary" else label
-
-
-def _parametrized_names(module: torch.nn.Module) -> list[str]:
-    plists = getattr(module, "parametrizations", None)
-    if not isinstance(plists, torch.nn.ModuleDict) or not torch.nn.utils.parametrize.is_parametrized(module):
-        return []
-    return list(plists.keys())
-
-
-def _through_right_inverse(module: torch.nn.Module, module_fqn: str, name: str, shape: tuple[int, ...],
-                           dtype: torch.dtype, initializer: Any) -> Callable[[], Any]:
-    """Init code for a rule on a parametrized tensor: draw the tensor as the rule says, then set the
-    originals from it through the parametrizations' ``right_inverse`` (what assigning
-    ``module.<name> = value`` does in torch)."""
-
-    def call() -> None:
-        plist = module.parametrizations[name]
-        capture = next(t for t in plist.parameters())._capture  # type: ignore[attr-defined]
-        fqn = f"{module_fqn}.{name}" if module_fqn else name
-        value = capture.standin(shape, dtype, fqn)
-        draw = Random(shape, dtype, f"{fqn} ({initializer!r})", capture.site, initializer,
-                      element_local=getattr(initializer, "element_local", True))
-        capture.storage_of(value).write(Geometry.contiguous(shape), draw, capture.label)
-        for parametrization in reversed(plist):
-            if not hasattr(parametrization, "right_inverse"):
-                raise PlanError(f"{fqn}: {type(parametrization).__name__} has no right_inverse, so a rule for the "
-                                f"parametrized tensor cannot set its originals; give rules for "
-                                f"{fqn.rsplit('.', 1)[0] + '.' if '.' in fqn else ''}parametrizations.{name}.original* instead")
-            value = parametrization.right_inverse(value)
-        if plist.is_tensor:
-            plist.original.copy_(value)
-        else:
-            for i, part in enumerate(value):
-                getattr(plist, f"original{i}").copy_(part)
-
-    return call
-
-
-def _parametrization_start(module: torch.nn.Module, parent: Optional[torch.nn.Module]) -> Optional[Callable[[], Any]]:
-    """Init code for the state a parametrization module computes in its constructor.
-
-    ``spectral_norm``'s ``_u``/``_v`` start as normalized normal vectors refined by 15 power
-    iterations on the weight, as ``torch.nn.utils.parametrizations._SpectralNorm.__init__`` does.
-    """
-    from torch.nn.utils.parametrizations import _SpectralNorm
-
-    if not isinstance(module, _SpectralNorm) or not hasattr(module, "_u"):
-        return None
-    if not isinstance(parent, torch.nn.utils.parametrize.ParametrizationList):
-        return None
-    owner = parent
-
-    def call() -> None:
-        weight = owner.original if owner.is_tensor else owner.original0
-        matrix = module._reshape_weight_to_matrix(weight)
-        rows, cols = matrix.shape
-        u = matrix.new_empty(rows).normal_(0, 1)
-        v = matrix.new_empty(cols).normal_(0, 1)
-        module._u.copy_(torch.nn.functional.normalize(u, dim=0, eps=module.eps))
-        module._v.copy_(torch.nn.functional.normalize(v, dim=0, eps=module.eps))
-        module._power_method(matrix, 15)
-
-    return call
-
-
-def _child_fqn(module: torch.nn.Module, fqn: str, name: str) -> str:
-    from keyinit.fqn import WRAPPER_ATTRIBUTES, _is_data_parallel
-
-    if name in WRAPPER_ATTRIBUTES or (_is_data_parallel(module) and name == "module"):
-        return fqn
-    return f"{fqn}.{name}" if fqn else name
-
-
-class _PerModuleCall:
-    """``fn(module, **kwargs)`` of a per-module init method (HF's ``_init_weights``).
-
-    Runs with the module's tied aliases untied (``untie``): HF initializes every module on
-    untied weights and ties them afterwards, so a tied tensor keeps its first owner's init
-    (the embedding's padding row, not ``lm_head``'s plain normal draw)."""
-
-    untie = True
-
-    def __init__(self, fn: Callable[..., Any], kwargs: Mapping[str, Any], module: torch.nn.Module) -> None:
-        self.fn, self.kwargs, self.module = fn, kwargs, module
-
-    def __call__(self) -> Any:
-        return self.fn(self.module, **self.kwargs)
-
-
-def _bind_call(fn: Callable[..., Any], kwargs: Mapping[str, Any], *args: Any) -> Callable[[], Any]:
-    return lambda: fn(*args, **kwargs)
-
-
-class _Installed:
-    """Stand-ins swapped into the model's modules (``with`` restores every module exactly).
-
-    Init code may also assign tensors to new attributes or register new buffers; those are
-    taken back out on exit and reported by :meth:`assigned`.
-    """
-
-    def __init__(self, tensors: list[PlannedTensor], standins: dict[int, LazyTensor], capture: Capture,
-                 modules: list[tuple[torch.nn.Module, str]]) -> None:
-        self.entries: list[tuple[PlannedTensor, dict, str, Any, Any]] = []  # (tensor, table, attr, original, stand-in)
-        self.modules = modules
-        for t in tensors:
-            stand = standins[id(t)]
-            original = t.tensor
-            replacement: Any = stand
-            if isinstance(original, torch.nn.Parameter):
-                with capture.active("keyinit", "keyinit"):
-                    replacement = torch.nn.Parameter(stand, requires_grad=original.requires_grad)
-            for name, value in vars(original).items():  # flags init code reads (HF's _is_hf_initialized, ...)
-                if not name.startswith("_") or name == "_is_hf_initialized":
-                    try:
-                        setattr(replacement, name, value)
-                    except (AttributeError, TypeError):
-                        pass
-            for module, attr in t.locations():
-                table = module._parameters if attr in module._parameters else module._buffers
-                self.entries.append((t, table, attr, table[attr], replacement))
-        self._assigned: list[tuple[torch.nn.Module, str, str, str, LazyTensor]] = []
-
-    def __enter__(self) -> "_Installed":
-        self.snapshots = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
-                          for m, _ in self.modules]
-        for _t, table, attr, _original, replacement in self.entries:
-            table[attr] = replacement
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        installed = {(id(table), attr) for _t, table, attr, _o, _r in self.entries}
-        fqns = {id(m): fqn for m, fqn in self.modules}
-        for module, attributes, parameters, buffers, non_persistent in self.snapshots:
-            for kind, table, before in (("parameter", module._parameters, parameters), ("buffer", module._buffers, buffers)):
-                for name in list(table):
-                    if name not in before and isinstance(table[name], LazyTensor):
-                        persistent = name not in module._non_persistent_buffers_set
-                        self._assigned.append((module, fqns[id(module)], name,
-                                               kind if persistent or kind == "parameter" else "buffer (not persistent)",
-                                               table[name]))
-                    if name not in before:
-                        del table[name]
-                for name, value in before.items():
-                    if (id(table), name) not in installed:
-                        table[name] = value
-            for name in list(vars(module)):
-                value = vars(module)[name]
-                if name in attributes and attributes[name] is value:
-                    continue
-                if isinstance(value, LazyTensor):
-                    self._assigned.append((module, fqns[id(module)], name, "attribute", value))
-                if name in attributes:
-                    object.__setattr__(module, name, attributes[name])
-                elif isinstance(value, LazyTensor):
-                    delattr(module, name)
-            module._non_persistent_buffers_set.clear()
-            module._non_persistent_buffers_set.update(non_persistent)
-        for _t, table, attr, original, _replacement in reversed(self.entries):
-            table[attr] = original
-
-    @contextlib.contextmanager
-    def untied(self, module: Optional[torch.nn.Module], capture: Capture) -> Iterator[None]:
-        """While ``module``'s init runs, its aliases of tensors first owned elsewhere are throwaway copies."""
-        swapped = []
-        if module is not None:
-            for t, table, attr, _original, replacement in self.entries:
-                owned_here = table is module._parameters or table is module._buffers
-                if owned_here and not (t.module is module and t.attr == attr):
-                    stand = capture.standin(tuple(replacement.shape), replacement.dtype, f"{t.fqn} (untied alias)")
-                    if isinstance(replacement, torch.nn.Parameter):
-                        stand = torch.nn.Parameter(stand, requires_grad=replacement.requires_grad)
-                    swapped.append((table, attr, table[attr]))
-                    table[attr] = stand
-        try:
-            yield
-        finally:
-            for table, attr, value in reversed(swapped):
-                table[attr] = value
-
-    def reassigned(self) -> dict[int, LazyTensor]:
-        """Tensors the init code assigned in place of a stand-in (``self.cache = ...``)."""
-        found: dict[int, LazyTensor] = {}
-        for t, table, attr, _original, replacement in self.entries:
-            value = table.get(attr)
-            if value is not replacement and isinstance(value, LazyTensor):
-                found[id(t)] = value
-        return found
-
-    def assigned(self) -> list[tuple[torch.nn.Module, str, str, str, LazyTensor]]:
-        """``(module, module fqn, name, kind, value)`` of tensors init code put where no tensor was."""
-        return list(self._assigned)
 
 
 def plan_model(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 from torch import nn
 
 import keyinit
