@@ -42,7 +42,7 @@ from keyinit.distributions import FLOAT_DTYPES, INT_DTYPES
 from keyinit.keys import Key
 from keyinit.program import Const, Node, Pointwise, Random, Whole
 
-__all__ = ["is_random", "keyed_effects", "Effects"]
+__all__ = ["is_random", "keyed_effects", "Effects", "bind_arguments"]
 
 _RANDOM_ALSO = {"aten::random_", "aten::random"}
 
@@ -73,17 +73,17 @@ class Effects:
     writes: tuple[tuple[str, Node], ...]
 
 
-def _bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+def bind_arguments(func: Any, args: tuple, kwargs: dict, *, defaults: bool = False) -> dict[str, Any]:
+    """``{argument name: value}`` of an aten call, by its schema (with ``defaults``: every argument,
+    missing ones at their default or None)."""
     bound: dict[str, Any] = {}
     for i, arg in enumerate(func._schema.arguments):
         if i < len(args) and not arg.kwarg_only:
             bound[arg.name] = args[i]
         elif arg.name in kwargs:
             bound[arg.name] = kwargs[arg.name]
-        elif arg.has_default_value():
-            bound[arg.name] = arg.default_value
-        else:
-            bound[arg.name] = None
+        elif defaults:
+            bound[arg.name] = arg.default_value if arg.has_default_value() else None
     return bound
 
 
@@ -225,7 +225,7 @@ def keyed_effects(func: Any, args: tuple, kwargs: dict, outputs: list[torch.Tens
     name = func._schema.name.replace("aten::", "")
     inplace = name.endswith("_")
     base = name.rstrip("_")
-    a = _bind(func, args, kwargs)
+    a = bind_arguments(func, args, kwargs, defaults=True)
     first = outputs[0] if outputs else None
     shape = tuple(first.shape) if first is not None else ()
     dtype = first.dtype if first is not None else torch.float32

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from keyinit import init as _init
-from keyinit._random_ops import Effects, is_random, keyed_effects
+from keyinit._random_ops import Effects, bind_arguments, is_random, keyed_effects
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.program import (
     Cat,
@@ -136,16 +136,6 @@ _VALUE_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.eq
 
 def _mutated_args(func: Any) -> list[str]:
     return [arg.name for arg in func._schema.arguments if arg.alias_info is not None and arg.alias_info.is_write]
-
-
-def _bind_names(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    bound: dict[str, Any] = {}
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args) and not arg.kwarg_only:
-            bound[arg.name] = args[i]
-        elif arg.name in kwargs:
-            bound[arg.name] = kwargs[arg.name]
-    return bound
 
 
 def _op_name(func: Any) -> str:
@@ -314,10 +304,10 @@ class Capture:
         out = self._run_meta(func, args, kwargs)
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         returns = [Suppressed(tuple(o.shape), o.dtype) for o in outputs]
-        return self._wrap(args, kwargs, _bind_names(func, args, kwargs), _mutated_args(func), out, returns)
+        return self._wrap(args, kwargs, bind_arguments(func, args, kwargs), _mutated_args(func), out, returns)
 
     def _record(self, func: Any, args: tuple, kwargs: dict, *, random: bool) -> Any:
-        bound = _bind_names(func, args, kwargs)
+        bound = bind_arguments(func, args, kwargs)
         mutated = [bound[m] for m in _mutated_args(func) if isinstance(bound.get(m), LazyTensor)]
         before = [Geometry.of(t._meta) for t in mutated]
         try:
