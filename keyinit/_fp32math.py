@@ -75,7 +75,7 @@ def sqrt_f32(x: torch.Tensor) -> torch.Tensor:
     """
     xd = x.double()
     y = torch.sqrt(xd).to(torch.float32)
-    up_limit = torch.tensor(math.inf, dtype=torch.float32)
+    up_limit = torch.tensor(math.inf, dtype=torch.float32, device=x.device)
     for _ in range(2):
         above = torch.nextafter(y, up_limit)
         mid = (y.double() + above.double()) * 0.5

@@ -60,15 +60,38 @@ def _cases():
         ("region3d", (5, 7, 9), (slice(None, None, -1), slice(2, 7), [0, 8, 4, 4]), "contiguous"),
         ("transposed", (19, 23), (slice(1, None, 2), slice(None)), "transposed"),
     ]
+    # RUN-path geometries: rows of consecutive global indices that start anywhere in a Philox
+    # block, rows picked by lists and reversed slices, near 2**33 and 2**62.
+    run_geometries = [
+        ("rows-offset", (3, 700), (slice(None), slice(3, 690)), "contiguous"),
+        ("rows-listed", (6, 301), ([5, 0, 3, 3], slice(1, 300)), "contiguous"),
+        ("rows-3d", (4, 3, 300), (slice(None, None, -1), [2, 0], slice(7, 300)), "contiguous"),
+        ("rows-transposed-out", (5, 260), (slice(1, 4), slice(2, 259)), "transposed"),
+        ("run-2**33", (2**20, 2**14), (slice(2**19 - 1, 2**19 + 1), slice(None)), "contiguous"),
+        ("run-2**62", (2**31, 2**31), (slice(2**31 - 2, None), slice(2**31 - 700, None)), "contiguous"),
+    ]
     cases = {}
     for name, dist, dtypes in dists:
         for dtype in dtypes:
             dt = str(dtype).replace("torch.", "")
             for gname, shape, region, layout in geometries:
-                cases[f"{name}-{dt}-{gname}"] = (dist, dtype, shape, region, layout)
+                cases[f"{name}-{dt}-{gname}"] = (dist, dtype, shape, region, layout, None)
         # flat indices near 2**62 (block counters with a non-zero high word)
         cases[f"{name}-huge"] = (dist, dtypes[0], (2**31, 2**31), (slice(2**31 - 2, None), slice(2**31 - 70, None, 3)),
-                                 "contiguous")
+                                 "contiguous", None)
+        for gname, shape, region, layout in run_geometries:
+            cases[f"{name}-{gname}"] = (dist, dtypes[-1], shape, region, layout, None)
+        # short rows through the RUN path (RUN_MIN = 1), into a transposed destination
+        cases[f"{name}-short-rows-run-path"] = (dist, dtypes[0], (19, 23), (slice(1, None, 2), slice(3, 20)),
+                                                "transposed", 1)
+    # RUN path rows of many lengths, each starting at every offset within a Philox block
+    # (rows of length L + 3 make the starts walk through all residues mod 4)
+    for name, dist, dtypes in dists:
+        if name not in ("bits", "normal", "randint"):
+            continue
+        for length in (1, 2, 3, 4, 5, 7, 8, 9, 31, 33, 257, 1029):
+            cases[f"{name}-run-len{length}"] = (dist, dtypes[0], (8, length + 3), (slice(None), slice(1, 1 + length)),
+                                               "contiguous", 1)
     return cases
 
 
@@ -77,7 +100,9 @@ def _run_case(case, fill_fn, device):
     from keyinit.keys import key
     from keyinit.regions import make_region
 
-    dist, dtype, shape, region, layout = case
+    from keyinit._kernels import triton_kernel
+
+    dist, dtype, shape, region, layout, run_min = case
     reg = make_region(shape, region)
     k = key(2**40 + 12345)
     expected = torch.empty(reg.region_shape, dtype=dtype)
@@ -86,8 +111,13 @@ def _run_case(case, fill_fn, device):
         got = torch.zeros(tuple(reversed(reg.region_shape)), dtype=dtype, device=device).t()
     else:
         got = torch.zeros(reg.region_shape, dtype=dtype, device=device)
-    if not fill_fn(got, dist, k, reg):
-        return "kernel declined"
+    saved = triton_kernel.RUN_MIN
+    triton_kernel.RUN_MIN = saved if run_min is None else run_min
+    try:
+        if not fill_fn(got, dist, k, reg):
+            return "kernel declined"
+    finally:
+        triton_kernel.RUN_MIN = saved
     got = torch.empty(got.shape, dtype=dtype).copy_(got)  # dense, on the CPU
     if dtype == torch.bool:
         same = torch.equal(got, expected)

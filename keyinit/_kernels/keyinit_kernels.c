@@ -133,21 +133,16 @@ static inline void store_blocks16(__m512i c0, __m512i c1, __m512i c2, __m512i c3
     _mm512_storeu_si512(out + 48, _mm512_permutex2var_epi64(v01b, j1, v23b));
 }
 
-/* 4 independent groups of 16 blocks, interleaved to hide the multiply latency. */
+/* 4 independent groups of 16 blocks, interleaved to hide the multiply latency.
+ * Block i of the call has the counter (lo[i], hi[i], 0, 0). */
 #define SIMD_GROUPS 4
-static void philox_simd(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+static void philox_simd(const uint32_t *restrict lo, const uint32_t *restrict hi, uint32_t k0, uint32_t k1,
+                        uint32_t *restrict out)
 {
     __m512i c0[SIMD_GROUPS], c1[SIMD_GROUPS], c2[SIMD_GROUPS], c3[SIMD_GROUPS];
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int g = 0; g < SIMD_GROUPS; g++) {
-        uint64_t b0 = first + (uint64_t)(16 * g);
-        /* lo32(b0 + i) and hi32(b0 + i), with the carry out of the low word */
-        __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)b0), lane);
-        __mmask16 carry = _mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32((int)(uint32_t)b0));
-        __m512i hi = _mm512_mask_add_epi32(_mm512_set1_epi32((int)(uint32_t)(b0 >> 32)), carry,
-                                           _mm512_set1_epi32((int)(uint32_t)(b0 >> 32)), _mm512_set1_epi32(1));
-        c0[g] = lo;
-        c1[g] = hi;
+        c0[g] = _mm512_loadu_si512((const void *)(lo + 16 * g));
+        c1[g] = _mm512_loadu_si512((const void *)(hi + 16 * g));
         c2[g] = _mm512_setzero_si512();
         c3[g] = _mm512_setzero_si512();
     }
@@ -179,21 +174,17 @@ static inline void mulhilo8(__m256i a, __m256i m, __m256i *hi, __m256i *lo)
     *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
 }
 
-/* 2 independent groups of 8 blocks, interleaved to hide the multiply latency. */
+/* 2 independent groups of 8 blocks, interleaved to hide the multiply latency.
+ * Block i of the call has the counter (lo[i], hi[i], 0, 0). */
 #define SIMD_GROUPS 2
 #define SIMD_BLOCKS (8 * SIMD_GROUPS)
-static void philox_simd(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+static void philox_simd(const uint32_t *restrict lo, const uint32_t *restrict hi, uint32_t k0, uint32_t k1,
+                        uint32_t *restrict out)
 {
     __m256i c0[SIMD_GROUPS], c1[SIMD_GROUPS], c2[SIMD_GROUPS], c3[SIMD_GROUPS];
     for (int g = 0; g < SIMD_GROUPS; g++) {
-        uint32_t lo[8], hi[8];
-        for (int i = 0; i < 8; i++) {
-            uint64_t b = first + (uint64_t)(8 * g + i);
-            lo[i] = (uint32_t)b;
-            hi[i] = (uint32_t)(b >> 32);
-        }
-        c0[g] = _mm256_loadu_si256((const __m256i *)lo);
-        c1[g] = _mm256_loadu_si256((const __m256i *)hi);
+        c0[g] = _mm256_loadu_si256((const __m256i *)(lo + 8 * g));
+        c1[g] = _mm256_loadu_si256((const __m256i *)(hi + 8 * g));
         c2[g] = _mm256_setzero_si256();
         c3[g] = _mm256_setzero_si256();
     }
@@ -231,13 +222,40 @@ static void philox_simd(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *rest
 }
 #endif
 
+/* Blocks first .. first+n-1, written interleaved: out[4*i + lane]. */
 static void philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, uint32_t *restrict out)
 {
     int64_t i = 0;
 #ifdef SIMD_BLOCKS
-    for (; i + SIMD_BLOCKS <= n; i += SIMD_BLOCKS) philox_simd(first + (uint64_t)i, k0, k1, out + 4 * i);
+    uint32_t lo[SIMD_BLOCKS], hi[SIMD_BLOCKS];
+    for (; i + SIMD_BLOCKS <= n; i += SIMD_BLOCKS) {
+        for (int j = 0; j < SIMD_BLOCKS; j++) {
+            uint64_t b = first + (uint64_t)(i + j);
+            lo[j] = (uint32_t)b;
+            hi[j] = (uint32_t)(b >> 32);
+        }
+        philox_simd(lo, hi, k0, k1, out + 4 * i);
+    }
 #endif
     philox_range_scalar(first + (uint64_t)i, n - i, k0, k1, out + 4 * i);
+}
+
+/* Blocks blocks[0..n-1] (any values), written interleaved: out[4*i + lane]. */
+static void philox_list(const uint64_t *restrict blocks, int64_t n, uint32_t k0, uint32_t k1,
+                        uint32_t *restrict out)
+{
+    int64_t i = 0;
+#ifdef SIMD_BLOCKS
+    uint32_t lo[SIMD_BLOCKS], hi[SIMD_BLOCKS];
+    for (; i + SIMD_BLOCKS <= n; i += SIMD_BLOCKS) {
+        for (int j = 0; j < SIMD_BLOCKS; j++) {
+            lo[j] = (uint32_t)blocks[i + j];
+            hi[j] = (uint32_t)(blocks[i + j] >> 32);
+        }
+        philox_simd(lo, hi, k0, k1, out + 4 * i);
+    }
+#endif
+    for (; i < n; i++) philox_range_scalar(blocks[i], 1, k0, k1, out + 4 * i);
 }
 
 /* Exported for the tests: Philox blocks first .. first+n-1 through the path the fills use. */
@@ -246,27 +264,24 @@ KI_API void keyinit_philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_
     philox_range(first, n, k0, k1, out);
 }
 
-/* Words of elements with arbitrary global indices g[0..m-1]: element k gets
- * words[w*k .. w*k + w - 1] (w is 1 or 2; an element's words lie in one block). */
+/* Words of elements with arbitrary global indices g[0..m-1] (m <= TILE): element
+ * k gets words[w*k .. w*k + w - 1] (w is 1 or 2; an element's words lie in one
+ * block). The blocks go through the same SIMD Philox as runs, one per element. */
 static void words_gather(const int64_t *restrict g, int64_t m, int w, uint32_t k0, uint32_t k1,
                          uint32_t *restrict words)
 {
+    uint64_t blocks[TILE];
+    uint32_t lanes[4 * TILE];
+    const unsigned shift = w == 1 ? 2u : 1u; /* block of element i: (w*i) >> 2 */
+    for (int64_t k = 0; k < m; k++) blocks[k] = (uint64_t)g[k] >> shift;
+    philox_list(blocks, m, k0, k1, lanes);
     if (w == 1) {
-        for (int64_t k = 0; k < m; k++) {
-            uint64_t j = (uint64_t)g[k];
-            uint32_t lane = (uint32_t)(j & 3u), c0, c1, c2, c3;
-            PHILOX_BLOCK(j >> 2, k0, k1, c0, c1, c2, c3);
-            uint32_t lo = lane & 1u ? c1 : c0, hi = lane & 1u ? c3 : c2;
-            words[k] = lane & 2u ? hi : lo;
-        }
+        for (int64_t k = 0; k < m; k++) words[k] = lanes[4 * k + ((uint64_t)g[k] & 3u)];
     } else {
         for (int64_t k = 0; k < m; k++) {
-            uint64_t j = (uint64_t)g[k] * 2u;
-            uint32_t c0, c1, c2, c3;
-            PHILOX_BLOCK(j >> 2, k0, k1, c0, c1, c2, c3);
-            int upper = (j & 2u) != 0;
-            words[2 * k] = upper ? c2 : c0;
-            words[2 * k + 1] = upper ? c3 : c1;
+            const uint32_t *b = lanes + 4 * k + 2 * ((uint64_t)g[k] & 1u);
+            words[2 * k] = b[0];
+            words[2 * k + 1] = b[1];
         }
     }
 }
@@ -339,44 +354,33 @@ static inline float log_f32(float x)
     return e * C_LN2_HI + (e * C_LN2_LO + log_m);
 }
 
-/* The central branch of _fp32math.ndtri_tail_f32 (used when q <= 0.425). */
-static inline float ndtri_central(float q)
-{
-    float r_central = C_CENTRAL_R0 - q * q;
-    float a = ((C_A3 * r_central + C_A2) * r_central + C_A1) * r_central + C_A0;
-    float b = ((C_B3 * r_central + C_B2) * r_central + C_B1) * r_central + 1.0f;
-    return q * a / b;
-}
-
-/* The tail branches of _fp32math.ndtri_tail_f32 (used when q > 0.425). */
-static inline float ndtri_tails(float tail)
-{
-    float clamped = tail < C_SMALLEST_NORMAL ? C_SMALLEST_NORMAL : tail;
-    float r = __builtin_sqrtf(-log_f32(clamped));
-    float r_near = r - C_TAIL_SHIFT;
-    float cn = ((C_C3 * r_near + C_C2) * r_near + C_C1) * r_near + C_C0;
-    float dn = (C_D2 * r_near + C_D1) * r_near + 1.0f;
-    float z_near = cn / dn;
-    float r_far = r - C_SPLIT_TAIL;
-    float ef = ((C_E3 * r_far + C_E2) * r_far + C_E1) * r_far + C_E0;
-    float ff = (C_F2 * r_far + C_F1) * r_far + 1.0f;
-    float z_far = ef / ff;
-    return r <= C_SPLIT_TAIL ? z_near : z_far;
-}
-
-/* _fp32math.ndtri_tail_f32 of tail[0..m-1] into mag[0..m-1] (m <= TILE).
- * The reference evaluates every branch and selects; only the selected one
- * matters, so the central branch runs on all elements and the tail branches
- * on the compacted list of elements with q > 0.425 (about 15%). */
+/* _fp32math.ndtri_tail_f32 of tail[0..m-1] into mag[0..m-1] (m <= TILE), by ONE
+ * rational evaluation per element with the argument, the scale and the
+ * coefficients chosen per element (the three PPND7 branches merged):
+ *
+ *   branch   condition        x                    s    N      D
+ *   central  q <= 0.425       0.180625 - q*q       q    A      B
+ *   near     r <= 5           r - 1.6              1    C      (1, D1, D2, 0)
+ *   far      otherwise        r - 5                1    E      (1, F1, F2, 0)
+ *
+ *   mag = (s * H(N; x)) / H(D; x),   q = 0.5 - t,   r = sqrt(-log(max(t, 2**-126)))
+ *
+ * Each is the branch the reference selects, bit for bit: s = 1 gives 1*v == v,
+ * and a cubic D with leading coefficient 0 starts Horner with 0*x + c == c for
+ * finite x (and x is finite: r <= 12.95). The reference evaluates every branch
+ * and selects, so only the selected one matters. r is needed only off the
+ * central branch (about 15% of the elements): those elements are compacted and
+ * get the log and sqrt; everything else runs on all elements, branch-free. */
 static void ndtri_tail_batch(const float *tail, int64_t m, float *mag)
 {
-    int32_t where[TILE];
-    float tails[TILE], ztail[TILE];
+    float x[TILE], rt[TILE], tails[TILE];
+    int32_t branch[TILE], where[TILE];
     uint8_t is_tail[TILE];
     for (int64_t k = 0; k < m; k++) {
         float q = 0.5f - tail[k];
-        mag[k] = ndtri_central(q);
+        x[k] = C_CENTRAL_R0 - q * q;
         is_tail[k] = !(q <= C_SPLIT_CENTRAL);
+        branch[k] = 0;
     }
     /* Compaction through 64-bit masks: the work is per tail element, with no
      * store whose address depends on the previous element. */
@@ -393,8 +397,32 @@ static void ndtri_tail_batch(const float *tail, int64_t m, float *mag)
             n++;
         }
     }
-    for (int64_t j = 0; j < n; j++) ztail[j] = ndtri_tails(tails[j]);
-    for (int64_t j = 0; j < n; j++) mag[where[j]] = ztail[j];
+    for (int64_t j = 0; j < n; j++) {
+        float clamped = tails[j] < C_SMALLEST_NORMAL ? C_SMALLEST_NORMAL : tails[j];
+        rt[j] = __builtin_sqrtf(-log_f32(clamped));
+    }
+    for (int64_t j = 0; j < n; j++) {
+        float r = rt[j];
+        int near = r <= C_SPLIT_TAIL;
+        x[where[j]] = near ? r - C_TAIL_SHIFT : r - C_SPLIT_TAIL;
+        branch[where[j]] = near ? 1 : 2;
+    }
+    for (int64_t k = 0; k < m; k++) {
+        const int32_t b = branch[k];
+        const int c = b == 0, f = b == 2;
+        const float n0 = c ? C_A0 : f ? C_E0 : C_C0;
+        const float n1 = c ? C_A1 : f ? C_E1 : C_C1;
+        const float n2 = c ? C_A2 : f ? C_E2 : C_C2;
+        const float n3 = c ? C_A3 : f ? C_E3 : C_C3;
+        const float d1 = c ? C_B1 : f ? C_F1 : C_D1;
+        const float d2 = c ? C_B2 : f ? C_F2 : C_D2;
+        const float d3 = c ? C_B3 : 0.0f;
+        const float s = c ? 0.5f - tail[k] : 1.0f;
+        const float xk = x[k];
+        float num = ((n3 * xk + n2) * xk + n1) * xk + n0;
+        float den = ((d3 * xk + d2) * xk + d1) * xk + 1.0f;
+        mag[k] = (s * num) / den;
+    }
 }
 
 /* ------------------------------------------------ conversions to storage */
@@ -460,8 +488,7 @@ typedef struct {
     const int64_t *size;
     const int64_t *ostride;
     const int64_t *gstride;
-    const int64_t *const *index;
-    int inner_unit; /* 1: index[last][p] == index[last][0] + p for all p; 0: not; -1: unknown */
+    const int64_t *const *index; /* per dim: an index vector, or NULL for idx(p) = p */
     char *out;
     int elsize;
     int64_t numel;
@@ -621,7 +648,8 @@ static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const int64_t
     uint32_t words[2 * TILE + 16];
     const uint32_t *wp;
     if (g == NULL) {
-        /* global indices g0 .. g0+m-1 use words w*g0 .. w*(g0+m)-1 */
+        /* A run: global indices g0 .. g0+m-1 use words w*g0 .. w*(g0+m)-1, so each
+         * Philox block is computed once and all of its words are used. */
         uint64_t j0 = (uint64_t)g0 * (uint64_t)w;
         uint64_t j1 = j0 + (uint64_t)(m * w); /* exclusive */
         uint64_t b0 = j0 >> 2, b1 = (j1 + 3) >> 2;
@@ -644,30 +672,49 @@ static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const int64_t
     store_tile(P, &v, m, o, o0, os);
 }
 
-/* Elements p0 .. p0+m-1 of one row of the innermost dimension. */
+/* Global index of inner position p of a row that starts at gouter. */
+static inline int64_t inner_global(const plan_t *P, int64_t gouter, int64_t p)
+{
+    const int last = P->ndim - 1;
+    const int64_t *iv = P->index[last];
+    return gouter + (iv != NULL ? iv[p] : p) * P->gstride[last];
+}
+
+/* Elements p0 .. p0+m-1 (m <= TILE) of one row of the innermost dimension. */
 static void do_row_tile(const plan_t *P, int64_t gouter, int64_t oouter, int64_t p0, int64_t m)
 {
     const int last = P->ndim - 1;
-    const int64_t *iv = P->index[last] + p0;
+    const int64_t *iv = P->index[last];
     const int64_t gs = P->gstride[last], os = P->ostride[last];
-    int contiguous = gs == 1 && P->inner_unit != 0;
-    if (contiguous && P->inner_unit < 0) {
-        const int64_t first = iv[0];
-        for (int64_t k = 1; k < m; k++) contiguous &= iv[k] == first + k;
-    }
-    if (contiguous) {
-        do_tile(P, NULL, gouter + iv[0], NULL, oouter + p0 * os, os, m);
-    } else {
+    if (iv == NULL) {
+        if (gs == 1) { /* a slice with unit step: consecutive global indices */
+            do_tile(P, NULL, gouter + p0, NULL, oouter + p0 * os, os, m);
+            return;
+        }
         int64_t g[TILE];
-        for (int64_t k = 0; k < m; k++) g[k] = gouter + iv[k] * gs;
+        const int64_t g0 = gouter + p0 * gs;
+        for (int64_t k = 0; k < m; k++) g[k] = g0 + k * gs;
         do_tile(P, g, 0, NULL, oouter + p0 * os, os, m);
+        return;
     }
+    /* An index list: a tile whose indices happen to be consecutive is still a run. */
+    const int64_t *ivp = iv + p0;
+    int contiguous = gs == 1;
+    for (int64_t k = 1; k < m && contiguous; k++) contiguous = ivp[k] == ivp[0] + k;
+    if (contiguous) {
+        do_tile(P, NULL, gouter + ivp[0], NULL, oouter + p0 * os, os, m);
+        return;
+    }
+    int64_t g[TILE];
+    for (int64_t k = 0; k < m; k++) g[k] = gouter + ivp[k] * gs;
+    do_tile(P, g, 0, NULL, oouter + p0 * os, os, m);
 }
 
 /* Rows shorter than this are batched into tiles that span rows. */
 #define SHORT_ROW 128
 
-/* Region elements start .. stop-1 in row-major order. */
+/* Region elements start .. stop-1 in row-major order. The position is decomposed
+ * once per chunk; after that, rows advance by carries, with no division. */
 static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
 {
     const int last = P->ndim - 1;
@@ -685,7 +732,8 @@ static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
     while (done < stop) {
         int64_t gouter = P->base, oouter = 0;
         for (int d = 0; d < last; d++) {
-            gouter += P->index[d][pos[d]] * P->gstride[d];
+            const int64_t *iv = P->index[d];
+            gouter += (iv != NULL ? iv[pos[d]] : pos[d]) * P->gstride[d];
             oouter += pos[d] * P->ostride[d];
         }
         int64_t p0 = pos[last];
@@ -694,10 +742,9 @@ static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
             for (int64_t t = 0; t < cnt; t += TILE)
                 do_row_tile(P, gouter, oouter, p0 + t, cnt - t < TILE ? cnt - t : TILE);
         } else {
-            const int64_t *iv = P->index[last];
-            const int64_t gs = P->gstride[last], os = P->ostride[last];
+            const int64_t os = P->ostride[last];
             for (int64_t j = 0; j < cnt; j++) {
-                g[fill] = gouter + iv[p0 + j] * gs;
+                g[fill] = inner_global(P, gouter, p0 + j);
                 o[fill] = oouter + (p0 + j) * os;
                 if (++fill == TILE || done + j + 1 == stop) {
                     int contiguous = 1, dense = 1;
@@ -719,9 +766,30 @@ static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
     }
 }
 
+/* The values never depend on the caller's floating-point environment: each
+ * thread clears flush-to-zero and denormals-are-zero while it computes (and the
+ * calling thread restores its own state afterwards). */
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#define KI_MXCSR_FTZ_DAZ 0x8040u
+typedef unsigned int fpstate_t;
+static inline fpstate_t fp_enter(void)
+{
+    fpstate_t saved = _mm_getcsr();
+    _mm_setcsr(saved & ~KI_MXCSR_FTZ_DAZ);
+    return saved;
+}
+static inline void fp_leave(fpstate_t saved) { _mm_setcsr(saved); }
+#else
+typedef int fpstate_t;
+static inline fpstate_t fp_enter(void) { return 0; }
+static inline void fp_leave(fpstate_t saved) { (void)saved; }
+#endif
+
 static void *worker(void *arg)
 {
     plan_t *P = (plan_t *)arg;
+    fpstate_t saved = fp_enter();
     for (;;) {
         int64_t c = __atomic_fetch_add(&P->next_chunk, 1, __ATOMIC_RELAXED);
         if (c >= P->nchunks) break;
@@ -729,15 +797,43 @@ static void *worker(void *arg)
         int64_t stop = start + CHUNK < P->numel ? start + CHUNK : P->numel;
         do_chunk(P, start, stop);
     }
+    fp_leave(saved);
     return NULL;
+}
+
+/* Exported: which value-changing "fast math" transformations this compiled code
+ * shows, as bits (0: none; see _build._FP_PROBE_FAULTS). Every operand comes
+ * from a volatile, so nothing is folded unless the flags permit folding that
+ * IEEE arithmetic forbids. _build.load refuses a library that reports any. */
+static volatile float probe_small = 1.0e-8f, probe_one = 1.0f, probe_five = 5.0f;
+static volatile float probe_nan = __builtin_nanf(""), probe_min = 0x1p-126f, probe_sub = 0x1p-140f;
+
+KI_API int keyinit_fp_probe(void)
+{
+    fpstate_t saved = fp_enter();
+    int faults = 0;
+    float a = probe_small, b = probe_one;
+    if ((a + b) - b != 0.0f) faults |= 1;          /* 1 + 1e-8 rounds to 1 */
+    float x = probe_five;
+    if (x / 3.0f != 0x1.aaaaaap+0f) faults |= 2;    /* 5 * f32(1/3) is 0x1.aaaaacp+0 */
+    float n = probe_nan;
+    if (!(n != n)) faults |= 4;
+    float m = probe_min;
+    if (m * 0.5f == 0.0f) faults |= 8;
+    float s = probe_sub, t = probe_one;
+    if (s * t == 0.0f) faults |= 16;
+    fp_leave(saved);
+    return faults;
 }
 
 /* ------------------------------------------------------------ entry point */
 
 /*
  * Element (p_0, ..., p_{d-1}) of the destination has global flat index
- * base + sum_k index[k][p_k] * gstride[k] and destination element offset
- * sum_k p_k * ostride[k] (in elements of the output dtype).
+ * base + sum_k idx_k(p_k) * gstride[k], where idx_k(p) = index[k][p] if
+ * index[k] != NULL and p otherwise (a slice: its start is folded into base and
+ * its step into gstride), and destination element offset sum_k p_k * ostride[k]
+ * (in elements of the output dtype).
  * fparams: [a, b, p_low, p_span, lower, upper]   (binary32 values)
  * iparams: [flip, threshold, low, span]
  * Returns 0 on success, a negative number for invalid arguments.
@@ -773,18 +869,13 @@ KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
     P.ostride = ostride;
     P.gstride = gstride;
     P.index = index;
-    /* Scan a short innermost index vector once, rather than once per tile. */
-    P.inner_unit = -1;
-    if (size[ndim - 1] <= (1 << 20)) {
-        const int64_t *iv = index[ndim - 1];
-        int unit = 1;
-        for (int64_t k = 1; k < size[ndim - 1]; k++) unit &= iv[k] == iv[0] + k;
-        P.inner_unit = unit;
-    }
     P.out = (char *)out;
     P.elsize = elsizes[dtype];
     int64_t numel = 1;
-    for (int k = 0; k < ndim; k++) numel *= size[k];
+    for (int k = 0; k < ndim; k++) {
+        if (size[k] < 0) return -3;
+        numel *= size[k];
+    }
     P.numel = numel;
     if (numel == 0) return 0;
     P.nchunks = (numel + CHUNK - 1) / CHUNK;
