@@ -76,7 +76,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.keyinit_fill.restype = ctypes.c_int
     lib.keyinit_fill.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32,
-        ctypes.POINTER(ctypes.c_float), _I64P,
+        ctypes.POINTER(ctypes.c_double), _I64P,
         ctypes.c_int, ctypes.c_int64, _I64P, _I64P, _I64P,
         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_int,
     ]
@@ -84,6 +84,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.keyinit_constants.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_int]
     lib.keyinit_convert_f32.restype = None
     lib.keyinit_convert_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.keyinit_ndtri_tail.restype = None
+    lib.keyinit_ndtri_tail.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.keyinit_philox_range.restype = None
     lib.keyinit_philox_range.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32,
                                          ctypes.c_void_p]
@@ -151,7 +153,7 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, thread
     gstrides = (ctypes.c_int64 * nd)(*(d[2] for d in dims))
     indices = (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims))
     f, i = _params(dist)
-    fparams = (ctypes.c_float * 6)(*f)
+    fparams = (ctypes.c_double * 6)(*f)  # binary32 values, exact as doubles; the kernel converts
     iparams = (ctypes.c_int64 * 4)(*i)
     k0, k1 = key.words
     if threads is None:

@@ -9,14 +9,26 @@
  * operation the reference performs, in the same order, with no fused
  * multiply-add and no flush-to-zero. The only math function is sqrt
  * (__builtin_sqrtf), which IEEE-754 requires to be correctly rounded; with
- * -fno-math-errno it is the sqrtss / vsqrtps instruction.
+ * -fno-math-errno it is the sqrtss / vsqrtps instruction. The caller's
+ * flush-to-zero / denormals-are-zero modes cannot change a value either: every
+ * thread clears them while it computes (x86). keyinit_fp_probe lets the loader
+ * refuse a build whose flags (e.g. added by a $CC wrapper) broke any of this.
  *
  * Addressing (see keyinit_fill): element (p_0, ..., p_{d-1}) of the destination
- * has global flat index  g = base + sum_k index[k][p_k] * gstride[k]  and sits at
- * element offset  sum_k p_k * ostride[k]  from out. It consumes stream words
- * w*g .. w*g + w - 1 (w = 2 for randint, else 1); word j is lane j % 4 of
- * Philox4x32-10((lo32(j/4), hi32(j/4), 0, 0), (k0, k1)). Where a tile's global
- * indices are consecutive, one Philox block serves 4/w elements.
+ * has global flat index  g = base + sum_k idx_k(p_k) * gstride[k]  and sits at
+ * element offset  sum_k p_k * ostride[k]  from out, where idx_k(p) = index[k][p]
+ * for an index-list dim and idx_k(p) = p for a slice dim (index[k] == NULL: its
+ * start is folded into base and its step into gstride; no index vector exists).
+ * It consumes stream words w*g .. w*g + w - 1 (w = 2 for randint, else 1); word
+ * j is lane j % 4 of Philox4x32-10((lo32(j/4), hi32(j/4), 0, 0), (k0, k1)).
+ *
+ * Where a row's global indices are consecutive (a unit-step innermost slice, or
+ * a tile of an index list that happens to be consecutive), the row is a run:
+ * each Philox block is computed once and all of its words are used, 4/w
+ * elements per block, whatever the run's start and length. Elsewhere (strided
+ * and listed dims) each element gets its own block through the same SIMD
+ * Philox and keeps its lane(s). Positions advance by carries; the only integer
+ * divisions are one decomposition per chunk.
  *
  * Work is split into chunks of CHUNK region elements taken by threads from an
  * atomic counter, and each chunk into tiles of at most TILE elements held in
@@ -354,33 +366,35 @@ static inline float log_f32(float x)
     return e * C_LN2_HI + (e * C_LN2_LO + log_m);
 }
 
-/* _fp32math.ndtri_tail_f32 of tail[0..m-1] into mag[0..m-1] (m <= TILE), by ONE
- * rational evaluation per element with the argument, the scale and the
- * coefficients chosen per element (the three PPND7 branches merged):
+/* _fp32math.ndtri_tail_f32 of tail[0..m-1] into mag[0..m-1] (m <= TILE). Each
+ * element's magnitude is ONE rational evaluation, with the argument and the
+ * coefficients of its PPND7 branch (q = 0.5 - t, r = sqrt(-log(max(t, 2**-126)))):
  *
- *   branch   condition        x                    s    N      D
- *   central  q <= 0.425       0.180625 - q*q       q    A      B
- *   near     r <= 5           r - 1.6              1    C      (1, D1, D2, 0)
- *   far      otherwise        r - 5                1    E      (1, F1, F2, 0)
+ *   branch   condition        x                    magnitude
+ *   central  q <= 0.425       0.180625 - q*q       (q * A(x)) / B(x)
+ *   near     r <= 5           r - 1.6              C(x) / D(x)
+ *   far      otherwise        r - 5                E(x) / F(x)
  *
- *   mag = (s * H(N; x)) / H(D; x),   q = 0.5 - t,   r = sqrt(-log(max(t, 2**-126)))
- *
- * Each is the branch the reference selects, bit for bit: s = 1 gives 1*v == v,
- * and a cubic D with leading coefficient 0 starts Horner with 0*x + c == c for
- * finite x (and x is finite: r <= 12.95). The reference evaluates every branch
- * and selects, so only the selected one matters. r is needed only off the
- * central branch (about 15% of the elements): those elements are compacted and
- * get the log and sqrt; everything else runs on all elements, branch-free. */
+ * which is the branch the reference selects, operation for operation (the
+ * reference evaluates every branch and selects; only the selected one matters).
+ * The choice is made in two SIMD passes rather than lane by lane: the central
+ * evaluation runs on every element (about 85% keep it), then the elements with
+ * q > 0.425 are compacted and get the log, the sqrt and one rational whose
+ * coefficients (C, D or E, F: the same shapes) are chosen per element. The
+ * Triton kernel merges all three branches per lane in one pass (on a GPU a
+ * lane-wise select is cheaper than a second pass); both give the same bits. */
 static void ndtri_tail_batch(const float *tail, int64_t m, float *mag)
 {
-    float x[TILE], rt[TILE], tails[TILE];
-    int32_t branch[TILE], where[TILE];
+    int32_t where[TILE];
+    float tails[TILE], ztail[TILE];
     uint8_t is_tail[TILE];
     for (int64_t k = 0; k < m; k++) {
         float q = 0.5f - tail[k];
-        x[k] = C_CENTRAL_R0 - q * q;
+        float x = C_CENTRAL_R0 - q * q;
+        float num = ((C_A3 * x + C_A2) * x + C_A1) * x + C_A0;
+        float den = ((C_B3 * x + C_B2) * x + C_B1) * x + 1.0f;
+        mag[k] = (q * num) / den;
         is_tail[k] = !(q <= C_SPLIT_CENTRAL);
-        branch[k] = 0;
     }
     /* Compaction through 64-bit masks: the work is per tail element, with no
      * store whose address depends on the previous element. */
@@ -399,31 +413,20 @@ static void ndtri_tail_batch(const float *tail, int64_t m, float *mag)
     }
     for (int64_t j = 0; j < n; j++) {
         float clamped = tails[j] < C_SMALLEST_NORMAL ? C_SMALLEST_NORMAL : tails[j];
-        rt[j] = __builtin_sqrtf(-log_f32(clamped));
-    }
-    for (int64_t j = 0; j < n; j++) {
-        float r = rt[j];
+        float r = __builtin_sqrtf(-log_f32(clamped));
         int near = r <= C_SPLIT_TAIL;
-        x[where[j]] = near ? r - C_TAIL_SHIFT : r - C_SPLIT_TAIL;
-        branch[where[j]] = near ? 1 : 2;
+        float x = near ? r - C_TAIL_SHIFT : r - C_SPLIT_TAIL;
+        float n0 = near ? C_C0 : C_E0, n1 = near ? C_C1 : C_E1, n2 = near ? C_C2 : C_E2, n3 = near ? C_C3 : C_E3;
+        float d1 = near ? C_D1 : C_F1, d2 = near ? C_D2 : C_F2;
+        float num = ((n3 * x + n2) * x + n1) * x + n0;
+        float den = (d2 * x + d1) * x + 1.0f;
+        ztail[j] = num / den;
     }
-    for (int64_t k = 0; k < m; k++) {
-        const int32_t b = branch[k];
-        const int c = b == 0, f = b == 2;
-        const float n0 = c ? C_A0 : f ? C_E0 : C_C0;
-        const float n1 = c ? C_A1 : f ? C_E1 : C_C1;
-        const float n2 = c ? C_A2 : f ? C_E2 : C_C2;
-        const float n3 = c ? C_A3 : f ? C_E3 : C_C3;
-        const float d1 = c ? C_B1 : f ? C_F1 : C_D1;
-        const float d2 = c ? C_B2 : f ? C_F2 : C_D2;
-        const float d3 = c ? C_B3 : 0.0f;
-        const float s = c ? 0.5f - tail[k] : 1.0f;
-        const float xk = x[k];
-        float num = ((n3 * xk + n2) * xk + n1) * xk + n0;
-        float den = ((d3 * xk + d2) * xk + d1) * xk + 1.0f;
-        mag[k] = (s * num) / den;
-    }
+    for (int64_t j = 0; j < n; j++) mag[where[j]] = ztail[j];
 }
+
+/* Exported for the tests: ndtri_tail_batch over any number of tails. */
+KI_API void keyinit_ndtri_tail(const float *tail, int64_t n, float *mag);
 
 /* ------------------------------------------------ conversions to storage */
 
@@ -801,6 +804,13 @@ static void *worker(void *arg)
     return NULL;
 }
 
+KI_API void keyinit_ndtri_tail(const float *tail, int64_t n, float *mag)
+{
+    fpstate_t saved = fp_enter();
+    for (int64_t i = 0; i < n; i += TILE) ndtri_tail_batch(tail + i, n - i < TILE ? n - i : TILE, mag + i);
+    fp_leave(saved);
+}
+
 /* Exported: which value-changing "fast math" transformations this compiled code
  * shows, as bits (0: none; see _build._FP_PROBE_FAULTS). Every operand comes
  * from a volatile, so nothing is folded unless the flags permit folding that
@@ -834,18 +844,37 @@ KI_API int keyinit_fp_probe(void)
  * index[k] != NULL and p otherwise (a slice: its start is folded into base and
  * its step into gstride), and destination element offset sum_k p_k * ostride[k]
  * (in elements of the output dtype).
- * fparams: [a, b, p_low, p_span, lower, upper]   (binary32 values)
+ * fparams: [a, b, p_low, p_span, lower, upper]   (binary32 values, passed as
+ *          binary64 so that no caller-side conversion can flush a subnormal)
  * iparams: [flip, threshold, low, span]
  * Returns 0 on success, a negative number for invalid arguments.
  */
+static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1, const double *fparams,
+                        const int64_t *iparams, int ndim, int64_t base, const int64_t *size,
+                        const int64_t *ostride, const int64_t *gstride, const int64_t *const *index,
+                        void *out, int nthreads);
+
 KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
-                        const float *fparams, const int64_t *iparams,
+                        const double *fparams, const int64_t *iparams,
                         int ndim, int64_t base, const int64_t *size, const int64_t *ostride,
                         const int64_t *gstride, const int64_t *const *index,
                         void *out, int nthreads)
 {
     if (ndim < 1 || ndim > KI_MAX_DIMS) return -1;
     if (dist < D_BITS || dist > D_RANDINT || dtype < T_F32 || dtype > T_U8) return -2;
+    fpstate_t saved = fp_enter(); /* before the conversions below: exact, subnormals kept */
+    int rc = fill_planned(dist, dtype, k0, k1, fparams, iparams, ndim, base, size, ostride, gstride, index, out,
+                          nthreads);
+    fp_leave(saved);
+    return rc;
+}
+
+static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1,
+                        const double *fparams, const int64_t *iparams,
+                        int ndim, int64_t base, const int64_t *size, const int64_t *ostride,
+                        const int64_t *gstride, const int64_t *const *index,
+                        void *out, int nthreads)
+{
     static plan_t zero_plan;
     plan_t P = zero_plan;
     P.dist = dist;
@@ -853,12 +882,12 @@ KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
     P.w = dist == D_RANDINT ? 2 : 1;
     P.k0 = k0;
     P.k1 = k1;
-    P.a = fparams[0];
-    P.b = fparams[1];
-    P.p_low = fparams[2];
-    P.p_span = fparams[3];
-    P.lower = fparams[4];
-    P.upper = fparams[5];
+    P.a = (float)fparams[0]; /* exact: each is a binary32 value */
+    P.b = (float)fparams[1];
+    P.p_low = (float)fparams[2];
+    P.p_span = (float)fparams[3];
+    P.lower = (float)fparams[4];
+    P.upper = (float)fparams[5];
     P.flip = (int)iparams[0];
     P.threshold = (uint64_t)iparams[1];
     P.low = iparams[2];
