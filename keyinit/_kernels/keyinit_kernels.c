@@ -146,15 +146,13 @@ static inline void store_blocks16(__m512i c0, __m512i c1, __m512i c2, __m512i c3
 }
 
 /* 4 independent groups of 16 blocks, interleaved to hide the multiply latency.
- * Block i of the call has the counter (lo[i], hi[i], 0, 0). */
+ * c0/c1 hold the groups' counter words 0 and 1 (words 2 and 3 are 0). */
 #define SIMD_GROUPS 4
-static void philox_simd(const uint32_t *restrict lo, const uint32_t *restrict hi, uint32_t k0, uint32_t k1,
-                        uint32_t *restrict out)
+static inline __attribute__((always_inline)) void philox_core(__m512i *c0, __m512i *c1, uint32_t k0, uint32_t k1,
+                                                              uint32_t *restrict out)
 {
-    __m512i c0[SIMD_GROUPS], c1[SIMD_GROUPS], c2[SIMD_GROUPS], c3[SIMD_GROUPS];
+    __m512i c2[SIMD_GROUPS], c3[SIMD_GROUPS];
     for (int g = 0; g < SIMD_GROUPS; g++) {
-        c0[g] = _mm512_loadu_si512((const void *)(lo + 16 * g));
-        c1[g] = _mm512_loadu_si512((const void *)(hi + 16 * g));
         c2[g] = _mm512_setzero_si512();
         c3[g] = _mm512_setzero_si512();
     }
@@ -176,6 +174,36 @@ static void philox_simd(const uint32_t *restrict lo, const uint32_t *restrict hi
     }
     for (int g = 0; g < SIMD_GROUPS; g++) store_blocks16(c0[g], c1[g], c2[g], c3[g], out + 64 * g);
 }
+
+/* Blocks first .. first + SIMD_BLOCKS - 1. */
+static void philox_simd_range(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+{
+    __m512i c0[SIMD_GROUPS], c1[SIMD_GROUPS];
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int g = 0; g < SIMD_GROUPS; g++) {
+        uint64_t b0 = first + (uint64_t)(16 * g);
+        /* lo32(b0 + i) and hi32(b0 + i), with the carry out of the low word */
+        __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)b0), lane);
+        __mmask16 carry = _mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32((int)(uint32_t)b0));
+        __m512i hi = _mm512_mask_add_epi32(_mm512_set1_epi32((int)(uint32_t)(b0 >> 32)), carry,
+                                           _mm512_set1_epi32((int)(uint32_t)(b0 >> 32)), _mm512_set1_epi32(1));
+        c0[g] = lo;
+        c1[g] = hi;
+    }
+    philox_core(c0, c1, k0, k1, out);
+}
+
+/* Blocks with the counters (lo[i], hi[i], 0, 0), i < SIMD_BLOCKS. */
+static void philox_simd(const uint32_t *restrict lo, const uint32_t *restrict hi, uint32_t k0, uint32_t k1,
+                        uint32_t *restrict out)
+{
+    __m512i c0[SIMD_GROUPS], c1[SIMD_GROUPS];
+    for (int g = 0; g < SIMD_GROUPS; g++) {
+        c0[g] = _mm512_loadu_si512((const void *)(lo + 16 * g));
+        c1[g] = _mm512_loadu_si512((const void *)(hi + 16 * g));
+    }
+    philox_core(c0, c1, k0, k1, out);
+}
 #define SIMD_BLOCKS (16 * SIMD_GROUPS)
 #elif defined(__AVX2__)
 static inline void mulhilo8(__m256i a, __m256i m, __m256i *hi, __m256i *lo)
@@ -187,16 +215,14 @@ static inline void mulhilo8(__m256i a, __m256i m, __m256i *hi, __m256i *lo)
 }
 
 /* 2 independent groups of 8 blocks, interleaved to hide the multiply latency.
- * Block i of the call has the counter (lo[i], hi[i], 0, 0). */
+ * c0/c1 hold the groups' counter words 0 and 1 (words 2 and 3 are 0). */
 #define SIMD_GROUPS 2
 #define SIMD_BLOCKS (8 * SIMD_GROUPS)
-static void philox_simd(const uint32_t *restrict lo, const uint32_t *restrict hi, uint32_t k0, uint32_t k1,
-                        uint32_t *restrict out)
+static inline __attribute__((always_inline)) void philox_core(__m256i *c0, __m256i *c1, uint32_t k0, uint32_t k1,
+                                                              uint32_t *restrict out)
 {
-    __m256i c0[SIMD_GROUPS], c1[SIMD_GROUPS], c2[SIMD_GROUPS], c3[SIMD_GROUPS];
+    __m256i c2[SIMD_GROUPS], c3[SIMD_GROUPS];
     for (int g = 0; g < SIMD_GROUPS; g++) {
-        c0[g] = _mm256_loadu_si256((const __m256i *)(lo + 8 * g));
-        c1[g] = _mm256_loadu_si256((const __m256i *)(hi + 8 * g));
         c2[g] = _mm256_setzero_si256();
         c3[g] = _mm256_setzero_si256();
     }
@@ -232,6 +258,43 @@ static void philox_simd(const uint32_t *restrict lo, const uint32_t *restrict hi
         _mm256_storeu_si256((__m256i *)(o + 24), _mm256_permute2x128_si256(u2, u3, 0x31));
     }
 }
+
+/* Blocks with the counters (lo[i], hi[i], 0, 0), i < SIMD_BLOCKS. */
+static void philox_simd(const uint32_t *restrict lo, const uint32_t *restrict hi, uint32_t k0, uint32_t k1,
+                        uint32_t *restrict out)
+{
+    __m256i c0[SIMD_GROUPS], c1[SIMD_GROUPS];
+    for (int g = 0; g < SIMD_GROUPS; g++) {
+        c0[g] = _mm256_loadu_si256((const __m256i *)(lo + 8 * g));
+        c1[g] = _mm256_loadu_si256((const __m256i *)(hi + 8 * g));
+    }
+    philox_core(c0, c1, k0, k1, out);
+}
+
+/* Blocks first .. first + SIMD_BLOCKS - 1: the counters are made in registers
+ * (no store-then-load); a group whose low word wraps takes the array path. */
+static void philox_simd_range(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+{
+    const uint32_t lo0 = (uint32_t)first, hi0 = (uint32_t)(first >> 32);
+    if (lo0 > 0xFFFFFFFFu - (SIMD_BLOCKS - 1)) {
+        uint32_t lo[SIMD_BLOCKS], hi[SIMD_BLOCKS];
+        for (int j = 0; j < SIMD_BLOCKS; j++) {
+            uint64_t b = first + (uint64_t)j;
+            lo[j] = (uint32_t)b;
+            hi[j] = (uint32_t)(b >> 32);
+        }
+        philox_simd(lo, hi, k0, k1, out);
+        return;
+    }
+    __m256i c0[SIMD_GROUPS], c1[SIMD_GROUPS];
+    for (int g = 0; g < SIMD_GROUPS; g++) {
+        c0[g] = _mm256_add_epi32(_mm256_set1_epi32((int)lo0),
+                                 _mm256_setr_epi32(8 * g, 8 * g + 1, 8 * g + 2, 8 * g + 3,
+                                                   8 * g + 4, 8 * g + 5, 8 * g + 6, 8 * g + 7));
+        c1[g] = _mm256_set1_epi32((int)hi0);
+    }
+    philox_core(c0, c1, k0, k1, out);
+}
 #endif
 
 /* Blocks first .. first+n-1, written interleaved: out[4*i + lane]. */
@@ -239,15 +302,7 @@ static void philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, ui
 {
     int64_t i = 0;
 #ifdef SIMD_BLOCKS
-    uint32_t lo[SIMD_BLOCKS], hi[SIMD_BLOCKS];
-    for (; i + SIMD_BLOCKS <= n; i += SIMD_BLOCKS) {
-        for (int j = 0; j < SIMD_BLOCKS; j++) {
-            uint64_t b = first + (uint64_t)(i + j);
-            lo[j] = (uint32_t)b;
-            hi[j] = (uint32_t)(b >> 32);
-        }
-        philox_simd(lo, hi, k0, k1, out + 4 * i);
-    }
+    for (; i + SIMD_BLOCKS <= n; i += SIMD_BLOCKS) philox_simd_range(first + (uint64_t)i, k0, k1, out + 4 * i);
 #endif
     philox_range_scalar(first + (uint64_t)i, n - i, k0, k1, out + 4 * i);
 }
