@@ -187,3 +187,33 @@ def _worker() -> None:
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     _worker()
+
+
+def test_launch_plan_takes_the_run_path_for_runs_and_the_general_path_otherwise(monkeypatch):
+    from keyinit._kernels import _triton_impl, triton_kernel
+    from keyinit.regions import make_region
+
+    assert (triton_kernel.NB, triton_kernel.BLOCK, triton_kernel.MAX_DIMS) == (
+        _triton_impl.NB, _triton_impl.BLOCK, _triton_impl.MAX_DIMS)
+
+    def plan(shape, region=None, out=None, w=1):
+        reg = make_region(shape, region)
+        return triton_kernel.launch_plan(torch.empty(reg.region_shape) if out is None else out, reg, w)
+
+    full = plan((4096, 4096))  # one run of 2**24 consecutive indices
+    assert full["run"] == 1 and full["run_len"] == 2**24 and full["dims"][:3] == [[1, 0, 0, -1]] * 3
+    assert full["tiles"] == -(-(2**22 + 1) // triton_kernel.NB) and full["grid"] == full["tiles"]
+    rows = plan((64, 1000), (slice(None), slice(3, 999)))  # 64 rows of 996, starting anywhere in a block
+    assert rows["run"] == 1 and rows["run_len"] == 996 and rows["grid"] == 64 * rows["tiles"] and rows["base"] == 3
+    two_words = plan((64, 1000), (slice(None), slice(3, 999)), w=2)
+    assert two_words["tiles"] == -(-(996 // 2 + 1) // triton_kernel.NB)
+    assert plan((64, 1000), (slice(None), slice(None, None, 2)))["run"] == 0  # strided: general
+    assert plan((64, 100), (slice(None), slice(3, 99)))["run"] == 0  # rows shorter than RUN_MIN
+    transposed = torch.empty(1000, 64).t()
+    crossed = plan((64, 1000), None, out=transposed)  # runs in the global tensor, strided stores into out
+    assert crossed["run"] == 1 and crossed["dims"][2:] == [[64, 1, 1000, -1], [1000, 64, 1, -1]]
+    listed = plan((64, 1000), ([5, 1, 9], slice(None)))
+    assert listed["run"] == 1 and listed["dims"][2][3] == 0 and listed["index"].tolist() == [5, 1, 9]
+    assert plan((3, 3, 3, 3, 3), ([0, 2], [1, 0], [2, 0], [0, 1], [1, 2])) is None  # more than 4 dims
+    monkeypatch.setattr(triton_kernel, "RUN_MIN", 1)
+    assert plan((64, 100), (slice(None), slice(3, 99)))["run"] == 1
