@@ -217,3 +217,59 @@ def test_launch_plan_takes_the_run_path_for_runs_and_the_general_path_otherwise(
     assert plan((3, 3, 3, 3, 3), ([0, 2], [1, 0], [2, 0], [0, 1], [1, 2])) is None  # more than 4 dims
     monkeypatch.setattr(triton_kernel, "RUN_MIN", 1)
     assert plan((64, 100), (slice(None), slice(3, 99)))["run"] == 1
+
+
+def _compile_for_cuda(family: int, words: int, out_type: str, arch: int):
+    """Compile the kernel for an NVIDIA target without a GPU (Triton's bundled ptxas)."""
+    import inspect
+
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from keyinit._kernels import _triton_impl as impl
+
+    fn = impl._fill_kernel
+    params = inspect.signature(fn.fn).parameters
+    constexprs = {"FAMILY": family, "W": words, "OUT": 0 if out_type == "*fp32" else 4, "NB": impl.NB,
+                  "BLOCK": impl.BLOCK}
+    signature = {}
+    for name in fn.arg_names:
+        if name == "out_ptr":
+            signature[name] = out_type
+        elif name == "index_ptr":
+            signature[name] = "*i64"
+        elif name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = "fp32" if params[name].annotation is impl.F32 else "i64"
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton_compile(source, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False})
+
+
+def test_kernel_compiles_for_cuda_with_ieee_arithmetic_only(tmp_path, monkeypatch):
+    """Without a GPU: the kernel passes Triton's compiler (the interpreter checks far less), and its
+    PTX has no fused multiply-add and no approximate division, square root or transcendental."""
+    try:
+        import triton.backends.nvidia.compiler  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"Triton's NVIDIA backend is unavailable: {exc}")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    floats = _compile_for_cuda(0, 1, "*fp32", 90).asm["ptx"]
+    assert "fma." not in floats and ".approx" not in floats and "ex2" not in floats and "lg2" not in floats
+    assert "div.rn.f32" in floats and "sqrt.rn.f32" in floats
+    bools = _compile_for_cuda(2, 1, "*u8", 80).asm["ptx"]
+    assert "fma." not in bools
+
+
+def test_kernel_arguments_cannot_make_new_variants():
+    """Every runtime integer is typed int64 (Triton would otherwise type it i32 or i64 by value, so
+    a key word above 2**31 compiled a second kernel) and none is specialized on its value."""
+    from keyinit._kernels import _triton_impl as impl
+
+    fn = impl._fill_kernel
+    constexprs = {"FAMILY", "W", "OUT", "NB", "BLOCK"}
+    runtime_ints = [p for p in fn.params if p.name not in constexprs and p.name not in ("out_ptr", "index_ptr")
+                    and p.annotation_type != "fp32"]
+    assert {p.name for p in runtime_ints} == set(impl._INTS)
+    assert all(p.annotation_type == "i64" and p.do_not_specialize for p in runtime_ints)

@@ -200,68 +200,87 @@ def _fill_kernel(out_ptr, index_ptr, numel: I64, base: I64, k0: I64, k1: I64, di
     # adds (ix_d < 0 ? p : index[ix_d + p]) * gs_d to the global index, p * os_d to the offset.
     pid = tl.program_id(0).to(tl.int64)
     if run != 0:
-        E: tl.constexpr = 4 // W  # elements per Philox block
-        row = pid // tiles
-        tile = pid - row * tiles
-        g_row = base
-        o_row = row * 0
-        rest = row
+        _run_path(out_ptr, index_ptr, pid, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper, flip,
+                  threshold, ilow, ispan, run_len, tiles, n1, n2, os0, os1, os2, os3, gs0, gs1, gs2, ix0, ix1, ix2,
+                  FAMILY, W, OUT, NB)
+    else:
+        _general_path(out_ptr, index_ptr, pid, numel, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper,
+                      flip, threshold, ilow, ispan, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
+                      ix0, ix1, ix2, ix3, FAMILY, W, OUT, BLOCK)
+
+
+@triton.jit
+def _run_path(out_ptr, index_ptr, pid, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper, flip,
+              threshold, ilow, ispan, run_len, tiles, n1, n2, os0, os1, os2, os3, gs0, gs1, gs2, ix0, ix1, ix2,
+              FAMILY: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr, NB: tl.constexpr):
+    """RUN: program ``pid`` owns NB consecutive Philox blocks of one row of consecutive global indices."""
+    E: tl.constexpr = 4 // W  # elements per Philox block
+    row = pid // tiles
+    tile = pid - row * tiles
+    rest = row
+    p = rest % n2
+    rest = rest // n2
+    g_row = base + _index(index_ptr, ix2, p) * gs2
+    o_row = p * os2
+    p = rest % n1
+    rest = rest // n1
+    g_row += _index(index_ptr, ix1, p) * gs1
+    o_row += p * os1
+    g_row += _index(index_ptr, ix0, rest) * gs0
+    o_row += rest * os0
+    # the row holds global indices g_row .. g_row + run_len - 1, in order
+    block = (g_row // E) + tile * NB + tl.arange(0, NB).to(tl.int64)
+    r0, r1, r2, r3 = _philox_blocks(block, k0, k1)
+    if W == 1:
+        # element [j, i, l] of join(join(r0, r2), join(r1, r3)) is lane 2*i + l of block j
+        x = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [NB, 4])
+        x1 = x
+    else:
+        x = tl.join(r0, r2)
+        x1 = tl.join(r1, r3)
+    element = block[:, None] * E + tl.arange(0, E).to(tl.int64)[None, :]
+    q = element - g_row
+    mask = (q >= 0) & (q < run_len)
+    value = _values(x, x1, dist, fa, fb, p_low, p_span, lower, upper, flip, threshold, ilow, ispan, FAMILY)
+    _store(out_ptr, o_row + q * os3, value, mask, FAMILY, OUT)
+
+
+@triton.jit
+def _general_path(out_ptr, index_ptr, pid, numel, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper,
+                  flip, threshold, ilow, ispan, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
+                  ix0, ix1, ix2, ix3, FAMILY: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """GENERAL: program ``pid`` owns BLOCK consecutive region elements; each decodes its own position."""
+    position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = position < numel
+    rest = tl.where(mask, position, 0)
+    p = rest % n3
+    rest = rest // n3
+    g = base + _index(index_ptr, ix3, p) * gs3
+    o = p * os3
+    if n2 != 1:
         p = rest % n2
         rest = rest // n2
-        g_row += _index(index_ptr, ix2, p) * gs2
-        o_row += p * os2
+        g += _index(index_ptr, ix2, p) * gs2
+        o += p * os2
+    if n1 != 1:
         p = rest % n1
         rest = rest // n1
-        g_row += _index(index_ptr, ix1, p) * gs1
-        o_row += p * os1
-        g_row += _index(index_ptr, ix0, rest) * gs0
-        o_row += rest * os0
-        # the row holds global indices g_row .. g_row + run_len - 1, in order
-        block = (g_row // E) + tile * NB + tl.arange(0, NB).to(tl.int64)
-        r0, r1, r2, r3 = _philox_blocks(block, k0, k1)
-        if W == 1:
-            # element [j, i, l] of join(join(r0, r2), join(r1, r3)) is lane 2*i + l of block j
-            x = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [NB, 4])
-            x1 = x
-        else:
-            x = tl.join(r0, r2)
-            x1 = tl.join(r1, r3)
-        element = block[:, None] * E + tl.arange(0, E).to(tl.int64)[None, :]
-        p = element - g_row
-        mask = (p >= 0) & (p < run_len)
-        value = _values(x, x1, dist, fa, fb, p_low, p_span, lower, upper, flip, threshold, ilow, ispan, FAMILY)
-        _store(out_ptr, o_row + p * os3, value, mask, FAMILY, OUT)
+        g += _index(index_ptr, ix1, p) * gs1
+        o += p * os1
+    g += _index(index_ptr, ix0, rest) * gs0
+    o += rest * os0
+    word = g * W
+    r0, r1, r2, r3 = _philox_blocks(word >> 2, k0, k1)
+    lane = (word & 3).to(tl.int32)
+    if W == 1:
+        x = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+        x1 = x
     else:
-        position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        mask = position < numel
-        rest = tl.where(mask, position, 0)
-        p = rest % n3
-        rest = rest // n3
-        g = base + _index(index_ptr, ix3, p) * gs3
-        o = p * os3
-        if n2 != 1:
-            p = rest % n2
-            rest = rest // n2
-            g += _index(index_ptr, ix2, p) * gs2
-            o += p * os2
-        if n1 != 1:
-            p = rest % n1
-            rest = rest // n1
-            g += _index(index_ptr, ix1, p) * gs1
-            o += p * os1
-        g += _index(index_ptr, ix0, rest) * gs0
-        o += rest * os0
-        word = g * W
-        r0, r1, r2, r3 = _philox_blocks(word >> 2, k0, k1)
-        lane = (word & 3).to(tl.int32)
-        if W == 1:
-            x = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-            x1 = x
-        else:
-            x = tl.where(lane == 0, r0, r2)
-            x1 = tl.where(lane == 0, r1, r3)
-        value = _values(x, x1, dist, fa, fb, p_low, p_span, lower, upper, flip, threshold, ilow, ispan, FAMILY)
-        _store(out_ptr, o, value, mask, FAMILY, OUT)
+        x = tl.where(lane == 0, r0, r2)
+        x1 = tl.where(lane == 0, r1, r3)
+    value = _values(x, x1, dist, fa, fb, p_low, p_span, lower, upper, flip, threshold, ilow, ispan, FAMILY)
+    _store(out_ptr, o, value, mask, FAMILY, OUT)
 
 
 fill_kernel = _fill_kernel
