@@ -23,7 +23,9 @@ and whether this run met it.
 6. GPU targets (CUDA only): uniform/bernoulli vs torch, normal vs normal_,
    trunc_normal vs nn.init.trunc_normal_, uniform vs fill_ bandwidth, 1-D vs
    2-D, first-call vs warm materialize of a ~200M model, llama3-8b bf16 warm
-   materialize vs to_empty + reset_parameters.
+   materialize vs to_empty + reset_parameters;
+7. Triton compile time: each kernel variant compiled for sm_90 on this
+   machine's CPU (no GPU needed), in a fresh process with an empty cache.
 
 Timing: the peer and keyinit are timed alternately (in alternating order) in
 every round, and each side's MEDIAN over the rounds is reported, so both see the
@@ -468,12 +470,65 @@ def bench_gpu(rounds: int, dry_run: bool) -> None:
             f"{warm8b['params'] / 1e9:.2f}B", f"{ratio:.2f}x", _target(ratio, 3.0, at_least=False)]])
 
 
+# ------------------------------------------------------- 7. Triton compile time
+
+_COMPILE_CHILD = r"""
+import inspect, json, sys, time
+sys.path.insert(0, sys.argv[1])
+from triton import compile as triton_compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from keyinit._kernels import _triton_impl as impl
+
+fn = impl._fill_kernel
+params = inspect.signature(fn.fn).parameters
+results = []
+for label, family, words, out_type, out_kind, run in (
+        ("uniform/normal/trunc_normal -> float32, RUN path", 0, 1, "*fp32", 0, 1),
+        ("uniform/normal/trunc_normal -> bfloat16, RUN path", 0, 1, "*i16", 2, 1),
+        ("uniform/normal/trunc_normal -> float32, GENERAL path", 0, 1, "*fp32", 0, 0),
+        ("randint -> int64, RUN path", 1, 2, "*i64", 5, 1),
+        ("bernoulli -> bool, RUN path", 2, 1, "*u8", 4, 1)):
+    constexprs = {"FAMILY": family, "W": words, "OUT": out_kind, "NB": impl.NB, "BLOCK": impl.BLOCK, "RUN": run}
+    signature = {name: (out_type if name == "out_ptr" else "*i64" if name == "index_ptr" else
+                        "constexpr" if name in constexprs else
+                        "fp32" if params[name].annotation is impl.F32 else "i64") for name in fn.arg_names}
+    start = time.perf_counter()
+    triton_compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                   target=GPUTarget("cuda", int(sys.argv[2]), 32), options={"enable_fp_fusion": False})
+    results.append([label, time.perf_counter() - start])
+print(json.dumps(results))
+"""
+
+
+def bench_triton_compile(arch: int = 90) -> None:
+    """Section 7: compile each kernel variant for an NVIDIA target on this machine's CPU (no GPU needed)."""
+    try:
+        import triton.backends.nvidia.compiler  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        print(f"\n## 7. Triton compile time\n\nskipped: Triton's NVIDIA backend is unavailable ({exc})")
+        return
+    cache = tempfile.mkdtemp(prefix="keyinit-bench-triton-")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, str(REPO), str(arch)], capture_output=True,
+                              text=True, env=dict(os.environ, TRITON_CACHE_DIR=cache))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compile benchmark failed:\n{proc.stderr[-3000:]}")
+    rows = [[label, f"{seconds:.2f}"] for label, seconds in json.loads(proc.stdout.strip().splitlines()[-1])]
+    table(f"7. Triton kernel compile time for sm_{arch}, on this machine's CPU (fresh process, empty cache; one "
+          "variant serves every distribution of a value family, any shape, region, key and parameters; the first "
+          "row includes the process's one-time compiler start-up)",
+          ["variant", "compile s"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2-layer model, fewer repeats")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="'all threads' (default: all cores)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per target (default 15, quick 5)")
-    parser.add_argument("--only", default="123456", help="sections to run, e.g. 16")
+    parser.add_argument("--only", default="1234567", help="sections to run, e.g. 16")
     parser.add_argument("--gpu-dry-run", action="store_true", help="run section 6's code on the CPU with tiny sizes")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
@@ -499,6 +554,8 @@ def main() -> None:
         bench_memory(layers, 8)
     if "6" in args.only:
         bench_gpu(rounds, args.gpu_dry_run)
+    if "7" in args.only:
+        bench_triton_compile()
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -209,6 +209,7 @@ def test_launch_plan_takes_the_run_path_for_runs_and_the_general_path_otherwise(
     assert two_words["tiles"] == -(-(996 // 2 + 1) // triton_kernel.NB)
     assert plan((64, 1000), (slice(None), slice(None, None, 2)))["run"] == 0  # strided: general
     assert plan((64, 100), (slice(None), slice(3, 99)))["run"] == 0  # rows shorter than RUN_MIN
+    assert plan((7, 5))["run"] == 1 and plan((7, 5))["run_len"] == 35  # one short run: still the RUN path
     transposed = torch.empty(1000, 64).t()
     crossed = plan((64, 1000), None, out=transposed)  # runs in the global tensor, strided stores into out
     assert crossed["run"] == 1 and crossed["dims"][2:] == [[64, 1, 1000, -1], [1000, 64, 1, -1]]
@@ -219,7 +220,7 @@ def test_launch_plan_takes_the_run_path_for_runs_and_the_general_path_otherwise(
     assert plan((64, 100), (slice(None), slice(3, 99)))["run"] == 1
 
 
-def _compile_for_cuda(family: int, words: int, out_type: str, arch: int):
+def _compile_for_cuda(family: int, words: int, out_type: str, arch: int, run: int):
     """Compile the kernel for an NVIDIA target without a GPU (Triton's bundled ptxas)."""
     import inspect
 
@@ -232,7 +233,7 @@ def _compile_for_cuda(family: int, words: int, out_type: str, arch: int):
     fn = impl._fill_kernel
     params = inspect.signature(fn.fn).parameters
     constexprs = {"FAMILY": family, "W": words, "OUT": 0 if out_type == "*fp32" else 4, "NB": impl.NB,
-                  "BLOCK": impl.BLOCK}
+                  "BLOCK": impl.BLOCK, "RUN": run}
     signature = {}
     for name in fn.arg_names:
         if name == "out_ptr":
@@ -255,10 +256,11 @@ def test_kernel_compiles_for_cuda_with_ieee_arithmetic_only(tmp_path, monkeypatc
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"Triton's NVIDIA backend is unavailable: {exc}")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    floats = _compile_for_cuda(0, 1, "*fp32", 90).asm["ptx"]
-    assert "fma." not in floats and ".approx" not in floats and "ex2" not in floats and "lg2" not in floats
-    assert "div.rn.f32" in floats and "sqrt.rn.f32" in floats
-    bools = _compile_for_cuda(2, 1, "*u8", 80).asm["ptx"]
+    for run in (1, 0):
+        floats = _compile_for_cuda(0, 1, "*fp32", 90, run).asm["ptx"]
+        assert "fma." not in floats and ".approx" not in floats and "ex2" not in floats and "lg2" not in floats
+        assert "div.rn.f32" in floats and "sqrt.rn.f32" in floats
+    bools = _compile_for_cuda(2, 1, "*u8", 80, 1).asm["ptx"]
     assert "fma." not in bools
 
 
@@ -268,7 +270,7 @@ def test_kernel_arguments_cannot_make_new_variants():
     from keyinit._kernels import _triton_impl as impl
 
     fn = impl._fill_kernel
-    constexprs = {"FAMILY", "W", "OUT", "NB", "BLOCK"}
+    constexprs = {"FAMILY", "W", "OUT", "NB", "BLOCK", "RUN"}
     runtime_ints = [p for p in fn.params if p.name not in constexprs and p.name not in ("out_ptr", "index_ptr")
                     and p.annotation_type != "fp32"]
     assert {p.name for p in runtime_ints} == set(impl._INTS)

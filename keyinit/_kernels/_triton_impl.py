@@ -4,8 +4,7 @@ See :mod:`keyinit._kernels.triton_kernel` for the contract and the host side.
 Triton resolves the helpers below through this module's globals, so they live
 at module level here rather than in the lazily importing module.
 
-One kernel, two paths chosen per launch by a runtime flag (so both live in one
-compiled variant):
+One kernel with two paths, chosen per launch by the ``RUN`` constexpr:
 
 - RUN: the region's innermost dimension is a run of consecutive global indices
   (a unit-step slice; a full tensor of any shape is one run). Each program owns
@@ -17,10 +16,13 @@ compiled variant):
   its position through the (at most 4) dims, computes its own block and keeps
   one lane.
 
-Compiled variants depend only on the value family (float / integer / boolean
-values), words per element, the output storage type and the pointer's
-alignment: a float model initializes with ONE compiled kernel. Geometry,
-distribution and parameters are runtime arguments that are never specialized.
+Compiled variants depend only on the path, the value family (float / integer /
+boolean values), words per element, the output storage type and the pointer's
+alignment: a float model, whose tensors and shards are runs, initializes with
+ONE compiled kernel. Geometry, distribution and parameters are runtime
+arguments that are never specialized. (The paths are separate variants rather
+than one kernel with a runtime branch because each compiles in about half the
+time, and the GENERAL one is rarely needed.)
 """
 
 import triton
@@ -175,7 +177,7 @@ def _index(index_ptr, ix, p):
     return p
 
 
-_INTS = ["numel", "base", "k0", "k1", "dist", "flip", "threshold", "ilow", "ispan", "run", "run_len", "tiles",
+_INTS = ["numel", "base", "k0", "k1", "dist", "flip", "threshold", "ilow", "ispan", "run_len", "tiles",
          "n0", "n1", "n2", "n3", "os0", "os1", "os2", "os3", "gs0", "gs1", "gs2", "gs3",
          "ix0", "ix1", "ix2", "ix3"]
 
@@ -191,15 +193,15 @@ F32 = tl.float32
 def _fill_kernel(out_ptr, index_ptr, numel: I64, base: I64, k0: I64, k1: I64, dist: I64,
                  fa: F32, fb: F32, p_low: F32, p_span: F32, lower: F32, upper: F32,
                  flip: I64, threshold: I64, ilow: I64, ispan: I64,
-                 run: I64, run_len: I64, tiles: I64,
+                 run_len: I64, tiles: I64,
                  n0: I64, n1: I64, n2: I64, n3: I64, os0: I64, os1: I64, os2: I64, os3: I64,
                  gs0: I64, gs1: I64, gs2: I64, gs3: I64, ix0: I64, ix1: I64, ix2: I64, ix3: I64,
                  FAMILY: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr,
-                 NB: tl.constexpr, BLOCK: tl.constexpr):
+                 NB: tl.constexpr, BLOCK: tl.constexpr, RUN: tl.constexpr):
     # Dims 0..3, innermost last; unused outer dims have size 1. Dim d's position p
     # adds (ix_d < 0 ? p : index[ix_d + p]) * gs_d to the global index, p * os_d to the offset.
     pid = tl.program_id(0).to(tl.int64)
-    if run != 0:
+    if RUN:
         _run_path(out_ptr, index_ptr, pid, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper, flip,
                   threshold, ilow, ispan, run_len, tiles, n1, n2, os0, os1, os2, os3, gs0, gs1, gs2, ix0, ix1, ix2,
                   FAMILY, W, OUT, NB)

@@ -20,14 +20,14 @@ hardware round-to-nearest-even conversion.
 
 Structure (see :mod:`keyinit._kernels._triton_impl`): a region whose innermost
 dimension is a run of consecutive global indices (every full tensor, every
-dim-0 shard, every unit-step column slice of at least ``RUN_MIN`` elements)
+dim-0 shard, rows of a unit-step column slice of at least ``RUN_MIN`` elements)
 takes the RUN path: each program computes ``NB`` Philox blocks of one row once
 and stores all their words as consecutive elements, and decodes its row with a
 few scalar operations. Everything else takes the GENERAL path (per-element
 position decoding). The geometry and the parameters are scalar arguments (no
 host-to-device copy, except for explicit index lists), and the compiled
-variant depends only on the value family, the output storage type and the
-pointer alignment.
+variant depends only on the path, the value family, the output storage type
+and the pointer alignment.
 
 Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors (numpy
 semantics, IEEE binary32), which is how the tests check it without a GPU.
@@ -53,7 +53,7 @@ MAX_DIMS = 4
 #: with _triton_impl, which cannot be imported without triton).
 NB = 256
 BLOCK = 1024
-#: Shortest innermost run that takes the RUN path (shorter rows waste most of a RUN program).
+#: Shortest row of a multi-row region that takes the RUN path (shorter rows waste most of a RUN program).
 RUN_MIN = 256
 _MAX_GRID = 2**31 - 1
 
@@ -122,7 +122,8 @@ def launch_plan(out: torch.Tensor, region: Region, words_per_element: int) -> Op
     rows = [[1, 0, 0, -1]] * (MAX_DIMS - len(rows)) + rows
     inner_size, _, inner_gstride, inner_offset = rows[-1]
     per_block = 4 // words_per_element
-    run = inner_offset < 0 and inner_gstride == 1 and inner_size >= RUN_MIN
+    # A single run (any full tensor) always takes the RUN path; many short rows would waste it.
+    run = inner_offset < 0 and inner_gstride == 1 and (inner_size >= RUN_MIN or inner_size == numel)
     if run:
         blocks_per_row = (inner_size + per_block - 2) // per_block + 1  # most blocks a row can touch
         tiles = -(-blocks_per_row // NB)
@@ -178,9 +179,9 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, int
     geometry_args = [d[0] for d in dims] + [d[1] for d in dims] + [d[2] for d in dims] + [d[3] for d in dims]
     args = (_storage_view(out), index, out.numel(), plan["base"], k0, k1, dist_id,
             float(fa), float(fb), float(p_low), float(p_span), float(lower), float(upper),
-            flip, threshold, ilow, ispan, plan["run"], plan["run_len"], plan["tiles"], *geometry_args)
+            flip, threshold, ilow, ispan, plan["run_len"], plan["tiles"], *geometry_args)
     options = dict(FAMILY=_FAMILY[type(dist)], W=dist.words_per_element, OUT=out_kind, NB=NB, BLOCK=BLOCK,
-                   enable_fp_fusion=False)
+                   RUN=plan["run"], enable_fp_fusion=False)
     grid = (plan["grid"],)
     if out.device.type == "cuda":
         with torch.cuda.device(out.device):
