@@ -1,12 +1,17 @@
 """keyinit benchmarks against its peers, each peer measured in the same run.
 
-    python benchmarks/bench.py            # full run (a few minutes)
-    python benchmarks/bench.py --quick    # smaller model, fewer repeats
+    python benchmarks/bench.py                 # everything this machine can run (CPU; plus GPU with CUDA)
+    python benchmarks/bench.py --only 1        # just the CPU targets
+    python benchmarks/bench.py --only 6        # just the GPU targets (needs CUDA and triton)
+    python benchmarks/bench.py --quick         # smaller model, fewer repeats
+    python benchmarks/bench.py --only 6 --gpu-dry-run   # the GPU section's code on CPU, tiny sizes
 
-Sections (every ratio is peer time / keyinit time, so > 1 means keyinit is faster):
+Every ratio is peer time / keyinit time (> 1 means keyinit is faster), except
+where a row says otherwise. Rows that are targets of issue 9 print the target
+and whether this run met it.
 
-1. throughput: keyinit.random.normal/uniform vs torch.Tensor.normal_/uniform_,
-   fp32 and bf16, 2**24 elements, same thread count, 1 thread and all threads;
+1. CPU targets: keyinit.random.normal/uniform vs torch.Tensor.normal_/uniform_,
+   fp32 and bf16, 1-D 2**24 and 2-D 4096x4096, at 1 and 2 threads (target >= 1.0x);
 2. TP shard: one rank's shard of a 11008x4096 weight vs the "Megatron CPU init"
    peer (build the full fp32 weight with torch's RNG, keep the slice);
 3. weak scaling: a 1/N region of that weight vs the full weight;
@@ -14,9 +19,17 @@ Sections (every ratio is peer time / keyinit time, so > 1 means keyinit is faste
    save it with torch.distributed.checkpoint, load it back, keep one rank's
    shards) vs keyinit drawing that rank's shards directly (regions);
 5. peak memory: peak RSS (VmHWM) growth of a fresh process doing one rank's
-   init, vs the size of the shard it keeps.
+   init, vs the size of the shard it keeps;
+6. GPU targets (CUDA only): uniform/bernoulli vs torch, normal vs normal_,
+   trunc_normal vs nn.init.trunc_normal_, uniform vs fill_ bandwidth, 1-D vs
+   2-D, first-call vs warm materialize of a ~200M model, llama3-8b bf16 warm
+   materialize vs to_empty + reset_parameters;
+7. Triton compile time: each kernel variant compiled for sm_90 on this
+   machine's CPU (no GPU needed), in a fresh process with an empty cache.
 
-Timings are the best of several repeats (wall clock). This is not a test.
+Timing: the peer and keyinit are timed alternately (in alternating order) in
+every round, and each side's MEDIAN over the rounds is reported, so both see the
+same machine load. This is not a test.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import shutil
 import subprocess
 import sys
@@ -90,43 +104,55 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(str(x).ljust(w) for x, w in zip(row, widths)) + " |")
 
 
-# ---------------------------------------------------------------- 1. throughput
+# ---------------------------------------------------------------- 1. CPU targets
 
 
-def bench_throughput(repeats: int, all_threads: int) -> None:
-    from keyinit import _dispatch
-    from keyinit.distributions import Normal, Uniform
-    from keyinit.regions import make_region
+def median_pair(peer, mine, rounds: int, sync=lambda: None) -> tuple[float, float]:
+    """Median times of ``peer`` and ``mine`` over ``rounds`` rounds; each round runs both,
+    in alternating order, so both see the same load. ``sync`` waits for the device."""
+    peer()
+    mine()
+    sync()
+    times_peer, times_mine = [], []
+    for r in range(rounds):
+        order = ((peer, times_peer), (mine, times_mine))
+        for fn, times in (order if r % 2 == 0 else order[::-1]):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times_peer), statistics.median(times_mine)
 
+
+def _target(ratio: float, goal: float, at_least: bool = True) -> str:
+    met = ratio >= goal if at_least else ratio <= goal
+    return f"{'>=' if at_least else '<='} {goal:g}: {'met' if met else 'NOT met'}"
+
+
+def bench_cpu_targets(rounds: int, thread_counts: tuple[int, ...]) -> None:
     rows = []
-    # "prebuilt": the same 1-D fill through keyinit._dispatch with the Region made once,
-    # i.e. without make_region's 2**24-entry int64 index vector (see docs/benchmarks.md).
-    for shape, label in (((4096, 4096), "4096x4096"), ((1 << 24,), "2**24"), ((1 << 24,), "2**24 prebuilt")):
-        n = 1
-        for s in shape:
-            n *= s
-        region = make_region(shape, None)
-        for dist in ("normal", "uniform"):
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        for shape, label in (((1 << 24,), "1-D 2**24"), ((4096, 4096), "2-D 4096x4096")):
             for dtype in (torch.float32, torch.bfloat16):
                 buf = torch.empty(shape, dtype=dtype)
-                for threads in sorted({1, all_threads}):
-                    torch.set_num_threads(threads)
+                n = buf.numel()
+                for dist in ("normal", "uniform"):
                     if dist == "normal":
                         peer = lambda: buf.normal_(0.0, 1.0)  # noqa: E731
                         mine = lambda: kr.normal(KEY, shape, dtype=dtype, out=buf)  # noqa: E731
-                        d = Normal.create(0.0, 1.0)
                     else:
                         peer = lambda: buf.uniform_(0.0, 1.0)  # noqa: E731
                         mine = lambda: kr.uniform(KEY, shape, dtype=dtype, out=buf)  # noqa: E731
-                        d = Uniform.create(0.0, 1.0)
-                    if label.endswith("prebuilt"):
-                        mine = lambda: _dispatch.fill(buf, d, KEY, region)  # noqa: E731
-                    t_peer, t_ki = best_of_pair(peer, mine, repeats)
-                    rows.append([dist, str(dtype).replace("torch.", ""), label, threads,
-                                 f"{n / t_peer / 1e6:.0f}", f"{n / t_ki / 1e6:.0f}", f"{t_peer / t_ki:.2f}x"])
-    torch.set_num_threads(all_threads)
-    table("1. Throughput vs torch's own RNG (2**24 elements, same thread count)",
-          ["dist", "dtype", "shape", "threads", "torch M/s", "keyinit M/s", "ratio"], rows)
+                    t_peer, t_ki = median_pair(peer, mine, rounds)
+                    ratio = t_peer / t_ki
+                    rows.append([f"{dist} vs {dist}_", str(dtype).replace("torch.", ""), label, threads,
+                                 f"{t_peer * 1e3:.1f}", f"{t_ki * 1e3:.1f}", f"{n / t_ki / 1e6:.0f}",
+                                 f"{ratio:.2f}x", _target(ratio, 1.0)])
+    table("1. CPU targets: keyinit vs torch's own RNG into the same buffer (same thread count; median of "
+          f"{rounds} interleaved rounds)",
+          ["op", "dtype", "shape", "threads", "torch ms", "keyinit ms", "keyinit M/s", "ratio", "target"], rows)
 
 
 # ----------------------------------------------------------- 2./3. TP and scaling
@@ -314,22 +340,210 @@ def bench_memory(layers: int, tp: int) -> None:
           ["what", "kept MiB", "peak growth MiB", "overhead MiB"], rows)
 
 
+# ---------------------------------------------------------------- 6. GPU targets
+
+_MODEL_CHILD = r"""
+import json, statistics, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+import keyinit
+from keyinit.cli.models import llama
+device, size, dtype, rounds, mode = sys.argv[2], sys.argv[3], getattr(torch, sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+if device.startswith("cuda"):  # CUDA context and torch's own kernels up before any timing
+    torch.empty(1 << 20, device=device).uniform_()
+    sync()
+
+def meta_model():
+    with torch.device("meta"):
+        return llama(size).to(dtype)
+
+def keyinit_materialize():
+    model = meta_model()
+    sync(); start = time.perf_counter()
+    keyinit.materialize(model, 0, device=device)
+    sync(); return time.perf_counter() - start, sum(p.numel() for p in model.parameters())
+
+def torch_reset():
+    model = meta_model()
+    sync(); start = time.perf_counter()
+    model.to_empty(device=device)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    sync(); return time.perf_counter() - start
+
+if mode == "first":  # a fresh process with an empty Triton cache: the first call compiles
+    first, params = keyinit_materialize()
+    warm = [keyinit_materialize()[0] for _ in range(rounds)]
+    print(json.dumps({"params": params, "first": first, "warm": statistics.median(warm)}))
+else:  # warm keyinit vs to_empty + reset_parameters, interleaved
+    keyinit_materialize(); torch_reset()
+    mine, peer = [], []
+    for r in range(rounds):
+        for fn, times in (((keyinit_materialize, mine), (torch_reset, peer)) if r % 2 == 0 else
+                          ((torch_reset, peer), (keyinit_materialize, mine))):
+            result = fn()
+            times.append(result[0] if isinstance(result, tuple) else result)
+    print(json.dumps({"params": keyinit_materialize()[1], "keyinit": statistics.median(mine),
+                      "torch": statistics.median(peer)}))
+"""
+
+
+def _model_child(device: str, size: str, dtype: str, rounds: int, mode: str) -> dict:
+    env = dict(os.environ)
+    cache = tempfile.mkdtemp(prefix="keyinit-bench-triton-")
+    env["TRITON_CACHE_DIR"] = cache  # cold: nothing compiled before this process
+    try:
+        proc = subprocess.run([sys.executable, "-c", _MODEL_CHILD, str(REPO), device, size, dtype, str(rounds), mode],
+                              capture_output=True, text=True, env=env)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"model benchmark failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_gpu(rounds: int, dry_run: bool) -> None:
+    """Section 6. ``dry_run`` runs the same code on the CPU with small sizes (its numbers mean nothing)."""
+    if dry_run:
+        device, side, sync = "cpu", 512, (lambda: None)
+        big_model, small_model = "medium", "small"
+    else:
+        if not torch.cuda.is_available():
+            print("\n## 6. GPU targets\n\nskipped: no CUDA device on this machine")
+            return
+        from keyinit._kernels import triton_kernel
+
+        if not triton_kernel.available():
+            print("\n## 6. GPU targets\n\nskipped: triton is not installed")
+            return
+        device, side, sync = "cuda", 16384, torch.cuda.synchronize
+    shape2d, shape1d = (side, side), (side * side,)
+    rows = []
+
+    def add(op, dtype, shape, t_peer, t_ki, value, target):
+        rows.append([op, str(dtype).replace("torch.", ""), shape, f"{t_peer * 1e3:.3f}", f"{t_ki * 1e3:.3f}",
+                     value, target])
+
+    for dtype in (torch.float32, torch.bfloat16):
+        buf = torch.empty(shape2d, dtype=dtype, device=device)
+        flat = buf.view(-1)
+        label = f"{side}x{side}"
+        pairs = [
+            ("uniform vs uniform_", lambda: buf.uniform_(), lambda: kr.uniform(KEY, shape2d, dtype=dtype, out=buf), 1.0),
+            ("bernoulli vs bernoulli_", lambda: buf.bernoulli_(0.5),
+             lambda: kr.bernoulli(KEY, shape2d, p=0.5, dtype=dtype, out=buf), 1.0),
+            ("normal vs normal_", lambda: buf.normal_(), lambda: kr.normal(KEY, shape2d, dtype=dtype, out=buf), 0.5),
+            ("trunc_normal vs trunc_normal_", lambda: torch.nn.init.trunc_normal_(buf),
+             lambda: kr.truncated_normal(KEY, shape2d, dtype=dtype, out=buf), 1.5),
+        ]
+        for op, peer, mine, goal in pairs:
+            t_peer, t_ki = median_pair(peer, mine, rounds, sync)
+            add(op, dtype, label, t_peer, t_ki, f"{t_peer / t_ki:.2f}x", _target(t_peer / t_ki, goal))
+        t_fill, t_ki = median_pair(lambda: buf.fill_(1.0), lambda: kr.uniform(KEY, shape2d, dtype=dtype, out=buf),
+                                   rounds, sync)
+        gbs = buf.numel() * buf.element_size() / t_ki / 1e9
+        add("uniform vs fill_ (bandwidth share)", dtype, label, t_fill, t_ki,
+            f"{t_fill / t_ki:.0%} ({gbs:.0f} GB/s)", _target(t_fill / t_ki, 0.7))
+        for name, draw in (("uniform", kr.uniform), ("normal", kr.normal)):
+            t_2d, t_1d = median_pair(lambda: draw(KEY, shape2d, dtype=dtype, out=buf),
+                                     lambda: draw(KEY, shape1d, dtype=dtype, out=flat), rounds, sync)
+            add(f"{name} 1-D {side * side} vs 2-D (time 1-D / 2-D)", dtype, "1-D", t_2d, t_1d,
+                f"{t_1d / t_2d:.2f}", _target(t_1d / t_2d, 1.1, at_least=False))
+        del buf, flat
+    table(f"6. GPU targets ({'DRY RUN on the CPU: numbers mean nothing' if dry_run else torch.cuda.get_device_name()}; "
+          f"median of {rounds} interleaved rounds; peer ms / keyinit ms)",
+          ["op", "dtype", "shape", "peer ms", "keyinit ms", "result", "target"], rows)
+
+    first_size, big_size = (small_model, big_model) if dry_run else ("large", "llama3-8b")
+    first = _model_child(device, first_size, "float32", rounds, "first")
+    warm8b = _model_child(device, big_size, "bfloat16", max(3, rounds // 2), "warm")
+    over = first["first"] - first["warm"]
+    ratio = warm8b["keyinit"] / warm8b["torch"]
+    table("6b. Whole-model materialize on the device (fresh process, empty Triton cache; CUDA context made "
+          "before timing)",
+          ["what", "params", "value", "target"],
+          [[f"{first_size} fp32: first materialize minus warm ({first['first']:.3f} s - {first['warm']:.3f} s)",
+            f"{first['params'] / 1e6:.0f}M", f"{over:.3f} s", _target(over, 1.0, at_least=False)],
+           [f"{big_size} bf16: warm materialize / (to_empty + reset_parameters) "
+            f"({warm8b['keyinit']:.3f} s / {warm8b['torch']:.3f} s)",
+            f"{warm8b['params'] / 1e9:.2f}B", f"{ratio:.2f}x", _target(ratio, 3.0, at_least=False)]])
+
+
+# ------------------------------------------------------- 7. Triton compile time
+
+_COMPILE_CHILD = r"""
+import inspect, json, sys, time
+sys.path.insert(0, sys.argv[1])
+from triton import compile as triton_compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from keyinit._kernels import _triton_impl as impl
+
+fn = impl._fill_kernel
+params = inspect.signature(fn.fn).parameters
+results = []
+for label, family, words, out_type, out_kind, run in (
+        ("uniform/normal/trunc_normal -> float32, RUN path", 0, 1, "*fp32", 0, 1),
+        ("uniform/normal/trunc_normal -> bfloat16, RUN path", 0, 1, "*i16", 2, 1),
+        ("uniform/normal/trunc_normal -> float32, GENERAL path", 0, 1, "*fp32", 0, 0),
+        ("randint -> int64, RUN path", 1, 2, "*i64", 5, 1),
+        ("bernoulli -> bool, RUN path", 2, 1, "*u8", 4, 1)):
+    constexprs = {"FAMILY": family, "W": words, "OUT": out_kind, "NB": impl.NB, "BLOCK": impl.BLOCK, "RUN": run}
+    signature = {name: (out_type if name == "out_ptr" else "*i64" if name == "index_ptr" else
+                        "constexpr" if name in constexprs else
+                        "fp32" if params[name].annotation is impl.F32 else "i64") for name in fn.arg_names}
+    start = time.perf_counter()
+    triton_compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                   target=GPUTarget("cuda", int(sys.argv[2]), 32), options={"enable_fp_fusion": False})
+    results.append([label, time.perf_counter() - start])
+print(json.dumps(results))
+"""
+
+
+def bench_triton_compile(arch: int = 90) -> None:
+    """Section 7: compile each kernel variant for an NVIDIA target on this machine's CPU (no GPU needed)."""
+    try:
+        import triton.backends.nvidia.compiler  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        print(f"\n## 7. Triton compile time\n\nskipped: Triton's NVIDIA backend is unavailable ({exc})")
+        return
+    cache = tempfile.mkdtemp(prefix="keyinit-bench-triton-")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, str(REPO), str(arch)], capture_output=True,
+                              text=True, env=dict(os.environ, TRITON_CACHE_DIR=cache))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compile benchmark failed:\n{proc.stderr[-3000:]}")
+    rows = [[label, f"{seconds:.2f}"] for label, seconds in json.loads(proc.stdout.strip().splitlines()[-1])]
+    table(f"7. Triton kernel compile time for sm_{arch}, on this machine's CPU (fresh process, empty cache; one "
+          "variant serves every distribution of a value family, any shape, region, key and parameters; the first "
+          "row includes the process's one-time compiler start-up)",
+          ["variant", "compile s"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2-layer model, fewer repeats")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="'all threads' (default: all cores)")
-    parser.add_argument("--only", default="12345", help="sections to run, e.g. 12")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per target (default 15, quick 5)")
+    parser.add_argument("--only", default="1234567", help="sections to run, e.g. 16")
+    parser.add_argument("--gpu-dry-run", action="store_true", help="run section 6's code on the CPU with tiny sizes")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
+    rounds = args.rounds or (5 if args.quick else 15)
     layers = 2 if args.quick else 22
     torch.set_num_threads(args.threads)
     if not _cpu.available():
         raise SystemExit(f"compiled kernel unavailable: {_cpu.failure_reason()}")
     print(f"# keyinit benchmarks\n\nmachine: {cpu_model()}, {os.cpu_count()} logical CPUs; torch {torch.__version__}; "
           f"python {platform.python_version()}; 'all threads' = {args.threads}\n"
-          f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; command: python benchmarks/bench.py {' '.join(sys.argv[1:])}")
+          f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; command: python benchmarks/bench.py {' '.join(sys.argv[1:])}\n"
+          f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if "1" in args.only:
-        bench_throughput(repeats, args.threads)
+        bench_cpu_targets(rounds, tuple(sorted({1, 2, args.threads})))
+        torch.set_num_threads(args.threads)
     if "2" in args.only:
         bench_tp(repeats)
     if "3" in args.only:
@@ -338,6 +552,11 @@ def main() -> None:
         bench_seed_checkpoint(layers, 8)
     if "5" in args.only:
         bench_memory(layers, 8)
+    if "6" in args.only:
+        bench_gpu(rounds, args.gpu_dry_run)
+    if "7" in args.only:
+        bench_triton_compile()
+    print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ Every implementation must produce exactly the bits of
 - CUDA tensors: the Triton kernel (:mod:`keyinit._kernels.triton_kernel`) when
   the optional ``triton`` package is installed.
 - Anything else, or ``KEYINIT_DISABLE_KERNELS=1``: the reference.
+
+The fast kernels write ``out``'s memory directly. A view with torch's negative
+bit (``x.conj().imag``) reads that memory negated, so it is filled through a
+plain temporary and ``copy_``, which applies the view's semantics. A meta
+``out`` (a draw under ``torch.device("meta")``) has no memory: nothing is computed.
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region) -> Non
     """Fill ``out`` (shaped like ``region``) with ``dist``'s values from ``key``'s stream."""
     if key.stream != "v1":  # pragma: no cover - guarded by Key's validator
         raise ValueError(f"no implementation for stream {key.stream!r}")
-    if out.numel() == 0:
+    if out.numel() == 0 or out.device.type == "meta":
+        return
+    if out.is_neg() or out.is_conj():
+        plain = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        fill(plain, dist, key, region)
+        out.copy_(plain)
         return
     if not kernels_disabled():
         device = out.device.type

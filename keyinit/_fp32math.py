@@ -15,7 +15,6 @@ All inputs and outputs are float32 tensors.
 from __future__ import annotations
 
 import math
-import struct
 
 import torch
 
@@ -23,8 +22,30 @@ __all__ = ["f32", "sqrt_f32", "log_f32", "ndtri_tail_f32", "ndtri_f32", "V1_CONS
 
 
 def f32(value: float) -> float:
-    """``value`` rounded to the nearest binary32, returned as a Python float."""
-    return struct.unpack("<f", struct.pack("<f", value))[0]
+    """``value`` rounded to the nearest binary32 (ties to even), returned as a Python float.
+
+    Computed with integer arithmetic and exact power-of-two scalings, never with a
+    hardware double-to-float conversion: a process that turned on flush-to-zero
+    (``torch.set_flush_denormal(True)``, a library built with ``-ffast-math``) would
+    flush binary32 subnormals in that conversion. Same results as
+    ``struct.pack("<f", value)`` otherwise, including ``OverflowError`` for a
+    finite value that rounds past the largest binary32.
+    """
+    value = float(value)
+    if value == 0.0 or not math.isfinite(value):
+        return value
+    mantissa, exponent = math.frexp(value)  # value = mantissa * 2**exponent, 0.5 <= |mantissa| < 1
+    bits = min(24, exponent + 149)  # significant bits kept: 24, fewer for subnormals (ulp 2**-149)
+    if bits < 0:  # below half the smallest subnormal
+        return math.copysign(0.0, value)
+    shift = 53 - bits
+    kept, dropped = divmod(int(abs(mantissa) * 2.0**53), 1 << shift)  # exact: 53-bit integer mantissa
+    half = 1 << (shift - 1)
+    if dropped > half or (dropped == half and kept & 1):
+        kept += 1
+    if kept and exponent - bits + kept.bit_length() > 128:
+        raise OverflowError("float too large to pack with f format")
+    return math.copysign(math.ldexp(kept, exponent - bits), value)
 
 
 # log: ln(x) = e*ln2 + 2*atanh(s), s = (m - 1) / (m + 1), m in [sqrt(1/2), sqrt(2)).
@@ -75,7 +96,7 @@ def sqrt_f32(x: torch.Tensor) -> torch.Tensor:
     """
     xd = x.double()
     y = torch.sqrt(xd).to(torch.float32)
-    up_limit = torch.tensor(math.inf, dtype=torch.float32)
+    up_limit = torch.tensor(math.inf, dtype=torch.float32, device=x.device)
     for _ in range(2):
         above = torch.nextafter(y, up_limit)
         mid = (y.double() + above.double()) * 0.5

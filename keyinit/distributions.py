@@ -161,12 +161,12 @@ class Normal(Distribution):
 def _inward_bound(value: float, dtype: torch.dtype, upward: bool) -> float:
     """The nearest value representable in ``dtype`` (and binary32) on the inner side of ``value``."""
     target = torch.float32 if dtype == torch.float64 else dtype
-    exact = torch.tensor(value, dtype=torch.float64)
+    exact = torch.tensor(value, dtype=torch.float64, device="cpu")  # never the default device (meta)
     rounded = exact.to(target)
     if upward and rounded.double() < exact:
-        rounded = torch.nextafter(rounded, torch.tensor(math.inf, dtype=target))
+        rounded = torch.nextafter(rounded, torch.tensor(math.inf, dtype=target, device="cpu"))
     if not upward and rounded.double() > exact:
-        rounded = torch.nextafter(rounded, torch.tensor(-math.inf, dtype=target))
+        rounded = torch.nextafter(rounded, torch.tensor(-math.inf, dtype=target, device="cpu"))
     return float(rounded)
 
 

@@ -278,7 +278,7 @@ def dtensor_region(
                         f"but its placement is {_placement_str(placement)}"
                     )
 
-    indices = [torch.arange(size, dtype=torch.int64) for size in shape]
+    indices = [torch.arange(size, dtype=torch.int64, device="cpu") for size in shape]
     for tensor_dim, mesh_dims in order.items():
         vector = indices[tensor_dim]
         for mesh_dim in mesh_dims:
@@ -370,7 +370,7 @@ def _region_str(region: Region) -> str:
     parts = []
     for size, index in zip(region.shape, region.indices):
         n = int(index.numel())
-        if n == size and (n == 0 or bool((index == torch.arange(size)).all())):
+        if n == size and (n == 0 or bool((index == torch.arange(size, device="cpu")).all())):
             parts.append(":")
         elif n == 0:
             parts.append("[]")
@@ -378,7 +378,7 @@ def _region_str(region: Region) -> str:
             parts.append(str(int(index[0])))
         else:
             start, step = int(index[0]), int(index[1] - index[0])
-            if step > 0 and bool((index == torch.arange(n) * step + start).all()):
+            if step > 0 and bool((index == torch.arange(n, device="cpu") * step + start).all()):
                 stop = start + step * (n - 1) + 1
                 parts.append(f"{start}:{stop}" + (f":{step}" if step != 1 else ""))
             else:

@@ -83,10 +83,46 @@ def _check_out(out: torch.Tensor, region_shape: tuple[int, ...], dtype: torch.dt
         raise ValueError(f"out has shape {tuple(out.shape)} but the region has shape {region_shape}")
     if out.dtype != dtype:
         raise TypeError(f"out has dtype {out.dtype} but dtype={dtype} was requested")
+    if out.layout != torch.strided:
+        raise TypeError(f"out must be a dense (strided) tensor, got layout {out.layout}")
     if out.device.type == "meta":
         raise ValueError("out is on the meta device; materialize it first (e.g. with to_empty)")
     if any(stride == 0 and size > 1 for size, stride in zip(out.shape, out.stride())):
         raise ValueError("out has overlapping memory (a zero stride); write into a tensor that owns its elements")
+    if _may_overlap(out):
+        raise ValueError(
+            f"out has overlapping memory (its strides {tuple(out.stride())} map two elements of shape "
+            f"{tuple(out.shape)} to the same storage); write into a tensor that owns its elements"
+        )
+
+
+#: Above this many elements, strides that the quick rule cannot clear are refused without an exact check.
+_EXACT_OVERLAP_LIMIT = 1 << 22
+
+
+def _may_overlap(out: torch.Tensor) -> bool:
+    """True when two elements of ``out`` share storage (or, past a size limit, might).
+
+    Quick rule: sorted by stride, each dimension's stride must exceed the span of
+    all smaller-stride dimensions; every tensor torch makes passes it. Strides
+    that fail it (only ``as_strided`` makes them) are settled exactly by listing
+    the offsets, up to :data:`_EXACT_OVERLAP_LIMIT` elements.
+    """
+    dims = sorted((stride, size) for size, stride in zip(out.shape, out.stride()) if size > 1)
+    span = 0
+    for stride, size in dims:
+        if stride <= span:
+            break
+        span += (size - 1) * stride
+    else:
+        return False
+    if out.numel() > _EXACT_OVERLAP_LIMIT:
+        return True
+    offsets = torch.zeros((), dtype=torch.int64, device="cpu")
+    for size, stride in zip(out.shape, out.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64, device="cpu") * stride
+    flat = offsets.reshape(-1)
+    return int(torch.unique(flat).numel()) != int(flat.numel())
 
 
 def bits(key: Key, shape: ShapeLike, *, dtype: Optional[torch.dtype] = None, device: DeviceLike = None,

@@ -7,6 +7,7 @@ kernel (:func:`keyinit._kernels._cpu.fill`) directly, never the dispatcher.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import warnings
 
@@ -153,6 +154,120 @@ def test_flat_indices_beyond_2_pow_32_and_up_to_2_pow_62():
     ]:
         for dist in (Bits(), Normal.create(0, 1), Randint.create(0, 2**32, torch.int64), Bernoulli.create(0.5)):
             assert_same(dist, shape, region, out_factory=dist.dtypes[0])
+
+
+# ------------------------------------------------------------ runs and geometry
+
+
+RUN_LENGTHS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 63, 64, 65, 511, 512, 513, 1023, 1024, 1025, 2049)
+
+
+@pytest.mark.parametrize("name,dist", [(n, d) for n, d, _ in _cases() if n in ("bits", "uniform", "normal", "randint")])
+def test_runs_of_every_length_and_alignment(name, dist):
+    """Runs sharing Philox blocks: every start mod 4 (mod 2 for two-word randint), lengths around
+    the 4-word block, the 512-element tile and the 16-block SIMD group, crossing all of their boundaries."""
+    n = 4200
+    for length in RUN_LENGTHS:
+        for start in range(9):
+            assert_same(dist, (n,), (slice(start, start + length),), out_factory=dist.dtypes[0])
+    # rows of a matrix: each row a run that starts at a different offset within a block
+    for cols in (5, 131, 1030):
+        assert_same(dist, (7, cols + 3), (slice(None), slice(1, 1 + cols)), out_factory=dist.dtypes[0])
+
+
+def test_runs_inside_index_lists_and_strided_slices():
+    dist = Normal.create(0.0, 1.0)
+    consecutive = list(range(100, 700)) + [3, 2, 1] + list(range(900, 1500))  # runs and a reversal
+    assert_same(dist, (1600,), (consecutive,))
+    for step in (2, 3, 4, 5, -1, -4, 1000):
+        assert_same(dist, (3000,), (slice(None, None, step),))
+        assert_same(dist, (6, 3000), ([5, 0], slice(7, None, step)))
+    assert_same(Randint.create(0, 9, torch.int64), (3000,), (slice(1, None, 3),), out_factory=torch.int64)
+
+
+def test_runs_across_2_pow_33_and_2_pow_34_and_near_2_pow_62():
+    """Runs whose Philox block counter crosses 2**31 / 2**32 (its high word changes) and ends near 2**60."""
+    for dist in (Bits(), Normal.create(0, 1), Randint.create(0, 2**32, torch.int64), Uniform.create(0, 1)):
+        dt = dist.dtypes[0]
+        assert_same(dist, (2**20, 2**14), (slice(2**19 - 1, 2**19 + 1), slice(None)), out_factory=dt)  # 2**33
+        assert_same(dist, (2**21, 2**14), (slice(2**20 - 1, 2**20 + 1), slice(5, None)), out_factory=dt)  # 2**34
+        assert_same(dist, (2**31, 2**31), (slice(2**31 - 2, None), slice(2**31 - 1500, None)), out_factory=dt)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_agree_on_runs_lists_and_strides(threads):
+    big = (300, 700)
+    for dist in (Normal.create(0, 1), Randint.create(-5, 5, torch.int16), Bernoulli.create(0.25)):
+        dt = dist.dtypes[0] if not isinstance(dist, Randint) else torch.int16
+        one = assert_same(dist, big, (slice(None), slice(3, 699)), out_factory=dt, threads=1)
+        other = assert_same(dist, big, (slice(None), slice(3, 699)), out_factory=dt, threads=threads)
+        assert torch.equal(_bits(one), _bits(other))
+        assert_same(dist, big, (list(range(299, 0, -3)), slice(None, None, -2)), out_factory=dt, threads=threads)
+        assert_same(dist, (1 << 17,), None, out_factory=dt, threads=threads)
+
+
+def test_geometry_merges_slices_and_keeps_index_lists():
+    from keyinit._kernels._plan import geometry
+
+    out = torch.empty(64, 32)
+    assert geometry(out, make_region((64, 32), None)) == (0, [[2048, 1, 1, None]])  # one run
+    base, dims = geometry(torch.empty(10, 32), make_region((64, 32), (slice(5, 15), slice(None))))
+    assert (base, dims) == (160, [[320, 1, 1, None]])  # a dim-0 shard is one run too
+    base, dims = geometry(torch.empty(64, 8), make_region((64, 32), (slice(None), slice(4, 12))))
+    assert (base, dims) == (4, [[64, 8, 32, None], [8, 1, 1, None]])  # rows of runs
+    base, dims = geometry(torch.empty(32, 64).t(), make_region((64, 32), None))
+    assert (base, dims) == (0, [[64, 1, 32, None], [32, 64, 1, None]])  # a transposed out is not merged
+    base, dims = geometry(torch.empty(3, 32), make_region((64, 32), ([9, 2, 40], slice(None, None, -1))))
+    assert base == 31 and dims[1] == [32, 1, -1, None] and dims[0][3].tolist() == [9, 2, 40]
+    base, dims = geometry(torch.empty(1, 1, 5), make_region((4, 6, 5), ([3], [2], slice(None))))
+    assert (base, dims) == (3 * 30 + 2 * 5, [[5, 1, 1, None]])  # size-1 dims fold into base
+
+
+def test_full_draws_build_no_index_vectors():
+    region = make_region((1 << 24,), None)
+    assert region.entries == (range(1 << 24),) and "indices" not in region._cache
+    out = torch.empty(1 << 20)
+    small = make_region((1 << 20,), None)
+    assert _cpu.fill(out, Uniform.create(0, 1), KEY, small)
+    assert "indices" not in small._cache  # the kernel never asked for an index vector
+
+
+def test_region_index_tensor_changed_after_construction_is_refused():
+    region = make_region((10,), ([3, 1, 4],))
+    region.entries[0][1] = 10**9  # reaches into the Region's private copy on purpose
+    with pytest.raises(ValueError, match="modified after the Region was built"):
+        _cpu.fill(torch.empty(3), Normal.create(0, 1), KEY, region)
+
+
+# ------------------------------------------------- merged PPND7 (one rational per element)
+
+
+def test_ndtri_tail_matches_reference_at_branch_edges_and_across_tails():
+    """The kernel's normal magnitudes equal _fp32math.ndtri_tail_f32 for every branch, at its edges."""
+    from keyinit._fp32math import PPND_SPLIT_CENTRAL, ndtri_tail_f32
+
+    def around(value, count=300):
+        center = torch.tensor([value], dtype=torch.float32).view(torch.int32)
+        return (center + torch.arange(-count, count + 1, dtype=torch.int32)).view(torch.float32)
+
+    split_tail_t = math.exp(-25.0)  # r = 5 exactly in real arithmetic
+    tails = torch.cat([
+        around(0.5 - PPND_SPLIT_CENTRAL), around(split_tail_t), around(2.0**-126), around(2.0**-33, 50),
+        around(0.5, 0)[:1], torch.tensor([2.0**-149, 1e-40, 0.5], dtype=torch.float32),
+        torch.rand(1 << 16, generator=torch.Generator().manual_seed(1)) * 0.5,
+        torch.exp(-torch.rand(1 << 14, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 87)
+        .to(torch.float32),
+    ])
+    tails = tails[(tails > 0) & (tails <= 0.5)]
+    # the routine normal and truncated_normal call, exported for this test
+    got = torch.empty_like(tails)
+    _cpu.library().keyinit_ndtri_tail(tails.data_ptr(), tails.numel(), got.data_ptr())
+    expected = ndtri_tail_f32(tails)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    q = 0.5 - tails
+    r = torch.sqrt(-torch.log(tails.double()))
+    assert bool((q <= PPND_SPLIT_CENTRAL).any()) and bool(((q > PPND_SPLIT_CENTRAL) & (r <= 5)).any())
+    assert bool((r > 5).any())
 
 
 # ------------------------------------------------------- strided destinations

@@ -60,15 +60,38 @@ def _cases():
         ("region3d", (5, 7, 9), (slice(None, None, -1), slice(2, 7), [0, 8, 4, 4]), "contiguous"),
         ("transposed", (19, 23), (slice(1, None, 2), slice(None)), "transposed"),
     ]
+    # RUN-path geometries: rows of consecutive global indices that start anywhere in a Philox
+    # block, rows picked by lists and reversed slices, near 2**33 and 2**62.
+    run_geometries = [
+        ("rows-offset", (3, 700), (slice(None), slice(3, 690)), "contiguous"),
+        ("rows-listed", (6, 301), ([5, 0, 3, 3], slice(1, 300)), "contiguous"),
+        ("rows-3d", (4, 3, 300), (slice(None, None, -1), [2, 0], slice(7, 300)), "contiguous"),
+        ("rows-transposed-out", (5, 260), (slice(1, 4), slice(2, 259)), "transposed"),
+        ("run-2**33", (2**20, 2**14), (slice(2**19 - 1, 2**19 + 1), slice(None)), "contiguous"),
+        ("run-2**62", (2**31, 2**31), (slice(2**31 - 2, None), slice(2**31 - 700, None)), "contiguous"),
+    ]
     cases = {}
     for name, dist, dtypes in dists:
         for dtype in dtypes:
             dt = str(dtype).replace("torch.", "")
             for gname, shape, region, layout in geometries:
-                cases[f"{name}-{dt}-{gname}"] = (dist, dtype, shape, region, layout)
+                cases[f"{name}-{dt}-{gname}"] = (dist, dtype, shape, region, layout, None)
         # flat indices near 2**62 (block counters with a non-zero high word)
         cases[f"{name}-huge"] = (dist, dtypes[0], (2**31, 2**31), (slice(2**31 - 2, None), slice(2**31 - 70, None, 3)),
-                                 "contiguous")
+                                 "contiguous", None)
+        for gname, shape, region, layout in run_geometries:
+            cases[f"{name}-{gname}"] = (dist, dtypes[-1], shape, region, layout, None)
+        # short rows through the RUN path (RUN_MIN = 1), into a transposed destination
+        cases[f"{name}-short-rows-run-path"] = (dist, dtypes[0], (19, 23), (slice(1, None, 2), slice(3, 20)),
+                                                "transposed", 1)
+    # RUN path rows of many lengths, each starting at every offset within a Philox block
+    # (rows of length L + 3 make the starts walk through all residues mod 4)
+    for name, dist, dtypes in dists:
+        if name not in ("bits", "normal", "randint"):
+            continue
+        for length in (1, 2, 3, 4, 5, 7, 8, 9, 31, 33, 257, 1029):
+            cases[f"{name}-run-len{length}"] = (dist, dtypes[0], (8, length + 3), (slice(None), slice(1, 1 + length)),
+                                               "contiguous", 1)
     return cases
 
 
@@ -77,7 +100,9 @@ def _run_case(case, fill_fn, device):
     from keyinit.keys import key
     from keyinit.regions import make_region
 
-    dist, dtype, shape, region, layout = case
+    from keyinit._kernels import triton_kernel
+
+    dist, dtype, shape, region, layout, run_min = case
     reg = make_region(shape, region)
     k = key(2**40 + 12345)
     expected = torch.empty(reg.region_shape, dtype=dtype)
@@ -86,8 +111,13 @@ def _run_case(case, fill_fn, device):
         got = torch.zeros(tuple(reversed(reg.region_shape)), dtype=dtype, device=device).t()
     else:
         got = torch.zeros(reg.region_shape, dtype=dtype, device=device)
-    if not fill_fn(got, dist, k, reg):
-        return "kernel declined"
+    saved = triton_kernel.RUN_MIN
+    triton_kernel.RUN_MIN = saved if run_min is None else run_min
+    try:
+        if not fill_fn(got, dist, k, reg):
+            return "kernel declined"
+    finally:
+        triton_kernel.RUN_MIN = saved
     got = torch.empty(got.shape, dtype=dtype).copy_(got)  # dense, on the CPU
     if dtype == torch.bool:
         same = torch.equal(got, expected)
@@ -157,3 +187,91 @@ def _worker() -> None:
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     _worker()
+
+
+def test_launch_plan_takes_the_run_path_for_runs_and_the_general_path_otherwise(monkeypatch):
+    from keyinit._kernels import _triton_impl, triton_kernel
+    from keyinit.regions import make_region
+
+    assert (triton_kernel.NB, triton_kernel.BLOCK, triton_kernel.MAX_DIMS) == (
+        _triton_impl.NB, _triton_impl.BLOCK, _triton_impl.MAX_DIMS)
+
+    def plan(shape, region=None, out=None, w=1):
+        reg = make_region(shape, region)
+        return triton_kernel.launch_plan(torch.empty(reg.region_shape) if out is None else out, reg, w)
+
+    full = plan((4096, 4096))  # one run of 2**24 consecutive indices
+    assert full["run"] == 1 and full["run_len"] == 2**24 and full["dims"][:3] == [[1, 0, 0, -1]] * 3
+    assert full["tiles"] == -(-(2**22 + 1) // triton_kernel.NB) and full["grid"] == full["tiles"]
+    rows = plan((64, 1000), (slice(None), slice(3, 999)))  # 64 rows of 996, starting anywhere in a block
+    assert rows["run"] == 1 and rows["run_len"] == 996 and rows["grid"] == 64 * rows["tiles"] and rows["base"] == 3
+    two_words = plan((64, 1000), (slice(None), slice(3, 999)), w=2)
+    assert two_words["tiles"] == -(-(996 // 2 + 1) // triton_kernel.NB)
+    assert plan((64, 1000), (slice(None), slice(None, None, 2)))["run"] == 0  # strided: general
+    assert plan((64, 100), (slice(None), slice(3, 99)))["run"] == 0  # rows shorter than RUN_MIN
+    assert plan((7, 5))["run"] == 1 and plan((7, 5))["run_len"] == 35  # one short run: still the RUN path
+    transposed = torch.empty(1000, 64).t()
+    crossed = plan((64, 1000), None, out=transposed)  # runs in the global tensor, strided stores into out
+    assert crossed["run"] == 1 and crossed["dims"][2:] == [[64, 1, 1000, -1], [1000, 64, 1, -1]]
+    listed = plan((64, 1000), ([5, 1, 9], slice(None)))
+    assert listed["run"] == 1 and listed["dims"][2][3] == 0 and listed["index"].tolist() == [5, 1, 9]
+    assert plan((3, 3, 3, 3, 3), ([0, 2], [1, 0], [2, 0], [0, 1], [1, 2])) is None  # more than 4 dims
+    monkeypatch.setattr(triton_kernel, "RUN_MIN", 1)
+    assert plan((64, 100), (slice(None), slice(3, 99)))["run"] == 1
+
+
+def _compile_for_cuda(family: int, words: int, out_type: str, arch: int, run: int):
+    """Compile the kernel for an NVIDIA target without a GPU (Triton's bundled ptxas)."""
+    import inspect
+
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from keyinit._kernels import _triton_impl as impl
+
+    fn = impl._fill_kernel
+    params = inspect.signature(fn.fn).parameters
+    constexprs = {"FAMILY": family, "W": words, "OUT": 0 if out_type == "*fp32" else 4, "NB": impl.NB,
+                  "BLOCK": impl.BLOCK, "RUN": run}
+    signature = {}
+    for name in fn.arg_names:
+        if name == "out_ptr":
+            signature[name] = out_type
+        elif name == "index_ptr":
+            signature[name] = "*i64"
+        elif name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = "fp32" if params[name].annotation is impl.F32 else "i64"
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton_compile(source, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False})
+
+
+def test_kernel_compiles_for_cuda_with_ieee_arithmetic_only(tmp_path, monkeypatch):
+    """Without a GPU: the kernel passes Triton's compiler (the interpreter checks far less), and its
+    PTX has no fused multiply-add and no approximate division, square root or transcendental."""
+    try:
+        import triton.backends.nvidia.compiler  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"Triton's NVIDIA backend is unavailable: {exc}")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    for run in (1, 0):
+        floats = _compile_for_cuda(0, 1, "*fp32", 90, run).asm["ptx"]
+        assert "fma." not in floats and ".approx" not in floats and "ex2" not in floats and "lg2" not in floats
+        assert "div.rn.f32" in floats and "sqrt.rn.f32" in floats
+    bools = _compile_for_cuda(2, 1, "*u8", 80, 1).asm["ptx"]
+    assert "fma." not in bools
+
+
+def test_kernel_arguments_cannot_make_new_variants():
+    """Every runtime integer is typed int64 (Triton would otherwise type it i32 or i64 by value, so
+    a key word above 2**31 compiled a second kernel) and none is specialized on its value."""
+    from keyinit._kernels import _triton_impl as impl
+
+    fn = impl._fill_kernel
+    constexprs = {"FAMILY", "W", "OUT", "NB", "BLOCK", "RUN"}
+    runtime_ints = [p for p in fn.params if p.name not in constexprs and p.name not in ("out_ptr", "index_ptr")
+                    and p.annotation_type != "fp32"]
+    assert {p.name for p in runtime_ints} == set(impl._INTS)
+    assert all(p.annotation_type == "i64" and p.do_not_specialize for p in runtime_ints)

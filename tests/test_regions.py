@@ -259,3 +259,66 @@ def test_region_machinery_is_used_not_full_draw():
 def test_region_type_is_normalized_region():
     region = make_region((3,), None)
     assert isinstance(region, Region) and region.indices[0].tolist() == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- lazy entries
+
+
+@st.composite
+def lazy_shape_and_region(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
+    region = []
+    for size in shape:
+        kind = draw(st.sampled_from(["slice", "range", "list", "tensor"]))
+        if kind == "slice":
+            step = draw(st.sampled_from([None, 1, 2, -1, -3]))
+            region.append(slice(draw(st.one_of(st.none(), st.integers(-size, size))),
+                                draw(st.one_of(st.none(), st.integers(-size, size))), step))
+        elif kind == "range":
+            start = draw(st.integers(-size, size - 1))
+            step = draw(st.sampled_from([1, 2, -1, -2]))
+            count = draw(st.integers(0, 4))
+            values = [start + step * i for i in range(count)]
+            if any(not -size <= v < size for v in values):
+                values = []
+            region.append(range(start, start + step * len(values), step) if values else range(0))
+        else:
+            values = draw(st.lists(st.integers(-size, size - 1), max_size=5))
+            region.append(values if kind == "list" else torch.tensor(values, dtype=torch.int64))
+    return shape, tuple(region)
+
+
+@SETTINGS
+@given(shape_region=lazy_shape_and_region())
+def test_lazy_entries_index_like_numpy_ix(shape_region):
+    """Region entries (ranges or index tensors) give numpy.ix_'s indices and flat indices."""
+    shape, region = shape_region
+    normalized = make_region(shape, region)
+    lists = [np.arange(size)[e] if isinstance(e, slice)
+             else np.asarray(list(e) if isinstance(e, range) else
+                             (e.tolist() if isinstance(e, torch.Tensor) else e), dtype=np.int64) % max(size, 1)
+             for e, size in zip(region, shape)]
+    assert normalized.region_shape == tuple(len(v) for v in lists)
+    for k, (entry, values) in enumerate(zip(normalized.entries, lists)):
+        assert normalized.indices[k].tolist() == values.tolist()
+        if isinstance(region[k], slice):
+            assert normalized.is_range(k) and isinstance(entry, range)
+        if isinstance(entry, range):
+            assert list(entry) == values.tolist()
+        else:
+            assert entry.dtype == torch.int64 and entry.device.type == "cpu" and entry.is_contiguous()
+    flat = np.ravel_multi_index(np.ix_(*lists), shape).reshape(-1) if normalized.numel else np.zeros(0)
+    assert normalized.flat_indices(0, normalized.numel).tolist() == flat.tolist()
+    if normalized.numel > 2:
+        assert normalized.flat_indices(1, normalized.numel - 1).tolist() == flat[1:-1].tolist()
+
+
+def test_range_and_list_entries_draw_the_same_values(base_sampler):
+    k = keyinit.key(31)
+    shape = (11, 13)
+    as_range = base_sampler(k, shape, region=(range(10, -1, -4), range(2, 13, 3)))
+    as_list = base_sampler(k, shape, region=([10, 6, 2], [2, 5, 8, 11]))
+    as_tensor = base_sampler(k, shape, region=(torch.tensor([10, 6, 2]), torch.tensor([2, 5, 8, 11])))
+    assert_bits_equal(as_range, as_list)
+    assert_bits_equal(as_tensor, as_list)
+    assert_bits_equal(as_list, index_full(base_sampler(k, shape), ([10, 6, 2], [2, 5, 8, 11])))

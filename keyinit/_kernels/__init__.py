@@ -1,9 +1,14 @@
 """Fast implementations of stream v1, each bit-identical to :mod:`keyinit._reference`.
 
-- :mod:`keyinit._kernels._cpu`: a C kernel compiled on first use (``_build``)
-  and called through ctypes, for CPU tensors;
+- :mod:`keyinit._kernels._cpu`: a C kernel compiled on first use (``_build``,
+  which refuses builds that change floating-point semantics) and called through
+  ctypes, for CPU tensors; it proves itself against golden digests when it
+  loads (``_selftest``);
 - :mod:`keyinit._kernels.triton_kernel`: a Triton kernel for CUDA tensors,
   used when the optional ``triton`` package is installed.
+
+Both take their geometry from :mod:`keyinit._kernels._plan`: slices stay
+``(start, step, count)``, so a contiguous run of a region shares Philox blocks.
 
 Set ``KEYINIT_DISABLE_KERNELS=1`` to force the reference implementation.
 """

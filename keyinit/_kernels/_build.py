@@ -1,16 +1,23 @@
-"""Just-in-time build of the compiled CPU kernel, cached on disk.
+"""Just-in-time build of the compiled CPU kernels, cached on disk.
 
-The C source ships inside the package (``keyinit_kernels.c``). On first use it
-is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``)
+The C sources ship inside the package (``keyinit_kernels.c`` by default; any
+other source in this directory can be built the same way by passing its path).
+On first use a source is compiled with the system C compiler (``$CC``, which may
+be a command with arguments such as ``ccache gcc``; else ``cc``/``gcc``/``clang``)
 into a shared library in the cache directory::
 
     $KEYINIT_CACHE_DIR, else $XDG_CACHE_HOME/keyinit, else ~/.cache/keyinit
 
-named by a hash of the source, the compiler's identity, the flags and (with
-``-march=native``) the compiler's view of this CPU, so a changed source, compiler
-or machine never reuses a stale build. The library is written to a temporary
-file and renamed into place, so concurrent processes are safe. The library is
-loaded with :mod:`ctypes`; nothing needs torch headers, ninja or setuptools.
+named by the source's stem and a hash of the source, the headers next to it
+(``*.h``), the compiler command and identity, the flags and (with
+``-march=native``) the compiler's view of this CPU, so a changed source,
+header, compiler or machine never reuses a stale build. The library is written
+to a temporary file and renamed into place, so concurrent processes are safe.
+If the cache directory cannot be written, every process of the user shares ONE
+private temporary cache, ``<tmp>/keyinit-<uid>`` (mode 0700, owned by the
+user; a fresh private directory only if that name is taken by someone else).
+The library is loaded with :mod:`ctypes`; nothing needs torch headers, ninja or
+setuptools.
 
 Flags: ``-O3 -std=c11 -ffp-contract=off -fno-math-errno -fno-trapping-math -fPIC
 -shared -pthread``, plus ``-march=native`` when the compiler accepts it. None of
@@ -21,21 +28,35 @@ flush-to-zero), no FP contraction into FMA, and the only math function,
 trap handler is watching (so selects can be vectorized); neither permits a
 value-changing transformation. With ``-march=native`` the cache key includes the
 target macros the compiler predefines on this machine.
+
+A compiler wrapper can still add flags behind our back (``CC`` set to a script
+that adds ``-ffast-math``). :func:`load` therefore judges the library by what it
+does, not by its command line: loading it must leave this thread's handling of
+subnormal numbers unchanged (a ``-ffast-math`` link adds a constructor that
+turns on flush-to-zero for the whole process; it is undone at once), and its
+``keyinit_fp_probe`` must find IEEE semantics (no reassociation, no
+reciprocal division, NaN compares, no flush-to-zero) in code compiled with its
+flags. Otherwise it raises :class:`BuildError`; the caller falls back to the
+reference implementation.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import hashlib
 import os
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["SOURCE", "BASE_FLAGS", "cache_dir", "find_compiler", "build", "load"]
+__all__ = ["SOURCE", "BASE_FLAGS", "BuildError", "cache_dir", "find_compiler", "build", "load",
+           "subnormals_preserved"]
 
 SOURCE = Path(__file__).with_name("keyinit_kernels.c")
 BASE_FLAGS = (
@@ -48,6 +69,31 @@ class BuildError(RuntimeError):
     """The kernel could not be compiled or loaded."""
 
 
+def _user_tag() -> str:
+    if hasattr(os, "getuid"):
+        return str(os.getuid())
+    return "".join(c for c in os.environ.get("USERNAME", "user") if c.isalnum()) or "user"
+
+
+def _shared_temp_cache() -> Path:
+    """``<tmp>/keyinit-<uid>``: one private cache for all of this user's processes.
+
+    Created with mode 0700. It is used only if it is a real directory owned by
+    this user and writable by no one else (another user could otherwise plant a
+    library there); failing that, a fresh private directory for this process.
+    """
+    path = Path(tempfile.gettempdir()) / f"keyinit-{_user_tag()}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+        owned = not hasattr(os, "getuid") or info.st_uid == os.getuid()
+        if stat.S_ISDIR(info.st_mode) and owned and not info.st_mode & 0o022 and os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="keyinit-"))
+
+
 def cache_dir() -> Path:
     explicit = os.environ.get("KEYINIT_CACHE_DIR")
     if explicit:
@@ -58,16 +104,28 @@ def cache_dir() -> Path:
     try:
         return Path.home() / ".cache" / "keyinit"
     except RuntimeError:  # no home directory
-        return Path(tempfile.gettempdir()) / f"keyinit-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+        return _shared_temp_cache()
 
 
 def find_compiler() -> Optional[str]:
-    candidates = [os.environ.get("CC"), "cc", "gcc", "clang"]
-    for name in candidates:
-        if name:
-            path = shutil.which(name)
-            if path:
-                return path
+    """The C compiler command (a shell-quoted string), or ``None``.
+
+    ``$CC`` may hold a command with arguments (``ccache gcc``, ``gcc -m64``); its
+    first word is looked up on ``PATH``. Without a usable ``$CC``: ``cc``, ``gcc``, ``clang``.
+    """
+    cc = os.environ.get("CC", "").strip()
+    if cc:
+        try:
+            argv = shlex.split(cc)
+        except ValueError:
+            argv = []
+        path = shutil.which(argv[0]) if argv else None
+        if path:
+            return shlex.join([path, *argv[1:]])
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return shlex.join([path])
     return None
 
 
@@ -75,37 +133,46 @@ def _run(cmd: list[str], stdin: Optional[str] = None) -> subprocess.CompletedPro
     return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=300)
 
 
-def _compiler_identity(cc: str, flags: tuple[str, ...]) -> str:
+def _compiler_identity(cc: list[str], flags: tuple[str, ...]) -> str:
     """Version banner plus, for ``-march=native``, the target macros the compiler predefines here."""
-    version = _run([cc, "--version"]).stdout
+    version = _run([*cc, "--version"]).stdout
     macros = ""
     if any(flag.startswith(("-march", "-mcpu", "-mtune", "-mavx", "-msse")) for flag in flags):
-        result = _run([cc, *flags, "-dM", "-E", "-x", "c", "-"], stdin="")
+        result = _run([*cc, *flags, "-dM", "-E", "-x", "c", "-"], stdin="")
         if result.returncode != 0:
-            raise BuildError(f"{cc} does not accept {' '.join(flags)}: {result.stderr.strip()[:500]}")
+            raise BuildError(f"{shlex.join(cc)} does not accept {' '.join(flags)}: {result.stderr.strip()[:500]}")
         macros = "\n".join(sorted(result.stdout.splitlines()))
     return version + "\n" + macros
 
 
-def _library_path(cc: str, flags: tuple[str, ...], source: bytes) -> Path:
+def _source_digest(source: Path) -> bytes:
+    """The source and every header beside it (what ``#include "x.h"`` can reach)."""
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(b"\0" + header.name.encode() + b"\0" + header.read_bytes())
+    return digest.digest()
+
+
+def _library_name(cc: list[str], flags: tuple[str, ...], source: Path) -> str:
     digest = hashlib.sha256()
-    for part in (source, cc.encode(), " ".join(flags).encode(), _compiler_identity(cc, flags).encode(),
-                 sys.platform.encode()):
+    for part in (_source_digest(source), "\0".join(cc).encode(), " ".join(flags).encode(),
+                 _compiler_identity(cc, flags).encode(), sys.platform.encode()):
         digest.update(part)
         digest.update(b"\0")
     suffix = ".dll" if sys.platform == "win32" else ".so"
-    return cache_dir() / f"keyinit_kernels-{digest.hexdigest()[:20]}{suffix}"
+    return f"{source.stem}-{digest.hexdigest()[:20]}{suffix}"
 
 
-def _compile(cc: str, flags: tuple[str, ...], target: Path, source: Path = SOURCE) -> None:
+def _compile(cc: list[str], flags: tuple[str, ...], source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        result = _run([cc, *flags, "-o", tmp_name, str(source)])
+        result = _run([*cc, *flags, "-o", tmp_name, str(source)])
         if result.returncode != 0:
             raise BuildError(
-                f"compiling {source.name} with {cc} {' '.join(flags)} failed:\n{result.stderr.strip()[:2000]}"
+                f"compiling {source.name} with {shlex.join(cc)} {' '.join(flags)} failed:\n"
+                f"{result.stderr.strip()[:2000]}"
             )
         os.replace(tmp_name, target)  # atomic: readers see the old file or the whole new one
     finally:
@@ -114,40 +181,111 @@ def _compile(cc: str, flags: tuple[str, ...], target: Path, source: Path = SOURC
 
 
 def build(native: bool = True, extra_flags: tuple[str, ...] = (), source: Optional[Path] = None) -> Path:
-    """Path of the compiled library, compiling it if the cache has no matching build.
+    """Path of the compiled library of ``source`` (default :data:`SOURCE`), compiling it if needed.
 
     ``native=False`` builds for the compiler's default target (no ``-march=native``);
     ``extra_flags`` are appended (the tests use them to build the AVX2 and portable variants).
-    ``source`` is the C file to build (default :data:`SOURCE`).
     """
-    source_path = SOURCE if source is None else Path(source)
-    cc = find_compiler()
-    if cc is None:
+    source = SOURCE if source is None else Path(source)
+    command = find_compiler()
+    if command is None:
         raise BuildError("no C compiler found (set $CC, or install cc/gcc/clang)")
-    source_bytes = source_path.read_bytes()
+    cc = shlex.split(command)
     extra = tuple(extra_flags)
     attempts = [BASE_FLAGS + NATIVE_FLAGS + extra, BASE_FLAGS + extra] if native else [BASE_FLAGS + extra]
     errors = []
     for flags in attempts:
         try:
-            target = _library_path(cc, flags, source_bytes)
-            if not target.exists():
-                try:
-                    _compile(cc, flags, target, source_path)
-                except OSError:
-                    # Unwritable cache directory: build into a private temporary one.
-                    private = Path(tempfile.mkdtemp(prefix="keyinit-"))
-                    target = private / target.name
-                    _compile(cc, flags, target, source_path)
+            name = _library_name(cc, flags, source)
+            target = cache_dir() / name
+            if target.exists():
+                return target
+            try:
+                _compile(cc, flags, source, target)
+            except OSError:
+                # Unwritable cache directory: the user's one shared temporary cache.
+                target = _shared_temp_cache() / name
+                if not target.exists():
+                    _compile(cc, flags, source, target)
             return target
         except (BuildError, OSError, subprocess.SubprocessError) as exc:
             errors.append(str(exc))
     raise BuildError("\n".join(errors))
 
 
-def load(native: bool = True, extra_flags: tuple[str, ...] = (), source: Optional[Path] = None) -> ctypes.CDLL:
-    path = build(native, extra_flags, source)
+# ----------------------------------------------------------- floating-point guard
+
+
+def subnormals_preserved() -> bool:
+    """True when this thread's float arithmetic keeps subnormals (no flush-to-zero, no denormals-are-zero).
+
+    Measured, not looked up: a subnormal result (``min_normal / 2``) and a
+    subnormal operand (``5e-324 * 1``) must both survive.
+    """
+    half = sys.float_info.min * 0.5
+    smallest = float.fromhex("0x0.0000000000001p-1022")  # parsed in software: a subnormal whatever the mode
+    return half != 0.0 and smallest * 1.0 != 0.0
+
+
+def _libm() -> Optional[ctypes.CDLL]:
+    name = ctypes.util.find_library("m")
     try:
-        return ctypes.CDLL(str(path))
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def _restore_fp_env(libm: Optional[ctypes.CDLL], saved: Optional[ctypes.Array]) -> None:
+    """Put this thread's floating-point environment back as it was before the load."""
+    if libm is not None and saved is not None and libm.fesetenv(saved) == 0 and subnormals_preserved():
+        return
+    import torch  # sets MXCSR (x86) / FPCR (ARM) flush bits of this thread
+
+    torch.set_flush_denormal(False)
+
+
+# Bits of keyinit_fp_probe: what value-changing "fast math" the compiled code shows.
+_FP_PROBE_FAULTS = {
+    1: "reassociation ((a + b) - b folded to a)",
+    2: "reciprocal division (x / 3 computed as x * (1/3))",
+    4: "finite-math-only (NaN != NaN folded to false)",
+    8: "flush-to-zero of a subnormal float result",
+    16: "denormals-are-zero on a subnormal float operand",
+}
+
+
+def load(native: bool = True, extra_flags: tuple[str, ...] = (), source: Optional[Path] = None) -> ctypes.CDLL:
+    """Build (if needed) and load the library of ``source`` (default :data:`SOURCE`), checked for IEEE behaviour.
+
+    Raises :class:`BuildError` when it cannot be built or loaded, when loading it
+    changed how this thread treats subnormals (undone before raising), or when its
+    ``keyinit_fp_probe`` (if it exports one) reports a fast-math transformation.
+    """
+    path = build(native, extra_flags, source)
+    libm = _libm()
+    saved = None
+    if libm is not None:
+        saved = ctypes.create_string_buffer(512)  # >= sizeof(fenv_t) on every libc
+        if libm.fegetenv(saved) != 0:
+            saved = None
+    before = subnormals_preserved()
+    try:
+        lib = ctypes.CDLL(str(path))
     except OSError as exc:
         raise BuildError(f"could not load {path}: {exc}") from exc
+    if before and not subnormals_preserved():
+        _restore_fp_env(libm, saved)
+        raise BuildError(
+            f"loading {path} turned on flush-to-zero for this process (it was linked with -ffast-math or "
+            f"similar, e.g. by a $CC wrapper); refused and undone"
+        )
+    probe = getattr(lib, "keyinit_fp_probe", None)
+    if probe is not None:
+        probe.restype = ctypes.c_int
+        probe.argtypes = []
+        faults = probe()
+        if faults:
+            found = [text for bit, text in _FP_PROBE_FAULTS.items() if faults & bit]
+            raise BuildError(f"{path} was compiled with value-changing float optimizations "
+                             f"({'; '.join(found)}), e.g. -ffast-math added by a $CC wrapper; refused")
+    return lib

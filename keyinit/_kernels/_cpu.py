@@ -19,7 +19,8 @@ from keyinit.distributions import Bernoulli, Bits, Distribution, Normal, Randint
 from keyinit.keys import Key
 from keyinit.regions import Region
 
-from keyinit._kernels import _build
+from keyinit._kernels import _build, _selftest
+from keyinit._kernels._plan import geometry
 
 __all__ = ["available", "fill", "library", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
 
@@ -57,6 +58,13 @@ def library() -> Optional[ctypes.CDLL]:
         if _library is None and _failure is None:
             try:
                 lib = declare(_build.load())
+                failed = _selftest.run(lambda out, dist, key, region, threads:
+                                       fill(out, dist, key, region, threads=threads, lib=lib))
+                if failed:
+                    raise _build.BuildError(
+                        f"the compiled kernel failed its golden self-test ({', '.join(failed)}): its values "
+                        "differ from the stream v1 reference"
+                    )
                 _library = lib
             except Exception as exc:  # noqa: BLE001 - any failure means: use the reference
                 _failure = f"{type(exc).__name__}: {exc}"
@@ -68,7 +76,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.keyinit_fill.restype = ctypes.c_int
     lib.keyinit_fill.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32,
-        ctypes.POINTER(ctypes.c_float), _I64P,
+        ctypes.POINTER(ctypes.c_double), _I64P,
         ctypes.c_int, ctypes.c_int64, _I64P, _I64P, _I64P,
         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_int,
     ]
@@ -76,6 +84,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.keyinit_constants.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_int]
     lib.keyinit_convert_f32.restype = None
     lib.keyinit_convert_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.keyinit_ndtri_tail.restype = None
+    lib.keyinit_ndtri_tail.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.keyinit_philox_range.restype = None
     lib.keyinit_philox_range.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32,
                                          ctypes.c_void_p]
@@ -120,27 +130,6 @@ def _params(dist: Distribution) -> tuple[list[float], list[int]]:
     return f, i
 
 
-def _geometry(out: torch.Tensor, region: Region):
-    """``(base, dims)`` with dims ``(size, out_stride, global_stride, index)``.
-
-    Size-1 dimensions are folded into ``base``. No pass over the index vectors
-    happens here: the kernel finds contiguous runs itself, tile by tile.
-    """
-    base = 0
-    dims = []
-    for index, gstride, n, ostride in zip(region.indices, region.strides, out.shape, out.stride()):
-        if n == 1:
-            base += int(index[0]) * gstride
-            continue
-        dims.append((n, ostride, gstride, index if index.is_contiguous() else index.contiguous()))
-    if not dims:
-        dims.append((1, 1, 0, _ZERO_INDEX))
-    return base, dims
-
-
-_ZERO_INDEX = torch.zeros(1, dtype=torch.int64)
-
-
 def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, threads: Optional[int] = None,
          lib: Optional[ctypes.CDLL] = None) -> bool:
     """Fill ``out`` with the kernel; ``False`` (nothing written) if the kernel cannot do it.
@@ -157,14 +146,14 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, thread
     if lib is None:
         _warn_once()
         return False
-    base, dims = _geometry(out, region)
+    base, dims = geometry(out, region)
     nd = len(dims)
     sizes = (ctypes.c_int64 * nd)(*(d[0] for d in dims))
     ostrides = (ctypes.c_int64 * nd)(*(d[1] for d in dims))
     gstrides = (ctypes.c_int64 * nd)(*(d[2] for d in dims))
-    indices = (ctypes.c_void_p * nd)(*(d[3].data_ptr() for d in dims))
+    indices = (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims))
     f, i = _params(dist)
-    fparams = (ctypes.c_float * 6)(*f)
+    fparams = (ctypes.c_double * 6)(*f)  # binary32 values, exact as doubles; the kernel converts
     iparams = (ctypes.c_int64 * 4)(*i)
     k0, k1 = key.words
     if threads is None:

@@ -1,14 +1,40 @@
 """The Triton kernel of stream v1 (imported only when triton is installed).
 
-See :mod:`keyinit._kernels.triton_kernel` for the contract. Triton resolves the
-helpers below through this module's globals, so they live at module level here
-rather than in the lazily importing module.
+See :mod:`keyinit._kernels.triton_kernel` for the contract and the host side.
+Triton resolves the helpers below through this module's globals, so they live
+at module level here rather than in the lazily importing module.
+
+One kernel with two paths, chosen per launch by the ``RUN`` constexpr:
+
+- RUN: the region's innermost dimension is a run of consecutive global indices
+  (a unit-step slice; a full tensor of any shape is one run). Each program owns
+  ``NB`` consecutive Philox blocks of one row, computes each block once and
+  turns its 4 words into 4 consecutive elements (2 for two-word ``randint``),
+  stored as one ``[NB, 4]`` tile. The row's outer position is decoded once per
+  program (scalar integer ops); no per-element division.
+- GENERAL: any region (strided, reversed or listed dims): each element decodes
+  its position through the (at most 4) dims, computes its own block and keeps
+  one lane.
+
+Compiled variants depend only on the path, the value family (float / integer /
+boolean values), words per element, the output storage type and the pointer's
+alignment: a float model, whose tensors and shards are runs, initializes with
+ONE compiled kernel. Geometry, distribution and parameters are runtime
+arguments that are never specialized. (The paths are separate variants rather
+than one kernel with a runtime branch because each compiles in about half the
+time, and the GENERAL one is rarely needed.)
 """
 
 import triton
 import triton.language as tl
 
-__all__ = ["fill_kernel"]
+__all__ = ["fill_kernel", "NB", "BLOCK", "MAX_DIMS"]
+
+#: Philox blocks per program on the RUN path, elements per program on the GENERAL path.
+NB = 256
+BLOCK = 1024
+#: Dimensions a launch describes (after size-1 dims are dropped and slice dims merged).
+MAX_DIMS = 4
 
 
 @triton.jit
@@ -26,13 +52,16 @@ def _philox(c0, c1, k0, k1):
         k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
     return c0, c1, c2, c3
 
-@triton.jit
-def _horner4(x, a0, a1, a2, a3):
-    return ((a3 * x + a2) * x + a1) * x + a0
 
 @triton.jit
-def _horner3(x, a0, a1, a2):
-    return (a2 * x + a1) * x + a0
+def _philox_blocks(block, k0, k1):
+    """Philox4x32-10 of the counters ``(lo32(block), hi32(block), 0, 0)``."""
+    c0 = (block & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (block >> 32).to(tl.uint32)
+    key0 = tl.zeros_like(c0) + k0.to(tl.uint32)
+    key1 = tl.zeros_like(c0) + k1.to(tl.uint32)
+    return _philox(c0, c1, key0, key1)
+
 
 # Constants: the binary32 values of keyinit._fp32math.V1_CONSTANTS, written
 # as the shortest decimal of each (exact as binary32); a test checks them.
@@ -46,115 +75,214 @@ def _log_f32(x):
     e = (exponent + halve.to(tl.int32)).to(tl.float32)
     s = tl.math.div_rn(mantissa - 1.0, mantissa + 1.0)
     t = s * s
-    poly = t * _horner4(t, 0.3333333432674408, 0.20000000298023224, 0.1428571492433548, 0.1111111119389534)
+    poly = t * (((0.1111111119389534 * t + 0.1428571492433548) * t + 0.20000000298023224) * t
+                + 0.3333333432674408)  # LOG_ATANH
     two_s = s * 2.0
     log_m = two_s + two_s * poly
     return e * 0.693145751953125 + (e * 1.428606765330187e-06 + log_m)  # LN2_HI, LN2_LO
 
+
 @triton.jit
 def _ndtri_tail(tail):
+    """PPND7 ``|Phi^-1(t)|`` by ONE rational evaluation, coefficients chosen per element.
+
+    central (q <= 0.425): x = 0.180625 - q*q, s = q, N = A, D = B;
+    near (r <= 5): x = r - 1.6, s = 1, N = C, D = (1, D1, D2, 0);
+    far: x = r - 5, s = 1, N = E, D = (1, F1, F2, 0); result (s * N(x)) / D(x).
+    The same bits as the selected branch alone (1 * v == v; 0 * x + c == c).
+    """
     q = 0.5 - tail
-    r_central = 0.18062500655651093 - q * q  # PPND_CENTRAL_R0
-    num = _horner4(r_central, 3.3871326446533203, 50.43427276611328, 159.2911376953125, 59.109375)
-    den = _horner4(r_central, 1.0, 17.895170211791992, 78.75775909423828, 67.18756103515625)
-    z_central = tl.math.div_rn(q * num, den)
-    clamped = tl.maximum(tail, 1.1754943508222875e-38)  # SMALLEST_NORMAL
-    r = tl.math.sqrt_rn(-_log_f32(clamped))
-    r_near = r - 1.600000023841858  # PPND_TAIL_SHIFT
-    z_near = tl.math.div_rn(
-        _horner4(r_near, 1.423437237739563, 2.7568154335021973, 1.306728482246399, 0.1702382117509842),
-        _horner3(r_near, 1.0, 0.7370016574859619, 0.12021133303642273),
-    )
-    r_far = r - 5.0  # PPND_SPLIT_TAIL
-    z_far = tl.math.div_rn(
-        _horner4(r_far, 6.657905101776123, 3.081226348876953, 0.42868295311927795, 0.01733720488846302),
-        _horner3(r_far, 1.0, 0.2419789433479309, 0.012258202768862247),
-    )
-    z_tail = tl.where(r <= 5.0, z_near, z_far)
-    return tl.where(q <= 0.42500001192092896, z_central, z_tail)  # PPND_SPLIT_CENTRAL
+    central = q <= 0.42500001192092896  # PPND_SPLIT_CENTRAL
+    r = tl.math.sqrt_rn(-_log_f32(tl.maximum(tail, 1.1754943508222875e-38)))  # SMALLEST_NORMAL
+    near = r <= 5.0  # PPND_SPLIT_TAIL
+    x = tl.where(central, 0.18062500655651093 - q * q,  # PPND_CENTRAL_R0
+                 tl.where(near, r - 1.600000023841858, r - 5.0))  # PPND_TAIL_SHIFT, PPND_SPLIT_TAIL
+    n0 = tl.where(central, 3.3871326446533203, tl.where(near, 1.423437237739563, 6.657905101776123))
+    n1 = tl.where(central, 50.43427276611328, tl.where(near, 2.7568154335021973, 3.081226348876953))
+    n2 = tl.where(central, 159.2911376953125, tl.where(near, 1.306728482246399, 0.42868295311927795))
+    n3 = tl.where(central, 59.109375, tl.where(near, 0.1702382117509842, 0.01733720488846302))
+    d1 = tl.where(central, 17.895170211791992, tl.where(near, 0.7370016574859619, 0.2419789433479309))
+    d2 = tl.where(central, 78.75775909423828, tl.where(near, 0.12021133303642273, 0.012258202768862247))
+    d3 = tl.where(central, 67.18756103515625, 0.0)
+    s = tl.where(central, q, 1.0)
+    num = ((n3 * x + n2) * x + n1) * x + n0
+    den = ((d3 * x + d2) * x + d1) * x + 1.0
+    return tl.math.div_rn(s * num, den)
 
-@triton.jit(do_not_specialize=["numel", "base", "k0", "k1", "flip", "threshold", "ilow", "ispan"])
-def _fill_kernel(out_ptr, meta_ptr, index_ptr, numel, base, k0, k1,
-                 fa, fb, p_low, p_span, lower, upper, flip, threshold, ilow, ispan,
-                 NDIM: tl.constexpr, DIST: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = position < numel
-    position = tl.where(mask, position, 0)
-    # meta rows: size, out stride, global stride, offset of the dim's indices in index_ptr
-    g = tl.zeros([BLOCK], dtype=tl.int64) + base
-    o = tl.zeros([BLOCK], dtype=tl.int64)
-    rest = position
-    for d in tl.static_range(NDIM - 1, -1, -1):
-        size = tl.load(meta_ptr + 4 * d)
-        ostride = tl.load(meta_ptr + 4 * d + 1)
-        gstride = tl.load(meta_ptr + 4 * d + 2)
-        offset = tl.load(meta_ptr + 4 * d + 3)
-        p = rest % size
-        rest = rest // size
-        g += tl.load(index_ptr + offset + p) * gstride
-        o += p * ostride
-    W: tl.constexpr = 2 if DIST == 5 else 1
-    word = g * W
-    block = word >> 2
-    lane = (word & 3).to(tl.int32)
-    c0 = (block & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (block >> 32).to(tl.uint32)
-    key0 = tl.zeros([BLOCK], dtype=tl.uint32) + k0.to(tl.uint32)
-    key1 = tl.zeros([BLOCK], dtype=tl.uint32) + k1.to(tl.uint32)
-    r0, r1, r2, r3 = _philox(c0, c1, key0, key1)
-    if W == 1:
-        x = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-        x1 = x
-    else:
-        x = tl.where(lane == 0, r0, r2)
-        x1 = tl.where(lane == 0, r1, r3)
 
-    if DIST == 0:  # bits
-        ivalue = x.to(tl.int64)
-    elif DIST == 1:  # uniform
-        u = (x >> 8).to(tl.float32) * 5.9604644775390625e-08
-        value = fa + fb * u
-    elif DIST == 2:  # normal
-        tail = (x | 1).to(tl.float32) * 1.16415321826934814453125e-10
-        magnitude = _ndtri_tail(tail)
-        z = tl.where((x & 1) != 0, -magnitude, magnitude)
-        value = fa + fb * z
-    elif DIST == 3:  # truncated normal
-        u = (((x >> 9) << 1) | 1).to(tl.float32) * 5.9604644775390625e-08
-        pr = p_low + u * p_span
-        lower_half = pr < 0.5
-        magnitude = _ndtri_tail(tl.where(lower_half, pr, 1.0 - pr))
-        z = tl.where(lower_half, -magnitude, magnitude)
-        z = tl.where(flip != 0, -z, z)
-        value = fa + fb * z
-        value = tl.minimum(tl.maximum(value, lower), upper)
-    elif DIST == 4:  # bernoulli
-        hit = x.to(tl.int64) < threshold
-    else:  # randint
-        n = ispan.to(tl.uint64)
-        carry = (x.to(tl.uint64) * n) >> 32
-        hi = (x1.to(tl.uint64) * n + carry) >> 32
-        ivalue = ilow + hi.to(tl.int64)
-
-    if DIST == 4:
-        if OUT == 2:
-            stored = tl.where(hit, 0x3F80, 0).to(tl.int16)
-        elif OUT == 3:
-            stored = tl.where(hit, 1.0, 0.0).to(tl.float16)
+@triton.jit
+def _values(x, x1, dist, fa, fb, p_low, p_span, lower, upper, flip, threshold, ilow, ispan,
+            FAMILY: tl.constexpr):
+    """The distribution's values for words ``x`` (and ``x1``, randint's second word)."""
+    if FAMILY == 0:  # float values: dist 1 uniform, 2 normal, 3 truncated normal
+        if dist == 1:
+            u = (x >> 8).to(tl.float32) * 5.9604644775390625e-08
+            value = fa + fb * u
         else:
-            stored = hit.to(out_ptr.dtype.element_ty)
-    elif DIST == 0 or DIST == 5:
-        stored = ivalue.to(out_ptr.dtype.element_ty)
-    else:
+            if dist == 2:
+                tail = (x | 1).to(tl.float32) * 1.16415321826934814453125e-10
+                negative = (x & 1) != 0
+            else:
+                u = (((x >> 9) << 1) | 1).to(tl.float32) * 5.9604644775390625e-08
+                pr = p_low + u * p_span
+                negative = pr < 0.5
+                tail = tl.where(negative, pr, 1.0 - pr)
+            magnitude = _ndtri_tail(tail)
+            z = tl.where(negative, -magnitude, magnitude)
+            if flip != 0:
+                z = -z
+            value = fa + fb * z
+            if dist == 3:
+                value = tl.where(value < lower, lower, value)
+                value = tl.where(value > upper, upper, value)
+    elif FAMILY == 1:  # integer values: dist 0 bits, 5 randint
+        if dist == 5:
+            n = ispan.to(tl.uint64)
+            carry = (x.to(tl.uint64) * n) >> 32
+            value = ilow + ((x1.to(tl.uint64) * n + carry) >> 32).to(tl.int64)
+        else:
+            value = x.to(tl.int64)
+    else:  # bernoulli
+        value = x.to(tl.int64) < threshold
+    return value
+
+
+@triton.jit
+def _store(out_ptr, offsets, value, mask, FAMILY: tl.constexpr, OUT: tl.constexpr):
+    if FAMILY == 2:
         if OUT == 2:
+            stored = tl.where(value, 0x3F80, 0).to(tl.int16)
+        elif OUT == 3:
+            stored = tl.where(value, 1.0, 0.0).to(tl.float16)
+        else:
+            stored = value.to(out_ptr.dtype.element_ty)
+    elif FAMILY == 1:
+        stored = value.to(out_ptr.dtype.element_ty)
+    else:
+        if OUT == 2:  # bfloat16 bits, torch's round-to-nearest-even
             bits = value.to(tl.uint32, bitcast=True)
             rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
             rounded = tl.where(value != value, 0x7FC0, rounded)
             stored = rounded.to(tl.uint16).to(tl.int16, bitcast=True)
         else:
             stored = value.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + o, stored, mask=mask)
+    tl.store(out_ptr + offsets, stored, mask=mask)
+
+
+@triton.jit
+def _index(index_ptr, ix, p):
+    """Position ``p`` through a dim's index list (``ix`` its offset in ``index_ptr``), or ``p`` (``ix < 0``)."""
+    if ix >= 0:
+        p = tl.load(index_ptr + ix + p)
+    return p
+
+
+_INTS = ["numel", "base", "k0", "k1", "dist", "flip", "threshold", "ilow", "ispan", "run_len", "tiles",
+         "n0", "n1", "n2", "n3", "os0", "os1", "os2", "os3", "gs0", "gs1", "gs2", "gs3",
+         "ix0", "ix1", "ix2", "ix3"]
+
+
+# Every integer argument is typed int64 and never specialized, every float argument float32:
+# the compiled variant cannot depend on a value (Triton would otherwise pick i32 or i64 by
+# value and specialize on divisibility by 16 and on == 1).
+I64 = tl.int64
+F32 = tl.float32
+
+
+@triton.jit(do_not_specialize=_INTS)
+def _fill_kernel(out_ptr, index_ptr, numel: I64, base: I64, k0: I64, k1: I64, dist: I64,
+                 fa: F32, fb: F32, p_low: F32, p_span: F32, lower: F32, upper: F32,
+                 flip: I64, threshold: I64, ilow: I64, ispan: I64,
+                 run_len: I64, tiles: I64,
+                 n0: I64, n1: I64, n2: I64, n3: I64, os0: I64, os1: I64, os2: I64, os3: I64,
+                 gs0: I64, gs1: I64, gs2: I64, gs3: I64, ix0: I64, ix1: I64, ix2: I64, ix3: I64,
+                 FAMILY: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr,
+                 NB: tl.constexpr, BLOCK: tl.constexpr, RUN: tl.constexpr):
+    # Dims 0..3, innermost last; unused outer dims have size 1. Dim d's position p
+    # adds (ix_d < 0 ? p : index[ix_d + p]) * gs_d to the global index, p * os_d to the offset.
+    pid = tl.program_id(0).to(tl.int64)
+    if RUN:
+        _run_path(out_ptr, index_ptr, pid, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper, flip,
+                  threshold, ilow, ispan, run_len, tiles, n1, n2, os0, os1, os2, os3, gs0, gs1, gs2, ix0, ix1, ix2,
+                  FAMILY, W, OUT, NB)
+    else:
+        _general_path(out_ptr, index_ptr, pid, numel, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper,
+                      flip, threshold, ilow, ispan, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
+                      ix0, ix1, ix2, ix3, FAMILY, W, OUT, BLOCK)
+
+
+@triton.jit
+def _run_path(out_ptr, index_ptr, pid, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper, flip,
+              threshold, ilow, ispan, run_len, tiles, n1, n2, os0, os1, os2, os3, gs0, gs1, gs2, ix0, ix1, ix2,
+              FAMILY: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr, NB: tl.constexpr):
+    """RUN: program ``pid`` owns NB consecutive Philox blocks of one row of consecutive global indices."""
+    E: tl.constexpr = 4 // W  # elements per Philox block
+    row = pid // tiles
+    tile = pid - row * tiles
+    rest = row
+    p = rest % n2
+    rest = rest // n2
+    g_row = base + _index(index_ptr, ix2, p) * gs2
+    o_row = p * os2
+    p = rest % n1
+    rest = rest // n1
+    g_row += _index(index_ptr, ix1, p) * gs1
+    o_row += p * os1
+    g_row += _index(index_ptr, ix0, rest) * gs0
+    o_row += rest * os0
+    # the row holds global indices g_row .. g_row + run_len - 1, in order
+    block = (g_row // E) + tile * NB + tl.arange(0, NB).to(tl.int64)
+    r0, r1, r2, r3 = _philox_blocks(block, k0, k1)
+    if W == 1:
+        # element [j, i, l] of join(join(r0, r2), join(r1, r3)) is lane 2*i + l of block j
+        x = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [NB, 4])
+        x1 = x
+    else:
+        x = tl.join(r0, r2)
+        x1 = tl.join(r1, r3)
+    element = block[:, None] * E + tl.arange(0, E).to(tl.int64)[None, :]
+    q = element - g_row
+    mask = (q >= 0) & (q < run_len)
+    value = _values(x, x1, dist, fa, fb, p_low, p_span, lower, upper, flip, threshold, ilow, ispan, FAMILY)
+    _store(out_ptr, o_row + q * os3, value, mask, FAMILY, OUT)
+
+
+@triton.jit
+def _general_path(out_ptr, index_ptr, pid, numel, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper,
+                  flip, threshold, ilow, ispan, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
+                  ix0, ix1, ix2, ix3, FAMILY: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """GENERAL: program ``pid`` owns BLOCK consecutive region elements; each decodes its own position."""
+    position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = position < numel
+    rest = tl.where(mask, position, 0)
+    p = rest % n3
+    rest = rest // n3
+    g = base + _index(index_ptr, ix3, p) * gs3
+    o = p * os3
+    if n2 != 1:
+        p = rest % n2
+        rest = rest // n2
+        g += _index(index_ptr, ix2, p) * gs2
+        o += p * os2
+    if n1 != 1:
+        p = rest % n1
+        rest = rest // n1
+        g += _index(index_ptr, ix1, p) * gs1
+        o += p * os1
+    g += _index(index_ptr, ix0, rest) * gs0
+    o += rest * os0
+    word = g * W
+    r0, r1, r2, r3 = _philox_blocks(word >> 2, k0, k1)
+    lane = (word & 3).to(tl.int32)
+    if W == 1:
+        x = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+        x1 = x
+    else:
+        x = tl.where(lane == 0, r0, r2)
+        x1 = tl.where(lane == 0, r1, r3)
+    value = _values(x, x1, dist, fa, fb, p_low, p_span, lower, upper, flip, threshold, ilow, ispan, FAMILY)
+    _store(out_ptr, o, value, mask, FAMILY, OUT)
 
 
 fill_kernel = _fill_kernel

@@ -9,14 +9,26 @@
  * operation the reference performs, in the same order, with no fused
  * multiply-add and no flush-to-zero. The only math function is sqrt
  * (__builtin_sqrtf), which IEEE-754 requires to be correctly rounded; with
- * -fno-math-errno it is the sqrtss / vsqrtps instruction.
+ * -fno-math-errno it is the sqrtss / vsqrtps instruction. The caller's
+ * flush-to-zero / denormals-are-zero modes cannot change a value either: every
+ * thread clears them while it computes (x86). keyinit_fp_probe lets the loader
+ * refuse a build whose flags (e.g. added by a $CC wrapper) broke any of this.
  *
  * Addressing (see keyinit_fill): element (p_0, ..., p_{d-1}) of the destination
- * has global flat index  g = base + sum_k index[k][p_k] * gstride[k]  and sits at
- * element offset  sum_k p_k * ostride[k]  from out. It consumes stream words
- * w*g .. w*g + w - 1 (w = 2 for randint, else 1); word j is lane j % 4 of
- * Philox4x32-10((lo32(j/4), hi32(j/4), 0, 0), (k0, k1)). Where a tile's global
- * indices are consecutive, one Philox block serves 4/w elements.
+ * has global flat index  g = base + sum_k idx_k(p_k) * gstride[k]  and sits at
+ * element offset  sum_k p_k * ostride[k]  from out, where idx_k(p) = index[k][p]
+ * for an index-list dim and idx_k(p) = p for a slice dim (index[k] == NULL: its
+ * start is folded into base and its step into gstride; no index vector exists).
+ * It consumes stream words w*g .. w*g + w - 1 (w = 2 for randint, else 1); word
+ * j is lane j % 4 of Philox4x32-10((lo32(j/4), hi32(j/4), 0, 0), (k0, k1)).
+ *
+ * Where a row's global indices are consecutive (a unit-step innermost slice, or
+ * a tile of an index list that happens to be consecutive), the row is a run:
+ * each Philox block is computed once and all of its words are used, 4/w
+ * elements per block, whatever the run's start and length. Elsewhere (strided
+ * and listed dims) each element gets its own block through the same SIMD
+ * Philox and keeps its lane(s). Positions advance by carries; the only integer
+ * divisions are one decomposition per chunk.
  *
  * Work is split into chunks of CHUNK region elements taken by threads from an
  * atomic counter, and each chunk into tiles of at most TILE elements held in
@@ -133,21 +145,14 @@ static inline void store_blocks16(__m512i c0, __m512i c1, __m512i c2, __m512i c3
     _mm512_storeu_si512(out + 48, _mm512_permutex2var_epi64(v01b, j1, v23b));
 }
 
-/* 4 independent groups of 16 blocks, interleaved to hide the multiply latency. */
+/* 4 independent groups of 16 blocks, interleaved to hide the multiply latency.
+ * c0/c1 hold the groups' counter words 0 and 1 (words 2 and 3 are 0). */
 #define SIMD_GROUPS 4
-static void philox_simd(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+static inline __attribute__((always_inline)) void philox_core(__m512i *c0, __m512i *c1, uint32_t k0, uint32_t k1,
+                                                              uint32_t *restrict out)
 {
-    __m512i c0[SIMD_GROUPS], c1[SIMD_GROUPS], c2[SIMD_GROUPS], c3[SIMD_GROUPS];
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i c2[SIMD_GROUPS], c3[SIMD_GROUPS];
     for (int g = 0; g < SIMD_GROUPS; g++) {
-        uint64_t b0 = first + (uint64_t)(16 * g);
-        /* lo32(b0 + i) and hi32(b0 + i), with the carry out of the low word */
-        __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)b0), lane);
-        __mmask16 carry = _mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32((int)(uint32_t)b0));
-        __m512i hi = _mm512_mask_add_epi32(_mm512_set1_epi32((int)(uint32_t)(b0 >> 32)), carry,
-                                           _mm512_set1_epi32((int)(uint32_t)(b0 >> 32)), _mm512_set1_epi32(1));
-        c0[g] = lo;
-        c1[g] = hi;
         c2[g] = _mm512_setzero_si512();
         c3[g] = _mm512_setzero_si512();
     }
@@ -169,6 +174,36 @@ static void philox_simd(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *rest
     }
     for (int g = 0; g < SIMD_GROUPS; g++) store_blocks16(c0[g], c1[g], c2[g], c3[g], out + 64 * g);
 }
+
+/* Blocks first .. first + SIMD_BLOCKS - 1. */
+static void philox_simd_range(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+{
+    __m512i c0[SIMD_GROUPS], c1[SIMD_GROUPS];
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int g = 0; g < SIMD_GROUPS; g++) {
+        uint64_t b0 = first + (uint64_t)(16 * g);
+        /* lo32(b0 + i) and hi32(b0 + i), with the carry out of the low word */
+        __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)b0), lane);
+        __mmask16 carry = _mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32((int)(uint32_t)b0));
+        __m512i hi = _mm512_mask_add_epi32(_mm512_set1_epi32((int)(uint32_t)(b0 >> 32)), carry,
+                                           _mm512_set1_epi32((int)(uint32_t)(b0 >> 32)), _mm512_set1_epi32(1));
+        c0[g] = lo;
+        c1[g] = hi;
+    }
+    philox_core(c0, c1, k0, k1, out);
+}
+
+/* Blocks with the counters (lo[i], hi[i], 0, 0), i < SIMD_BLOCKS. */
+static void philox_simd(const uint32_t *restrict lo, const uint32_t *restrict hi, uint32_t k0, uint32_t k1,
+                        uint32_t *restrict out)
+{
+    __m512i c0[SIMD_GROUPS], c1[SIMD_GROUPS];
+    for (int g = 0; g < SIMD_GROUPS; g++) {
+        c0[g] = _mm512_loadu_si512((const void *)(lo + 16 * g));
+        c1[g] = _mm512_loadu_si512((const void *)(hi + 16 * g));
+    }
+    philox_core(c0, c1, k0, k1, out);
+}
 #define SIMD_BLOCKS (16 * SIMD_GROUPS)
 #elif defined(__AVX2__)
 static inline void mulhilo8(__m256i a, __m256i m, __m256i *hi, __m256i *lo)
@@ -179,21 +214,15 @@ static inline void mulhilo8(__m256i a, __m256i m, __m256i *hi, __m256i *lo)
     *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
 }
 
-/* 2 independent groups of 8 blocks, interleaved to hide the multiply latency. */
+/* 2 independent groups of 8 blocks, interleaved to hide the multiply latency.
+ * c0/c1 hold the groups' counter words 0 and 1 (words 2 and 3 are 0). */
 #define SIMD_GROUPS 2
 #define SIMD_BLOCKS (8 * SIMD_GROUPS)
-static void philox_simd(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+static inline __attribute__((always_inline)) void philox_core(__m256i *c0, __m256i *c1, uint32_t k0, uint32_t k1,
+                                                              uint32_t *restrict out)
 {
-    __m256i c0[SIMD_GROUPS], c1[SIMD_GROUPS], c2[SIMD_GROUPS], c3[SIMD_GROUPS];
+    __m256i c2[SIMD_GROUPS], c3[SIMD_GROUPS];
     for (int g = 0; g < SIMD_GROUPS; g++) {
-        uint32_t lo[8], hi[8];
-        for (int i = 0; i < 8; i++) {
-            uint64_t b = first + (uint64_t)(8 * g + i);
-            lo[i] = (uint32_t)b;
-            hi[i] = (uint32_t)(b >> 32);
-        }
-        c0[g] = _mm256_loadu_si256((const __m256i *)lo);
-        c1[g] = _mm256_loadu_si256((const __m256i *)hi);
         c2[g] = _mm256_setzero_si256();
         c3[g] = _mm256_setzero_si256();
     }
@@ -229,15 +258,71 @@ static void philox_simd(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *rest
         _mm256_storeu_si256((__m256i *)(o + 24), _mm256_permute2x128_si256(u2, u3, 0x31));
     }
 }
+
+/* Blocks with the counters (lo[i], hi[i], 0, 0), i < SIMD_BLOCKS. */
+static void philox_simd(const uint32_t *restrict lo, const uint32_t *restrict hi, uint32_t k0, uint32_t k1,
+                        uint32_t *restrict out)
+{
+    __m256i c0[SIMD_GROUPS], c1[SIMD_GROUPS];
+    for (int g = 0; g < SIMD_GROUPS; g++) {
+        c0[g] = _mm256_loadu_si256((const __m256i *)(lo + 8 * g));
+        c1[g] = _mm256_loadu_si256((const __m256i *)(hi + 8 * g));
+    }
+    philox_core(c0, c1, k0, k1, out);
+}
+
+/* Blocks first .. first + SIMD_BLOCKS - 1: the counters are made in registers
+ * (no store-then-load); a group whose low word wraps takes the array path. */
+static void philox_simd_range(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *restrict out)
+{
+    const uint32_t lo0 = (uint32_t)first, hi0 = (uint32_t)(first >> 32);
+    if (lo0 > 0xFFFFFFFFu - (SIMD_BLOCKS - 1)) {
+        uint32_t lo[SIMD_BLOCKS], hi[SIMD_BLOCKS];
+        for (int j = 0; j < SIMD_BLOCKS; j++) {
+            uint64_t b = first + (uint64_t)j;
+            lo[j] = (uint32_t)b;
+            hi[j] = (uint32_t)(b >> 32);
+        }
+        philox_simd(lo, hi, k0, k1, out);
+        return;
+    }
+    __m256i c0[SIMD_GROUPS], c1[SIMD_GROUPS];
+    for (int g = 0; g < SIMD_GROUPS; g++) {
+        c0[g] = _mm256_add_epi32(_mm256_set1_epi32((int)lo0),
+                                 _mm256_setr_epi32(8 * g, 8 * g + 1, 8 * g + 2, 8 * g + 3,
+                                                   8 * g + 4, 8 * g + 5, 8 * g + 6, 8 * g + 7));
+        c1[g] = _mm256_set1_epi32((int)hi0);
+    }
+    philox_core(c0, c1, k0, k1, out);
+}
 #endif
 
+/* Blocks first .. first+n-1, written interleaved: out[4*i + lane]. */
 static void philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, uint32_t *restrict out)
 {
     int64_t i = 0;
 #ifdef SIMD_BLOCKS
-    for (; i + SIMD_BLOCKS <= n; i += SIMD_BLOCKS) philox_simd(first + (uint64_t)i, k0, k1, out + 4 * i);
+    for (; i + SIMD_BLOCKS <= n; i += SIMD_BLOCKS) philox_simd_range(first + (uint64_t)i, k0, k1, out + 4 * i);
 #endif
     philox_range_scalar(first + (uint64_t)i, n - i, k0, k1, out + 4 * i);
+}
+
+/* Blocks blocks[0..n-1] (any values), written interleaved: out[4*i + lane]. */
+static void philox_list(const uint64_t *restrict blocks, int64_t n, uint32_t k0, uint32_t k1,
+                        uint32_t *restrict out)
+{
+    int64_t i = 0;
+#ifdef SIMD_BLOCKS
+    uint32_t lo[SIMD_BLOCKS], hi[SIMD_BLOCKS];
+    for (; i + SIMD_BLOCKS <= n; i += SIMD_BLOCKS) {
+        for (int j = 0; j < SIMD_BLOCKS; j++) {
+            lo[j] = (uint32_t)blocks[i + j];
+            hi[j] = (uint32_t)(blocks[i + j] >> 32);
+        }
+        philox_simd(lo, hi, k0, k1, out + 4 * i);
+    }
+#endif
+    for (; i < n; i++) philox_range_scalar(blocks[i], 1, k0, k1, out + 4 * i);
 }
 
 /* Exported for the tests: Philox blocks first .. first+n-1 through the path the fills use. */
@@ -246,27 +331,24 @@ KI_API void keyinit_philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_
     philox_range(first, n, k0, k1, out);
 }
 
-/* Words of elements with arbitrary global indices g[0..m-1]: element k gets
- * words[w*k .. w*k + w - 1] (w is 1 or 2; an element's words lie in one block). */
+/* Words of elements with arbitrary global indices g[0..m-1] (m <= TILE): element
+ * k gets words[w*k .. w*k + w - 1] (w is 1 or 2; an element's words lie in one
+ * block). The blocks go through the same SIMD Philox as runs, one per element. */
 static void words_gather(const int64_t *restrict g, int64_t m, int w, uint32_t k0, uint32_t k1,
                          uint32_t *restrict words)
 {
+    uint64_t blocks[TILE];
+    uint32_t lanes[4 * TILE];
+    const unsigned shift = w == 1 ? 2u : 1u; /* block of element i: (w*i) >> 2 */
+    for (int64_t k = 0; k < m; k++) blocks[k] = (uint64_t)g[k] >> shift;
+    philox_list(blocks, m, k0, k1, lanes);
     if (w == 1) {
-        for (int64_t k = 0; k < m; k++) {
-            uint64_t j = (uint64_t)g[k];
-            uint32_t lane = (uint32_t)(j & 3u), c0, c1, c2, c3;
-            PHILOX_BLOCK(j >> 2, k0, k1, c0, c1, c2, c3);
-            uint32_t lo = lane & 1u ? c1 : c0, hi = lane & 1u ? c3 : c2;
-            words[k] = lane & 2u ? hi : lo;
-        }
+        for (int64_t k = 0; k < m; k++) words[k] = lanes[4 * k + ((uint64_t)g[k] & 3u)];
     } else {
         for (int64_t k = 0; k < m; k++) {
-            uint64_t j = (uint64_t)g[k] * 2u;
-            uint32_t c0, c1, c2, c3;
-            PHILOX_BLOCK(j >> 2, k0, k1, c0, c1, c2, c3);
-            int upper = (j & 2u) != 0;
-            words[2 * k] = upper ? c2 : c0;
-            words[2 * k + 1] = upper ? c3 : c1;
+            const uint32_t *b = lanes + 4 * k + 2 * ((uint64_t)g[k] & 1u);
+            words[2 * k] = b[0];
+            words[2 * k + 1] = b[1];
         }
     }
 }
@@ -339,35 +421,23 @@ static inline float log_f32(float x)
     return e * C_LN2_HI + (e * C_LN2_LO + log_m);
 }
 
-/* The central branch of _fp32math.ndtri_tail_f32 (used when q <= 0.425). */
-static inline float ndtri_central(float q)
-{
-    float r_central = C_CENTRAL_R0 - q * q;
-    float a = ((C_A3 * r_central + C_A2) * r_central + C_A1) * r_central + C_A0;
-    float b = ((C_B3 * r_central + C_B2) * r_central + C_B1) * r_central + 1.0f;
-    return q * a / b;
-}
-
-/* The tail branches of _fp32math.ndtri_tail_f32 (used when q > 0.425). */
-static inline float ndtri_tails(float tail)
-{
-    float clamped = tail < C_SMALLEST_NORMAL ? C_SMALLEST_NORMAL : tail;
-    float r = __builtin_sqrtf(-log_f32(clamped));
-    float r_near = r - C_TAIL_SHIFT;
-    float cn = ((C_C3 * r_near + C_C2) * r_near + C_C1) * r_near + C_C0;
-    float dn = (C_D2 * r_near + C_D1) * r_near + 1.0f;
-    float z_near = cn / dn;
-    float r_far = r - C_SPLIT_TAIL;
-    float ef = ((C_E3 * r_far + C_E2) * r_far + C_E1) * r_far + C_E0;
-    float ff = (C_F2 * r_far + C_F1) * r_far + 1.0f;
-    float z_far = ef / ff;
-    return r <= C_SPLIT_TAIL ? z_near : z_far;
-}
-
-/* _fp32math.ndtri_tail_f32 of tail[0..m-1] into mag[0..m-1] (m <= TILE).
- * The reference evaluates every branch and selects; only the selected one
- * matters, so the central branch runs on all elements and the tail branches
- * on the compacted list of elements with q > 0.425 (about 15%). */
+/* _fp32math.ndtri_tail_f32 of tail[0..m-1] into mag[0..m-1] (m <= TILE). Each
+ * element's magnitude is ONE rational evaluation, with the argument and the
+ * coefficients of its PPND7 branch (q = 0.5 - t, r = sqrt(-log(max(t, 2**-126)))):
+ *
+ *   branch   condition        x                    magnitude
+ *   central  q <= 0.425       0.180625 - q*q       (q * A(x)) / B(x)
+ *   near     r <= 5           r - 1.6              C(x) / D(x)
+ *   far      otherwise        r - 5                E(x) / F(x)
+ *
+ * which is the branch the reference selects, operation for operation (the
+ * reference evaluates every branch and selects; only the selected one matters).
+ * The choice is made in two SIMD passes rather than lane by lane: the central
+ * evaluation runs on every element (about 85% keep it), then the elements with
+ * q > 0.425 are compacted and get the log, the sqrt and one rational whose
+ * coefficients (C, D or E, F: the same shapes) are chosen per element. The
+ * Triton kernel merges all three branches per lane in one pass (on a GPU a
+ * lane-wise select is cheaper than a second pass); both give the same bits. */
 static void ndtri_tail_batch(const float *tail, int64_t m, float *mag)
 {
     int32_t where[TILE];
@@ -375,7 +445,10 @@ static void ndtri_tail_batch(const float *tail, int64_t m, float *mag)
     uint8_t is_tail[TILE];
     for (int64_t k = 0; k < m; k++) {
         float q = 0.5f - tail[k];
-        mag[k] = ndtri_central(q);
+        float x = C_CENTRAL_R0 - q * q;
+        float num = ((C_A3 * x + C_A2) * x + C_A1) * x + C_A0;
+        float den = ((C_B3 * x + C_B2) * x + C_B1) * x + 1.0f;
+        mag[k] = (q * num) / den;
         is_tail[k] = !(q <= C_SPLIT_CENTRAL);
     }
     /* Compaction through 64-bit masks: the work is per tail element, with no
@@ -393,9 +466,22 @@ static void ndtri_tail_batch(const float *tail, int64_t m, float *mag)
             n++;
         }
     }
-    for (int64_t j = 0; j < n; j++) ztail[j] = ndtri_tails(tails[j]);
+    for (int64_t j = 0; j < n; j++) {
+        float clamped = tails[j] < C_SMALLEST_NORMAL ? C_SMALLEST_NORMAL : tails[j];
+        float r = __builtin_sqrtf(-log_f32(clamped));
+        int near = r <= C_SPLIT_TAIL;
+        float x = near ? r - C_TAIL_SHIFT : r - C_SPLIT_TAIL;
+        float n0 = near ? C_C0 : C_E0, n1 = near ? C_C1 : C_E1, n2 = near ? C_C2 : C_E2, n3 = near ? C_C3 : C_E3;
+        float d1 = near ? C_D1 : C_F1, d2 = near ? C_D2 : C_F2;
+        float num = ((n3 * x + n2) * x + n1) * x + n0;
+        float den = (d2 * x + d1) * x + 1.0f;
+        ztail[j] = num / den;
+    }
     for (int64_t j = 0; j < n; j++) mag[where[j]] = ztail[j];
 }
+
+/* Exported for the tests: ndtri_tail_batch over any number of tails. */
+KI_API void keyinit_ndtri_tail(const float *tail, int64_t n, float *mag);
 
 /* ------------------------------------------------ conversions to storage */
 
@@ -460,8 +546,7 @@ typedef struct {
     const int64_t *size;
     const int64_t *ostride;
     const int64_t *gstride;
-    const int64_t *const *index;
-    int inner_unit; /* 1: index[last][p] == index[last][0] + p for all p; 0: not; -1: unknown */
+    const int64_t *const *index; /* per dim: an index vector, or NULL for idx(p) = p */
     char *out;
     int elsize;
     int64_t numel;
@@ -621,7 +706,8 @@ static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const int64_t
     uint32_t words[2 * TILE + 16];
     const uint32_t *wp;
     if (g == NULL) {
-        /* global indices g0 .. g0+m-1 use words w*g0 .. w*(g0+m)-1 */
+        /* A run: global indices g0 .. g0+m-1 use words w*g0 .. w*(g0+m)-1, so each
+         * Philox block is computed once and all of its words are used. */
         uint64_t j0 = (uint64_t)g0 * (uint64_t)w;
         uint64_t j1 = j0 + (uint64_t)(m * w); /* exclusive */
         uint64_t b0 = j0 >> 2, b1 = (j1 + 3) >> 2;
@@ -644,30 +730,49 @@ static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const int64_t
     store_tile(P, &v, m, o, o0, os);
 }
 
-/* Elements p0 .. p0+m-1 of one row of the innermost dimension. */
+/* Global index of inner position p of a row that starts at gouter. */
+static inline int64_t inner_global(const plan_t *P, int64_t gouter, int64_t p)
+{
+    const int last = P->ndim - 1;
+    const int64_t *iv = P->index[last];
+    return gouter + (iv != NULL ? iv[p] : p) * P->gstride[last];
+}
+
+/* Elements p0 .. p0+m-1 (m <= TILE) of one row of the innermost dimension. */
 static void do_row_tile(const plan_t *P, int64_t gouter, int64_t oouter, int64_t p0, int64_t m)
 {
     const int last = P->ndim - 1;
-    const int64_t *iv = P->index[last] + p0;
+    const int64_t *iv = P->index[last];
     const int64_t gs = P->gstride[last], os = P->ostride[last];
-    int contiguous = gs == 1 && P->inner_unit != 0;
-    if (contiguous && P->inner_unit < 0) {
-        const int64_t first = iv[0];
-        for (int64_t k = 1; k < m; k++) contiguous &= iv[k] == first + k;
-    }
-    if (contiguous) {
-        do_tile(P, NULL, gouter + iv[0], NULL, oouter + p0 * os, os, m);
-    } else {
+    if (iv == NULL) {
+        if (gs == 1) { /* a slice with unit step: consecutive global indices */
+            do_tile(P, NULL, gouter + p0, NULL, oouter + p0 * os, os, m);
+            return;
+        }
         int64_t g[TILE];
-        for (int64_t k = 0; k < m; k++) g[k] = gouter + iv[k] * gs;
+        const int64_t g0 = gouter + p0 * gs;
+        for (int64_t k = 0; k < m; k++) g[k] = g0 + k * gs;
         do_tile(P, g, 0, NULL, oouter + p0 * os, os, m);
+        return;
     }
+    /* An index list: a tile whose indices happen to be consecutive is still a run. */
+    const int64_t *ivp = iv + p0;
+    int contiguous = gs == 1;
+    for (int64_t k = 1; k < m && contiguous; k++) contiguous = ivp[k] == ivp[0] + k;
+    if (contiguous) {
+        do_tile(P, NULL, gouter + ivp[0], NULL, oouter + p0 * os, os, m);
+        return;
+    }
+    int64_t g[TILE];
+    for (int64_t k = 0; k < m; k++) g[k] = gouter + ivp[k] * gs;
+    do_tile(P, g, 0, NULL, oouter + p0 * os, os, m);
 }
 
 /* Rows shorter than this are batched into tiles that span rows. */
 #define SHORT_ROW 128
 
-/* Region elements start .. stop-1 in row-major order. */
+/* Region elements start .. stop-1 in row-major order. The position is decomposed
+ * once per chunk; after that, rows advance by carries, with no division. */
 static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
 {
     const int last = P->ndim - 1;
@@ -685,7 +790,8 @@ static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
     while (done < stop) {
         int64_t gouter = P->base, oouter = 0;
         for (int d = 0; d < last; d++) {
-            gouter += P->index[d][pos[d]] * P->gstride[d];
+            const int64_t *iv = P->index[d];
+            gouter += (iv != NULL ? iv[pos[d]] : pos[d]) * P->gstride[d];
             oouter += pos[d] * P->ostride[d];
         }
         int64_t p0 = pos[last];
@@ -694,10 +800,9 @@ static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
             for (int64_t t = 0; t < cnt; t += TILE)
                 do_row_tile(P, gouter, oouter, p0 + t, cnt - t < TILE ? cnt - t : TILE);
         } else {
-            const int64_t *iv = P->index[last];
-            const int64_t gs = P->gstride[last], os = P->ostride[last];
+            const int64_t os = P->ostride[last];
             for (int64_t j = 0; j < cnt; j++) {
-                g[fill] = gouter + iv[p0 + j] * gs;
+                g[fill] = inner_global(P, gouter, p0 + j);
                 o[fill] = oouter + (p0 + j) * os;
                 if (++fill == TILE || done + j + 1 == stop) {
                     int contiguous = 1, dense = 1;
@@ -719,9 +824,30 @@ static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
     }
 }
 
+/* The values never depend on the caller's floating-point environment: each
+ * thread clears flush-to-zero and denormals-are-zero while it computes (and the
+ * calling thread restores its own state afterwards). */
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#define KI_MXCSR_FTZ_DAZ 0x8040u
+typedef unsigned int fpstate_t;
+static inline fpstate_t fp_enter(void)
+{
+    fpstate_t saved = _mm_getcsr();
+    _mm_setcsr(saved & ~KI_MXCSR_FTZ_DAZ);
+    return saved;
+}
+static inline void fp_leave(fpstate_t saved) { _mm_setcsr(saved); }
+#else
+typedef int fpstate_t;
+static inline fpstate_t fp_enter(void) { return 0; }
+static inline void fp_leave(fpstate_t saved) { (void)saved; }
+#endif
+
 static void *worker(void *arg)
 {
     plan_t *P = (plan_t *)arg;
+    fpstate_t saved = fp_enter();
     for (;;) {
         int64_t c = __atomic_fetch_add(&P->next_chunk, 1, __ATOMIC_RELAXED);
         if (c >= P->nchunks) break;
@@ -729,27 +855,81 @@ static void *worker(void *arg)
         int64_t stop = start + CHUNK < P->numel ? start + CHUNK : P->numel;
         do_chunk(P, start, stop);
     }
+    fp_leave(saved);
     return NULL;
+}
+
+KI_API void keyinit_ndtri_tail(const float *tail, int64_t n, float *mag)
+{
+    fpstate_t saved = fp_enter();
+    for (int64_t i = 0; i < n; i += TILE) ndtri_tail_batch(tail + i, n - i < TILE ? n - i : TILE, mag + i);
+    fp_leave(saved);
+}
+
+/* Exported: which value-changing "fast math" transformations this compiled code
+ * shows, as bits (0: none; see _build._FP_PROBE_FAULTS). Every operand comes
+ * from a volatile, so nothing is folded unless the flags permit folding that
+ * IEEE arithmetic forbids. _build.load refuses a library that reports any. */
+static volatile float probe_small = 1.0e-8f, probe_one = 1.0f, probe_five = 5.0f;
+static volatile float probe_nan = __builtin_nanf(""), probe_min = 0x1p-126f, probe_sub = 0x1p-140f;
+
+KI_API int keyinit_fp_probe(void)
+{
+    fpstate_t saved = fp_enter();
+    int faults = 0;
+    float a = probe_small, b = probe_one;
+    if ((a + b) - b != 0.0f) faults |= 1;          /* 1 + 1e-8 rounds to 1 */
+    float x = probe_five;
+    if (x / 3.0f != 0x1.aaaaaap+0f) faults |= 2;    /* 5 * f32(1/3) is 0x1.aaaaacp+0 */
+    float n = probe_nan;
+    if (!(n != n)) faults |= 4;
+    float m = probe_min;
+    if (m * 0.5f == 0.0f) faults |= 8;
+    float s = probe_sub, t = probe_one;
+    if (s * t == 0.0f) faults |= 16;
+    fp_leave(saved);
+    return faults;
 }
 
 /* ------------------------------------------------------------ entry point */
 
 /*
  * Element (p_0, ..., p_{d-1}) of the destination has global flat index
- * base + sum_k index[k][p_k] * gstride[k] and destination element offset
- * sum_k p_k * ostride[k] (in elements of the output dtype).
- * fparams: [a, b, p_low, p_span, lower, upper]   (binary32 values)
+ * base + sum_k idx_k(p_k) * gstride[k], where idx_k(p) = index[k][p] if
+ * index[k] != NULL and p otherwise (a slice: its start is folded into base and
+ * its step into gstride), and destination element offset sum_k p_k * ostride[k]
+ * (in elements of the output dtype).
+ * fparams: [a, b, p_low, p_span, lower, upper]   (binary32 values, passed as
+ *          binary64 so that no caller-side conversion can flush a subnormal)
  * iparams: [flip, threshold, low, span]
  * Returns 0 on success, a negative number for invalid arguments.
  */
+static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1, const double *fparams,
+                        const int64_t *iparams, int ndim, int64_t base, const int64_t *size,
+                        const int64_t *ostride, const int64_t *gstride, const int64_t *const *index,
+                        void *out, int nthreads);
+
 KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
-                        const float *fparams, const int64_t *iparams,
+                        const double *fparams, const int64_t *iparams,
                         int ndim, int64_t base, const int64_t *size, const int64_t *ostride,
                         const int64_t *gstride, const int64_t *const *index,
                         void *out, int nthreads)
 {
     if (ndim < 1 || ndim > KI_MAX_DIMS) return -1;
     if (dist < D_BITS || dist > D_RANDINT || dtype < T_F32 || dtype > T_U8) return -2;
+    fpstate_t saved = fp_enter(); /* before the conversions below: exact, subnormals kept */
+    int rc = fill_planned(dist, dtype, k0, k1, fparams, iparams, ndim, base, size, ostride, gstride, index, out,
+                          nthreads);
+    fp_leave(saved);
+    return rc;
+}
+
+static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1,
+                        const double *fparams, const int64_t *iparams,
+                        int ndim, int64_t base, const int64_t *size, const int64_t *ostride,
+                        const int64_t *gstride, const int64_t *const *index,
+                        void *out, int nthreads)
+{
     static plan_t zero_plan;
     plan_t P = zero_plan;
     P.dist = dist;
@@ -757,12 +937,12 @@ KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
     P.w = dist == D_RANDINT ? 2 : 1;
     P.k0 = k0;
     P.k1 = k1;
-    P.a = fparams[0];
-    P.b = fparams[1];
-    P.p_low = fparams[2];
-    P.p_span = fparams[3];
-    P.lower = fparams[4];
-    P.upper = fparams[5];
+    P.a = (float)fparams[0]; /* exact: each is a binary32 value */
+    P.b = (float)fparams[1];
+    P.p_low = (float)fparams[2];
+    P.p_span = (float)fparams[3];
+    P.lower = (float)fparams[4];
+    P.upper = (float)fparams[5];
     P.flip = (int)iparams[0];
     P.threshold = (uint64_t)iparams[1];
     P.low = iparams[2];
@@ -773,18 +953,13 @@ KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
     P.ostride = ostride;
     P.gstride = gstride;
     P.index = index;
-    /* Scan a short innermost index vector once, rather than once per tile. */
-    P.inner_unit = -1;
-    if (size[ndim - 1] <= (1 << 20)) {
-        const int64_t *iv = index[ndim - 1];
-        int unit = 1;
-        for (int64_t k = 1; k < size[ndim - 1]; k++) unit &= iv[k] == iv[0] + k;
-        P.inner_unit = unit;
-    }
     P.out = (char *)out;
     P.elsize = elsizes[dtype];
     int64_t numel = 1;
-    for (int k = 0; k < ndim; k++) numel *= size[k];
+    for (int k = 0; k < ndim; k++) {
+        if (size[k] < 0) return -3;
+        numel *= size[k];
+    }
     P.numel = numel;
     if (numel == 0) return 0;
     P.nchunks = (numel + CHUNK - 1) / CHUNK;

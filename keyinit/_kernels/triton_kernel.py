@@ -18,6 +18,17 @@ own ``randint4x`` puts a 64-bit offset into a different Philox variant, so it is
 not used. bfloat16 rounding is done on the bits (torch's rule); float16 uses the
 hardware round-to-nearest-even conversion.
 
+Structure (see :mod:`keyinit._kernels._triton_impl`): a region whose innermost
+dimension is a run of consecutive global indices (every full tensor, every
+dim-0 shard, rows of a unit-step column slice of at least ``RUN_MIN`` elements)
+takes the RUN path: each program computes ``NB`` Philox blocks of one row once
+and stores all their words as consecutive elements, and decodes its row with a
+few scalar operations. Everything else takes the GENERAL path (per-element
+position decoding). The geometry and the parameters are scalar arguments (no
+host-to-device copy, except for explicit index lists), and the compiled
+variant depends only on the path, the value family, the output storage type
+and the pointer alignment.
+
 Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors (numpy
 semantics, IEEE binary32), which is how the tests check it without a GPU.
 """
@@ -25,19 +36,30 @@ semantics, IEEE binary32), which is how the tests check it without a GPU.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
 from keyinit.distributions import Bernoulli, Bits, Distribution, Normal, Randint, TruncatedNormal, Uniform
 from keyinit.keys import Key
 from keyinit.regions import Region
+from keyinit._kernels._plan import geometry
 
-__all__ = ["available", "fill", "MAX_DIMS", "BLOCK"]
+__all__ = ["available", "fill", "MAX_DIMS", "RUN_MIN", "launch_plan"]
 
-MAX_DIMS = 8
+#: Dimensions a launch describes after size-1 dims are dropped and slice dims merged; more: the reference.
+MAX_DIMS = 4
+#: Elements per program: Philox blocks per RUN program, elements per GENERAL program (keep in sync
+#: with _triton_impl, which cannot be imported without triton).
+NB = 256
 BLOCK = 1024
+#: Shortest row of a multi-row region that takes the RUN path (shorter rows waste most of a RUN program).
+RUN_MIN = 256
+_MAX_GRID = 2**31 - 1
 
 _DISTS = {Bits: 0, Uniform: 1, Normal: 2, TruncatedNormal: 3, Bernoulli: 4, Randint: 5}
+#: Value family of each distribution: 0 float, 1 integer, 2 boolean.
+_FAMILY = {Bits: 1, Uniform: 0, Normal: 0, TruncatedNormal: 0, Bernoulli: 2, Randint: 1}
 # Output kinds: how the kernel stores a value.
 _OUT_KINDS = {
     torch.float32: 0,
@@ -76,6 +98,45 @@ def _storage_view(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def launch_plan(out: torch.Tensor, region: Region, words_per_element: int) -> Optional[dict]:
+    """The kernel's geometry arguments and grid for filling ``out``, or ``None`` if it cannot take it.
+
+    Returns ``{"run", "run_len", "tiles", "grid", "base", "dims", "index"}``: ``dims``
+    is 4 ``[size, out_stride, global_stride, index_offset]`` rows, innermost last
+    (offset -1 for a slice), ``index`` the concatenated index lists (CPU) or ``None``.
+    """
+    base, dims = geometry(out, region)
+    if len(dims) > MAX_DIMS:
+        return None
+    numel = out.numel()
+    rows = []
+    pieces = []
+    offset = 0
+    for size, ostride, gstride, index in dims:
+        if index is None:
+            rows.append([size, ostride, gstride, -1])
+        else:
+            rows.append([size, ostride, gstride, offset])
+            pieces.append(index)
+            offset += int(index.numel())
+    rows = [[1, 0, 0, -1]] * (MAX_DIMS - len(rows)) + rows
+    inner_size, _, inner_gstride, inner_offset = rows[-1]
+    per_block = 4 // words_per_element
+    # A single run (any full tensor) always takes the RUN path; many short rows would waste it.
+    run = inner_offset < 0 and inner_gstride == 1 and (inner_size >= RUN_MIN or inner_size == numel)
+    if run:
+        blocks_per_row = (inner_size + per_block - 2) // per_block + 1  # most blocks a row can touch
+        tiles = -(-blocks_per_row // NB)
+        grid = numel // inner_size * tiles
+    else:
+        tiles = 1
+        grid = -(-numel // BLOCK)
+    if grid > _MAX_GRID:
+        return None
+    return {"run": int(run), "run_len": inner_size if run else 0, "tiles": tiles, "grid": grid, "base": base,
+            "dims": rows, "index": torch.cat(pieces) if pieces else None}
+
+
 def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, interpret_ok: bool = False) -> bool:
     """Fill ``out`` with the Triton kernel; ``False`` (nothing written) if it cannot.
 
@@ -91,27 +152,11 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, int
     kernel = _kernel()
     if kernel is None:
         return False
-    numel = out.numel()
-    if numel == 0:
+    if out.numel() == 0:
         return True
-    base = 0
-    rows: list[list[int]] = []
-    pieces: list[torch.Tensor] = []
-    offset = 0
-    for index, gstride, n, ostride in zip(region.indices, region.strides, out.shape, out.stride()):
-        if n == 1:
-            base += int(index[0]) * gstride
-            continue
-        rows.append([n, ostride, gstride, offset])
-        pieces.append(index)
-        offset += n
-    if not rows:
-        rows.append([1, 1, 0, 0])
-        pieces.append(torch.zeros(1, dtype=torch.int64))
-    if len(rows) > MAX_DIMS:
+    plan = launch_plan(out, region, dist.words_per_element)
+    if plan is None:
         return False
-    meta = torch.tensor(rows, dtype=torch.int64).reshape(-1).to(out.device)
-    index_all = torch.cat(pieces).to(out.device)
     fa = fb = p_low = p_span = lower = upper = 0.0
     flip = threshold = ilow = ispan = 0
     if isinstance(dist, Uniform):
@@ -125,12 +170,19 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, int
         threshold = dist.threshold
     elif isinstance(dist, Randint):
         ilow, ispan = dist.low, dist.span
+    if plan["index"] is not None:
+        index = plan["index"].to(out.device)
+    else:  # never read (every dim is a slice), but the kernel needs a pointer
+        index = torch.empty(1, dtype=torch.int64, device=out.device)
     k0, k1 = key.words
-    grid = ((numel + BLOCK - 1) // BLOCK,)
-    args = (_storage_view(out), meta, index_all, numel, base, k0, k1,
+    dims = plan["dims"]
+    geometry_args = [d[0] for d in dims] + [d[1] for d in dims] + [d[2] for d in dims] + [d[3] for d in dims]
+    args = (_storage_view(out), index, out.numel(), plan["base"], k0, k1, dist_id,
             float(fa), float(fb), float(p_low), float(p_span), float(lower), float(upper),
-            flip, threshold, ilow, ispan)
-    options = dict(NDIM=len(rows), DIST=dist_id, OUT=out_kind, BLOCK=BLOCK, enable_fp_fusion=False)
+            flip, threshold, ilow, ispan, plan["run_len"], plan["tiles"], *geometry_args)
+    options = dict(FAMILY=_FAMILY[type(dist)], W=dist.words_per_element, OUT=out_kind, NB=NB, BLOCK=BLOCK,
+                   RUN=plan["run"], enable_fp_fusion=False)
+    grid = (plan["grid"],)
     if out.device.type == "cuda":
         with torch.cuda.device(out.device):
             kernel[grid](*args, **options)
