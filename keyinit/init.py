@@ -452,7 +452,7 @@ class dirac(Initializer):  # noqa: N801 - named like torch.nn.init.dirac_
             )
         per_group = shape[0] // self.groups
         indices = target.region.indices
-        centre = torch.ones((1, 1), dtype=torch.bool)
+        centre = torch.ones((1, 1), dtype=torch.bool, device="cpu")
         for dim in range(2, len(shape)):
             hit = indices[dim] == shape[dim] // 2
             centre = centre[..., None] & hit.reshape((1,) * centre.dim() + (-1,))
@@ -795,7 +795,7 @@ class with_zero_rows(Initializer):  # noqa: N801 - lower case like the other ini
             if not -shape[0] <= row < shape[0]:
                 raise IndexError(f"{target.fqn}: row {row} is out of range for global shape {shape}")
         self.base(key, target)
-        wanted = torch.tensor([row % shape[0] for row in self.rows], dtype=torch.int64)
+        wanted = torch.tensor([row % shape[0] for row in self.rows], dtype=torch.int64, device="cpu")
         hit = torch.isin(target.region.indices[0], wanted)
         if bool(hit.any()):
             target.out[hit.to(target.out.device)] = 0

@@ -207,9 +207,6 @@ def test_kernel_first_loaded_under_a_meta_default_device(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
-@pytest.mark.xfail(strict=True, reason="keyinit/init.py builds CPU tensors without device= (with_zero_rows: "
-                                       "torch.tensor at init.py:798; dirac: torch.ones at init.py:455), so a meta "
-                                       "default device breaks them; owned by init.py")
 @pytest.mark.parametrize("which", ["padding_idx", "dirac"])
 def test_init_py_rules_under_a_meta_default_device(which):
     if which == "padding_idx":
