@@ -25,7 +25,13 @@ and whether this run met it.
    2-D, first-call vs warm materialize of a ~200M model, llama3-8b bf16 warm
    materialize vs to_empty + reset_parameters;
 7. Triton compile time: each kernel variant compiled for sm_90 on this
-   machine's CPU (no GPU needed), in a fresh process with an empty cache.
+   machine's CPU (no GPU needed), in a fresh process with an empty cache;
+8. keyed dropout (benchmarks/bench_dropout.py): keyinit.nn.functional.dropout
+   forward and forward+backward vs F.dropout, fp32 and bf16, at 1 and 2 threads
+   (CUDA: bf16/fp32 (8, 4096, 4096)), and the activation memory each saves;
+9. existing init code: a Hugging Face Llama built on the CPU (its own
+   _init_weights, torch's RNG) vs built on meta and materialized by keyinit with
+   init_method=model._init_weights (capture + keyed replay), same process.
 
 Timing: the peer and keyinit are timed alternately (in alternating order) in
 every round, and each side's MEDIAN over the rounds is reported, so both see the
@@ -523,12 +529,58 @@ def bench_triton_compile(arch: int = 90) -> None:
           ["variant", "compile s"], rows)
 
 
+def bench_dropout(quick: bool) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_dropout as dropout  # noqa: E402 - the dropout benchmark lives next to this file
+
+    print("\n## 8. keyed dropout vs F.dropout (ratio = torch time / keyinit time; target >= 1.0x)\n")
+    for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        dropout.print_report(dropout.run(device, quick))
+
+
+def bench_init_code(rounds: int) -> None:
+    try:
+        import transformers
+    except ImportError:
+        print("\n## 9. existing init code: skipped (transformers is not installed)")
+        return
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                      num_attention_heads=12, num_key_value_heads=4, pad_token_id=0)
+
+    def hf_native():
+        with torch.device("cpu"):
+            transformers.LlamaForCausalLM(config)
+
+    def keyed():
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        keyinit.materialize(model, 0, device="cpu", init_method=model._init_weights)
+
+    from keyinit.plan import plan_model
+
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(config)
+    start = time.perf_counter()
+    plan_model(meta, 0, init_method=meta._init_weights, materializing=True)
+    plan_seconds = time.perf_counter() - start
+    numel = sum(p.numel() for p in meta.parameters())
+    runs = max(3, rounds // 3)
+    t_hf, t_keyinit = median_pair(hf_native, keyed, runs)
+    table(f"9. existing init code: HF Llama ({numel / 1e6:.0f}M parameters), {torch.get_num_threads()} threads, "
+          f"median of {runs}",
+          ["path", "seconds", "ratio (HF / keyinit)"],
+          [["HF on CPU: constructor + its own _init_weights (torch RNG)", f"{t_hf:.3f}", ""],
+           ["keyinit.materialize(meta model, init_method=model._init_weights)", f"{t_keyinit:.3f}",
+            f"{t_hf / t_keyinit:.2f}x"],
+           ["  of which planning (capture of _init_weights on stand-ins)", f"{plan_seconds:.3f}", ""]])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2-layer model, fewer repeats")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="'all threads' (default: all cores)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per target (default 15, quick 5)")
-    parser.add_argument("--only", default="1234567", help="sections to run, e.g. 16")
+    parser.add_argument("--only", default="123456789", help="sections to run, e.g. 16")
     parser.add_argument("--gpu-dry-run", action="store_true", help="run section 6's code on the CPU with tiny sizes")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
@@ -556,6 +608,10 @@ def main() -> None:
         bench_gpu(rounds, args.gpu_dry_run)
     if "7" in args.only:
         bench_triton_compile()
+    if "8" in args.only:
+        bench_dropout(args.quick)
+    if "9" in args.only:
+        bench_init_code(rounds)
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
