@@ -237,9 +237,9 @@ def test_selftest_passes_for_the_loaded_kernel():
 
 def test_failed_selftest_means_reference_with_one_warning(monkeypatch):
     monkeypatch.setitem(_selftest.GOLDEN, "normal-f32", "0" * 16)
-    monkeypatch.setattr(_cpu, "_library", None)
-    monkeypatch.setattr(_cpu, "_failure", None)
-    monkeypatch.setattr(_cpu, "_warned", False)
+    monkeypatch.setattr(_cpu.LIBRARY, "library", None)
+    monkeypatch.setattr(_cpu.LIBRARY, "failure", None)
+    monkeypatch.setattr(_cpu.LIBRARY, "warned", False)
     assert _cpu.library() is None
     assert "golden self-test (normal-f32)" in _cpu.failure_reason()
     with pytest.warns(RuntimeWarning, match="golden self-test"):

@@ -476,9 +476,9 @@ def test_dispatch_uses_kernel_and_env_var_forces_reference(monkeypatch):
 
 
 def test_unbuildable_kernel_warns_once_and_falls_back(monkeypatch):
-    monkeypatch.setattr(_cpu, "_library", None)
-    monkeypatch.setattr(_cpu, "_failure", "BuildError: no C compiler found")
-    monkeypatch.setattr(_cpu, "_warned", False)
+    monkeypatch.setattr(_cpu.LIBRARY, "library", None)
+    monkeypatch.setattr(_cpu.LIBRARY, "failure", "BuildError: no C compiler found")
+    monkeypatch.setattr(_cpu.LIBRARY, "warned", False)
     reg = make_region((10,), None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -9,8 +9,6 @@ element addressing.
 from __future__ import annotations
 
 import ctypes
-import threading
-import warnings
 from typing import Optional
 
 import torch
@@ -20,6 +18,7 @@ from keyinit.keys import Key
 from keyinit.regions import Region
 
 from keyinit._kernels import _build, _selftest
+from keyinit._kernels._lazy import LazyLibrary
 from keyinit._kernels._plan import geometry
 
 __all__ = ["available", "fill", "library", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
@@ -41,34 +40,8 @@ MAX_DIMS = 64
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 16
 
-_lock = threading.Lock()
-_library: Optional[ctypes.CDLL] = None
-_failure: Optional[str] = None
-_warned = False
 
 _I64P = ctypes.POINTER(ctypes.c_int64)
-
-
-def library() -> Optional[ctypes.CDLL]:
-    """The loaded kernel library, building it on first call; ``None`` if it cannot be built."""
-    global _library, _failure
-    if _library is not None or _failure is not None:
-        return _library
-    with _lock:
-        if _library is None and _failure is None:
-            try:
-                lib = declare(_build.load())
-                failed = _selftest.run(lambda out, dist, key, region, threads:
-                                       fill(out, dist, key, region, threads=threads, lib=lib))
-                if failed:
-                    raise _build.BuildError(
-                        f"the compiled kernel failed its golden self-test ({', '.join(failed)}): its values "
-                        "differ from the stream v1 reference"
-                    )
-                _library = lib
-            except Exception as exc:  # noqa: BLE001 - any failure means: use the reference
-                _failure = f"{type(exc).__name__}: {exc}"
-    return _library
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -92,25 +65,34 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _load_checked() -> ctypes.CDLL:
+    """Build and load the library for this machine, and prove it against the golden digests."""
+    lib = declare(_build.load())
+    failed = _selftest.run(lambda out, dist, key, region, threads:
+                           fill(out, dist, key, region, threads=threads, lib=lib))
+    if failed:
+        raise _build.BuildError(
+            f"the compiled kernel failed its golden self-test ({', '.join(failed)}): its values "
+            "differ from the stream v1 reference"
+        )
+    return lib
+
+
+#: The library built for this machine (loaded on first use).
+LIBRARY = LazyLibrary("the compiled CPU kernel", _load_checked)
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The library built for this machine, building it on first call; ``None`` if it cannot be built."""
+    return LIBRARY.get()
+
+
 def available() -> bool:
-    return library() is not None
+    return LIBRARY.get() is not None
 
 
 def failure_reason() -> Optional[str]:
-    library()
-    return _failure
-
-
-def _warn_once() -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(
-            "keyinit: the compiled CPU kernel is unavailable, falling back to the slow reference "
-            f"implementation (same values). Reason: {_failure}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+    return LIBRARY.failure_reason()
 
 
 def _params(dist: Distribution) -> tuple[list[float], list[int]]:
@@ -144,7 +126,7 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, thread
     if lib is None:
         lib = library()
     if lib is None:
-        _warn_once()
+        LIBRARY.warn_once()
         return False
     base, dims = geometry(out, region)
     nd = len(dims)

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import threading
-import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from keyinit._kernels import _build
+from keyinit._kernels._lazy import LazyLibrary
 
 __all__ = ["SOURCE", "HEADER", "DTYPE_IDS", "library", "available", "failure_reason", "run", "MIN_PARALLEL_ELEMENTS"]
 
@@ -32,10 +31,6 @@ MAX_DIMS = 64
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 17
 
-_lock = threading.Lock()
-_library: Optional[ctypes.CDLL] = None
-_failure: Optional[str] = None
-_warned = False
 
 _I64P = ctypes.POINTER(ctypes.c_int64)
 
@@ -67,39 +62,21 @@ def build_library(native: bool = True, extra_flags: tuple[str, ...] = ()) -> cty
     return declare(_build.load(native, (header_flag(), *extra_flags), source=SOURCE))
 
 
+#: The library built for this machine (loaded on first use).
+LIBRARY = LazyLibrary("the compiled CPU dropout kernel", build_library)
+
+
 def library() -> Optional[ctypes.CDLL]:
     """The library built for this machine, building it on first call; ``None`` if it cannot be built."""
-    global _library, _failure
-    if _library is not None or _failure is not None:
-        return _library
-    with _lock:
-        if _library is None and _failure is None:
-            try:
-                _library = build_library()
-            except Exception as exc:  # noqa: BLE001 - any failure means: use the reference
-                _failure = f"{type(exc).__name__}: {exc}"
-    return _library
+    return LIBRARY.get()
 
 
 def available() -> bool:
-    return library() is not None
+    return LIBRARY.get() is not None
 
 
 def failure_reason() -> Optional[str]:
-    library()
-    return _failure
-
-
-def _warn_once() -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(
-            "keyinit: the compiled CPU dropout kernel is unavailable, falling back to the reference "
-            f"implementation (same values, slower). Reason: {_failure}",
-            RuntimeWarning,
-            stacklevel=5,
-        )
+    return LIBRARY.failure_reason()
 
 
 def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = None,
@@ -116,7 +93,7 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = N
     if lib is None:
         lib = library()
     if lib is None:
-        _warn_once()
+        LIBRARY.warn_once()
         return False
     nd = len(geometry.sizes)
     sizes = (ctypes.c_int64 * nd)(*geometry.sizes)

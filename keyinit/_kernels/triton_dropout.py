@@ -32,29 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
+from keyinit._kernels._triton_impl import _philox  # Philox4x32-10 of (c0, c1, 0, 0) under (k0, k1)
+
 __all__ = ["run", "BLOCK"]
 
 BLOCK = 1024
 _KINDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
-
-
-@triton.jit
-def _philox(c0, c1, k0, k1):
-    """Philox4x32-10 of the counters (c0, c1, 0, 0) under (k0, k1); uint32 tensors."""
-    c2 = tl.zeros_like(c0)
-    c3 = tl.zeros_like(c0)
-    for _ in tl.static_range(10):
-        hi0 = tl.math.umulhi(c0, 0xD2511F53)
-        lo0 = tl.mul(c0, 0xD2511F53, sanitize_overflow=False)
-        hi1 = tl.math.umulhi(c2, 0xCD9E8D57)
-        lo1 = tl.mul(c2, 0xCD9E8D57, sanitize_overflow=False)
-        c0 = hi1 ^ c1 ^ k0
-        c2 = hi0 ^ c3 ^ k1
-        c1 = lo1
-        c3 = lo0
-        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
-        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
-    return c0, c1, c2, c3
 
 
 @triton.jit
