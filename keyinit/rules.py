@@ -10,10 +10,12 @@ An *FQN rule* maps a glob pattern over canonical FQNs (``fnmatch`` syntax, where
 ``*`` also matches dots) to an initializer.
 
 Precedence, highest first: FQN rules passed to ``init_model(rules=...)``, FQN
-rules registered with :func:`register_pattern` (later registrations first), module rules for
-the module's exact type, then its base classes in MRO order (registered rules
-before the built-in torch.nn defaults), then the fallback (the module's own
-``reset_parameters``/``init_weights`` run with keying in effect).
+rules registered with :func:`register_pattern` (later registrations first), user
+module rules for the module's exact type, then its base classes in MRO order
+(passed before registered), then init code (the ``init_method``, then the
+module's own ``reset_parameters``: captured and replayed keyed, see
+:mod:`keyinit.plan`), then the built-in torch.nn defaults, which init code
+writes on top of.
 """
 
 from __future__ import annotations
