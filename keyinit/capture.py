@@ -273,7 +273,7 @@ class Capture:
             return func(*args, **kwargs)  # real tensors only: run it for real
         return self._record(func, args, kwargs, random=False)
 
-    def _to_meta(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _to_meta(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         def convert(x: Any) -> Any:
             if isinstance(x, LazyTensor):
                 return x._meta
@@ -284,17 +284,12 @@ class Capture:
             return x
 
         margs, mkwargs = tree_map(convert, (args, kwargs))
-        if "device" in mkwargs:
-            mkwargs["device"] = torch.device("meta")
+        if "device" in mkwargs or any(a.name == "device" and a.kwarg_only for a in func._schema.arguments):
+            mkwargs["device"] = torch.device("meta")  # a factory without a device would run for real
         return margs, mkwargs
 
     def _run_meta(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        margs, mkwargs = self._to_meta(args, kwargs)
-        if is_random(func):
-            # Some meta kernels of random ops advance the global generator (rand decomposes into uniform_):
-            # keep its state exactly as it was. Nothing is drawn from it.
-            with torch.random.fork_rng(devices=[]):
-                return func(*margs, **mkwargs)
+        margs, mkwargs = self._to_meta(func, args, kwargs)
         return func(*margs, **mkwargs)
 
     def _run_suppressed(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -348,7 +343,10 @@ class Capture:
         if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
             raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: its output shape depends on values "
                                f"that depend on random draws ({why})") from why
-        with _disable_current_modes(), torch.random.fork_rng(devices=[]):  # a random op must not move the RNG
+        random = is_random(func)
+        if random and not any(a.name == "generator" for a in func._schema.arguments):
+            raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: no meta kernel ({why})") from why
+        with _disable_current_modes():
             def zeros(x: Any) -> Any:
                 if isinstance(x, LazyTensor):
                     return torch.zeros_like(x._meta, device="cpu")
@@ -357,6 +355,12 @@ class Capture:
                 return x
 
             dummy_args, dummy_kwargs = tree_map(zeros, (args, kwargs))
+            if random:  # draw from a private generator: the global RNG is never touched
+                position = [a.name for a in func._schema.arguments].index("generator")
+                if position < len(dummy_args):
+                    dummy_args = (*dummy_args[:position], torch.Generator(device="cpu"), *dummy_args[position + 1:])
+                else:
+                    dummy_kwargs["generator"] = torch.Generator(device="cpu")
             try:
                 result = func(*dummy_args, **dummy_kwargs)
             except Exception as exc:
