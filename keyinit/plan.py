@@ -43,7 +43,7 @@ from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
 from keyinit.init import Initializer
 from keyinit.keys import DEFAULT_STREAM, Key, key
-from keyinit.program import Geometry, Random, Read, SlotProgram, Storage, assign_keys, iter_nodes, root_of, writes_of
+from keyinit.program import Geometry, Random, Read, SlotProgram, Storage, assign_keys, iter_nodes, root_of, writes_of, written_mask
 from keyinit.regions import make_region
 from keyinit.replay import Evaluator, element_local, write_target
 from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext
@@ -546,10 +546,7 @@ def _reads_written(read: Read) -> bool:
         return True
     if numel > _READ_CHECK_LIMIT:
         return True  # replay still raises if an unwritten element is read
-    written = torch.zeros(numel, dtype=torch.bool, device="cpu")
-    for write in chain:
-        g = write.geometry
-        written.as_strided(g.size, g.stride, g.offset).fill_(True)
+    written = written_mask(chain, numel)
     g = read.geometry
     return bool(written.as_strided(g.size, g.stride, g.offset).all())
 

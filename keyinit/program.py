@@ -443,16 +443,14 @@ class SlotProgram:
         live = tuple(chain[start:])
         complete = bool(live) and live[0].geometry.covers_buffer(storage.numel)
         if not complete and live:
-            complete = _covered_everywhere(live, storage.numel)
+            complete = bool(written_mask(live, storage.numel).all())
         return cls(fqn, tuple(shape), storage.dtype, live, None, complete or storage.numel == 0, tuple(chain))
 
     @property
     def source(self) -> Optional[str]:
         """The label of the last write (what wrote this tensor last)."""
-        if self.read is not None:
-            last = _last_label(self.read)
-            return last
-        return self.writes[-1].label if self.writes else None
+        writes = writes_of(self.read.version) if isinstance(self.read, Read) else self.writes
+        return writes[-1].label if writes else None
 
     @property
     def empty(self) -> bool:
@@ -465,20 +463,13 @@ class SlotProgram:
         return [write.value for write in self.writes]
 
 
-def _last_label(node: Node) -> Optional[str]:
-    if isinstance(node, Read):
-        chain = writes_of(node.version)
-        return chain[-1].label if chain else None
-    return None
-
-
-def _covered_everywhere(writes: Sequence[Write], numel: int) -> bool:
+def written_mask(writes: Sequence[Write], numel: int) -> torch.Tensor:
+    """Which of a buffer's ``numel`` elements ``writes`` write (a bool tensor)."""
     mask = torch.zeros(numel, dtype=torch.bool, device="cpu")
     for write in writes:
-        geometry = write.geometry
-        if geometry.numel:
-            mask[geometry.positions(torch.arange(geometry.numel, dtype=torch.int64, device="cpu"))] = True
-    return bool(mask.all())
+        g = write.geometry
+        mask.as_strided(g.size, g.stride, g.offset).fill_(True)
+    return mask
 
 
 # --------------------------------------------------------------------------- keys

@@ -48,9 +48,11 @@ from keyinit.program import (
     Write,
     iter_nodes,
     ravel,
+    row_major_strides,
     unravel,
+    written_mask,
 )
-from keyinit.regions import Region, make_region
+from keyinit.regions import make_region
 
 __all__ = ["Evaluator", "write_target", "element_local", "BLOCK", "CALL", "CHUNK"]
 
@@ -261,12 +263,12 @@ class Evaluator:
             chain.append(version)
             version = version.prev
         storage = version.storage
+        chain.reverse()
         buffer = torch.empty(storage.numel, dtype=storage.dtype, device=_CPU)
-        written = torch.zeros(storage.numel, dtype=torch.bool, device=_CPU)
-        for write in reversed(chain):
+        for write in chain:
             g = write.geometry
             buffer.as_strided(g.size, g.stride, g.offset).copy_(self.full(write.value))
-            written.as_strided(g.size, g.stride, g.offset).fill_(True)
+        written = written_mask(chain, storage.numel)
         return buffer, (None if bool(written.all()) else written)
 
 
@@ -287,17 +289,13 @@ def _cumsum(values: Sequence[int]) -> list[int]:
 # --------------------------------------------------------------------------- writing a target
 
 
-def _box_positions(region: Region, start: int, stop: int) -> torch.Tensor:
-    return region.flat_indices(start, stop)
-
-
 def _write_chunks(evaluator: Evaluator, node: Node, target: Target) -> None:
     """``target.out`` = ``node`` at the target's region, evaluated on the CPU in chunks."""
     region = target.region
     out = target.out
     flat_out = out.reshape(-1) if out.is_contiguous() else None
     for start, stop in region.chunks(CHUNK):
-        values = evaluator.at(node, _box_positions(region, start, stop))
+        values = evaluator.at(node, region.flat_indices(start, stop))
         if flat_out is not None:
             flat_out[start:stop].copy_(values)
         else:
@@ -342,7 +340,7 @@ def _partial_write(evaluator: Evaluator, write: Write, program: SlotProgram, tar
             return
         local.append(where)
         view_coord.append(torch.div(rel[where], step, rounding_mode="floor") if step else torch.zeros_like(where))
-    view_strides = _view_strides(write.geometry.size)
+    view_strides = row_major_strides(write.geometry.size)
     shape = tuple(int(w.numel()) for w in local)
     vpos = torch.zeros(shape, dtype=torch.int64, device=_CPU)
     for d, (_start, _step, _count, view_dim) in enumerate(structure):
@@ -364,19 +362,11 @@ def _partial_write(evaluator: Evaluator, write: Write, program: SlotProgram, tar
     out[tuple(index)] = values.to(out.device)
 
 
-def _view_strides(size: Sequence[int]) -> list[int]:
-    strides, running = [], 1
-    for s in reversed(tuple(size)):
-        strides.append(running)
-        running *= max(s, 1)
-    return list(reversed(strides))
-
-
 def _partial_write_general(evaluator: Evaluator, write: Write, target: Target) -> None:
     region = target.region
     out = target.out
     for start, stop in region.chunks(CHUNK):
-        covered, flat = write.geometry.inverse(_box_positions(region, start, stop))
+        covered, flat = write.geometry.inverse(region.flat_indices(start, stop))
         if not bool(covered.any()):
             continue
         hit = covered.nonzero().reshape(-1)
