@@ -7,6 +7,7 @@ keys. See ``docs/spec.md`` for the stream contract and ``docs/`` for the guide.
 
 from keyinit import init, layouts, random
 from keyinit.keys import DEFAULT_STREAM, STREAM_VERSIONS, Key, fold_in, key, key_for, split
+from keyinit.deferred import deferred
 from keyinit.model import InitReport, TensorRecord, init_model, materialize
 from keyinit.rules import REGISTRY, Registry, RuleContext, register, register_pattern
 from keyinit.errors import InitError, PlanError, UnkeyedRandomnessError
@@ -24,6 +25,7 @@ __all__ = [
     "init",
     "layouts",
     "nn",
+    "deferred",
     "init_model",
     "materialize",
     "InitReport",

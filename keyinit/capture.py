@@ -117,7 +117,7 @@ def _recognised() -> dict[types.CodeType, Callable[[dict], Any]]:
     return table
 
 
-_FILL_VALUE = {aten.fill_.Scalar, aten.fill.Scalar}
+_FILL_VALUE = {aten.fill_.Scalar, aten.fill.Scalar, aten.fill_.Tensor, aten.fill.Tensor}
 _ZERO = {aten.zero_.default, aten.zero.default}
 _COPY = {aten.copy_.default}
 _ALLOC = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,

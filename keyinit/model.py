@@ -84,6 +84,13 @@ class InitReport:
         """Tensors whose values are computed whole on every process (orthogonal, reductions in init code)."""
         return tuple(r.fqn for r in self.records if not r.element_local)
 
+    @property
+    def defaults(self) -> tuple[str, ...]:
+        """Tensors that got torch.nn's default initialization (``default Linear``, ...), not the
+        model's own init code: build the model with :func:`keyinit.deferred` to record its
+        constructor's init, or pass ``init_method=``."""
+        return tuple(r.fqn for r in self.records if r.source.startswith("default "))
+
     def by_source(self) -> dict[str, list[str]]:
         grouped: dict[str, list[str]] = {}
         for r in self.records:
@@ -123,7 +130,7 @@ class _Writer:
         self._show_progress = progress if progress is not None else self._total >= 1 << 28
 
     def order(self) -> list[PlannedTensor]:
-        rank = {name: i for i, name in enumerate(("default", "code", "rule", "pattern"))}
+        rank = {name: i for i, name in enumerate(("constructor", "default", "code", "rule", "pattern"))}
         todo = [t for t in self.plan.tensors if t.program is not None]
         return sorted(todo, key=lambda t: rank.get(t.origin, 0))  # stable: model order within a class
 

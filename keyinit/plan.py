@@ -43,7 +43,21 @@ from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
 from keyinit.init import Initializer
 from keyinit.keys import DEFAULT_STREAM, Key, key
-from keyinit.program import Geometry, Random, Read, SlotProgram, Storage, assign_keys, iter_nodes, root_of, writes_of, written_mask
+from keyinit.deferred import record_of, seed_storage
+from keyinit.program import (
+    Alloc,
+    Geometry,
+    Node,
+    Random,
+    Read,
+    SlotProgram,
+    Storage,
+    assign_keys,
+    iter_nodes,
+    root_of,
+    writes_of,
+    written_mask,
+)
 from keyinit.regions import make_region
 from keyinit.replay import Evaluator, element_local, write_target
 from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext
@@ -70,8 +84,9 @@ class PlannedTensor:
     global_shape: tuple[int, ...] = ()
     dtype: Optional[torch.dtype] = None
     recreated: bool = False  # init code assigned a new tensor of another shape or dtype
-    origin: str = "kept"  # what the values come from: "default", "code", "rule", "pattern" (or "kept")
+    origin: str = "kept"  # what the values come from: "constructor", "default", "code", "rule", "pattern" (or "kept")
     new: bool = False  # init code created it (a new attribute or buffer): the writer creates the tensor
+    record: Optional[Node] = None  # its value when a keyinit.deferred constructor returned
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -219,6 +234,27 @@ class _Planner:
                 message = str(exc) if str(exc).startswith(t.fqn) else f"{t.fqn}: {exc}"
                 raise PlanError(message, (t.fqn,)) from exc
             t.dtype = t.tensor.dtype
+        self._find_records()
+
+    def _find_records(self) -> None:
+        """Each tensor's constructor record (:func:`keyinit.deferred`), where its module has one.
+
+        A record that wrote nothing (``torch.empty`` left for later init code) is no record. A
+        record of another shape (the tensor was replaced after construction) is not used."""
+        self.constructed: set[int] = set()  # modules built by keyinit.deferred whose records hold values
+        for t in self.tensors:
+            for module, attr in t.locations():
+                record = record_of(module)
+                node = record.value(attr) if record is not None else None
+                if node is None or (isinstance(node, Read) and isinstance(node.version, Alloc)):
+                    continue
+                if tuple(node.shape) != tuple(t.global_shape):
+                    self.notes.append(f"{t.fqn}: its constructor record has shape {tuple(node.shape)} but the "
+                                      f"tensor is {tuple(t.global_shape)} (replaced after construction); not used")
+                    continue
+                t.record = node
+                self.constructed.add(id(module))
+                break
 
     def _resolve_ties(self) -> None:
         for alias, target in self.ties.items():
@@ -299,6 +335,9 @@ class _Planner:
             default = _default_rule(module)
             if default is not None:
                 self._apply_module_rule(module, module_fqn, default[1], "default", f"default {default[0].__name__}")
+                for t in self._own(module).values():  # no torch.nn default over a constructor's record
+                    if t.record is not None and t.rule is not None and t.rule[0] == "default":
+                        t.rule = None
             user = next(((cls, type_rules[cls]) for cls in type(module).__mro__ if cls in type_rules), None)
             user = user or self.registry.module_rule(type(module))
             if user is not None:
@@ -345,12 +384,16 @@ class _Planner:
         parents = {id(child): parent for parent, _ in self.modules.values() for child in parent.children()}
         for module, module_fqn in self.modules.values():
             uncovered = [t for t in self._own(module).values() if t.rule is None and t.module is module]
+            if id(module) in self.constructed:
+                continue  # its constructor's state is in the record
             start = parametrization_start(module, parents.get(id(module)))
             if uncovered and start is not None:
                 calls.append((module, module_fqn, f"{type(module).__name__} start", start))
         # 1. reset_parameters of modules with tensors no declarative rule covers
         for module, module_fqn in self.modules.values():
             uncovered = [t for t in self._own(module).values() if t.rule is None and t.module is module]
+            if id(module) in self.constructed:
+                continue  # the constructor's reset_parameters calls are in the record
             if uncovered and callable(getattr(module, "reset_parameters", None)):
                 calls.append((module, module_fqn, "reset_parameters", module.reset_parameters))
         # built-in init code spanning a module's descendants (nn.Transformer's xavier re-init)
@@ -358,7 +401,7 @@ class _Planner:
 
         for module, module_fqn in self.modules.values():
             code = DEFAULT_INIT_CODE.get(type(module))
-            if code is not None:
+            if code is not None and id(module) not in self.constructed:
                 calls.append((module, module_fqn, f"default {type(module).__name__}", bind_call(code, {}, module)))
         # 2. the user's init method
         method = self.init_method
@@ -424,7 +467,7 @@ class _Planner:
         for t in self.tensors:
             if t.rule is not None:
                 declared[id(t)] = _initializer_program(t.fqn, t.global_shape, t.dtype, t.rule[1], t.rule[2])
-        if not calls:
+        if not calls and not any(t.record is not None for t in self.tensors):
             for t in self.tensors:
                 t.program = declared.get(id(t))
                 t.origin = t.rule[0] if t.rule is not None else "kept"
@@ -433,7 +476,9 @@ class _Planner:
         standins: dict[int, LazyTensor] = {}
         for t in self.tensors:
             stand = capture.standin(t.global_shape, t.dtype, t.fqn)
-            if t.rule is not None and t.rule[0] == "default":  # the default is the base the code writes on
+            if t.record is not None and (t.rule is None or t.rule[0] == "default"):
+                seed_storage(capture.storage_of(stand), t.record, "constructor")
+            elif t.rule is not None and t.rule[0] == "default":  # the default is the base the code writes on
                 program = declared[id(t)]
                 capture.storage_of(stand).write(Geometry.contiguous(t.global_shape), program.writes[0].value,
                                                 t.rule[1])
@@ -465,7 +510,12 @@ class _Planner:
             program = SlotProgram.of_storage(t.fqn, t.global_shape, capture.storage_of(standins[id(t)]))
             t.program = None if program.empty else program
             only_default = t.rule is not None and len(program.writes) == 1 and program.source == t.rule[1]
-            t.origin = "kept" if program.empty else ("default" if only_default else "code")
+            if program.empty:
+                t.origin = "kept"
+            elif t.record is not None and program.source == "constructor":
+                t.origin = "constructor"
+            else:
+                t.origin = "default" if only_default else "code"
         for module, module_fqn, name, kind, value in installed.assigned():
             fqn = apply_fqn_mapping(f"{module_fqn}.{name}" if module_fqn else name, self.fqn_prefix, self.fqn_map)
             entry = PlannedTensor(fqn, [fqn], fqn, kind, module, module_fqn, name, origin="code", new=True,

@@ -155,6 +155,12 @@ class Geometry:
         covered = ordered[slot] == pos
         return covered, torch.where(covered, order[slot], torch.zeros_like(pos))
 
+    def is_identity(self, numel: int) -> bool:
+        """True when the view is a whole buffer of ``numel`` elements in row-major order
+        (its element ``i`` is buffer position ``i``)."""
+        return self.offset == 0 and self.numel == numel and all(
+            st == want for s, st, want in zip(self.size, self.stride, row_major_strides(self.size)) if s > 1)
+
     def covers_buffer(self, numel: int) -> bool:
         """True when the view holds every position of a buffer of ``numel`` elements, once."""
         if self.numel != numel:

@@ -50,6 +50,7 @@ from keyinit.program import (
     ravel,
     row_major_strides,
     unravel,
+    root_of,
     written_mask,
 )
 from keyinit.regions import make_region
@@ -68,6 +69,17 @@ _CPU = torch.device("cpu")
 
 class UninitializedRead(RuntimeError):
     """A program reads elements nothing wrote."""
+
+
+def _run_start(pos: torch.Tensor) -> Optional[int]:
+    """``pos[0]`` if ``pos`` is a run of consecutive positions, else ``None``."""
+    n = int(pos.numel())
+    if n == 0:
+        return None
+    first = int(pos[0])
+    if int(pos[-1]) - first != n - 1:
+        return None
+    return first if n == 1 or bool((pos[1:] - pos[:-1] == 1).all()) else None
 
 
 def _arange(n: int) -> torch.Tensor:
@@ -125,7 +137,9 @@ class Evaluator:
         if isinstance(node, Cat):
             return self._cat_at(node, pos)
         if isinstance(node, Read):
-            return self.storage_at(node.version, node.geometry.positions(pos), node.dtype)
+            g = node.geometry
+            spos = pos if g.is_identity(root_of(node.version).storage.numel) else g.positions(pos)
+            return self.storage_at(node.version, spos, node.dtype)
         if isinstance(node, (Whole, Item)):
             return self.full(node).reshape(-1)[pos]
         raise TypeError(f"internal: cannot evaluate {type(node).__name__}")
@@ -157,19 +171,34 @@ class Evaluator:
         if node.exact:
             return self._apply(node, pos)
         # Evaluate whole aligned blocks so every element runs the same code path.
-        blocks, where = torch.unique(torch.div(pos, BLOCK, rounding_mode="floor"), sorted=True, return_inverse=True)
+        first = _run_start(pos)
+        if first is not None:  # a run of consecutive positions (the common case): its blocks are a range
+            low, high = first // BLOCK, (first + int(pos.numel()) + BLOCK - 1) // BLOCK
+            blocks = torch.arange(low, high, dtype=torch.int64, device=_CPU)
+            where = None
+        else:
+            blocks, where = torch.unique(torch.div(pos, BLOCK, rounding_mode="floor"), sorted=True,
+                                         return_inverse=True)
         padded = (blocks.unsqueeze(1) * BLOCK + _arange(BLOCK)).reshape(-1).clamp_(max=max(node.numel - 1, 0))
         values = torch.cat([self._apply(node, padded[i:i + CALL]) for i in range(0, int(padded.numel()), CALL)]) \
             if padded.numel() else torch.empty(0, dtype=node.dtype, device=_CPU)
+        if where is None:
+            offset = first - int(blocks[0]) * BLOCK
+            return values[offset:offset + int(pos.numel())]
         return values[where * BLOCK + pos % BLOCK]
 
     def _apply(self, node: Pointwise, pos: torch.Tensor) -> torch.Tensor:
-        coords = unravel(pos, node.shape) if node.shape else []
+        coords: Optional[list[torch.Tensor]] = None
         values = []
         for arg in node.args:
             if not arg.shape:  # 0-D inputs keep their own type-promotion role
                 values.append(self.at(arg, torch.zeros(1, dtype=torch.int64, device=_CPU)).reshape(()))
                 continue
+            if tuple(arg.shape) == tuple(node.shape):  # not broadcast: the same flat positions
+                values.append(self.at(arg, pos))
+                continue
+            if coords is None:
+                coords = unravel(pos, node.shape)
             offset = len(node.shape) - len(arg.shape)
             arg_coords = [coords[offset + d] if size != 1 else torch.zeros_like(pos)
                           for d, size in enumerate(arg.shape)]
@@ -204,6 +233,8 @@ class Evaluator:
         """The buffer's values at positions ``spos`` as of ``version``."""
         out = torch.empty(int(spos.numel()), dtype=dtype, device=_CPU)
         pending = _arange(int(spos.numel()))
+        if isinstance(version, Write) and version.geometry.is_identity(root_of(version).storage.numel):
+            return self.at(version.value, spos)  # the latest write covers the buffer in order
         while pending.numel():
             if isinstance(version, Alloc):
                 raise UninitializedRead(
@@ -389,9 +420,11 @@ def write_target(evaluator: Evaluator, program: SlotProgram, target: Target) -> 
         if not program.writes:
             raise UninitializedRead(f"{program.fqn}: nothing writes this tensor")
         writes = program.writes
-        if program.complete:
+        if program.complete and writes[0].geometry.covers_buffer(math.prod(program.shape)):
             _base_write(evaluator, writes[0], program, target)
             writes = writes[1:]
-        # Otherwise some elements are never written: they keep the target's current values.
+        # Otherwise the tensor is written in pieces (``w[:4].normal_(); w[4:].zero_()``), or some
+        # elements are never written and keep the target's current values: each write touches
+        # only the part of the region it covers, in program order.
         for write in writes:
             _partial_write(evaluator, write, program, target)

@@ -1,0 +1,201 @@
+"""``keyinit.deferred``: build a model with its constructor's init code recorded, not run.
+
+Most models initialize in ``__init__`` (torchvision's ResNet loops ``kaiming_normal_``
+over its convs, timm calls ``init_weights`` from the constructor, open_clip builds
+parameters as ``scale * torch.randn(...)``, HF ends in ``post_init()``). Built on the
+meta device that code computes nothing, and nothing is left to replay.
+
+:func:`deferred` calls the builder under a :class:`keyinit.capture.Capture`: every
+factory makes a global-shape stand-in (no memory), and every op the constructor
+applies to it is recorded in a :mod:`keyinit.program` (the same programs and keying
+rules as captured init code). When the builder returns, every parameter and buffer
+is replaced by a meta tensor of the same shape, dtype and ``requires_grad`` (ties
+kept), and the module keeps the constructor's record of it in ``_keyinit_record``
+(:class:`ConstructorRecord`). So ``fully_shard``, ``parallelize_module``, deleting
+layers for a pipeline stage, re-parenting and ``model.to(dtype)`` work on the result
+as on any meta model, and :func:`keyinit.materialize` replays, for the region each
+rank holds, what the constructor did: a draw that fills a whole tensor is keyed by
+``key_for(seed, fqn)``, every other draw by ``fold_in`` of the tensor it lands in.
+
+A record belongs to a module and an attribute name, so it follows the module, not
+the tensor object: sharding and ``to_empty`` replace the tensor, the record stays.
+
+Nothing here reads or advances the global torch RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, TypeVar
+
+import attrs
+import torch
+
+from keyinit.capture import Capture, LazyTensor, _convert
+from keyinit.errors import UnkeyedRandomnessError
+from keyinit.program import Geometry, Literal, Node, Read, Storage, Write
+
+__all__ = ["deferred", "ConstructorRecord", "record_of", "seed_storage", "RECORD_ATTRIBUTE"]
+
+#: The module attribute holding its :class:`ConstructorRecord`.
+RECORD_ATTRIBUTE = "_keyinit_record"
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+@attrs.frozen(eq=False)
+class ConstructorRecord:
+    """What a module's constructor left in each of its parameters and buffers.
+
+    ``values`` maps an attribute name to the node of its value when construction ended
+    (a :class:`keyinit.program.Read` of the constructor's buffer, or a
+    :class:`keyinit.program.Literal` for a real tensor the builder was given).
+    ``builder`` names the builder that ran the constructor (for reports and errors).
+    """
+
+    values: Mapping[str, Node]
+    builder: str
+
+    def value(self, name: str) -> Optional[Node]:
+        return self.values.get(name)
+
+
+def record_of(module: torch.nn.Module) -> Optional[ConstructorRecord]:
+    """The constructor record of ``module`` (``None`` if it was not built by :func:`deferred`)."""
+    record = vars(module).get(RECORD_ATTRIBUTE)
+    return record if isinstance(record, ConstructorRecord) else None
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if module and module not in ("builtins", "__main__") else str(name)
+
+
+def deferred(fn: Callable[..., M], /, *args: Any, **kwargs: Any) -> M:
+    """Build ``fn(*args, **kwargs)`` on the meta device with its init code recorded for keyed replay.
+
+    ``fn`` is anything that returns an ``nn.Module``: a class, ``timm.create_model``,
+    ``torchvision.models.resnet18``, ``AutoModelForCausalLM.from_config``, a lambda. Its
+    constructor runs once, on global-shape stand-ins that hold no memory; every op it
+    applies to a parameter or buffer (``reset_parameters``, ``kaiming_normal_`` loops,
+    ``scale * torch.randn(...)``, ``torch.full(...).triu_(1)``, ``post_init()``) is recorded.
+
+    Returns the model with every parameter and buffer on the meta device. Shard it, cut
+    it into pipeline stages, then call :func:`keyinit.materialize` (or, once allocated,
+    :func:`keyinit.init_model`): each tensor gets what its constructor gave it, keyed by
+    its canonical FQN, for the region each rank holds. Rules win over the record, and an
+    ``init_method`` runs on top of it; torch.nn defaults are never applied over it.
+
+    Randomness that cannot be keyed is reported when the model is planned (a rule may
+    cover the tensor), as an :class:`keyinit.UnkeyedRandomnessError` naming the module and op.
+
+    Raises:
+        TypeError: ``fn`` does not return an ``nn.Module``.
+        UnkeyedRandomnessError: the constructor stored a tensor computed from random draws
+            in a plain attribute (not a parameter or buffer), where no key can reach it.
+    """
+    if not callable(fn):
+        raise TypeError(f"keyinit.deferred expects a callable that builds an nn.Module, got {type(fn).__name__}")
+    builder = _name_of(fn)
+    capture = Capture()
+    with capture.active(f"{builder}(...)", "constructor"):
+        with torch.enable_grad():  # constructors run with grad mode as usual (Parameter flags)
+            model = fn(*args, **kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"keyinit.deferred: {builder} returned {type(model).__name__}, not an nn.Module")
+    _finish(model, capture, builder)
+    return model
+
+
+def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
+    """Swap every stand-in of ``model`` for a meta tensor and leave each module its record."""
+    replaced: dict[int, torch.Tensor] = {}
+    values: dict[int, Node] = {}
+    for module_fqn, module in model.named_modules(remove_duplicate=True):
+        record: dict[str, Node] = {}
+        for table in (module._parameters, module._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is None:
+                    continue
+                fqn = f"{module_fqn}.{name}" if module_fqn else name
+                if id(tensor) not in replaced:
+                    values[id(tensor)] = _value_node(tensor, capture, fqn)
+                    replaced[id(tensor)] = _meta_like(tensor, is_parameter=table is module._parameters)
+                record[name] = values[id(tensor)]
+                table[name] = replaced[id(tensor)]
+        _concretize_attributes(module, module_fqn, capture)
+        object.__setattr__(module, RECORD_ATTRIBUTE, ConstructorRecord(record, builder))
+
+
+def _value_node(tensor: torch.Tensor, capture: Capture, fqn: str) -> Node:
+    if isinstance(tensor, LazyTensor):
+        storage = capture.storage_of(tensor)
+        if storage.label == "temporary":
+            storage.label = fqn  # errors and reports name the tensor, not "a temporary"
+        return Read(storage.current, Geometry.of(tensor._meta), tensor.dtype)
+    if tensor.device.type == "meta":  # made on meta outside the capture: nothing to record
+        return Read(Storage(tensor.numel(), tensor.dtype, fqn).current, Geometry.contiguous(tensor.shape),
+                    tensor.dtype)
+    return Literal(tensor.detach().to("cpu").clone())  # a real tensor the builder was given
+
+
+def _meta_like(tensor: torch.Tensor, *, is_parameter: bool) -> torch.Tensor:
+    meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+    if is_parameter:
+        meta = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
+    for name, value in vars(tensor).items():  # markers (megatron's partition_dim, HF's flags)
+        if name.startswith("_") and name not in ("_is_hf_initialized",):
+            continue
+        try:
+            setattr(meta, name, value)
+        except (AttributeError, TypeError):
+            pass
+    return meta
+
+
+def _concretize_attributes(module: torch.nn.Module, module_fqn: str, capture: Capture) -> None:
+    """Plain tensor attributes (not parameters or buffers) get their real values now, as in eager.
+
+    Their values must not depend on a draw: a draw is keyed by the parameter or buffer it
+    lands in, and a plain attribute is neither."""
+    for name, value in list(vars(module).items()):
+        converted = _concrete(value, capture, f"{module_fqn}.{name}" if module_fqn else name)
+        if converted is not value:
+            object.__setattr__(module, name, converted)
+
+
+def _concrete(value: Any, capture: Capture, where: str) -> Any:
+    if isinstance(value, LazyTensor):
+        try:
+            return capture.concrete(value, f"attribute {where}")
+        except UnkeyedRandomnessError as exc:
+            raise UnkeyedRandomnessError(
+                f"{where}: the constructor stored a tensor computed from random draws in a plain attribute; "
+                f"keyinit keys a draw by the parameter or buffer it lands in: register it as a buffer "
+                f"(register_buffer) or a parameter") from exc
+    if isinstance(value, (list, tuple)) and any(isinstance(v, LazyTensor) for v in value):
+        items = [_concrete(v, capture, f"{where}[{i}]") for i, v in enumerate(value)]
+        return type(value)(items) if isinstance(value, list) or type(value) is tuple else value
+    if isinstance(value, dict) and any(isinstance(v, LazyTensor) for v in value.values()):
+        value.update({k: _concrete(v, capture, f"{where}[{k!r}]") for k, v in value.items()})
+    return value
+
+
+def seed_storage(storage: Storage, node: Node, label: str) -> None:
+    """Start a planning buffer (a model tensor's stand-in) from its constructor record ``node``.
+
+    When the record reads a whole contiguous buffer of the same size and dtype, the buffer
+    continues the constructor's own writes, so a draw that filled the whole tensor stays its
+    own fill (keyed ``key_for(seed, fqn)``, see :func:`keyinit.program.assign_keys`).
+    Otherwise the record is written as one value (``label``)."""
+    if isinstance(node, Read) and node.dtype == storage.dtype and node.geometry == Geometry.contiguous(node.shape):
+        root = node.version
+        while isinstance(root, Write):
+            root = root.prev
+        if root.storage.numel == storage.numel and root.storage.dtype == storage.dtype:
+            storage.current = node.version
+            return
+    if node.dtype != storage.dtype:  # the model was cast after construction (model.to(torch.bfloat16))
+        node = _convert(node, tuple(node.shape), storage.dtype, "cast")
+    storage.write(Geometry.contiguous(node.shape), node, label)

@@ -1,0 +1,47 @@
+"""Importing torchvision (and timm, open_clip, which import it) beside the CPU torch build.
+
+The torchvision wheel the registry serves is a CUDA build; its C++ library cannot load
+beside CPU torch, so its two operator schemas are missing and ``import torchvision``
+fails while registering their Python fake kernels. Defining the two schemas first (no
+kernels: nothing here calls them) lets it import. Called only by tests, once per process.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+_LIBRARY: Optional[torch.library.Library] = None
+
+
+def _define_schemas() -> None:
+    global _LIBRARY
+    if _LIBRARY is not None or _defined("torchvision::nms"):
+        return  # already defined here, or by a torchvision build that loads
+    library = torch.library.Library("torchvision", "DEF")
+    library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    library.define("qnms(Tensor qdets, Tensor qscores, Tensor scale, float iou_threshold, int zero_point) -> Tensor")
+    _LIBRARY = library
+
+
+def _defined(name: str) -> bool:
+    try:
+        torch._C._get_schema(name, "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def import_vision(name: str) -> ModuleType:
+    """``import name`` (torchvision, timm, open_clip), or skip the test when it is not installed."""
+    import pytest
+
+    try:
+        importlib.import_module("torchvision.version")  # cheap probe: is it installed at all?
+    except ImportError:
+        pytest.skip("torchvision is not installed (pip install -e '.[test]')")
+    _define_schemas()
+    return pytest.importorskip(name)
