@@ -17,7 +17,8 @@ import torch
 _LIBRARY: Optional[torch.library.Library] = None
 
 
-def _define_schemas() -> None:
+def define_torchvision_schemas() -> None:
+    """Define torchvision's two C++ op schemas if no torchvision library did (idempotent)."""
     global _LIBRARY
     if _LIBRARY is not None or _defined("torchvision::nms"):
         return  # already defined here, or by a torchvision build that loads
@@ -43,5 +44,5 @@ def import_vision(name: str) -> ModuleType:
         importlib.import_module("torchvision.version")  # cheap probe: is it installed at all?
     except ImportError:
         pytest.skip("torchvision is not installed (pip install -e '.[test]')")
-    _define_schemas()
+    define_torchvision_schemas()
     return pytest.importorskip(name)

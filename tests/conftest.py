@@ -23,6 +23,11 @@ if str(ROOT) not in sys.path:  # make `pytest` work without installing keyinit
 
 import keyinit  # noqa: E402
 from keyinit import random as kr  # noqa: E402
+from tests._vision import define_torchvision_schemas  # noqa: E402
+
+# transformers, timm and open_clip import torchvision when it is installed; the wheel served
+# here cannot load its C++ ops beside CPU torch (see tests/_vision.py).
+define_torchvision_schemas()
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
