@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, TypeVar
 import attrs
 import torch
 
-from keyinit.capture import Capture, LazyTensor, _convert
+from keyinit.capture import Capture, LazyTensor
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.program import Geometry, Literal, Node, Read, Storage, Write
 
@@ -188,7 +188,9 @@ def seed_storage(storage: Storage, node: Node, label: str) -> None:
     When the record reads a whole contiguous buffer of the same size and dtype, the buffer
     continues the constructor's own writes, so a draw that filled the whole tensor stays its
     own fill (keyed ``key_for(seed, fqn)``, see :func:`keyinit.program.assign_keys`).
-    Otherwise the record is written as one value (``label``)."""
+    Otherwise the record is written as one value (``label``). ``storage`` has the record's
+    dtype: a model cast after construction (``model.to(torch.bfloat16)``) is replayed in the
+    constructor's dtype and rounded as it is written, as eager torch casts the built values."""
     if isinstance(node, Read) and node.dtype == storage.dtype and node.geometry == Geometry.contiguous(node.shape):
         root = node.version
         while isinstance(root, Write):
@@ -196,6 +198,4 @@ def seed_storage(storage: Storage, node: Node, label: str) -> None:
         if root.storage.numel == storage.numel and root.storage.dtype == storage.dtype:
             storage.current = node.version
             return
-    if node.dtype != storage.dtype:  # the model was cast after construction (model.to(torch.bfloat16))
-        node = _convert(node, tuple(node.shape), storage.dtype, "cast")
     storage.write(Geometry.contiguous(node.shape), node, label)

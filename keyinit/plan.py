@@ -475,8 +475,10 @@ class _Planner:
         capture = Capture()
         standins: dict[int, LazyTensor] = {}
         for t in self.tensors:
-            stand = capture.standin(t.global_shape, t.dtype, t.fqn)
-            if t.record is not None and (t.rule is None or t.rule[0] == "default"):
+            replayed = t.record is not None and (t.rule is None or t.rule[0] == "default")
+            # a record is replayed in the constructor's dtype and rounded to the tensor's as it is written
+            stand = capture.standin(t.global_shape, t.record.dtype if replayed else t.dtype, t.fqn)
+            if replayed:
                 seed_storage(capture.storage_of(stand), t.record, "constructor")
             elif t.rule is not None and t.rule[0] == "default":  # the default is the base the code writes on
                 program = declared[id(t)]

@@ -145,8 +145,26 @@ def _hf_deferred(name: str) -> nn.Module:
     return keyinit.deferred(_zoo.build, name, "cpu")
 
 
+def _apply_layout(model: nn.Module, mesh: Any) -> None:
+    """As the HF zoo's layouts (TP over "tp" first, then FSDP2 per block and root), but 0-D
+    parameters (open_clip's ``logit_scale``, which ``fully_shard`` refuses) are left unsharded."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    kwargs: dict[str, Any] = {}
+    if mesh is not None:
+        plan = _zoo.tp_plan(model)
+        if plan:
+            parallelize_module(model, mesh["tp"], plan)
+        kwargs["mesh"] = mesh["dp"]
+    scalars = {p for p in model.parameters() if p.dim() == 0}
+    for block in _zoo.blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, ignored_params=scalars or None, **kwargs)
+
+
 def _rank(layout: str) -> dict[str, dict[str, Any]]:
-    from tests.test_zoo import _apply_layout, _mesh
+    from tests.test_zoo import _mesh
 
     mesh = _mesh(layout)
     results: dict[str, dict[str, Any]] = {}

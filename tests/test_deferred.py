@@ -1,0 +1,347 @@
+"""``keyinit.deferred``: what a constructor does, recorded and replayed keyed (issue 13).
+
+Each test states a promise: keyed values bitwise (a whole-tensor draw keeps
+``key_for(seed, fqn)``, other draws ``fold_in`` of the tensor they land in), deterministic
+values bit-identical to eager torch, the precedence (rules > init_method on top of the record >
+never a torch.nn default over a record), records surviving what users do between
+construction and materialize, and errors at plan time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import keyinit
+from keyinit import init
+from keyinit.layouts import ManualShard
+from tests.test_zoo import assert_same_bits, full_state, same_bits
+
+SEED = 7
+
+
+def _sinusoids(length: int, channels: int) -> torch.Tensor:
+    scale = math.log(10000) / (channels // 2 - 1)
+    inv = torch.exp(-scale * torch.arange(channels // 2))
+    t = torch.arange(length)[:, None] * inv[None, :]
+    return torch.cat([torch.sin(t), torch.cos(t)], dim=1)
+
+
+class Patterns(nn.Module):
+    """The things constructors do (torchvision, timm, open_clip, research code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(0.5 * torch.randn(6, 4))  # open_clip: scale * torch.randn
+        self.ls = nn.Parameter(1e-2 * torch.ones(5))  # ConvNeXt layer scale
+        self.register_buffer("mask", torch.empty(4, 4).fill_(float("-inf")).triu_(1))  # open_clip attn_mask
+        self.register_buffer("pos", _sinusoids(8, 6), persistent=False)
+        discarded = nn.Linear(3, 3)  # built and thrown away: its draws land nowhere
+        del discarded
+        self.q = nn.Parameter(torch.empty(4, 4))
+        self.q.data.copy_(torch.eye(4) * 2)  # copy_ from a temporary
+        self.w = nn.Parameter(torch.zeros(6, 3))
+        self.w.data[1:3].fill_(7.0)  # in-place through a view
+        self.v = nn.Parameter(torch.empty(8, 2))  # written in pieces, never whole
+        self.v.data[:4].normal_()
+        self.v.data[4:].zero_()
+        self.cls = nn.Parameter(torch.empty(1, 1, 6))
+        self.pos_embed = nn.Parameter(torch.empty(1, 5, 6))
+        self.lin = nn.Linear(6, 4)
+        self.init_parameters()  # timm / open_clip: init at the end of __init__
+
+    def init_parameters(self) -> None:
+        nn.init.normal_(self.cls, std=1e-6)
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.zeros_(self.lin.bias)
+
+
+def _fill(initializer, key, shape):
+    from keyinit.layouts import Target
+    from keyinit.regions import make_region
+
+    out = torch.empty(shape)
+    initializer(key, Target("t", make_region(shape, None), out))
+    return out
+
+
+def _deferred_values(builder=Patterns, seed=SEED, **kwargs):
+    model = keyinit.deferred(builder)
+    report = keyinit.materialize(model, seed, device="cpu", **kwargs)
+    return model, report
+
+
+def test_deferred_leaves_every_tensor_on_meta_and_the_global_rng_untouched():
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    model = keyinit.deferred(Patterns)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+    assert isinstance(model.p, nn.Parameter) and model.p.requires_grad
+    assert "pos" in model._non_persistent_buffers_set
+    keyinit.materialize(model, SEED, device="cpu")
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_whole_tensor_draws_give_exactly_the_default_rules_values():
+    """A whole-tensor draw keeps key_for(seed, fqn): nn layers built with deferred equal keyinit's defaults."""
+    def build():
+        return nn.Sequential(nn.Linear(16, 33), nn.LayerNorm(33), nn.Embedding(11, 33, padding_idx=4),
+                             nn.Conv2d(3, 5, 3), nn.BatchNorm2d(5))
+
+    deferred_model, report = _deferred_values(build)
+    assert {r.source for r in report.records} == {"constructor"}
+    eager = build()
+    defaults = keyinit.init_model(eager, SEED)
+    assert set(defaults.defaults) == set(full_state(eager))
+    assert_same_bits(full_state(deferred_model), full_state(eager), "deferred vs default rules")
+
+
+def test_constructor_patterns_follow_eager_and_are_keyed_where_they_land():
+    model, report = _deferred_values()
+    eager = Patterns()
+    for name in ("ls", "mask", "pos", "q", "w", "lin.bias"):
+        assert same_bits(model.get_parameter(name) if "mask" not in name and "pos" not in name
+                         else model.get_buffer(name), eager.get_parameter(name) if "mask" not in name
+                         and "pos" not in name else eager.get_buffer(name)), name
+    root = keyinit.key(SEED)
+    k = lambda fqn: keyinit.key_for(root, fqn)  # noqa: E731
+    # a temporary draw, scaled: keyed by the tensor it lands in, position 0
+    assert same_bits(model.p.detach(), 0.5 * keyinit.random.normal(keyinit.fold_in(k("p"), 0), (6, 4)))
+    # whole-tensor fills: the tensor's own key
+    assert same_bits(model.cls.detach(), keyinit.random.normal(k("cls"), (1, 1, 6), std=1e-6))
+    assert same_bits(model.pos_embed.detach(), _fill(init.trunc_normal(std=0.02), k("pos_embed"), (1, 5, 6)))
+    assert same_bits(model.lin.weight.detach(), _fill(init.kaiming_uniform(a=math.sqrt(5)), k("lin.weight"), (4, 6)))
+    # pieces: the first half a keyed draw, the rest exactly zero
+    assert same_bits(model.v.detach()[4:], torch.zeros(4, 2))
+    assert same_bits(model.v.detach()[:4], keyinit.random.normal(keyinit.fold_in(k("v"), 0), (4, 2)))
+    assert report.defaults == ()
+
+
+def test_values_do_not_depend_on_the_global_seed():
+    torch.manual_seed(1)
+    a, _ = _deferred_values()
+    torch.manual_seed(2)
+    b, _ = _deferred_values()
+    assert_same_bits(full_state(a), full_state(b), "manual_seed 1 vs 2")
+
+
+def test_pieces_replay_per_manual_shard():
+    """A tensor written only in pieces (no whole write first) replays for any region."""
+    full, _ = _deferred_values()
+    for rows in (slice(0, 3), slice(3, 6), slice(5, 8)):
+        model = keyinit.deferred(Patterns)
+        model.v = nn.Parameter(torch.empty(rows.stop - rows.start, 2, device="meta"))
+        keyinit.materialize(model, SEED, device="cpu", shards={"v": ManualShard((8, 2), (rows, slice(None)))})
+        assert same_bits(model.v.detach(), full.v.detach()[rows]), rows
+
+
+def test_pieces_in_init_code_work_too():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.v = nn.Parameter(torch.empty(8, 2))
+
+        def init_weights(self):
+            self.v.data[:4].normal_()
+            self.v.data[4:].zero_()
+
+    with torch.device("meta"):
+        model = M()
+    keyinit.materialize(model, SEED, device="cpu", init_method="init_weights")
+    reference, _ = _deferred_values()
+    assert same_bits(model.v.detach(), reference.v.detach())
+
+
+# ----------------------------------------------------------------------------- precedence
+def test_rules_win_over_the_record():
+    model, report = _deferred_values(rules={"p": init.zeros(), nn.Linear: lambda m, ctx: {"weight": init.ones()}})
+    assert torch.count_nonzero(model.p) == 0
+    assert torch.all(model.lin.weight == 1)
+    assert same_bits(model.lin.bias.detach(), torch.zeros(4))  # the record, where the module rule says nothing
+    by_fqn = {r.fqn: r.source for r in report.records}
+    assert by_fqn["p"].startswith("pattern") and by_fqn["lin.weight"].startswith("rule")
+
+
+def test_init_method_runs_on_top_of_the_record():
+    model = keyinit.deferred(Patterns)
+
+    def scale_ls():
+        with torch.no_grad():
+            model.ls.mul_(3)
+
+    report = keyinit.materialize(model, SEED, device="cpu", init_method=scale_ls)
+    eager = Patterns()
+    assert same_bits(model.ls.detach(), eager.ls.detach() * 3)
+    assert same_bits(model.q.detach(), eager.q.detach())  # untouched by the method: the record
+    by_fqn = {r.fqn: r.source for r in report.records}
+    assert by_fqn["ls"] == "scale_ls" and by_fqn["q"] == "constructor"
+
+
+def test_no_torch_nn_default_over_a_constructors_record():
+    class ZeroHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(5, 3)
+            nn.init.zeros_(self.head.weight)
+            self.norm = nn.LayerNorm(3)
+            self.norm.weight.data.fill_(0.5)
+
+    model, report = _deferred_values(ZeroHead)
+    assert torch.count_nonzero(model.head.weight) == 0
+    assert torch.all(model.norm.weight == 0.5)
+    assert report.defaults == ()
+
+
+def test_report_lists_torch_nn_defaults_when_there_is_no_record():
+    class ZeroHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(5, 3)
+            nn.init.zeros_(self.head.weight)
+
+    with torch.device("meta"):
+        model = ZeroHead()
+    report = keyinit.materialize(model, SEED, device="cpu")
+    assert report.defaults == ("head.weight", "head.bias")
+    assert torch.count_nonzero(model.head.weight) > 0  # what the docs warn about: the constructor's init is lost
+
+
+# ----------------------------------------------------------------------------- what users do in between
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.layers = nn.ModuleDict({str(i): nn.Linear(6, 6) for i in range(3)})
+        for layer in self.layers.values():
+            nn.init.normal_(layer.weight, std=0.02)
+            nn.init.ones_(layer.bias)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.emb.weight  # tied in the constructor
+
+
+def test_ties_survive_and_take_the_tensor_the_constructor_left():
+    model, _ = _deferred_values(Stack)
+    assert model.head.weight is model.emb.weight
+    eager_like = keyinit.init_model(nn.Embedding(10, 6), SEED, fqn_prefix="emb")
+    assert eager_like.parameters == 1
+
+
+def test_deleting_layers_keeps_the_other_layers_values():
+    full, _ = _deferred_values(Stack)
+    stage = keyinit.deferred(Stack)
+    del stage.layers["1"]
+    keyinit.materialize(stage, SEED, device="cpu")
+    state, expected = full_state(stage), full_state(full)
+    assert set(state) < set(expected)
+    assert_same_bits(state, {k: expected[k] for k in state}, "pipeline stage vs full model")
+
+
+def test_reparenting_keeps_the_record_and_keys_by_the_new_fqn():
+    built = keyinit.deferred(Stack)
+    wrapper = nn.Sequential(built.layers["2"])
+    keyinit.materialize(wrapper, SEED, device="cpu")
+    assert torch.all(wrapper[0].bias == 1)
+    expected = keyinit.random.normal(keyinit.key_for(keyinit.key(SEED), "0.weight"), (6, 6), std=0.02)
+    assert same_bits(wrapper[0].weight.detach(), expected)
+
+
+def test_cast_after_construction_rounds_the_float32_values():
+    full, _ = _deferred_values(Stack)
+    model = keyinit.deferred(Stack).to(torch.bfloat16)
+    keyinit.materialize(model, SEED, device="cpu")
+    for name, tensor in full_state(model).items():
+        assert same_bits(tensor, full_state(full)[name].to(torch.bfloat16)), name
+
+
+def test_fully_sharded_style_replacement_keeps_the_record():
+    """FSDP2/TP/to_empty replace the tensor objects; the record belongs to (module, name)."""
+    full, _ = _deferred_values(Stack)
+    model = keyinit.deferred(Stack)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"))
+    model.head.weight = model.emb.weight
+    keyinit.materialize(model, SEED, device="cpu")
+    assert_same_bits(full_state(model), full_state(full), "replaced tensors vs full model")
+
+
+def test_init_model_after_materialize_replays_the_record_again():
+    model, _ = _deferred_values(Stack)
+    before = full_state(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    keyinit.init_model(model, SEED)
+    assert_same_bits(full_state(model), before, "init_model again")
+
+
+def test_parametrization_registered_in_the_constructor():
+    class Normed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.utils.parametrizations.weight_norm(nn.Linear(5, 4))
+
+    model, _ = _deferred_values(Normed)
+    weight = model.lin.weight.detach()
+    original = model.lin.parametrizations.weight.original1.detach()
+    torch.testing.assert_close(weight, original)  # weight_norm starts with g = |v|: the weight is v
+    # Linear's kaiming_uniform(a=sqrt(5)) draw, moved into the originals by weight_norm's right_inverse
+    assert 0 < original.abs().max() <= 1 / math.sqrt(5)
+    torch.testing.assert_close(model.lin.parametrizations.weight.original0.detach().reshape(-1),
+                               original.norm(dim=1))
+
+
+# ----------------------------------------------------------------------------- errors
+class Unkeyable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rate = nn.Parameter(torch.poisson(torch.ones(4)))
+        self.ok = nn.Parameter(torch.ones(2))
+
+
+def test_unkeyable_randomness_is_a_plan_error_naming_module_and_op():
+    model = keyinit.deferred(Unkeyable)  # not at construction: a rule may cover the tensor
+    with pytest.raises(keyinit.UnkeyedRandomnessError, match="poisson") as info:
+        keyinit.materialize(model, SEED, device="cpu")
+    assert "Unkeyable" in str(info.value) and "rate" in str(info.value)
+    assert all(t.device.type == "meta" for t in model.parameters())
+    keyinit.materialize(model, SEED, device="cpu", rules={"rate": init.ones()})
+    assert torch.all(model.rate == 1)
+
+
+def test_plain_attributes_get_real_values_and_random_ones_are_refused():
+    class Attrs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.arange(5) * 2
+            self.cache = {"inv": 1.0 / torch.arange(1, 4)}
+
+    model = keyinit.deferred(Attrs)
+    assert torch.equal(model.table, torch.arange(5) * 2) and type(model.table) is torch.Tensor
+    assert torch.equal(model.cache["inv"], 1.0 / torch.arange(1, 4))
+
+    class RandomAttr(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.noise = torch.randn(3)
+
+    with pytest.raises(keyinit.UnkeyedRandomnessError, match="noise.*register_buffer"):
+        keyinit.deferred(RandomAttr)
+
+
+def test_builder_must_return_a_module():
+    with pytest.raises(TypeError, match="not an nn.Module"):
+        keyinit.deferred(lambda: torch.zeros(3))
+    with pytest.raises(TypeError, match="callable"):
+        keyinit.deferred(nn.Linear(2, 2).weight)
+
+
+def test_init_model_on_a_deferred_model_points_to_materialize():
+    model = keyinit.deferred(Stack)
+    with pytest.raises(keyinit.PlanError, match="materialize"):
+        keyinit.init_model(model, SEED)
