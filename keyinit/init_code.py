@@ -19,7 +19,8 @@ import torch
 
 from keyinit.capture import Capture, LazyTensor
 from keyinit.errors import PlanError
-from keyinit.program import Geometry, Random
+from keyinit.deferred import seed_storage
+from keyinit.program import Geometry, Node, Random
 
 if TYPE_CHECKING:
     from keyinit.plan import PlannedTensor
@@ -51,18 +52,22 @@ def parametrized_names(module: torch.nn.Module) -> list[str]:
 
 def through_right_inverse(module: torch.nn.Module, module_fqn: str, name: str, shape: tuple[int, ...],
                            dtype: torch.dtype, initializer: Any) -> Callable[[], Any]:
-    """Init code for a rule on a parametrized tensor: draw the tensor as the rule says, then set the
-    originals from it through the parametrizations' ``right_inverse`` (what assigning
+    """Init code for a rule on a parametrized tensor: draw the tensor as the rule says (or start it
+    from its constructor record, a :class:`keyinit.program.Node`), then set the originals from it through the parametrizations' ``right_inverse`` (what assigning
     ``module.<name> = value`` does in torch)."""
 
     def call() -> None:
         plist = module.parametrizations[name]
         capture = next(t for t in plist.parameters())._capture  # type: ignore[attr-defined]
         fqn = f"{module_fqn}.{name}" if module_fqn else name
-        value = capture.standin(shape, dtype, fqn)
-        draw = Random(shape, dtype, f"{fqn} ({initializer!r})", capture.site, initializer,
-                      element_local=getattr(initializer, "element_local", True))
-        capture.storage_of(value).write(Geometry.contiguous(shape), draw, capture.label)
+        if isinstance(initializer, Node):  # a constructor's record (keyinit.deferred)
+            value = capture.standin(shape, initializer.dtype, fqn)
+            seed_storage(capture.storage_of(value), initializer, capture.label)
+        else:
+            value = capture.standin(shape, dtype, fqn)
+            draw = Random(shape, dtype, f"{fqn} ({initializer!r})", capture.site, initializer,
+                          element_local=getattr(initializer, "element_local", True))
+            capture.storage_of(value).write(Geometry.contiguous(shape), draw, capture.label)
         for parametrization in reversed(plist):
             if not hasattr(parametrization, "right_inverse"):
                 raise PlanError(f"{fqn}: {type(parametrization).__name__} has no right_inverse, so a rule for the "

@@ -342,6 +342,26 @@ class _Planner:
             user = user or self.registry.module_rule(type(module))
             if user is not None:
                 self._apply_module_rule(module, module_fqn, user[1], "rule", f"rule {user[0].__name__}")
+            self._parametrized_records(module, module_fqn)
+
+    def _parametrized_records(self, module: torch.nn.Module, module_fqn: str) -> None:
+        """A tensor parametrized after construction (``weight_norm`` on a deferred model) starts from
+        its constructor's record, through ``right_inverse``; only a module rule or pattern beats it."""
+        record = record_of(module)
+        if record is None:
+            return
+        for name in parametrized_names(module):
+            node = record.value(name)
+            if node is None or (isinstance(node, Read) and isinstance(node.version, Alloc)):
+                continue
+            current = self.parametrized.get((id(module), name))
+            if current is not None and current[3] != "default":
+                continue
+            shape, _dtype = self._parametrized_value(module, name)
+            if tuple(node.shape) != shape:
+                continue
+            self.parametrized[(id(module), name)] = (module, module_fqn, name, "constructor", "constructor", node)
+            self.constructed.add(id(module))
 
     def _apply_module_rule(self, module: torch.nn.Module, module_fqn: str, rule: ModuleRule, kind: str,
                            label: str) -> None:

@@ -345,3 +345,23 @@ def test_init_model_on_a_deferred_model_points_to_materialize():
     model = keyinit.deferred(Stack)
     with pytest.raises(keyinit.PlanError, match="materialize"):
         keyinit.init_model(model, SEED)
+
+
+def test_parametrization_registered_after_deferred_starts_from_the_record():
+    """weight_norm on the meta model after construction: the originals come from the constructor's
+    weight through right_inverse (as torch does on a built module), not from Linear's default."""
+    class Quarter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 4)
+            nn.init.constant_(self.lin.weight, 0.25)
+
+    model = keyinit.deferred(Quarter)
+    nn.utils.parametrizations.weight_norm(model.lin)
+    report = keyinit.materialize(model, SEED, device="cpu")
+    assert report.defaults == ()
+    eager = Quarter()
+    nn.utils.parametrizations.weight_norm(eager.lin)
+    for name in ("original0", "original1"):
+        ours = getattr(model.lin.parametrizations.weight, name).detach()
+        assert same_bits(ours, getattr(eager.lin.parametrizations.weight, name).detach()), name
