@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from keyinit import init as _init
 from keyinit._random_ops import Effects, bind_arguments, is_random, keyed_effects
@@ -85,7 +85,7 @@ class LazyTensor(torch.Tensor):
     def __torch_function__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         if func in _NEEDS_VALUES:
-            capture = next(a._capture for a in tree_flatten((args, kwargs))[0] if isinstance(a, LazyTensor))
+            capture = next(a._capture for a in _leaves((args, kwargs)) if isinstance(a, LazyTensor))
             concrete = tree_map(lambda x: capture.concrete(x, getattr(func, "__name__", "value"))
                                 if isinstance(x, LazyTensor) else x, (args, kwargs))
             return func(*concrete[0], **concrete[1])
@@ -95,6 +95,34 @@ class LazyTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
         raise CaptureError(f"a keyinit stand-in tensor was used outside keyinit's capture ({func})")
+
+
+def _leaves(tree: Any) -> list[Any]:
+    """The leaves of aten arguments (tuples, lists, dicts of tensors and scalars): a fast
+    ``tree_flatten(...)[0]`` for the structures aten ops take and return."""
+    out: list[Any] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (tuple, list)):
+            stack.extend(reversed(node))
+        elif isinstance(node, dict):
+            stack.extend(reversed(list(node.values())))
+        else:
+            out.append(node)
+    return out
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` over the leaves of aten arguments, keeping tuples (named ones too), lists and dicts."""
+    if isinstance(tree, list):
+        return [tree_map(fn, x) for x in tree]
+    if isinstance(tree, tuple):
+        items = [tree_map(fn, x) for x in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    if isinstance(tree, dict):
+        return {k: tree_map(fn, v) for k, v in tree.items()}
+    return fn(tree)
 
 
 _NEEDS_VALUES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
@@ -267,7 +295,7 @@ class Capture:
             if self._claim(stack):
                 return self._run_suppressed(func, args, kwargs)
             return self._record(func, args, kwargs, random=True)
-        flat, _ = tree_flatten((args, kwargs))
+        flat = _leaves((args, kwargs))
         if not any(isinstance(x, LazyTensor) for x in flat) and any(isinstance(x, torch.Tensor) for x in flat) \
                 and func not in _IDENTITY:
             return func(*args, **kwargs)  # real tensors only: run it for real
@@ -297,7 +325,7 @@ class Capture:
         if func in _VALUE_OPS:
             return False if func is not aten._local_scalar_dense.default else 0
         out = self._run_meta(func, args, kwargs)
-        outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        outputs = [o for o in _leaves(out) if isinstance(o, torch.Tensor)]
         returns = [Suppressed(tuple(o.shape), o.dtype) for o in outputs]
         return self._wrap(args, kwargs, bind_arguments(func, args, kwargs), _mutated_args(func), out, returns)
 
@@ -306,7 +334,8 @@ class Capture:
         mutated = [bound[m] for m in _mutated_args(func) if isinstance(bound.get(m), LazyTensor)]
         before = [Geometry.of(t._meta) for t in mutated]
         try:
-            out = self._run_meta(func, args, kwargs)
+            # An in-place draw returns its own argument: no need to run torch's (Python) meta decomposition.
+            out = mutated[0]._meta if random and mutated and _returns_self(func) else self._run_meta(func, args, kwargs)
         except Exception as exc:  # no meta kernel, or a data-dependent shape: compute it for real
             if random:
                 try:
@@ -322,7 +351,7 @@ class Capture:
         if any(Geometry.of(t._meta) != g for t, g in zip(mutated, before)):
             raise CaptureError(f"{self.site}: init code's {_op_name(func)} resizes the tensor it writes into (an out= "
                                f"argument of another shape); keyinit captures writes into tensors of fixed shape")
-        outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        outputs = [o for o in _leaves(out) if isinstance(o, torch.Tensor)]
         if random:
             effects = keyed_effects(func, args, kwargs, outputs, self.site, self.node)
             names = _mutated_args(func)
@@ -470,13 +499,13 @@ class Capture:
             if any(a.name == "device" for a in func._schema.arguments):
                 k["device"] = torch.device("cpu")
             result = func(*args, **k)
-        return [Literal(r.contiguous()) for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor)]
+        return [Literal(r.contiguous()) for r in _leaves(result) if isinstance(r, torch.Tensor)]
 
     def _wrap(self, args: tuple, kwargs: dict, bound: dict[str, Any], mutated: list[str], out: Any,
               returns: list[Optional[Node]]) -> Any:
         """Turn meta results into stand-ins: views and mutated arguments share their input's buffer."""
         by_storage = {}
-        for x in tree_flatten((args, kwargs))[0]:
+        for x in _leaves((args, kwargs)):
             if isinstance(x, LazyTensor):
                 by_storage.setdefault(x._meta.untyped_storage()._cdata, x)
         written = [bound[m] for m in mutated if isinstance(bound.get(m), LazyTensor)]
@@ -498,6 +527,16 @@ class Capture:
             return LazyTensor(meta, self)
 
         return tree_map(wrap, out)
+
+
+def _returns_self(func: Any) -> bool:
+    """``func`` is an in-place op on its first argument that returns it (``normal_``, ``uniform_``)."""
+    schema = func._schema
+    if len(schema.returns) != 1 or not schema.arguments:
+        return False
+    first, ret = schema.arguments[0].alias_info, schema.returns[0].alias_info
+    return first is not None and first.is_write and ret is not None and ret.is_write and \
+        set(first.before_set) == set(ret.before_set)
 
 
 def _is_kwarg_only(func: Any, name: str) -> bool:
