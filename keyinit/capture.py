@@ -163,7 +163,15 @@ _VALUE_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.eq
 
 
 def _mutated_args(func: Any) -> list[str]:
-    return [arg.name for arg in func._schema.arguments if arg.alias_info is not None and arg.alias_info.is_write]
+    names = _MUTATED.get(func)
+    if names is None:
+        names = _MUTATED[func] = tuple(arg.name for arg in func._schema.arguments
+                                       if arg.alias_info is not None and arg.alias_info.is_write)
+    return list(names)
+
+
+#: ``func -> names of the arguments it writes`` (a cache of schema facts, not state).
+_MUTATED: dict[Any, tuple[str, ...]] = {}
 
 
 def _op_name(func: Any) -> str:

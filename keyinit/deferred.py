@@ -160,9 +160,15 @@ def _concretize_attributes(module: torch.nn.Module, module_fqn: str, capture: Ca
     Their values must not depend on a draw: a draw is keyed by the parameter or buffer it
     lands in, and a plain attribute is neither."""
     for name, value in list(vars(module).items()):
+        if name in _MODULE_INTERNALS:
+            continue
         converted = _concrete(value, capture, f"{module_fqn}.{name}" if module_fqn else name)
         if converted is not value:
             object.__setattr__(module, name, converted)
+
+
+#: nn.Module's own bookkeeping attributes (its parameter, buffer, module and hook tables).
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
 
 def _concrete(value: Any, capture: Capture, where: str) -> Any:
