@@ -449,7 +449,7 @@ class SlotProgram:
         live = tuple(chain[start:])
         complete = bool(live) and live[0].geometry.covers_buffer(storage.numel)
         if not complete and live:
-            complete = bool(written_mask(live, storage.numel).all())
+            complete = writes_cover(live, shape)
         return cls(fqn, tuple(shape), storage.dtype, live, None, complete or storage.numel == 0, tuple(chain))
 
     @property
@@ -467,6 +467,52 @@ class SlotProgram:
         if self.read is not None:
             return [self.read]
         return [write.value for write in self.writes]
+
+
+#: Buffers up to this many elements are checked with a mask of every element; larger ones by
+#: the boxes their writes cover (memory proportional to the program), or in bounded chunks.
+MASK_LIMIT = 1 << 24
+
+
+def writes_cover(writes: Sequence[Write], shape: Sequence[int]) -> bool:
+    """Whether ``writes`` together write every element of a contiguous buffer of ``shape``.
+
+    Costs memory proportional to the program, not to the buffer: small buffers use a mask;
+    writes through box views of ``shape`` (slices, ``narrow``, ``select``) are checked on the
+    grid their bounds cut the buffer into; anything else in bounded chunks."""
+    numel = math.prod(shape)
+    if any(write.geometry.covers_buffer(numel) for write in writes):
+        return True
+    if numel <= MASK_LIMIT:
+        return bool(written_mask(writes, numel).all())
+    boxes = []
+    for write in writes:
+        structure = write.geometry.structure(shape)
+        if structure is None or any(step not in (0, 1) for _start, step, _count, _dim in structure):
+            return _cover_in_chunks(writes, numel)
+        boxes.append([(start, start + (count if step else 1)) for start, step, count, _dim in structure])
+    return _boxes_cover(tuple(shape), boxes)
+
+
+def _boxes_cover(shape: tuple[int, ...], boxes: list[list[tuple[int, int]]]) -> bool:
+    """Whether boxes (``[(start, stop)]`` per dim) cover ``shape``: marked on the grid of their bounds."""
+    cuts = [sorted({0, size} | {b for box in boxes for b in box[d]}) for d, size in enumerate(shape)]
+    grid = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.bool)
+    for box in boxes:
+        index = tuple(slice(c.index(lo), c.index(hi)) for c, (lo, hi) in zip(cuts, box))
+        grid[index] = True
+    return bool(grid.all())
+
+
+def _cover_in_chunks(writes: Sequence[Write], numel: int, chunk: int = 1 << 22) -> bool:
+    for start in range(0, numel, chunk):
+        pos = torch.arange(start, min(start + chunk, numel), dtype=torch.int64)
+        covered = torch.zeros(pos.numel(), dtype=torch.bool)
+        for write in writes:
+            covered |= write.geometry.inverse(pos)[0]
+        if not bool(covered.all()):
+            return False
+    return True
 
 
 def written_mask(writes: Sequence[Write], numel: int) -> torch.Tensor:

@@ -365,3 +365,42 @@ def test_parametrization_registered_after_deferred_starts_from_the_record():
     for name in ("original0", "original1"):
         ours = getattr(model.lin.parametrizations.weight, name).detach()
         assert same_bits(ours, getattr(eager.lin.parametrizations.weight, name).detach()), name
+
+
+def test_planning_pieces_of_a_huge_tensor_costs_the_program_not_the_tensor(monkeypatch):
+    """2**31 elements written in pieces: coverage is decided on the pieces' grid, never with a per-element mask."""
+    from keyinit import program
+    from keyinit.plan import plan_model
+
+    real_mask = program.written_mask
+
+    def small_masks_only(writes, numel):
+        assert numel <= program.MASK_LIMIT, f"a {numel}-element mask was allocated while planning"
+        return real_mask(writes, numel)
+
+    monkeypatch.setattr(program, "written_mask", small_masks_only)
+
+    class Huge(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(1 << 16, 1 << 15))
+            self.w.data[: 1 << 15].normal_(std=0.02)
+            self.w.data[1 << 15:, :100].zero_()
+            self.w.data[1 << 15:, 100:].fill_(1.0)
+
+    model = keyinit.deferred(Huge)
+    plan = plan_model(model, SEED, materializing=True)
+    assert plan.tensors[0].program.complete
+
+    gap = keyinit.deferred(lambda: _with_gap(Huge()))
+    with pytest.raises(keyinit.PlanError, match="only part"):
+        plan_model(gap, SEED, materializing=True)
+
+
+def _with_gap(model):
+    """A fresh tensor written in pieces that leave one column of the second half unwritten."""
+    model.w = nn.Parameter(torch.empty(1 << 16, 1 << 15))
+    model.w.data[: 1 << 15].normal_()
+    model.w.data[1 << 15:, :100].zero_()
+    model.w.data[1 << 15:, 101:].zero_()
+    return model
