@@ -6,7 +6,9 @@ evaluating a node gives the same bits:
 
 - draws come from :mod:`keyinit.random` (values depend only on the key and the
   element's flat index) or a :mod:`keyinit.init` initializer over a region;
-- element-wise math runs in blocks of :data:`BLOCK` elements aligned to the
+- element-wise math on nodes of at most :data:`CALL` elements runs in one call over
+  the whole node (as eager torch runs it, so deterministic buffers match eager's bits);
+  on larger nodes it runs in blocks of :data:`BLOCK` elements aligned to the
   node's own flat indices, at most :data:`CALL` elements per torch call, so every
   element takes the same vectorized code path whatever region was asked for
   (torch's CPU kernels switch between SIMD bodies and scalar tails by position);
@@ -170,6 +172,10 @@ class Evaluator:
     def _pointwise_at(self, node: Pointwise, pos: torch.Tensor) -> torch.Tensor:
         if node.exact:
             return self._apply(node, pos)
+        if node.numel <= CALL:
+            # Small (RoPE frequencies, norm scales): the whole node in one call, as eager torch
+            # computes it, whatever region was asked for: the same bits as eager, on every rank.
+            return self.full(node).reshape(-1)[pos]
         # Evaluate whole aligned blocks so every element runs the same code path.
         first = _run_start(pos)
         if first is not None:  # a run of consecutive positions (the common case): its blocks are a range
@@ -255,7 +261,8 @@ class Evaluator:
         if cached is not None and cached[0] is node:
             return cached[1]  # type: ignore[return-value]
         value = self._full(node)
-        if isinstance(node, (Whole, Item)) or (isinstance(node, Random) and not node.element_local):
+        if isinstance(node, (Whole, Item)) or (isinstance(node, Random) and not node.element_local) or \
+                (isinstance(node, Pointwise) and not node.exact and node.numel <= CALL):
             self._cache[id(node)] = (node, value)
         return value
 
@@ -277,6 +284,8 @@ class Evaluator:
             if written is not None and not bool(written.as_strided(g.size, g.stride, g.offset).all()):
                 raise UninitializedRead(f"init code reads elements of {_label(node.version)} that nothing wrote")
             return buffer.as_strided(g.size, g.stride, g.offset).contiguous()
+        if isinstance(node, Pointwise) and not node.exact and node.numel <= CALL:
+            return self._apply(node, _arange(node.numel)).reshape(node.shape)
         return self.at(node, _arange(node.numel)).reshape(node.shape)
 
     def _whole(self, node: Whole) -> object:

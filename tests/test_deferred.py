@@ -404,3 +404,20 @@ def _with_gap(model):
     model.w.data[1 << 15:, :100].zero_()
     model.w.data[1 << 15:, 101:].zero_()
     return model
+
+
+@pytest.mark.parametrize("n", [5, 39, 78, 1000])
+def test_deterministic_buffers_have_eagers_bits(n):
+    """RoPE frequencies and sinusoid tables: the same torch ops over the whole (small) tensor, as in eager."""
+    class Rope(nn.Module):
+        def __init__(self):
+            super().__init__()
+            inv = 1.0 / (500000.0 ** (torch.arange(0, 2 * n, 2, dtype=torch.int64).float() / (2 * n)))
+            self.register_buffer("inv_freq", inv, persistent=False)
+            t = torch.arange(7).float()[:, None] * inv[None, :]
+            self.register_buffer("table", torch.cat([t.sin(), t.cos(), torch.tanh(t) * 0.3], dim=1))
+
+    model, _ = _deferred_values(Rope)
+    eager = Rope()
+    assert same_bits(model.inv_freq, eager.inv_freq)
+    assert same_bits(model.table, eager.table)
