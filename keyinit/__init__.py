@@ -8,6 +8,7 @@ keys. See ``docs/spec.md`` for the stream contract and ``docs/`` for the guide.
 from keyinit import init, layouts, random
 from keyinit.keys import DEFAULT_STREAM, STREAM_VERSIONS, Key, fold_in, key, key_for, split
 from keyinit.deferred import deferred
+from keyinit.init_code import call_once, per_module
 from keyinit.model import InitReport, TensorRecord, init_model, materialize
 from keyinit.rules import REGISTRY, Registry, RuleContext, register, register_pattern
 from keyinit.errors import InitError, PlanError, UnkeyedRandomnessError
@@ -26,6 +27,8 @@ __all__ = [
     "layouts",
     "nn",
     "deferred",
+    "per_module",
+    "call_once",
     "init_model",
     "materialize",
     "InitReport",

@@ -11,6 +11,7 @@ parametrized tensor, and spectral norm's constructor state, into init code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -25,12 +26,25 @@ from keyinit.program import Geometry, Node, Random
 if TYPE_CHECKING:
     from keyinit.plan import PlannedTensor
 
-__all__ = ["Installed", "PerModuleCall", "bind_call", "takes_module", "child_fqn", "parametrized_names",
+__all__ = ["Installed", "PerModuleCall", "bind_call", "takes_module", "per_module", "call_once", "child_fqn",
+           "parametrized_names",
            "through_right_inverse", "parametrization_start"]
 
 
+#: Set on a callable by :func:`keyinit.per_module` (True) or :func:`keyinit.call_once` (False).
+FORM_ATTRIBUTE = "_keyinit_per_module"
+
+
 def takes_module(fn: Callable[..., Any]) -> bool:
-    """Whether a callable init method takes the module as its first argument (HF's ``_init_weights``)."""
+    """Whether a callable init method takes the module as its first argument (HF's ``_init_weights``).
+
+    Decided by what the callable accepts: a required positional parameter means a module is
+    passed (per-module form); no positional parameter, only optional ones, or ``*args, **kwargs``
+    (torchtitan's and OLMo-core's ``init_weights``) means it is called once. A callable wrapped
+    by :func:`keyinit.per_module` or :func:`keyinit.call_once` says so explicitly."""
+    explicit = getattr(fn, FORM_ATTRIBUTE, None)
+    if isinstance(explicit, bool):
+        return explicit
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -38,9 +52,30 @@ def takes_module(fn: Callable[..., Any]) -> bool:
     for parameter in signature.parameters.values():
         if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
             return parameter.default is parameter.empty
-        if parameter.kind is parameter.VAR_POSITIONAL:
-            return True
     return False
+
+
+def per_module(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` as a per-module init method: ``init_method=keyinit.per_module(fn)`` calls
+    ``fn(module, **init_kwargs)`` for every module, children first (HF's ``smart_apply``)."""
+    return _with_form(fn, True)
+
+
+def call_once(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` as called once: ``init_method=keyinit.call_once(fn)`` calls ``fn(**init_kwargs)``."""
+    return _with_form(fn, False)
+
+
+def _with_form(fn: Callable[..., Any], per_module_form: bool) -> Callable[..., Any]:
+    if not callable(fn):
+        raise TypeError(f"expected a callable init method, got {type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    setattr(marked, FORM_ATTRIBUTE, per_module_form)
+    return marked
 
 
 def parametrized_names(module: torch.nn.Module) -> list[str]:
