@@ -145,6 +145,9 @@ def _recognised() -> dict[types.CodeType, Callable[[dict], Any]]:
     return table
 
 
+#: nn.Module's own bookkeeping attributes (its parameter, buffer, module and hook tables).
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
 _FILL_VALUE = {aten.fill_.Scalar, aten.fill.Scalar, aten.fill_.Tensor, aten.fill.Tensor}
 _ZERO = {aten.zero_.default, aten.zero.default}
 _COPY = {aten.copy_.default}
@@ -254,6 +257,39 @@ class Capture:
         with _disable_current_modes():
             evaluator = Evaluator({}, why_unkeyed=f"uses the values of a tensor in Python ({why})")
             return evaluator.full(self.node(value))
+
+    def concretize_attributes(self, module: torch.nn.Module, module_fqn: str) -> None:
+        """Give stand-ins that code stored outside parameters and buffers (plain attributes, and
+        tensors inside lists, tuples and dicts there: RoPE caches) their real values, as eager
+        torch would have them, so no stand-in escapes the capture.
+
+        Their values must not depend on a draw: a draw is keyed by the parameter or buffer it
+        lands in, and a plain attribute is neither (:class:`UnkeyedRandomnessError`, naming it)."""
+        for name, value in list(vars(module).items()):
+            if name in _MODULE_INTERNALS:
+                continue
+            converted = self._concrete_tree(value, f"{module_fqn}.{name}" if module_fqn else name)
+            if converted is not value:
+                object.__setattr__(module, name, converted)
+
+    def _concrete_tree(self, value: Any, where: str) -> Any:
+        if isinstance(value, LazyTensor):
+            try:
+                return self.concrete(value, f"attribute {where}")
+            except UnkeyedRandomnessError as exc:
+                raise UnkeyedRandomnessError(
+                    f"{where}: code stored a tensor computed from random draws outside the model's parameters "
+                    f"and buffers; keyinit keys a draw by the parameter or buffer it lands in: register it as a "
+                    f"buffer (register_buffer) or a parameter") from exc
+        if isinstance(value, (list, tuple)) and any(isinstance(v, LazyTensor) for v in value):
+            items = [self._concrete_tree(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            if isinstance(value, list):
+                value[:] = items  # in place: other references to the list see real values too
+                return value
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        if isinstance(value, dict) and any(isinstance(v, LazyTensor) for v in value.values()):
+            value.update({k: self._concrete_tree(v, f"{where}[{k!r}]") for k, v in value.items()})
+        return value
 
     # ------------------------------------------------------------------ frames
     def _stack(self) -> list[types.FrameType]:

@@ -32,7 +32,6 @@ import attrs
 import torch
 
 from keyinit.capture import Capture, LazyTensor
-from keyinit.errors import UnkeyedRandomnessError
 from keyinit.program import Geometry, Literal, Node, Read, Storage, Write
 
 __all__ = ["deferred", "ConstructorRecord", "record_of", "seed_storage", "RECORD_ATTRIBUTE"]
@@ -124,7 +123,7 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
                     replaced[id(tensor)] = _meta_like(tensor, is_parameter=table is module._parameters)
                 record[name] = values[id(tensor)]
                 table[name] = replaced[id(tensor)]
-        _concretize_attributes(module, module_fqn, capture)
+        capture.concretize_attributes(module, module_fqn)
         object.__setattr__(module, RECORD_ATTRIBUTE, ConstructorRecord(record, builder))
 
 
@@ -152,40 +151,6 @@ def _meta_like(tensor: torch.Tensor, *, is_parameter: bool) -> torch.Tensor:
         except (AttributeError, TypeError):
             pass
     return meta
-
-
-def _concretize_attributes(module: torch.nn.Module, module_fqn: str, capture: Capture) -> None:
-    """Plain tensor attributes (not parameters or buffers) get their real values now, as in eager.
-
-    Their values must not depend on a draw: a draw is keyed by the parameter or buffer it
-    lands in, and a plain attribute is neither."""
-    for name, value in list(vars(module).items()):
-        if name in _MODULE_INTERNALS:
-            continue
-        converted = _concrete(value, capture, f"{module_fqn}.{name}" if module_fqn else name)
-        if converted is not value:
-            object.__setattr__(module, name, converted)
-
-
-#: nn.Module's own bookkeeping attributes (its parameter, buffer, module and hook tables).
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
-
-
-def _concrete(value: Any, capture: Capture, where: str) -> Any:
-    if isinstance(value, LazyTensor):
-        try:
-            return capture.concrete(value, f"attribute {where}")
-        except UnkeyedRandomnessError as exc:
-            raise UnkeyedRandomnessError(
-                f"{where}: the constructor stored a tensor computed from random draws in a plain attribute; "
-                f"keyinit keys a draw by the parameter or buffer it lands in: register it as a buffer "
-                f"(register_buffer) or a parameter") from exc
-    if isinstance(value, (list, tuple)) and any(isinstance(v, LazyTensor) for v in value):
-        items = [_concrete(v, capture, f"{where}[{i}]") for i, v in enumerate(value)]
-        return type(value)(items) if isinstance(value, list) or type(value) is tuple else value
-    if isinstance(value, dict) and any(isinstance(v, LazyTensor) for v in value.values()):
-        value.update({k: _concrete(v, capture, f"{where}[{k!r}]") for k, v in value.items()})
-    return value
 
 
 def seed_storage(storage: Storage, node: Node, label: str) -> None:

@@ -184,6 +184,7 @@ class Installed:
                  modules: list[tuple[torch.nn.Module, str]]) -> None:
         self.entries: list[tuple[PlannedTensor, dict, str, Any, Any]] = []  # (tensor, table, attr, original, stand-in)
         self.modules = modules
+        self.capture = capture
         for t in tensors:
             stand = standins[id(t)]
             original = t.tensor
@@ -239,6 +240,8 @@ class Installed:
             module._non_persistent_buffers_set.update(non_persistent)
         for _t, table, attr, original, _replacement in reversed(self.entries):
             table[attr] = original
+        for module, fqn in self.modules:  # caches init code filled in place (a dict of RoPE tables)
+            self.capture.concretize_attributes(module, fqn)
 
     @contextlib.contextmanager
     def untied(self, module: Optional[torch.nn.Module], capture: Capture) -> Iterator[None]:
