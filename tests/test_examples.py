@@ -91,3 +91,14 @@ def test_existing_init_code_matches_torch_distributions():
     keyinit.init_model(hf, 0, **kwargs)
     assert torch.equal(hf.embed_tokens.weight[3], torch.zeros(24))
     assert torch.equal(hf.layers[0].q_proj.bias, torch.zeros(24))
+
+
+@pytest.mark.slow
+def test_deferred_vision_fsdp2_two_ranks():
+    pytest.importorskip("timm")
+    from examples import deferred_vision
+
+    results = deferred_vision.main(["--nproc", "2", "--model", "timm:vit_tiny_patch16_224"])
+    assert [r["identical"] for r in results] == [r["total"] for r in results] and results[0]["total"] > 100
+    assert all(r["defaults"] == 0 for r in results)  # every tensor from the model's own constructor
+    assert all(0 < r["loss"] < 10 for r in results)
