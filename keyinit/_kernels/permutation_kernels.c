@@ -3,7 +3,7 @@
  * Bit-identical to keyinit/data/_feistel.py; integer arithmetic only.
  *
  *     b = bit_length(n - 1); rb = b / 2; lb = b - rb; x = (l << rb) | r
- *     round i (0..5): even i: l ^= F(i, r) & lmask;  odd i: r ^= F(i, l) & rmask
+ *     round i (0..R-1, R = 12 if b <= 16 else 6): even i: l ^= F(i, r) & lmask;  odd i: r ^= F(i, l) & rmask
  *     F(i, v) = Philox4x32-10((v, i, 0, 0), Kp)[0]
  *     perm(p) = E(p), re-applied while >= n (cycle walking)
  *
@@ -17,7 +17,8 @@
 
 #include "philox.h"
 
-#define KI_PERM_ROUNDS 6
+/* rounds: 12 for domains of at most 16 bits, else 6 (spec section 16) */
+#define KI_PERM_ROUNDS(b) ((b) <= 16 ? 12 : 6)
 #define CHUNK 256
 
 /* F(i, v) for v[0..count) into out: the Philox rounds run over the whole chunk (vectorizable). */
@@ -92,8 +93,9 @@ static void feistel(uint32_t k0, uint32_t k1, int lb, int rb, int inverse, uint6
         left[j] = (uint32_t)(x[j] >> rb);
         right[j] = (uint32_t)(x[j] & rmask);
     }
-    for (int s = 0; s < KI_PERM_ROUNDS; s++) {
-        int i = inverse ? KI_PERM_ROUNDS - 1 - s : s;
+    const int rounds = KI_PERM_ROUNDS(lb + rb);
+    for (int s = 0; s < rounds; s++) {
+        int i = inverse ? rounds - 1 - s : s;
         if (i % 2 == 0) {
             round_values(k0, k1, (uint32_t)i, right, f, count);
             for (int j = 0; j < count; j++) left[j] ^= f[j] & lmask;

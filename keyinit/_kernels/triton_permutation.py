@@ -5,7 +5,7 @@ when triton is missing). Under ``TRITON_INTERPRET=1`` it runs on CPU tensors
 (``interpret_ok=True``), which is how the tests check it without a GPU.
 
 Each program takes BLOCK positions (an int64 vector, or ``start + step*k``),
-applies the six Feistel rounds of ``docs/spec.md`` section 16 (round function
+applies the Feistel rounds (12 for domains of at most 16 bits, else 6) of ``docs/spec.md`` section 16 (round function
 ``Philox((v, i, 0, 0), Kp)[0]``, the same ``_philox`` as the init kernel) and
 re-applies them to the lanes still ``>= n`` until none is (cycle walking; a
 scalar ``while`` over the block's maximum).
@@ -27,12 +27,12 @@ BLOCK = 1024
 
 
 @triton.jit
-def _feistel(x, key0, key1, lb, rb, lmask, rmask, INVERSE: tl.constexpr):
+def _feistel(x, key0, key1, lb, rb, lmask, rmask, INVERSE: tl.constexpr, ROUNDS: tl.constexpr):
     left = (x >> rb).to(tl.uint32)
     right = (x & rmask).to(tl.uint32)
-    for s in tl.static_range(6):
+    for s in tl.static_range(ROUNDS):
         if INVERSE:
-            i = 5 - s
+            i = ROUNDS - 1 - s
         else:
             i = s
         if i % 2 == 0:
@@ -46,7 +46,8 @@ def _feistel(x, key0, key1, lb, rb, lmask, rmask, INVERSE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["count", "n", "k0", "k1", "lb", "rb", "start", "step"])
 def _permute_kernel(pos_ptr, out_ptr, count, n, k0, k1, lb, rb, start, step,
-                    INDEXED: tl.constexpr, INVERSE: tl.constexpr, BLOCK: tl.constexpr):
+                    INDEXED: tl.constexpr, INVERSE: tl.constexpr, ROUNDS: tl.constexpr,
+                    BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < count
@@ -59,10 +60,10 @@ def _permute_kernel(pos_ptr, out_ptr, count, n, k0, k1, lb, rb, start, step,
     key1 = zero + k1.to(tl.uint32)
     lmask = (tl.zeros([BLOCK], dtype=tl.int64) + 1 << lb) - 1
     rmask = (tl.zeros([BLOCK], dtype=tl.int64) + 1 << rb) - 1
-    y = _feistel(x, key0, key1, lb, rb, lmask, rmask, INVERSE)
+    y = _feistel(x, key0, key1, lb, rb, lmask, rmask, INVERSE, ROUNDS)
     pending = tl.max((y >= n).to(tl.int32), axis=0)
     while pending > 0:
-        again = _feistel(y, key0, key1, lb, rb, lmask, rmask, INVERSE)
+        again = _feistel(y, key0, key1, lb, rb, lmask, rmask, INVERSE, ROUNDS)
         y = tl.where(y >= n, again, y)
         pending = tl.max((y >= n).to(tl.int32), axis=0)
     tl.store(out_ptr + offs, y, mask=mask)
@@ -82,7 +83,7 @@ def run(kp: tuple[int, int], n: int, inverse: bool, out: torch.Tensor, *, positi
     grid = (triton.cdiv(count, BLOCK),)
     pos = positions if positions is not None else out  # unread when not INDEXED
     args = (pos, out, count, n, kp[0], kp[1], lb, rb, start, step)
-    options = dict(INDEXED=positions is not None, INVERSE=bool(inverse), BLOCK=BLOCK)
+    options = dict(INDEXED=positions is not None, INVERSE=bool(inverse), ROUNDS=12 if b <= 16 else 6, BLOCK=BLOCK)
     if out.device.type == "cuda":
         with torch.cuda.device(out.device):
             _permute_kernel[grid](*args, **options)
