@@ -128,12 +128,16 @@ class KeyedSampler(Sampler[int]):
             epoch_list = epochs.tolist() if self.yield_epoch else None
             local = self.local_batch_size
             for s in range(steps):
-                row = slice(s * local, (s + 1) * local)
+                row = slice(s * local, (s + 1) * local - 1)
+                last = (s + 1) * local - 1
                 if epoch_list is None:
                     yield from index_list[row]
+                    self.step += 1  # the step is done once its last sample is handed out
+                    yield index_list[last]
                 else:
                     yield from map(SampleRef, index_list[row], epoch_list[row])
-                self.step += 1
+                    self.step += 1
+                    yield SampleRef(index_list[last], epoch_list[last])
 
     # ------------------------------------------------------------------ checkpointing
     def fingerprint(self) -> dict[str, Any]:
