@@ -14,7 +14,8 @@ Sections:
    (the output; ``randperm(10**12)`` would need 8 TB and cannot run).
 3. A DataLoader epoch over a trivial dataset (``dataset[i] = i``, batch 256, ``num_workers=0``):
    ``KeyedSampler`` vs torch's ``RandomSampler`` (``shuffle=True``) and ``SequentialSampler``;
-   and each sampler alone (``list(sampler)``), whose time over the epoch's is its share of it.
+   and each sampler alone (``list(sampler)``), whose time over the epoch's is its share of it;
+   and ``DataLoader(batch_sampler=KeyedSampler(...).batch_sampler())`` vs ``SequentialSampler``.
 
 Timings alternate peer and keyinit and report the MEDIAN of the repeats. This is not a test.
 """
@@ -144,13 +145,21 @@ def section3(args) -> dict:
                                     lambda: epoch(KeyedSampler(n, 0, global_batch_size=batch)), args.repeats)
     seq_t, keyed2_t = median_pair(lambda: epoch(torch.utils.data.SequentialSampler(data)),
                                   lambda: epoch(KeyedSampler(n, 0, global_batch_size=batch)), args.repeats)
+    def batch_epoch(sampler) -> None:
+        for _ in torch.utils.data.DataLoader(data, batch_sampler=sampler.batch_sampler()):
+            pass
+
+    seq3_t, keyed3_t = median_pair(lambda: epoch(torch.utils.data.SequentialSampler(data)),
+                                   lambda: batch_epoch(KeyedSampler(n, 0, global_batch_size=batch)), args.repeats)
     alone_random, alone_keyed = median_pair(lambda: list(torch.utils.data.RandomSampler(data, generator=g)),
                                             lambda: list(KeyedSampler(n, 0, global_batch_size=batch)), args.repeats)
     return {"n": n, "batch": batch, "random_sampler_s": random_t, "keyed_sampler_s": keyed_t,
             "sampler_alone_random_s": alone_random, "sampler_alone_keyed_s": alone_keyed,
             "keyed_sampler_share_of_epoch": alone_keyed / keyed_t,
             "added_vs_random_sampler": keyed_t / random_t - 1, "sequential_sampler_s": seq_t,
-            "keyed_sampler_s_2": keyed2_t, "added_vs_sequential_sampler": keyed2_t / seq_t - 1}
+            "keyed_sampler_s_2": keyed2_t, "added_vs_sequential_sampler": keyed2_t / seq_t - 1,
+            "sequential_sampler_s_3": seq3_t, "keyed_batch_sampler_s": keyed3_t,
+            "batch_sampler_added_vs_sequential_sampler": keyed3_t / seq3_t - 1}
 
 
 def main() -> None:

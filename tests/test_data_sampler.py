@@ -156,3 +156,13 @@ def test_gloo_world_sizes_and_resume_changing_world_size():
     assert state["step"] == 5 and first[0][0] == want[:5]
     resumed = run_distributed(_rank_batches, 4, args=(7,), kwargs={"state": state})
     assert all(batches == want[5:] for batches, _ in resumed)
+
+
+def test_batch_sampler_gives_the_same_steps_and_state():
+    s = KeyedSampler(30, 9, global_batch_size=8, rank=1, world_size=2, num_steps=5, yield_epoch=True)
+    got = [[(r.index, r.epoch) for r in b] for b in DataLoader(_Identity(30), batch_sampler=s.batch_sampler(),
+                                                               collate_fn=lambda x: x)]
+    assert s.step == 5 and s.batch_sampler().state_dict()["step"] == 5
+    want = _global_batches(30, 9, 8, 2, 5)
+    assert [[i for i, _ in b] for b in got] == [w[4:] for w in want]
+    assert [[e for _, e in b] for b in got][-1] == [1, 1, 1, 1]  # positions 36..39 are epoch 1

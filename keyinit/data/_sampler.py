@@ -139,6 +139,30 @@ class KeyedSampler(Sampler[int]):
                     self.step += 1
                     yield SampleRef(index_list[last], epoch_list[last])
 
+    def batches(self) -> Iterator[list[Any]]:
+        """Like iterating, but one list per step (this rank's ``B / W`` entries); advances the same state."""
+        stop = self.step + self.num_steps
+        per_chunk = max(1, _CHUNK // self.local_batch_size)
+        local = self.local_batch_size
+        while self.step < stop:
+            steps = min(per_chunk, stop - self.step)
+            indices, epochs = sample_indices(self.root, self.n, self._positions(self.step, steps), self.shuffle)
+            index_list = indices.tolist()
+            epoch_list = epochs.tolist() if self.yield_epoch else None
+            for s in range(steps):
+                row = slice(s * local, (s + 1) * local)
+                batch = index_list[row] if epoch_list is None else \
+                    list(map(SampleRef, index_list[row], epoch_list[row]))
+                self.step += 1
+                yield batch
+
+    def batch_sampler(self) -> "Sampler[list[Any]]":
+        """This sampler as a DataLoader ``batch_sampler`` (one list per step, no per-sample Python loop)::
+
+            DataLoader(dataset, batch_sampler=sampler.batch_sampler())
+        """
+        return _Batches(self)
+
     # ------------------------------------------------------------------ checkpointing
     def fingerprint(self) -> dict[str, Any]:
         """What must match for a saved position to mean the same samples (world size need not)."""
@@ -160,3 +184,22 @@ class KeyedSampler(Sampler[int]):
         if differ:
             raise ValueError("KeyedSampler state_dict does not match this sampler (" + "; ".join(differ) + ")")
         self.step = _int(state["step"], "state_dict step", 0)
+
+
+class _Batches(Sampler[list[Any]]):
+    """A :class:`KeyedSampler` as a ``batch_sampler``; ``state_dict`` is the sampler's."""
+
+    def __init__(self, sampler: KeyedSampler) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return self.sampler.num_steps
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        return self.sampler.batches()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
