@@ -21,6 +21,8 @@ from keyinit._kernels._lazy import LazyLibrary
 __all__ = ["SOURCE", "LIBRARY", "library", "run"]
 
 SOURCE = Path(__file__).with_name("permutation_kernels.c")
+#: Positions per thread below which fewer threads are used (starting a thread would dominate).
+MIN_PER_THREAD = 1 << 16
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -59,7 +61,7 @@ def run(kp: tuple[int, int], n: int, inverse: bool, out: torch.Tensor, *, positi
         return False
     count = out.numel()
     if threads is None:
-        threads = max(1, torch.get_num_threads())
+        threads = max(1, min(torch.get_num_threads(), count // MIN_PER_THREAD))
     lib.keyinit_permute(kp[0], kp[1], n, int(inverse), None if positions is None else positions.data_ptr(),
                         start, step, count, out.data_ptr(), threads)
     return True
