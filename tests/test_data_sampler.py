@@ -166,3 +166,11 @@ def test_batch_sampler_gives_the_same_steps_and_state():
     want = _global_batches(30, 9, 8, 2, 5)
     assert [[i for i, _ in b] for b in got] == [w[4:] for w in want]
     assert [[e for _, e in b] for b in got][-1] == [1, 1, 1, 1]  # positions 36..39 are epoch 1
+
+
+def test_sampler_and_permutation_leave_global_rng_alone():
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    list(KeyedSampler(100, 1, global_batch_size=10, num_steps=15))
+    permutation(keyinit.key(0), 10**9, range(0, 1000))
+    assert torch.equal(torch.get_rng_state(), state)
