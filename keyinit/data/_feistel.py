@@ -24,6 +24,8 @@ integer arithmetic on int64 tensors holding values below ``2**62``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from keyinit._philox import philox4x32
@@ -39,6 +41,7 @@ MAX_N = 1 << 62
 _MASK32 = 0xFFFFFFFF
 
 
+@functools.lru_cache(maxsize=256)
 def permutation_key(key: Key, n: int) -> Key:
     """``Kp = fold_in(fold_in(key, PERMUTE_DOMAIN), n)``: the key of the rounds."""
     return fold_in(fold_in(key, PERMUTE_DOMAIN), n)

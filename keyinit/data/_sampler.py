@@ -8,6 +8,7 @@ key of ``seed``); global step ``t`` is positions ``[t*B, (t+1)*B)``; rank ``r`` 
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Any, Iterator, Optional, Union
@@ -37,6 +38,11 @@ def _int(value: object, what: str, minimum: int) -> int:
     return value
 
 
+@functools.lru_cache(maxsize=256)
+def _epoch_key(root: Key, epoch: int) -> Key:
+    return fold_in(root, epoch)
+
+
 def sample_indices(root: Key, n: int, positions: torch.Tensor, shuffle: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sample index, epoch)`` of global sample positions ``positions`` (1-D int64)."""
     epochs = torch.div(positions, n, rounding_mode="floor")
@@ -46,10 +52,10 @@ def sample_indices(root: Key, n: int, positions: torch.Tensor, shuffle: bool = T
     out = torch.empty_like(within)
     first, last = int(epochs.min()), int(epochs.max())
     if first == last:
-        return permutation(fold_in(root, first), n, within), epochs
+        return permutation(_epoch_key(root, first), n, within), epochs
     for epoch in torch.unique(epochs).tolist():
         mask = epochs == epoch
-        out[mask] = permutation(fold_in(root, epoch), n, within[mask])
+        out[mask] = permutation(_epoch_key(root, epoch), n, within[mask])
     return out, epochs
 
 
