@@ -16,6 +16,15 @@ from keyinit import nn
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``keyinit.data`` is imported on first use (it pulls in torch.utils.data)."""
+    if name == "data":
+        import importlib
+
+        return importlib.import_module("keyinit.data")
+    raise AttributeError(f"module 'keyinit' has no attribute {name!r}")
+
 __all__ = [
     "Key",
     "key",

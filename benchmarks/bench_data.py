@@ -1,0 +1,189 @@
+"""keyinit.data against its peers, measured in the same run.
+
+    python benchmarks/bench_data.py --grain-python /path/to/venv-with-grain/bin/python
+    python benchmarks/bench_data.py --quick          # smaller sizes, fewer repeats
+    python benchmarks/bench_data.py --device cuda    # section 1 on a GPU (Triton kernel; needs triton)
+
+Sections:
+
+1. ``permutation(key, 10**9, range(2**24))`` vs ``torch.randperm(2**24)`` (per element) and vs
+   Grain 0.2.18's ``index_shuffle`` called per index through Python (the way a Grain sampler
+   calls it; measured on ``--grain-indices`` indices, in a subprocess of ``--grain-python``
+   because grain lives in its own environment; ``grain`` importable here is used directly).
+2. The first batch (4096 positions) of ``n = 10**12``: latency, and the memory it needs
+   (the output; ``randperm(10**12)`` would need 8 TB and cannot run).
+3. A DataLoader epoch over a trivial dataset (``dataset[i] = i``, batch 256, ``num_workers=0``):
+   ``KeyedSampler`` vs torch's ``RandomSampler`` (``shuffle=True``) and ``SequentialSampler``;
+   and each sampler alone (``list(sampler)``), whose time over the epoch's is its share of it;
+   and ``DataLoader(batch_sampler=KeyedSampler(...).batch_sampler())`` vs ``SequentialSampler``.
+
+Timings alternate peer and keyinit and report the MEDIAN of the repeats. This is not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import keyinit  # noqa: E402
+from keyinit.data import KeyedSampler, permutation  # noqa: E402
+
+KEY = keyinit.key(1234)
+
+_GRAIN_SNIPPET = r"""
+import json, sys, time
+from grain._src.python.experimental.index_shuffle.python import index_shuffle_module as m
+n, count, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+f = m.index_shuffle
+times = []
+for _ in range(repeats):
+    t = time.perf_counter()
+    for i in range(count):
+        f(i, max_index=n - 1, seed=1234, rounds=4)
+    times.append(time.perf_counter() - t)
+times.sort()
+print(json.dumps({"seconds_per_index": times[len(times) // 2] / count}))
+"""
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_pair(peer, mine, repeats: int, device: str = "cpu") -> tuple[float, float]:
+    peer()
+    mine()
+    peer_times, mine_times = [], []
+    for _ in range(repeats):
+        for fn, times in ((peer, peer_times), (mine, mine_times)):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(peer_times), statistics.median(mine_times)
+
+
+def grain_seconds_per_index(grain_python: str | None, n: int, count: int, repeats: int) -> tuple[float | None, str]:
+    try:
+        import grain  # noqa: F401
+        python = sys.executable
+    except ImportError:
+        if not grain_python:
+            return None, "grain is not importable here and no --grain-python was given"
+        python = grain_python
+    proc = subprocess.run([python, "-c", _GRAIN_SNIPPET, str(n), str(count), str(repeats)],
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        return None, f"grain subprocess failed: {proc.stderr.strip()[-500:]}"
+    version = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('grain'))"],
+                             capture_output=True, text=True).stdout.strip()
+    return json.loads(proc.stdout.strip().splitlines()[-1])["seconds_per_index"], f"grain {version}"
+
+
+def section1(args) -> dict:
+    count = 1 << (20 if args.quick else 24)
+    n = 10**9
+    device = args.device
+    peer_t, mine_t = median_pair(lambda: torch.randperm(count, device=device),
+                                 lambda: permutation(KEY, n, range(0, count), device=device), args.repeats, device)
+    grain_s, grain_what = grain_seconds_per_index(args.grain_python, n, args.grain_indices, 3)
+    out = {"positions": count, "n": n, "randperm_s": peer_t, "keyinit_s": mine_t,
+           "keyinit_ns_per_position": mine_t / count * 1e9, "randperm_ns_per_element": peer_t / count * 1e9,
+           "vs_randperm": peer_t / mine_t, "grain": grain_what}
+    if grain_s is not None:
+        out["grain_ns_per_index"] = grain_s * 1e9
+        out["vs_grain"] = grain_s * count / mine_t
+    return out
+
+
+def section2(args) -> dict:
+    n, batch = 10**12, 4096
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        first = permutation(KEY, n, range(0, batch))
+        times.append(time.perf_counter() - start)
+    return {"n": n, "batch": batch, "first_batch_ms": statistics.median(times) * 1e3,
+            "output_bytes": first.numel() * first.element_size(), "randperm_would_need_bytes": n * 8}
+
+
+class _Identity(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def section3(args) -> dict:
+    n, batch = (1 << 16 if args.quick else 1 << 18), 256
+    data = _Identity(n)
+
+    def epoch(sampler) -> None:
+        for _ in torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler):
+            pass
+
+    g = torch.Generator().manual_seed(0)
+    random_t, keyed_t = median_pair(lambda: epoch(torch.utils.data.RandomSampler(data, generator=g)),
+                                    lambda: epoch(KeyedSampler(n, 0, global_batch_size=batch)), args.repeats)
+    seq_t, keyed2_t = median_pair(lambda: epoch(torch.utils.data.SequentialSampler(data)),
+                                  lambda: epoch(KeyedSampler(n, 0, global_batch_size=batch)), args.repeats)
+    def batch_epoch(sampler) -> None:
+        for _ in torch.utils.data.DataLoader(data, batch_sampler=sampler.batch_sampler()):
+            pass
+
+    seq3_t, keyed3_t = median_pair(lambda: epoch(torch.utils.data.SequentialSampler(data)),
+                                   lambda: batch_epoch(KeyedSampler(n, 0, global_batch_size=batch)), args.repeats)
+    alone_random, alone_keyed = median_pair(lambda: list(torch.utils.data.RandomSampler(data, generator=g)),
+                                            lambda: list(KeyedSampler(n, 0, global_batch_size=batch)), args.repeats)
+    return {"n": n, "batch": batch, "random_sampler_s": random_t, "keyed_sampler_s": keyed_t,
+            "sampler_alone_random_s": alone_random, "sampler_alone_keyed_s": alone_keyed,
+            "keyed_sampler_share_of_epoch": alone_keyed / keyed_t,
+            "added_vs_random_sampler": keyed_t / random_t - 1, "sequential_sampler_s": seq_t,
+            "keyed_sampler_s_2": keyed2_t, "added_vs_sequential_sampler": keyed2_t / seq_t - 1,
+            "sequential_sampler_s_3": seq3_t, "keyed_batch_sampler_s": keyed3_t,
+            "batch_sampler_added_vs_sequential_sampler": keyed3_t / seq3_t - 1}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--grain-python", default=None, help="a python with grain installed (for the peer)")
+    parser.add_argument("--grain-indices", type=int, default=100_000)
+    parser.add_argument("--only", type=int, action="append")
+    args = parser.parse_args()
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 7
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}, device {args.device}")
+    results = {}
+    for number, fn in ((1, section1), (2, section2), (3, section3)):
+        if args.only and number not in args.only:
+            continue
+        if args.device != "cpu" and number != 1:
+            continue
+        results[number] = fn(args)
+        print(f"section {number}: " + json.dumps(results[number], indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()

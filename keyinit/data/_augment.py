@@ -1,0 +1,197 @@
+"""``keyed_samples``: the randomness of ``dataset[i]`` keyed by (seed, epoch, sample index, call ordinal).
+
+Inside the wrapped ``__getitem__``:
+
+- every random aten op (``torch.rand``, ``randn``, ``randint``, ``randperm``, ``bernoulli``,
+  ``multinomial``, ``normal``, ``Tensor.uniform_``/``normal_``/``random_``/``bernoulli_``/
+  ``exponential_``, ..., with or without ``generator=``) is replaced by its keyed equivalent
+  (the table of :mod:`keyinit._random_ops`, shared with captured init code) under the key
+  ``fold_in(sample_key(seed, epoch, index), c)``, ``c`` the op's ordinal in this call;
+  the op's generator (and the global one) is neither read nor advanced;
+- Python's ``random`` and ``numpy.random`` global state are seeded from the sample key
+  and restored afterwards;
+- an op with no keyed equivalent (``poisson``, gamma, fused dropout kernels) raises
+  :class:`keyinit.UnkeyedRandomnessError`.
+
+``sample_key(seed, epoch, index) = fold_in(fold_in(fold_in(key(seed), AUGMENT_DOMAIN), epoch), index)``.
+"""
+
+from __future__ import annotations
+
+import random as _py_random
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from keyinit.keys import Key, _as_uint64, fold_in, key
+
+__all__ = ["AUGMENT_DOMAIN", "SampleRef", "sample_key", "keyed_samples", "KeyedSamples", "keyed_randomness"]
+
+#: The int folded into the root key first: the ASCII bytes of "augment", big-endian.
+AUGMENT_DOMAIN = int.from_bytes(b"augment", "big")
+
+
+class SampleRef(NamedTuple):
+    """A reference to sample ``index`` in epoch ``epoch`` (what ``KeyedSampler(yield_epoch=True)`` yields)."""
+
+    index: int
+    epoch: int
+
+
+def sample_key(seed: Union[int, Key], epoch: int, index: int) -> Key:
+    """The key of sample ``index``'s randomness in epoch ``epoch``."""
+    root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
+    epoch = _as_uint64(epoch, "epoch")
+    index = _as_uint64(index, "sample index")
+    return fold_in(fold_in(fold_in(root, AUGMENT_DOMAIN), epoch), index)
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.Generator):
+        return None
+    return x
+
+
+def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) -> Any:
+    from keyinit._random_ops import bind_arguments, keyed_effects
+    from keyinit.errors import UnkeyedRandomnessError
+    from keyinit.program import Literal, Node, Random
+    from keyinit.replay import Evaluator
+
+    names = {arg.name for arg in func._schema.arguments}
+    margs = tuple(_to_meta(a) for a in args)
+    mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+    device = kwargs.get("device")
+    if "device" in names:
+        mkwargs["device"] = torch.device("meta")
+    try:
+        meta_out = func(*margs, **mkwargs)
+    except Exception as exc:  # noqa: BLE001 - no meta kernel or a data-dependent shape
+        raise UnkeyedRandomnessError(f"{site}: cannot key {func} (its output shape is unknown without "
+                                     f"running it: {exc})") from exc
+    outputs = [t for t in tree_flatten(meta_out)[0] if isinstance(t, torch.Tensor)]
+    effects = keyed_effects(func, args, kwargs, outputs, site, lambda t: Literal(t.detach().cpu()))
+    nodes = [n for n in effects.returns if n is not None] + [n for _, n in effects.writes]
+    draws: list[Random] = []
+    seen: set[int] = set()
+
+    def visit(node: Node) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, Random):
+            draws.append(node)
+        for child in getattr(node, "inputs", ()):
+            visit(child)
+
+    for node in nodes:
+        visit(node)
+    evaluator = Evaluator({draw: fold_in(call_key, j) for j, draw in enumerate(draws)},
+                          why_unkeyed="needs a random value keyinit cannot key")
+    bound = bind_arguments(func, args, kwargs)
+    target_device = device if device is not None else next(
+        (a.device for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    with torch.no_grad():
+        for name, node in effects.writes:
+            target = bound[name]
+            target.copy_(evaluator.full(node).to(target.device))
+    results = []
+    for node, meta in zip(effects.returns, outputs):
+        if node is None:
+            results.append(bound.get("self", bound.get("out")))
+        else:
+            results.append(evaluator.full(node).to(target_device).reshape(meta.shape))
+    if isinstance(meta_out, torch.Tensor):
+        return results[0]
+    return tuple(results)
+
+
+class _KeyedMode(TorchDispatchMode):
+    def __init__(self, sample: Key, site: str) -> None:
+        super().__init__()
+        self.sample = sample
+        self.site = site
+        self.ordinal = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        from keyinit._random_ops import is_random
+
+        kwargs = kwargs or {}
+        if not is_random(func):
+            return func(*args, **kwargs)
+        call_key = fold_in(self.sample, self.ordinal)
+        self.ordinal += 1
+        return _keyed_call(func, args, kwargs, call_key, self.site)
+
+
+class keyed_randomness:
+    """Context manager: torch, ``random`` and numpy randomness keyed by ``sample`` (a Key) inside."""
+
+    def __init__(self, sample: Key, site: str = "keyed_samples") -> None:
+        self.sample = sample
+        self.site = site
+
+    def __enter__(self) -> "keyed_randomness":
+        k = fold_in(self.sample, "python.random")
+        self._py_state = _py_random.getstate()
+        _py_random.seed(k.k0 | (k.k1 << 32))
+        try:
+            import numpy
+        except ImportError:  # pragma: no cover - numpy is a torch dependency in practice
+            self._np_state = None
+        else:
+            self._np_state = numpy.random.get_state()
+            kn = fold_in(self.sample, "numpy.random")
+            numpy.random.seed([kn.k0, kn.k1])
+        self._mode = _KeyedMode(self.sample, self.site)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            _py_random.setstate(self._py_state)
+            if self._np_state is not None:
+                import numpy
+
+                numpy.random.set_state(self._np_state)
+
+
+class KeyedSamples(torch.utils.data.Dataset):
+    """A map-style dataset whose items' randomness is keyed (see :func:`keyed_samples`)."""
+
+    def __init__(self, dataset: Any, seed: Union[int, Key], epoch: Optional[int] = None) -> None:
+        self.dataset = dataset
+        self.root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, ref: Any) -> Any:
+        if isinstance(ref, tuple) and len(ref) == 2:
+            index, epoch = ref
+        else:
+            index, epoch = ref, self.epoch
+            if epoch is None:
+                raise TypeError(
+                    f"keyed_samples got the plain index {ref!r}, which does not say the epoch; use "
+                    f"keyinit.data.KeyedSampler(..., yield_epoch=True) (it yields (index, epoch) pairs) "
+                    f"or keyed_samples(dataset, seed, epoch=...)")
+        index, epoch = int(index), int(epoch)
+        with keyed_randomness(sample_key(self.root, epoch, index), f"sample {index} of epoch {epoch}"):
+            return self.dataset[index]
+
+
+def keyed_samples(dataset: Any, seed: Union[int, Key], *, epoch: Optional[int] = None) -> KeyedSamples:
+    """Wrap a map-style ``dataset`` so each item's randomness is keyed by (seed, epoch, index, call).
+
+    Index it with ``(index, epoch)`` pairs (:class:`SampleRef`, as
+    ``KeyedSampler(..., yield_epoch=True)`` yields), or with plain indices when ``epoch`` is given.
+    """
+    return KeyedSamples(dataset, seed, epoch)

@@ -1,0 +1,115 @@
+"""``permutation`` and ``inverse_permutation``: a keyed bijection of ``range(n)`` with random access.
+
+Values are those of :mod:`keyinit.data._feistel` (``docs/spec.md`` section 16);
+CPU tensors go through the compiled kernel, CUDA tensors through the Triton
+kernel when triton is installed, anything else through the reference. All
+three give the same bits.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional, Union
+
+import torch
+
+from keyinit._kernels import kernels_disabled
+from keyinit.data import _feistel
+from keyinit.keys import Key, _require_key
+
+__all__ = ["permutation", "inverse_permutation", "Positions"]
+
+Positions = Union[torch.Tensor, range, slice, None]
+DeviceLike = Union[torch.device, str, None]
+
+
+def _check_n(n: object) -> int:
+    if isinstance(n, bool):
+        raise TypeError(f"n must be an int in [1, 2**62], got bool {n!r}")
+    try:
+        n = operator.index(n)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"n must be an int in [1, 2**62], got {type(n).__name__} {n!r}") from None
+    if not 1 <= n <= _feistel.MAX_N:
+        raise ValueError(f"n must be an int in [1, 2**62], got {n}")
+    return n
+
+
+def _as_range(positions: Union[range, slice, None], n: int, what: str) -> range:
+    if positions is None:
+        return range(n)
+    if isinstance(positions, slice):
+        return range(*positions.indices(n))
+    r = positions
+    if len(r) and not (0 <= r[0] < n and 0 <= r[-1] < n):
+        raise ValueError(f"{what} must lie in [0, {n}), got {r}")
+    return r
+
+
+def _run(key: Key, n: int, positions: Positions, device: DeviceLike, inverse: bool, what: str) -> torch.Tensor:
+    key = _require_key(key)
+    n = _check_n(n)
+    if isinstance(positions, (range, slice)) or positions is None:
+        r = _as_range(positions, n, what)
+        out = torch.empty(len(r), dtype=torch.int64, device=device)
+        indexed = None
+        start, step = r.start, r.step
+    else:
+        if not isinstance(positions, torch.Tensor):
+            try:
+                positions = torch.as_tensor(positions, dtype=torch.int64)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"{what} must be a tensor of ints, a range, a slice or None, "
+                                f"got {type(positions).__name__}") from None
+        if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+            raise TypeError(f"{what} must hold integers, got a {positions.dtype} tensor")
+        if device is not None:
+            positions = positions.to(device)
+        indexed = positions.to(torch.int64).contiguous()
+        if indexed.numel():
+            low, high = int(indexed.min()), int(indexed.max())
+            if low < 0 or high >= n:
+                raise ValueError(f"{what} must lie in [0, {n}), got values in [{low}, {high}]")
+        out = torch.empty(indexed.shape, dtype=torch.int64, device=indexed.device)
+        start, step = 0, 1
+    if out.numel() == 0:
+        return out
+    if n == 1:
+        return out.zero_()
+    kp = _feistel.permutation_key(key, n).words
+    if not kernels_disabled():
+        if out.device.type == "cpu":
+            from keyinit._kernels import _permutation_cpu
+
+            if _permutation_cpu.run(kp, n, inverse, out, positions=indexed, start=start, step=step):
+                return out
+        elif out.device.type == "cuda":
+            try:
+                from keyinit._kernels import triton_permutation
+            except ImportError:
+                triton_permutation = None  # type: ignore[assignment]
+            if triton_permutation is not None and triton_permutation.run(
+                    kp, n, inverse, out, positions=indexed, start=start, step=step):
+                return out
+    if indexed is None:
+        indexed = start + step * torch.arange(out.numel(), dtype=torch.int64, device=out.device)
+    walk = _feistel.unpermute_reference if inverse else _feistel.permute_reference
+    return walk(key, n, indexed)
+
+
+def permutation(key: Key, n: int, positions: Positions = None, *, device: DeviceLike = None) -> torch.Tensor:
+    """``perm[positions]``, where ``perm`` is the keyed random permutation of ``range(n)``.
+
+    ``n`` is an int in ``[1, 2**62]``. ``positions`` is a tensor of ints (any shape; the
+    result has its shape and device unless ``device`` is given), a ``range`` or a ``slice``
+    of ``range(n)``, or ``None`` for the whole permutation. Only the requested positions
+    are computed: time and memory are proportional to their number, never to ``n``.
+    The values are a pure function of ``(key, n, position)`` (``docs/spec.md`` section 16).
+    """
+    return _run(key, n, positions, device, False, "positions")
+
+
+def inverse_permutation(key: Key, n: int, values: Positions = None, *, device: DeviceLike = None) -> torch.Tensor:
+    """The position of each of ``values`` in ``permutation(key, n)``:
+    ``permutation(key, n, inverse_permutation(key, n, v)) == v``."""
+    return _run(key, n, values, device, True, "values")

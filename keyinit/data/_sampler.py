@@ -1,0 +1,211 @@
+"""``KeyedSampler``: one rank's share of a keyed, world-size-invariant stream of global batches.
+
+Global sample position ``p`` (``p = 0, 1, ...`` over the whole run) is sample
+``permutation(fold_in(R, p // n), n)[p % n]`` of epoch ``p // n`` (``R`` the root
+key of ``seed``); global step ``t`` is positions ``[t*B, (t+1)*B)``; rank ``r`` of
+``W`` takes ``[t*B + r*B/W, t*B + (r+1)*B/W)``. Nothing is padded or dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from typing import Any, Iterator, Optional, Union
+
+import torch
+from torch.utils.data import Sampler
+
+from keyinit.data._augment import SampleRef
+from keyinit.data._permutation import permutation
+from keyinit.keys import Key, fold_in, key
+
+__all__ = ["KeyedSampler", "sample_indices"]
+
+#: Positions computed per call of ``permutation`` while iterating (bounded memory, amortized calls).
+_CHUNK = 1 << 14
+
+
+def _int(value: object, what: str, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int >= {minimum}, got bool {value!r}")
+    try:
+        value = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an int >= {minimum}, got {type(value).__name__} {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value}")
+    return value
+
+
+@functools.lru_cache(maxsize=256)
+def _epoch_key(root: Key, epoch: int) -> Key:
+    return fold_in(root, epoch)
+
+
+def sample_indices(root: Key, n: int, positions: torch.Tensor, shuffle: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sample index, epoch)`` of global sample positions ``positions`` (1-D int64)."""
+    epochs = torch.div(positions, n, rounding_mode="floor")
+    within = positions - epochs * n
+    if not shuffle or positions.numel() == 0:
+        return within, epochs
+    out = torch.empty_like(within)
+    first, last = int(epochs.min()), int(epochs.max())
+    if first == last:
+        return permutation(_epoch_key(root, first), n, within), epochs
+    for epoch in torch.unique(epochs).tolist():
+        mask = epochs == epoch
+        out[mask] = permutation(_epoch_key(root, epoch), n, within[mask])
+    return out, epochs
+
+
+class KeyedSampler(Sampler[int]):
+    """A ``torch.utils.data.Sampler`` for one rank of a keyed global batch stream.
+
+    ``n`` samples, ``seed`` (an int or a :class:`~keyinit.Key`), ``global_batch_size`` ``B``
+    (divisible by ``world_size``). Iterating yields this rank's ``B / world_size`` sample
+    indices of each step from the current step (``start_step`` at first) for ``num_steps``
+    steps (default ``ceil(n / B)``, about one epoch), and advances the current step as it
+    goes, so the next iteration continues where this one stopped. With
+    ``yield_epoch=True`` it yields :class:`SampleRef` ``(index, epoch)`` pairs for
+    :func:`keyinit.data.keyed_samples`. ``shuffle=False`` gives the order ``p % n``.
+
+    ``rank``/``world_size`` default to torch.distributed's when it is initialized, else 0 and 1.
+    """
+
+    def __init__(self, n: int, seed: Union[int, Key], *, global_batch_size: int, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, start_step: int = 0, shuffle: bool = True,
+                 num_steps: Optional[int] = None, yield_epoch: bool = False) -> None:
+        self.n = _int(n, "n", 1)
+        if self.n > 1 << 62:
+            raise ValueError(f"n must be at most 2**62, got {self.n}")
+        self.root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
+        self.global_batch_size = _int(global_batch_size, "global_batch_size", 1)
+        if world_size is None or rank is None:
+            initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if world_size is None:
+                world_size = torch.distributed.get_world_size() if initialized else 1
+            if rank is None:
+                rank = torch.distributed.get_rank() if initialized else 0
+        self.world_size = _int(world_size, "world_size", 1)
+        self.rank = _int(rank, "rank", 0)
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if self.global_batch_size % self.world_size:
+            raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by "
+                             f"world_size={self.world_size}: every rank takes an equal contiguous slice of "
+                             f"each global batch; choose a world size that divides it")
+        self.local_batch_size = self.global_batch_size // self.world_size
+        self.step = _int(start_step, "start_step", 0)
+        self.shuffle = bool(shuffle)
+        self.num_steps = math.ceil(self.n / self.global_batch_size) if num_steps is None \
+            else _int(num_steps, "num_steps", 0)
+        self.yield_epoch = bool(yield_epoch)
+
+    # ------------------------------------------------------------------ positions
+    def _positions(self, first_step: int, steps: int) -> torch.Tensor:
+        local = self.local_batch_size
+        base = torch.arange(first_step, first_step + steps, dtype=torch.int64) * self.global_batch_size \
+            + self.rank * local
+        return (base.unsqueeze(1) + torch.arange(local, dtype=torch.int64)).reshape(-1)
+
+    def local_batch(self, step: int) -> torch.Tensor:
+        """This rank's sample indices of global step ``step``."""
+        return sample_indices(self.root, self.n, self._positions(_int(step, "step", 0), 1), self.shuffle)[0]
+
+    def global_batch(self, step: int) -> torch.Tensor:
+        """All ``global_batch_size`` sample indices of global step ``step`` (the same for every world size)."""
+        step = _int(step, "step", 0)
+        positions = torch.arange(step * self.global_batch_size, (step + 1) * self.global_batch_size,
+                                 dtype=torch.int64)
+        return sample_indices(self.root, self.n, positions, self.shuffle)[0]
+
+    # ------------------------------------------------------------------ Sampler protocol
+    def __len__(self) -> int:
+        return self.num_steps * self.local_batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        stop = self.step + self.num_steps
+        per_chunk = max(1, _CHUNK // self.local_batch_size)
+        while self.step < stop:
+            steps = min(per_chunk, stop - self.step)
+            indices, epochs = sample_indices(self.root, self.n, self._positions(self.step, steps), self.shuffle)
+            index_list = indices.tolist()
+            epoch_list = epochs.tolist() if self.yield_epoch else None
+            local = self.local_batch_size
+            for s in range(steps):
+                row = slice(s * local, (s + 1) * local - 1)
+                last = (s + 1) * local - 1
+                if epoch_list is None:
+                    yield from index_list[row]
+                    self.step += 1  # the step is done once its last sample is handed out
+                    yield index_list[last]
+                else:
+                    yield from map(SampleRef, index_list[row], epoch_list[row])
+                    self.step += 1
+                    yield SampleRef(index_list[last], epoch_list[last])
+
+    def batches(self) -> Iterator[list[Any]]:
+        """Like iterating, but one list per step (this rank's ``B / W`` entries); advances the same state."""
+        stop = self.step + self.num_steps
+        per_chunk = max(1, _CHUNK // self.local_batch_size)
+        local = self.local_batch_size
+        while self.step < stop:
+            steps = min(per_chunk, stop - self.step)
+            indices, epochs = sample_indices(self.root, self.n, self._positions(self.step, steps), self.shuffle)
+            index_list = indices.tolist()
+            epoch_list = epochs.tolist() if self.yield_epoch else None
+            for s in range(steps):
+                row = slice(s * local, (s + 1) * local)
+                batch = index_list[row] if epoch_list is None else \
+                    list(map(SampleRef, index_list[row], epoch_list[row]))
+                self.step += 1
+                yield batch
+
+    def batch_sampler(self) -> "Sampler[list[Any]]":
+        """This sampler as a DataLoader ``batch_sampler`` (one list per step, no per-sample Python loop)::
+
+            DataLoader(dataset, batch_sampler=sampler.batch_sampler())
+        """
+        return _Batches(self)
+
+    # ------------------------------------------------------------------ checkpointing
+    def fingerprint(self) -> dict[str, Any]:
+        """What must match for a saved position to mean the same samples (world size need not)."""
+        return {"n": self.n, "key": list(self.root.words), "global_batch_size": self.global_batch_size,
+                "stream": self.root.stream, "shuffle": self.shuffle}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"step": the next step to yield, "fingerprint": ...}``."""
+        return {"step": self.step, "fingerprint": self.fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state["step"]``; a state saved with another ``n``, seed, batch size or
+        stream version is an error (any world size is fine)."""
+        if not isinstance(state, dict) or "step" not in state or "fingerprint" not in state:
+            raise ValueError(f"not a KeyedSampler state_dict (expected keys 'step' and 'fingerprint'): {state!r}")
+        mine, theirs = self.fingerprint(), dict(state["fingerprint"])
+        theirs["key"] = list(theirs.get("key", ()))
+        differ = [f"{k}: saved {theirs.get(k)!r}, this sampler {v!r}" for k, v in mine.items() if theirs.get(k) != v]
+        if differ:
+            raise ValueError("KeyedSampler state_dict does not match this sampler (" + "; ".join(differ) + ")")
+        self.step = _int(state["step"], "state_dict step", 0)
+
+
+class _Batches(Sampler[list[Any]]):
+    """A :class:`KeyedSampler` as a ``batch_sampler``; ``state_dict`` is the sampler's."""
+
+    def __init__(self, sampler: KeyedSampler) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return self.sampler.num_steps
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        return self.sampler.batches()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
