@@ -66,7 +66,9 @@ class KeyedSampler(Sampler[int]):
     (divisible by ``world_size``). Iterating yields this rank's ``B / world_size`` sample
     indices of each step from the current step (``start_step`` at first) for ``num_steps``
     steps (default ``ceil(n / B)``, about one epoch), and advances the current step as it
-    goes, so the next iteration continues where this one stopped. With
+    goes, so the next iteration continues where this one stopped. A state saved in the
+    middle of an iteration (torchdata's ``StatefulDataLoader``) restores it: the next
+    iteration finishes it. With
     ``yield_epoch=True`` it yields :class:`SampleRef` ``(index, epoch)`` pairs for
     :func:`keyinit.data.keyed_samples`. ``shuffle=False`` gives the order ``p % n``.
 
@@ -97,6 +99,7 @@ class KeyedSampler(Sampler[int]):
                              f"each global batch; choose a world size that divides it")
         self.local_batch_size = self.global_batch_size // self.world_size
         self.step = _int(start_step, "start_step", 0)
+        self._stop: Optional[int] = None  # the end of an iteration in progress (or interrupted)
         self.shuffle = bool(shuffle)
         self.num_steps = math.ceil(self.n / self.global_batch_size) if num_steps is None \
             else _int(num_steps, "num_steps", 0)
@@ -124,8 +127,15 @@ class KeyedSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.num_steps * self.local_batch_size
 
+    def _begin(self) -> int:
+        """The step the iteration starting now ends at: the end of an interrupted one (restored by
+        ``load_state_dict``, as torchdata's ``StatefulDataLoader`` does mid-epoch), else ``num_steps`` on."""
+        if self._stop is None or self.step >= self._stop:
+            self._stop = self.step + self.num_steps
+        return self._stop
+
     def __iter__(self) -> Iterator[Any]:
-        stop = self.step + self.num_steps
+        stop = self._begin()
         per_chunk = max(1, _CHUNK // self.local_batch_size)
         while self.step < stop:
             steps = min(per_chunk, stop - self.step)
@@ -147,7 +157,7 @@ class KeyedSampler(Sampler[int]):
 
     def batches(self) -> Iterator[list[Any]]:
         """Like iterating, but one list per step (this rank's ``B / W`` entries); advances the same state."""
-        stop = self.step + self.num_steps
+        stop = self._begin()
         per_chunk = max(1, _CHUNK // self.local_batch_size)
         local = self.local_batch_size
         while self.step < stop:
@@ -176,8 +186,10 @@ class KeyedSampler(Sampler[int]):
                 "stream": self.root.stream, "shuffle": self.shuffle}
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"step": the next step to yield, "fingerprint": ...}``."""
-        return {"step": self.step, "fingerprint": self.fingerprint()}
+        """``{"step": the next step to yield, "stop": the end of the iteration in progress (None when
+        none is), "fingerprint": ...}``."""
+        stop = self._stop if self._stop is not None and self.step < self._stop else None
+        return {"step": self.step, "stop": stop, "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state["step"]``; a state saved with another ``n``, seed, batch size or
@@ -190,6 +202,8 @@ class KeyedSampler(Sampler[int]):
         if differ:
             raise ValueError("KeyedSampler state_dict does not match this sampler (" + "; ".join(differ) + ")")
         self.step = _int(state["step"], "state_dict step", 0)
+        stop = state.get("stop")
+        self._stop = None if stop is None else _int(stop, "state_dict stop", self.step)
 
 
 class _Batches(Sampler[list[Any]]):
