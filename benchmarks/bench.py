@@ -32,7 +32,7 @@ and whether this run met it.
 9. existing init code: a Hugging Face Llama built on the CPU (its own
    _init_weights, torch's RNG) vs built on meta and materialized by keyinit with
    init_method=model._init_weights (capture + keyed replay), same process;
-10. (``--only d``) keyinit.deferred (benchmarks/bench_deferred.py): constructing an 8B
+11. (``--only d``) keyinit.deferred (benchmarks/bench_deferred.py): constructing an 8B
    Llama (HF and torchtitan shapes) recorded vs under torch.device("meta"), time and
    peak memory, and replaying a 125M HF Llama vs the init_method path.
 
@@ -583,7 +583,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2-layer model, fewer repeats")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="'all threads' (default: all cores)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per target (default 15, quick 5)")
-    parser.add_argument("--only", default="123456789d", help="sections to run, e.g. 16 (d: section 10)")
+    parser.add_argument("--only", default="123456789d", help="sections to run, e.g. 16 (d: section 11)")
     parser.add_argument("--gpu-dry-run", action="store_true", help="run section 6's code on the CPU with tiny sizes")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
@@ -617,7 +617,7 @@ def main() -> None:
         bench_init_code(rounds)
     if "d" in args.only:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import bench_deferred  # noqa: E402 - section 10 lives next to this file
+        import bench_deferred  # noqa: E402 - section 11 lives next to this file
 
         bench_deferred.run(rounds, median_pair, table)
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

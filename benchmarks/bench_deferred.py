@@ -1,4 +1,4 @@
-"""Section 10 of benchmarks/bench.py: ``keyinit.deferred`` construction and replay (issue 13).
+"""Section 11 of benchmarks/bench.py: ``keyinit.deferred`` construction and replay (issue 13).
 
     python benchmarks/bench.py --only d
 
@@ -105,7 +105,7 @@ def run(rounds: int, median_pair, table) -> None:
         rows.append([f"{label}, {params / 1e9:.2f}B params", f"{t_meta:.3f}", f"{t_deferred:.3f}",
                      f"{ratio:.2f}x ({'met' if ratio <= 2 else 'NOT met'}: <= 2x)",
                      f"{memory['meta']['delta'] / 2**20:.0f} / {memory['deferred']['delta'] / 2**20:.0f}"])
-    table(f"10a. keyinit.deferred construction vs torch.device('meta'), median of {rounds}",
+    table(f"11a. keyinit.deferred construction vs torch.device('meta'), median of {rounds}",
           ["model", "meta s", "deferred s", "deferred / meta", "peak RSS growth MiB (meta / deferred)"], rows)
 
     try:
@@ -125,7 +125,7 @@ def run(rounds: int, median_pair, table) -> None:
 
     runs = max(3, rounds // 3)
     t_method, t_deferred = median_pair(init_method_path, deferred_path, runs)
-    table(f"10b. replay: a 125M HF Llama, construction + materialize, median of {runs}",
+    table(f"11b. replay: a 125M HF Llama, construction + materialize, median of {runs}",
           ["path", "seconds", "ratio (init_method / deferred)"],
           [["meta + materialize(init_method=model._init_weights)", f"{t_method:.3f}", ""],
            ["keyinit.deferred + materialize", f"{t_deferred:.3f}", f"{t_method / t_deferred:.2f}x"]])
