@@ -253,7 +253,8 @@ def init_model(
         fqn_prefix, fqn_map: turn a pipeline stage's FQNs into the full model's.
         shards: ``{fqn: keyinit.layouts.ManualShard}`` for hand-cut shards (or declare them
             with ``keyinit.layouts.declare_shard``).
-        strict: unmatched FQN rules, ties naming no tensor, and an ``init_method`` no module has are errors.
+        strict: unmatched FQN rules, ``shards`` keys and ties naming no tensor, and an ``init_method`` no
+            module has are errors.
         stream: the stream version (``"v1"``).
         registry: where registered rules are looked up (``keyinit.REGISTRY``).
         progress: show progress (default: only for models over 2**28 elements).
@@ -279,6 +280,8 @@ def init_model(
 
 
 def _reject_meta(model: torch.nn.Module) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"init_model expects an nn.Module, got {type(model).__name__}")
     meta = [name for name, t in [*model.named_parameters(remove_duplicate=False),
                                  *model.named_buffers(remove_duplicate=False)] if t.device.type == "meta"]
     if meta:

@@ -1,0 +1,158 @@
+"""Hostile and careless input (issue 14): a clear error before anything is written, or the right values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import keyinit
+from keyinit import init
+from keyinit.errors import PlanError
+from keyinit.layouts import ManualShard
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_unchanged(before: dict[str, torch.Tensor], model: nn.Module) -> None:
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for name, value in after.items():
+        assert value.shape == before[name].shape and torch.equal(value, before[name]), name
+
+
+class Tied(nn.Module):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(rows, 4)
+        self.head = nn.Linear(4, rows, bias=False)
+        self.head.weight = self.emb.weight
+
+
+# ---------------------------------------------------------------- shards= names
+
+
+def test_a_shard_under_a_misspelt_fqn_is_a_plan_error_naming_the_closest_fqn():
+    model = nn.Sequential(nn.Linear(4, 4))
+    before = snapshot(model)
+    with pytest.raises(PlanError, match=r"'0\.weigth' \(did you mean '0\.weight'\?\)") as info:
+        keyinit.init_model(model, 0, shards={"0.weigth": ManualShard((8, 4), (slice(4, 8), slice(None)))})
+    assert info.value.fqns == ("0.weigth",)
+    assert_unchanged(before, model)
+
+
+def test_a_shard_naming_no_tensor_is_allowed_only_when_not_strict():
+    model = nn.Linear(4, 4)
+    shard = ManualShard((8, 4), (slice(0, 4), slice(None)))
+    with pytest.raises(PlanError, match="shards names no tensor"):
+        keyinit.init_model(model, 0, shards={"layers.9.weight": shard})
+    keyinit.init_model(model, 0, shards={"layers.9.weight": shard}, strict=False)
+    full = nn.Linear(4, 4)
+    keyinit.init_model(full, 0)
+    assert torch.equal(model.weight, full.weight)
+
+
+def test_a_shard_declared_under_the_second_name_of_a_tied_weight_applies_to_the_tensor():
+    full = Tied(8)
+    keyinit.init_model(full, 0)
+    stage = Tied(4)
+    keyinit.init_model(stage, 0, shards={"head.weight": ManualShard((8, 4), (slice(4, 8), slice(None)))})
+    assert torch.equal(stage.emb.weight, full.emb.weight[4:])
+    assert stage.head.weight is stage.emb.weight
+
+
+def test_different_shards_under_two_names_of_one_tensor_are_refused():
+    stage = Tied(4)
+    with pytest.raises(PlanError, match="two names of one tied tensor"):
+        keyinit.init_model(stage, 0, shards={"head.weight": ManualShard((8, 4), (slice(4, 8), slice(None))),
+                                             "emb.weight": ManualShard((8, 4), (slice(0, 4), slice(None)))})
+
+
+# ---------------------------------------------------------------- ties=
+
+
+@pytest.mark.parametrize("ties, message", [
+    ({"0.weight": "1.weight", "1.weight": "0.weight"}, r"ties form a cycle: '0\.weight' -> '1\.weight' -> '0\.weight'"),
+    ({"0.weight": "1.weight", "1.weight": "2.weight"}, r"ties form a chain"),
+    ({"0.bias": "1.weight"}, r"tie '0\.bias' -> '1\.weight' joins tensors of different global shapes \(4,\) and \(4, 4\)"),
+])
+def test_bad_ties_are_plan_errors(ties, message):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    before = snapshot(model)
+    with pytest.raises(PlanError, match=message):
+        keyinit.init_model(model, 0, ties=ties, strict=False)
+    assert_unchanged(before, model)
+
+
+def test_a_tie_between_equal_shapes_still_keys_the_alias_by_its_target():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    keyinit.init_model(model, 0, ties={"1.weight": "0.weight"})
+    assert torch.equal(model[0].weight, model[1].weight)
+
+
+# ---------------------------------------------------------------- rules that are not initializers
+
+
+@pytest.mark.parametrize("fn", [nn.init.zeros_, nn.init.normal_, nn.init.xavier_uniform_])
+def test_a_torch_nn_init_function_as_a_rule_is_a_plan_error_before_any_write(fn):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    before = snapshot(model)
+    name = fn.__name__
+    with pytest.raises(PlanError, match=rf"'2\.weight': torch\.nn\.init\.{name} takes a tensor.*keyinit\.init\."):
+        keyinit.init_model(model, 0, rules={"2.weight": fn})
+    assert_unchanged(before, model)
+
+
+def test_a_callable_of_the_wrong_signature_is_a_plan_error():
+    model = nn.Linear(4, 4)
+    with pytest.raises(PlanError, match=r"must be an initializer called as fn\(key, target\)"):
+        keyinit.init_model(model, 0, rules={"weight": lambda tensor: None})
+    with pytest.raises(PlanError, match=r"rule Linear for weight: .* must be an initializer"):
+        keyinit.init_model(model, 0, rules={nn.Linear: lambda m, ctx: {"weight": lambda t: None}})
+
+
+def test_register_pattern_refuses_a_torch_nn_init_function():
+    registry = keyinit.Registry()
+    with pytest.raises(TypeError, match=r"torch\.nn\.init\.zeros_ takes a tensor"):
+        registry.register_pattern("*.weight", nn.init.zeros_)
+
+
+def test_a_custom_initializer_raising_in_the_dry_run_is_a_plan_error_naming_the_tensor():
+    class Boom(init.Initializer):
+        def __call__(self, key, target):
+            raise RuntimeError("boom")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    before = snapshot(model)
+    with pytest.raises(PlanError, match=r"^1\.weight: RuntimeError: boom") as info:
+        keyinit.init_model(model, 0, rules={"1.weight": Boom()})
+    assert info.value.fqns == ("1.weight",)
+    assert_unchanged(before, model)
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def test_init_model_on_a_non_module_is_a_type_error():
+    with pytest.raises(TypeError, match="init_model expects an nn.Module, got dict"):
+        keyinit.init_model({"weight": torch.zeros(2)}, 0)
+
+
+@pytest.mark.parametrize("seed", [torch.tensor(True), np.True_, True, 1.0, "1"])
+def test_booleans_and_non_integers_are_refused_as_seeds(seed):
+    with pytest.raises(TypeError, match="seed must be an int"):
+        keyinit.key(seed)
+
+
+def test_integer_scalars_key_accepts_are_accepted_everywhere():
+    k = keyinit.key(np.int64(3))
+    assert k == keyinit.key(torch.tensor(3)) == keyinit.key(3)
+    assert keyinit.split(k, np.int64(3)) == keyinit.split(k, 3)
+    expected = keyinit.random.randint(k, (16,), low=-2, high=9)
+    assert torch.equal(keyinit.random.randint(k, (16,), low=np.int32(-2), high=np.int64(9)), expected)
+    assert torch.equal(keyinit.random.randint(k, (16,), low=torch.tensor(-2), high=9), expected)
+    with pytest.raises(ValueError, match="num must be a non-negative int"):
+        keyinit.split(k, np.True_)
