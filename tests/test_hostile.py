@@ -156,3 +156,21 @@ def test_integer_scalars_key_accepts_are_accepted_everywhere():
     assert torch.equal(keyinit.random.randint(k, (16,), low=torch.tensor(-2), high=9), expected)
     with pytest.raises(ValueError, match="num must be a non-negative int"):
         keyinit.split(k, np.True_)
+
+
+# ---------------------------------------------------------------- keyinit verify
+
+
+@pytest.mark.parametrize("body, message", [
+    ("def f():\n    raise SystemExit(0)\n", "f() called exit(0) instead of returning a model; nothing was checked"),
+    ("import sys\nsys.exit(0)\ndef f():\n    pass\n", "called exit(0); nothing was checked"),
+])
+def test_verify_with_a_factory_that_exits_fails_with_exit_code_2(capsys, tmp_path, body, message):
+    from keyinit.cli import main
+
+    path = tmp_path / "exiting.py"
+    path.write_text(body)
+    code = main(["verify", f"{path}:f", "--layouts", "fsdp2"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1
