@@ -143,6 +143,14 @@ class _Writer:
             self._finish_progress()
 
     def _write(self, tensor: PlannedTensor) -> None:
+        undo = _Undo(tensor, self.plan, keep_values=self.device is None)
+        try:
+            self._write_unguarded(tensor)
+        except BaseException:
+            undo()  # the failing tensor is put back as it was: InitError.written stays exact
+            raise
+
+    def _write_unguarded(self, tensor: PlannedTensor) -> None:
         if tensor.new:
             self._create(tensor)
         elif tensor.recreated:
@@ -217,6 +225,43 @@ class _Writer:
             records.append(TensorRecord(t.fqn, t.key_fqn, t.kind, source, math.prod(t.global_shape), local, layout,
                                         self.plan.element_local(t)))
         return InitReport(self.plan.seed, self.plan.root_key.stream, tuple(records), seconds, self.plan.notes)
+
+
+class _Undo:
+    """What puts one tensor back as it was before the writer touched it: its module entries (init code
+    may re-create or create it) and, for ``init_model``, its local values (a fill that fails part-way
+    must not leave it half-written)."""
+
+    def __init__(self, tensor: PlannedTensor, plan: Plan, keep_values: bool) -> None:
+        self.entries = [(module, attr, module._parameters.get(attr, _ABSENT), module._buffers.get(attr, _ABSENT),
+                         vars(module).get(attr, _ABSENT), attr in module._non_persistent_buffers_set)
+                        for module, attr in tensor.locations()]
+        self.saved = None
+        if keep_values and not tensor.new and not tensor.recreated:
+            out = plan.target(tensor).out
+            self.saved = (out, out.detach().clone())
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            if self.saved is not None:
+                self.saved[0].copy_(self.saved[1])
+        for module, attr, parameter, buffer, plain, non_persistent in self.entries:
+            for table, old in ((module._parameters, parameter), (module._buffers, buffer)):
+                if old is _ABSENT:
+                    table.pop(attr, None)
+                else:
+                    table[attr] = old
+            if plain is _ABSENT:
+                vars(module).pop(attr, None)
+            else:
+                vars(module)[attr] = plain
+            if non_persistent:
+                module._non_persistent_buffers_set.add(attr)
+            else:
+                module._non_persistent_buffers_set.discard(attr)
+
+
+_ABSENT = object()
 
 
 def init_model(
@@ -313,6 +358,7 @@ def materialize(
     plan = plan_model(model, seed, materializing=True, **options)
     writer = _Writer(plan, progress, device)
     marks = [(t, dict(vars(t.tensor))) for t in plan.tensors if not t.new]
+    undo_created = [_Undo(t, plan, keep_values=False) for t in plan.tensors if t.new or t.recreated]
     try:
         model.to_empty(device=device)
         _retie(plan)
@@ -322,6 +368,8 @@ def materialize(
                     setattr(tensor.tensor, name, value)
         writer.run()
     except BaseException as exc:
+        for undo in undo_created:  # what init code created or re-created: the model's own tensors again
+            undo()
         torch.nn.Module.to_empty(model, device="meta")  # the base method: an override may be what failed
         for tensor in plan.tensors:
             if tensor.new and tensor.kind == "attribute" and tensor.attr in vars(tensor.module):

@@ -28,6 +28,7 @@ import attrs
 import torch
 
 from keyinit import layouts
+from keyinit._guard import no_writes
 from keyinit.capture import Capture, CaptureError, LazyTensor
 from keyinit.init_code import (
     Installed,
@@ -335,7 +336,11 @@ class _Planner:
         own = self._own(module)
         where = module_fqn or "<root>"
         try:
-            produced = rule(module, self._context(module, module_fqn))
+            context = self._context(module, module_fqn)
+            with no_writes([module], [(t.fqn, t.tensor) for t in own.values()], f"{label} for {where}"):
+                produced = rule(module, context)
+        except PlanError:
+            raise
         except Exception as exc:
             raise PlanError(f"{label} raised while planning {where}: {exc!r}") from exc
         if not isinstance(produced, Mapping):

@@ -174,3 +174,108 @@ def test_verify_with_a_factory_that_exits_fails_with_exit_code_2(capsys, tmp_pat
     _, err = capsys.readouterr()
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- nothing half-written
+
+
+class Recreating(nn.Module):
+    """Init code that re-creates ``a.weight`` with a new shape and registers new tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+
+    def init_weights(self) -> None:
+        self.a.weight = nn.Parameter(torch.zeros(5, 3))
+        self.register_buffer("table", torch.arange(4.0))
+        self.extra = nn.Parameter(torch.ones(2))
+
+
+def _fail_writing(monkeypatch, fqn, error=RuntimeError):
+    from keyinit.plan import Plan
+
+    original = Plan.write
+
+    def write(self, tensor, target):
+        if tensor.fqn == fqn:
+            raise error(f"simulated failure writing {fqn}")
+        original(self, tensor, target)
+
+    monkeypatch.setattr(Plan, "write", write)
+
+
+@pytest.mark.parametrize("failing", ["a.weight", "table", "extra"])
+def test_a_failed_write_of_a_re_created_or_new_tensor_puts_the_module_back(monkeypatch, failing):
+    model = Recreating()
+    before = snapshot(model)
+    weight = model.a.weight
+    _fail_writing(monkeypatch, failing)
+    with pytest.raises(keyinit.InitError, match=f"simulated failure writing {failing}") as info:
+        keyinit.init_model(model, 0, init_method="init_weights", rules={"b.*": init.zeros()})
+    assert failing not in info.value.written
+    if failing == "a.weight":
+        assert model.a.weight is weight and torch.equal(model.a.weight, before["a.weight"])
+    assert not hasattr(model, failing) if failing != "a.weight" else True
+    state = model.state_dict()
+    for name in info.value.written:  # exactly what InitError.written says, and nothing else
+        assert name in state
+    for name, value in before.items():
+        if name not in info.value.written:
+            assert torch.equal(state[name], value), name
+
+
+def test_an_initializer_failing_part_way_leaves_its_tensor_as_it_was():
+    def half(key, target):
+        target.out[:1].fill_(123.0)
+        raise RuntimeError("failed after one row")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    before = snapshot(model)
+    with pytest.raises(keyinit.InitError, match="failed after one row") as info:
+        keyinit.init_model(model, 0, rules={"1.weight": half})
+    assert "1.weight" not in info.value.written
+    assert torch.equal(model[1].weight, before["1.weight"])
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in before.items() if k not in info.value.written)
+
+
+@pytest.mark.parametrize("failing", ["b.weight", "a.weight", "extra"])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_failed_materialize_leaves_the_models_own_tensors_on_meta(monkeypatch, failing, error):
+    with torch.device("meta"):
+        model = Recreating()
+    keys = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    _fail_writing(monkeypatch, failing, error)
+    with pytest.raises(keyinit.InitError if error is RuntimeError else error):
+        keyinit.materialize(model, 0, device="cpu", init_method="init_weights", rules={"b.*": init.zeros()})
+    assert {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()} == keys
+    assert all(t.is_meta for t in model.state_dict().values())
+    assert not hasattr(model, "extra") and not hasattr(model, "table")
+
+
+# ---------------------------------------------------------------- module rules may not write while planning
+
+
+@pytest.mark.parametrize("body, message", [
+    (lambda m: nn.init.normal_(m.weight), r"writes 0\.weight \(normal_"),
+    (lambda m: m.weight.data.zero_(), r"writes 0\.weight \(zero_"),
+    (lambda m: m.bias.copy_(torch.ones(4)) if False else m.bias.data.copy_(torch.ones(4)), r"writes 0\.bias \(copy_"),
+    (lambda m: setattr(m, "weight", nn.Parameter(torch.zeros(4, 4))), r"re-assigned \['weight'\]"),
+])
+def test_a_module_rule_that_writes_while_planning_is_refused_and_the_model_kept(body, message):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    before = snapshot(model)
+    parameters = list(model.parameters())
+    rng = torch.random.get_rng_state()
+
+    def rule(module, ctx):
+        body(module)
+        return {"weight": init.zeros()}
+
+    with pytest.raises(PlanError, match=message):
+        keyinit.init_model(model, 0, rules={nn.Linear: rule})
+    assert_unchanged(before, model)
+    assert list(model.parameters()) == parameters
+    assert torch.equal(torch.random.get_rng_state(), rng)
