@@ -9,7 +9,7 @@ from keyinit import init, layouts, random
 from keyinit.keys import DEFAULT_STREAM, STREAM_VERSIONS, Key, fold_in, key, key_for, split
 from keyinit.model import InitReport, TensorRecord, init_model, materialize
 from keyinit.rules import REGISTRY, Registry, RuleContext, register, register_pattern
-from keyinit.errors import InitError, PlanError, UnkeyedRandomnessError
+from keyinit.errors import InitError, PlanError, SharedDrawWarning, UnkeyedRandomnessError
 from keyinit import nn
 
 __version__ = "0.1.0"
@@ -31,6 +31,7 @@ __all__ = [
     "InitError",
     "PlanError",
     "UnkeyedRandomnessError",
+    "SharedDrawWarning",
     "register",
     "register_pattern",
     "Registry",

@@ -29,6 +29,7 @@ import torch
 
 from keyinit import layouts
 from keyinit._guard import no_writes
+from keyinit._shared_draws import warn_shared_draws
 from keyinit.capture import Capture, CaptureError, LazyTensor
 from keyinit.init_code import (
     Installed,
@@ -616,4 +617,5 @@ def plan_model(
     planner.resolve_rules()
     planner.capture(materializing)
     planner.check(materializing)
+    warn_shared_draws(planner.tensors)
     return Plan(model, planner.root_key, planner.seed, planner.tensors, planner.shards, planner.notes)

@@ -279,3 +279,53 @@ def test_a_module_rule_that_writes_while_planning_is_refused_and_the_model_kept(
     assert_unchanged(before, model)
     assert list(model.parameters()) == parameters
     assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+# ---------------------------------------------------------------- one draw in tensors a pipeline cut separates
+
+
+class SharedDraw(nn.Module):
+    def __init__(self, layers=(0, 1), fused: bool = False) -> None:
+        super().__init__()
+        self.fused = fused
+        self.layers = nn.ModuleDict({str(i): nn.Module() for i in layers})
+        for layer in self.layers.values():
+            layer.q, layer.k = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def init_weights(self) -> None:
+        shared = torch.randn(4, 4)
+        for layer in self.layers.values():
+            if self.fused:  # one draw per layer, split into q and k: stays on one stage
+                qk = torch.randn(8, 4)
+                layer.q.weight.copy_(qk[:4])
+                layer.k.weight.copy_(qk[4:])
+            else:
+                layer.q.weight.copy_(shared)
+                layer.k.weight.normal_()
+            layer.q.bias.zero_()
+            layer.k.bias.zero_()
+
+
+def test_a_draw_shared_across_pipeline_units_warns_naming_the_tensors():
+    full = SharedDraw()
+    with pytest.warns(keyinit.SharedDrawWarning, match=r"\['layers\.0\.q\.weight', 'layers\.1\.q\.weight'\].*keyed by "
+                                                       r"'layers\.0\.q\.weight'"):
+        keyinit.init_model(full, 0, init_method="init_weights")
+    # what the warning is about: the stage without layers.0 cannot reproduce layers.1.q.weight
+    stage = SharedDraw(layers=(1,))
+    keyinit.init_model(stage, 0, init_method="init_weights")
+    assert not torch.equal(stage.layers["1"].q.weight, full.layers["1"].q.weight)
+    assert torch.equal(stage.layers["1"].k.weight, full.layers["1"].k.weight)
+
+
+def test_a_draw_shared_within_one_list_item_is_layout_invariant_and_silent():
+    import warnings
+
+    full = SharedDraw(fused=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", keyinit.SharedDrawWarning)
+        keyinit.init_model(full, 0, init_method="init_weights")
+    stage = SharedDraw(layers=(1,), fused=True)
+    keyinit.init_model(stage, 0, init_method="init_weights")
+    assert torch.equal(stage.layers["1"].q.weight, full.layers["1"].q.weight)
+    assert torch.equal(stage.layers["1"].k.weight, full.layers["1"].k.weight)
