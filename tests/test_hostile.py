@@ -329,3 +329,85 @@ def test_a_draw_shared_within_one_list_item_is_layout_invariant_and_silent():
     keyinit.init_model(stage, 0, init_method="init_weights")
     assert torch.equal(stage.layers["1"].q.weight, full.layers["1"].q.weight)
     assert torch.equal(stage.layers["1"].k.weight, full.layers["1"].k.weight)
+
+
+# ---------------------------------------------------------------- init code: orthogonal_, in-place view ops
+
+
+class Orthogonal(nn.Module):
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(*shape))
+
+    def reset_parameters(self) -> None:
+        nn.init.orthogonal_(self.w, gain=2.0)
+
+
+@pytest.mark.parametrize("shape", [(3, 8), (8, 3), (2, 3, 4), (6, 2, 2), (1, 5)])
+def test_nn_init_orthogonal_in_init_code_equals_keyinits_orthogonal_for_any_shape(shape):
+    code = Orthogonal(*shape)
+    keyinit.init_model(code, 0)
+    rule = Orthogonal(*shape)
+    keyinit.init_model(rule, 0, rules={"w": init.orthogonal(gain=2.0)})
+    assert torch.equal(code.w, rule.w)
+    rows = shape[0]
+    flat = code.w.detach().reshape(rows, -1)
+    gram = flat @ flat.T if rows <= flat.shape[1] else flat.T @ flat
+    assert torch.allclose(gram, 4 * torch.eye(gram.shape[0]), atol=1e-4)
+
+
+_INPLACE_VIEWS = [
+    ("t_", lambda t: t.t_(), lambda t: t.t(), (4, 6)),
+    ("transpose_", lambda t: t.transpose_(0, 1), lambda t: t.transpose(0, 1), (4, 6)),
+    ("swapdims_", lambda t: t.swapdims_(0, 1), lambda t: t.swapdims(0, 1), (4, 6)),
+    ("unsqueeze_", lambda t: t.unsqueeze_(0), lambda t: t.unsqueeze(0), (6, 4)),
+    ("squeeze_", lambda t: t.squeeze_(), lambda t: t.squeeze(), (1, 6, 4)),
+    ("as_strided_", lambda t: t.as_strided_((6, 4), (1, 6)), lambda t: t.as_strided((6, 4), (1, 6)), (4, 6)),
+]
+
+
+class ViewsInPlace(nn.Module):
+    def __init__(self, view, shape, random: bool) -> None:
+        super().__init__()
+        self.view, self.shape, self.random = view, shape, random
+        self.w = nn.Parameter(torch.empty(6, 4))
+
+    def reset_parameters(self) -> None:
+        n = 24
+        t = torch.randn(self.shape) if self.random else torch.arange(float(n)).reshape(self.shape)
+        t = self.view(t) if self.view is not None else t
+        with torch.no_grad():
+            self.w.copy_(t.reshape(6, 4))
+
+
+@pytest.mark.parametrize("name, inplace, outofplace, shape", _INPLACE_VIEWS, ids=[v[0] for v in _INPLACE_VIEWS])
+def test_in_place_view_ops_on_temporaries_are_captured(name, inplace, outofplace, shape):
+    model = ViewsInPlace(inplace, shape, random=False)
+    keyinit.init_model(model, 0)
+    expected = outofplace(torch.arange(24.0).reshape(shape)).reshape(6, 4)
+    assert torch.equal(model.w, expected)
+    drawn, reference = ViewsInPlace(inplace, shape, True), ViewsInPlace(outofplace, shape, True)
+    keyinit.init_model(drawn, 0)
+    keyinit.init_model(reference, 0)
+    assert torch.equal(drawn.w, reference.w)
+    rows = ViewsInPlace(inplace, shape, True)  # a manual shard of rows gets the same rows
+    rows.w = nn.Parameter(torch.empty(2, 4))
+    keyinit.init_model(rows, 0, shards={"w": ManualShard((6, 4), (slice(2, 4), slice(None)))})
+    assert torch.equal(rows.w, drawn.w[2:4])
+
+
+def test_an_in_place_view_op_on_a_model_tensor_is_a_clear_plan_error():
+    class Transposes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(2, 3))
+
+        def reset_parameters(self) -> None:
+            with torch.no_grad():
+                self.w.t_()
+
+    model = Transposes()
+    before = snapshot(model)
+    with pytest.raises(PlanError, match=r"t_ changes the shape of w in place"):
+        keyinit.init_model(model, 0)
+    assert_unchanged(before, model)
