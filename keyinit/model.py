@@ -32,6 +32,8 @@ import torch
 
 from keyinit.errors import InitError, PlanError
 from keyinit.fqn import FqnMap
+from keyinit.init import Initializer
+from keyinit.program import Const, Random, iter_nodes
 from keyinit.keys import DEFAULT_STREAM, Key
 from keyinit.plan import InitMethod, Plan, PlannedTensor, Rules, plan_model
 from keyinit.rules import REGISTRY, Registry
@@ -115,6 +117,7 @@ class _Writer:
         self.plan = plan
         self.device = device
         self.written: list[PlannedTensor] = []
+        self.partial: Optional[str] = None  # a tensor a failed write may have left partly written
         self.layouts: dict[int, tuple[str, int]] = {}
         self._total = sum(math.prod(t.global_shape) for t in plan.tensors if t.program is not None)
         self._done = 0
@@ -136,18 +139,22 @@ class _Writer:
             written = tuple(t.fqn for t in self.written)
             raise InitError(
                 f"initialization failed part-way ({type(exc).__name__}: {exc}); these tensors were already "
-                f"written: {list(written) or 'none'}; every other tensor is unchanged",
+                f"written: {list(written) or 'none'}; "
+                + (f"{self.partial} may be partly written; " if self.partial else "")
+                + "every other tensor is unchanged",
                 written,
             ) from exc
         finally:
             self._finish_progress()
 
     def _write(self, tensor: PlannedTensor) -> None:
-        undo = _Undo(tensor, self.plan, keep_values=self.device is None)
+        undo = _Undo(tensor, self.plan, keep_values=self.device is None and _may_fail_part_way(tensor))
         try:
             self._write_unguarded(tensor)
         except BaseException:
             undo()  # the failing tensor is put back as it was: InitError.written stays exact
+            if undo.saved is None and self.device is None and not (tensor.new or tensor.recreated):
+                self.partial = tensor.fqn  # a keyinit initializer stopped by an interrupt or out of memory
             raise
 
     def _write_unguarded(self, tensor: PlannedTensor) -> None:
@@ -262,6 +269,18 @@ class _Undo:
 
 
 _ABSENT = object()
+
+
+def _may_fail_part_way(tensor: PlannedTensor) -> bool:
+    """Whether writing ``tensor`` runs code that can fail after writing part of it: anything but keyinit
+    initializers, keyed draws and constants, which planning already checked (their tensors are not
+    copied first; only an interrupt or running out of memory can stop them, and the InitError says so)."""
+    if tensor.program is None or tensor.new or tensor.recreated:
+        return False
+    if tensor.origin in ("rule", "pattern", "default") and tensor.rule is not None:
+        return not isinstance(tensor.rule[2], Initializer)
+    # init code: only keyed draws and constants (kernel fills, checked while planning) need no copy
+    return not all(isinstance(node, (Random, Const)) for node in iter_nodes(tensor.program.roots()))
 
 
 def init_model(

@@ -411,3 +411,12 @@ def test_an_in_place_view_op_on_a_model_tensor_is_a_clear_plan_error():
     with pytest.raises(PlanError, match=r"t_ changes the shape of w in place"):
         keyinit.init_model(model, 0)
     assert_unchanged(before, model)
+
+
+def test_a_keyinit_initializer_stopped_part_way_is_named_as_possibly_partly_written(monkeypatch):
+    """Tensors filled by keyinit initializers are not copied first (planning checked them); if an
+    interrupt or out-of-memory stops one anyway, the InitError names it."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    _fail_writing(monkeypatch, "1.weight", torch.OutOfMemoryError)
+    with pytest.raises(keyinit.InitError, match=r"1\.weight may be partly written; every other tensor is unchanged"):
+        keyinit.init_model(model, 0)
