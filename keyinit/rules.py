@@ -10,9 +10,10 @@ An *FQN rule* maps a glob pattern over canonical FQNs (``fnmatch`` syntax, where
 ``*`` also matches dots) to an initializer.
 
 Precedence, highest first: FQN rules passed to ``init_model(rules=...)``, FQN
-rules registered with :func:`register_pattern` (later registrations first), user
-module rules for the module's exact type, then its base classes in MRO order
-(passed before registered), then init code (the ``init_method``, then the
+rules registered with :func:`register_pattern` (later registrations first),
+module rules passed to ``init_model(rules=...)`` (the module's exact type, then
+its base classes in MRO order), registered module rules (likewise; a passed
+rule for a base class beats a registered one for the exact type), then init code (the ``init_method``, then the
 module's own ``reset_parameters``: captured and replayed keyed, see
 :mod:`keyinit.plan`), then the built-in torch.nn defaults, which init code
 writes on top of.
