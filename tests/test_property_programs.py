@@ -93,12 +93,15 @@ steps_strategy = st.tuples(
 
 
 def outcome(build, **kwargs):
-    """The model after init_model, or the PlanError; anything else fails the test."""
+    """The model after init_model, or the PlanError; anything else (or a global RNG draw) fails the test."""
     model = build()
+    rng = torch.random.get_rng_state()
     try:
         keyinit.init_model(model, 7, **kwargs)
     except keyinit.PlanError as exc:
         return exc
+    finally:
+        assert torch.equal(torch.random.get_rng_state(), rng), "init_model touched the global RNG"
     return model
 
 
