@@ -146,3 +146,13 @@ def test_on_ci_both_compiled_kernels_load_and_pass_their_selftests():
     assert HAS_COMPILER, "CI=true but no C compiler: the kernel tests would all skip"
     assert _cpu.available(), f"the compiled CPU kernel is unavailable on CI: {_cpu.failure_reason()}"
     assert _dropout_cpu.available(), f"the compiled dropout kernel is unavailable on CI: {_dropout_cpu.failure_reason()}"
+
+
+@needs_compiler
+def test_unchecked_libraries_load_even_when_the_selftest_would_reject_them(monkeypatch):
+    """What the kernel-vs-reference tests use: a kernel bug then fails the tests that describe it."""
+    monkeypatch.setitem(_dropout_selftest.GOLDEN, "f32-whole", "0" * 16)
+    monkeypatch.setattr(_dropout_cpu.UNCHECKED, "library", None)
+    monkeypatch.setattr(_dropout_cpu.UNCHECKED, "failure", None)
+    assert _dropout_cpu.unchecked_library() is not None
+    assert _cpu.unchecked_library() is not None
