@@ -139,27 +139,48 @@ def test_manual_shards_give_the_full_models_values_or_the_same_plan_error(data, 
 
 
 class Stack(nn.Module):
-    def __init__(self, programs: dict[str, tuple]) -> None:
+    def __init__(self, programs: dict[str, tuple], shared: tuple = ()) -> None:
         super().__init__()
+        self.shared = shared  # layer names that a root init_weights copies one draw into
         self.layers = nn.ModuleDict({name: Program(shape, steps, False) for name, (shape, steps) in programs.items()})
+
+    def init_weights(self) -> None:
+        held = [self.layers[name] for name in self.shared if name in self.layers]
+        if held:
+            draw = torch.randn(held[0].w.shape)
+            with torch.no_grad():
+                for layer in held:
+                    layer.w.copy_(draw)
 
 
 @SETTINGS
 @given(data=st.data(), n=st.integers(2, 4))
-def test_pipeline_stages_give_the_full_models_values(data, n):
-    programs = {str(i): ((data.draw(st.integers(1, 5)), data.draw(st.integers(1, 4))), data.draw(steps_strategy))
-                for i in range(n)}
-    full = outcome(lambda: Stack(programs))
+def test_pipeline_stages_give_the_full_models_values_or_the_full_model_warns(data, n):
+    """A stage reproduces every tensor it holds, except one the full model's SharedDrawWarning names."""
+    import warnings
+
+    shape = (data.draw(st.integers(1, 5)), data.draw(st.integers(1, 4)))
+    programs = {str(i): (shape, data.draw(steps_strategy)) for i in range(n)}
+    shared = tuple(data.draw(st.lists(st.sampled_from([str(i) for i in range(n)]), max_size=3, unique=True)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", keyinit.SharedDrawWarning)
+        full = outcome(lambda: Stack(programs, shared), init_method="init_weights")
+    warned = " ".join(str(w.message) for w in caught if issubclass(w.category, keyinit.SharedDrawWarning))
+    assert bool(warned) == (len(shared) > 1 and not isinstance(full, Exception))
     cut = data.draw(st.integers(1, n - 1))
     for held in (range(cut), range(cut, n)):
-        stage = outcome(lambda: Stack({str(i): programs[str(i)] for i in held}), strict=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", keyinit.SharedDrawWarning)  # the full model's warning is the one that counts
+            stage = outcome(lambda: Stack({str(i): programs[str(i)] for i in held}, shared), strict=False,
+                            init_method="init_weights")
         if isinstance(full, Exception):
             assert isinstance(stage, keyinit.PlanError) or all(
                 str(i) not in full.fqns[0] for i in held), (full, stage)
             continue
         assert not isinstance(stage, Exception), stage
         for i in held:
-            assert torch.equal(stage.layers[str(i)].w, full.layers[str(i)].w), i
+            same = torch.equal(stage.layers[str(i)].w, full.layers[str(i)].w)
+            assert same or f"'layers.{i}.w'" in warned, i
 
 
 # ---------------------------------------------------------------- DTensor placements (fake process group)
