@@ -11,7 +11,7 @@ from keyinit.deferred import deferred
 from keyinit.init_code import call_once, per_module
 from keyinit.model import InitReport, TensorRecord, init_model, materialize
 from keyinit.rules import REGISTRY, Registry, RuleContext, register, register_pattern
-from keyinit.errors import InitError, PlanError, UnkeyedRandomnessError
+from keyinit.errors import InitError, PlanError, SharedDrawWarning, UnkeyedRandomnessError
 from keyinit import nn
 
 __version__ = "0.1.0"
@@ -45,6 +45,7 @@ __all__ = [
     "InitError",
     "PlanError",
     "UnkeyedRandomnessError",
+    "SharedDrawWarning",
     "register",
     "register_pattern",
     "Registry",

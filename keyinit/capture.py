@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from keyinit import init as _init
@@ -328,6 +329,8 @@ class Capture:
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if torch.Tag.inplace_view in getattr(func, "tags", ()):
+            return self._inplace_view(func, args, kwargs)
         stack = self._stack()
         if self._suppressed(stack):
             return self._run_suppressed(func, args, kwargs)
@@ -344,6 +347,28 @@ class Capture:
                 and func not in _IDENTITY:
             return func(*args, **kwargs)  # real tensors only: run it for real
         return self._record(func, args, kwargs, random=False)
+
+    def _inplace_view(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``t_``, ``transpose_``, ``unsqueeze_``, ``squeeze_``, ``as_strided_``: the tensor becomes a view of
+        its own buffer. Nothing is written; the stand-in's metadata (and its meta twin's) change in place."""
+        [name] = _mutated_args(func)
+        target = bind_arguments(func, args, kwargs)[name]
+        if not isinstance(target, LazyTensor):
+            return func(*args, **kwargs)
+        label = self.storage_of(target).label
+        if label != "temporary":
+            raise CaptureError(f"{self.site}: init code's {_op_name(func)} changes the shape of {label} in place; "
+                               f"keyinit captures model tensors of fixed shape (assign a new tensor instead)")
+        margs, mkwargs = self._to_meta(func, args, kwargs)
+        func(*margs, **mkwargs)  # the meta twin: the buffer geometry every later op reads
+        with no_dispatch():  # the wrapper's own sizes and strides, which Python code sees
+            include = torch._C._meta_in_tls_dispatch_include()
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                func(*args, **kwargs)
+            finally:
+                torch._C._set_meta_in_tls_dispatch_include(include)
+        return target
 
     def _to_meta(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         def convert(x: Any) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PlanError", "InitError", "UnkeyedRandomnessError"]
+__all__ = ["PlanError", "InitError", "UnkeyedRandomnessError", "SharedDrawWarning"]
 
 
 class PlanError(ValueError):
@@ -28,4 +28,12 @@ class UnkeyedRandomnessError(RuntimeError):
     """Code asked for randomness that keyinit cannot key (it never falls back to the global RNG).
 
     The message names the module and the op.
+    """
+
+
+class SharedDrawWarning(UserWarning):
+    """Init code draws one random tensor that lands in model tensors a pipeline cut can separate.
+
+    The draw is keyed by the first of them (spec section 15), so a stage without that tensor
+    gets different values; the warning names the tensors.
     """

@@ -74,16 +74,34 @@ class Key:
         return f"Key(0x{self.k0:08x}, 0x{self.k1:08x}, stream={self.stream!r})"
 
 
+def _is_bool(value: object) -> bool:
+    """Python, numpy and torch booleans (refused wherever an int is expected)."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and str(dtype) in ("bool", "torch.bool")
+
+
+def as_int(value: object, what: str) -> int:
+    """``value`` as a Python int: ints and integer scalars (numpy ints, 0-d integer tensors) are
+    accepted; bools, floats, strings and anything else raise ``TypeError`` naming ``what``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        if _is_bool(value) or isinstance(value, (float, str, bytes)):
+            raise TypeError
+        return operator.index(value)  # numpy integers, 0-d integer tensors
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+
+
 def _as_uint64(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            if isinstance(value, (bool, float, str, bytes)) or type(value).__name__ == "bool_":
-                raise TypeError
-            value = operator.index(value)  # numpy integers and the like
-        except TypeError:
-            raise TypeError(
-                f"{what} must be an int in [0, 2**64), got {type(value).__name__} {value!r}"
-            ) from None
+    try:
+        value = as_int(value, what)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be an int in [0, 2**64), got {type(value).__name__} {value!r}"
+        ) from None
     if not 0 <= value < _UINT64_LIMIT:
         raise ValueError(f"{what} must be an int in [0, 2**64), got {value}")
     return value
@@ -119,7 +137,11 @@ def split(parent: Key, num: int = 2) -> tuple[Key, ...]:
     ``split(k, n)[i]`` does not depend on ``n``, so ``split(k, 3)[:2] == split(k, 2)``.
     """
     parent = _require_key(parent)
-    if isinstance(num, bool) or not isinstance(num, int) or num < 0:
+    try:
+        num = as_int(num, "num")
+    except TypeError:
+        raise ValueError(f"num must be a non-negative int, got {num!r}") from None
+    if num < 0:
         raise ValueError(f"num must be a non-negative int, got {num!r}")
     return tuple(_derive(parent, _TAG_SPLIT, i & _MASK32, i >> 32, 0) for i in range(num))
 

@@ -31,6 +31,7 @@ rank's coordinate and the placements.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Protocol, Union, runtime_checkable
 
@@ -650,6 +651,45 @@ def target_for(
             "materialize the model first (e.g. module.to_empty(device=...))"
         )
     return found
+
+
+def resolve_shard_names(
+    shards: Mapping[str, Any], names: Mapping[str, str], *, strict: bool = True
+) -> dict[str, Any]:
+    """``shards`` re-keyed by each tensor's canonical FQN.
+
+    ``names`` maps every name of every tensor of the model (a tied tensor has several) to the
+    FQN its layout is looked up under. A shard declared under a tied tensor's other name
+    applies to the tensor. A key naming no tensor is a :class:`keyinit.errors.PlanError`
+    under ``strict`` (a typo must not silently turn a shard into a whole tensor), and so
+    are different shards declared under two names of one tensor.
+    """
+    from keyinit.errors import PlanError
+
+    resolved: dict[str, Any] = {}
+    declared_as: dict[str, str] = {}
+    unknown = []
+    for name, shard in shards.items():
+        if not isinstance(name, str):
+            raise PlanError(f"shards must map FQN strings to ManualShard, got key {name!r}")
+        fqn = names.get(name)
+        if fqn is None:
+            unknown.append(name)
+            continue
+        if fqn in resolved and resolved[fqn] is not shard:
+            raise PlanError(f"shards declares {declared_as[fqn]!r} and {name!r}, two names of one tied tensor, "
+                            f"with different shards; declare it once", (fqn,))
+        resolved[fqn] = shard
+        declared_as[fqn] = name
+    if unknown and strict:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, list(names), n=1)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise PlanError(f"shards names no tensor of this model: {', '.join(hints)}; the tensor would be "
+                        f"treated as whole; pass strict=False for a mapping shared by pipeline stages",
+                        tuple(unknown))
+    return resolved
 
 
 def global_shape(

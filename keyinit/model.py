@@ -32,6 +32,8 @@ import torch
 
 from keyinit.errors import InitError, PlanError
 from keyinit.fqn import FqnMap
+from keyinit.init import Initializer
+from keyinit.program import Const, Random, iter_nodes
 from keyinit.keys import DEFAULT_STREAM, Key
 from keyinit.plan import InitMethod, Plan, PlannedTensor, Rules, plan_model
 from keyinit.rules import REGISTRY, Registry
@@ -122,6 +124,7 @@ class _Writer:
         self.plan = plan
         self.device = device
         self.written: list[PlannedTensor] = []
+        self.partial: Optional[str] = None  # a tensor a failed write may have left partly written
         self.layouts: dict[int, tuple[str, int]] = {}
         self._total = sum(math.prod(t.global_shape) for t in plan.tensors if t.program is not None)
         self._done = 0
@@ -143,13 +146,25 @@ class _Writer:
             written = tuple(t.fqn for t in self.written)
             raise InitError(
                 f"initialization failed part-way ({type(exc).__name__}: {exc}); these tensors were already "
-                f"written: {list(written) or 'none'}; every other tensor is unchanged",
+                f"written: {list(written) or 'none'}; "
+                + (f"{self.partial} may be partly written; " if self.partial else "")
+                + "every other tensor is unchanged",
                 written,
             ) from exc
         finally:
             self._finish_progress()
 
     def _write(self, tensor: PlannedTensor) -> None:
+        undo = _Undo(tensor, self.plan, keep_values=self.device is None and _may_fail_part_way(tensor))
+        try:
+            self._write_unguarded(tensor)
+        except BaseException:
+            undo()  # the failing tensor is put back as it was: InitError.written stays exact
+            if undo.saved is None and self.device is None and not (tensor.new or tensor.recreated):
+                self.partial = tensor.fqn  # a keyinit initializer stopped by an interrupt or out of memory
+            raise
+
+    def _write_unguarded(self, tensor: PlannedTensor) -> None:
         if tensor.new:
             self._create(tensor)
         elif tensor.recreated:
@@ -226,6 +241,55 @@ class _Writer:
         return InitReport(self.plan.seed, self.plan.root_key.stream, tuple(records), seconds, self.plan.notes)
 
 
+class _Undo:
+    """What puts one tensor back as it was before the writer touched it: its module entries (init code
+    may re-create or create it) and, for ``init_model``, its local values (a fill that fails part-way
+    must not leave it half-written)."""
+
+    def __init__(self, tensor: PlannedTensor, plan: Plan, keep_values: bool) -> None:
+        self.entries = [(module, attr, module._parameters.get(attr, _ABSENT), module._buffers.get(attr, _ABSENT),
+                         vars(module).get(attr, _ABSENT), attr in module._non_persistent_buffers_set)
+                        for module, attr in tensor.locations()]
+        self.saved = None
+        if keep_values and not tensor.new and not tensor.recreated:
+            out = plan.target(tensor).out
+            self.saved = (out, out.detach().clone())
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            if self.saved is not None:
+                self.saved[0].copy_(self.saved[1])
+        for module, attr, parameter, buffer, plain, non_persistent in self.entries:
+            for table, old in ((module._parameters, parameter), (module._buffers, buffer)):
+                if old is _ABSENT:
+                    table.pop(attr, None)
+                else:
+                    table[attr] = old
+            if plain is _ABSENT:
+                vars(module).pop(attr, None)
+            else:
+                vars(module)[attr] = plain
+            if non_persistent:
+                module._non_persistent_buffers_set.add(attr)
+            else:
+                module._non_persistent_buffers_set.discard(attr)
+
+
+_ABSENT = object()
+
+
+def _may_fail_part_way(tensor: PlannedTensor) -> bool:
+    """Whether writing ``tensor`` runs code that can fail after writing part of it: anything but keyinit
+    initializers, keyed draws and constants, which planning already checked (their tensors are not
+    copied first; only an interrupt or running out of memory can stop them, and the InitError says so)."""
+    if tensor.program is None or tensor.new or tensor.recreated:
+        return False
+    if tensor.origin in ("rule", "pattern", "default") and tensor.rule is not None:
+        return not isinstance(tensor.rule[2], Initializer)
+    # init code: only keyed draws and constants (kernel fills, checked while planning) need no copy
+    return not all(isinstance(node, (Random, Const)) for node in iter_nodes(tensor.program.roots()))
+
+
 def init_model(
     model: torch.nn.Module,
     seed: Union[int, Key],
@@ -260,7 +324,8 @@ def init_model(
         fqn_prefix, fqn_map: turn a pipeline stage's FQNs into the full model's.
         shards: ``{fqn: keyinit.layouts.ManualShard}`` for hand-cut shards (or declare them
             with ``keyinit.layouts.declare_shard``).
-        strict: unmatched FQN rules, ties naming no tensor, and an ``init_method`` no module has are errors.
+        strict: unmatched FQN rules, ``shards`` keys and ties naming no tensor, and an ``init_method`` no
+            module has are errors.
         stream: the stream version (``"v1"``).
         registry: where registered rules are looked up (``keyinit.REGISTRY``).
         progress: show progress (default: only for models over 2**28 elements).
@@ -286,6 +351,8 @@ def init_model(
 
 
 def _reject_meta(model: torch.nn.Module) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"init_model expects an nn.Module, got {type(model).__name__}")
     meta = [name for name, t in [*model.named_parameters(remove_duplicate=False),
                                  *model.named_buffers(remove_duplicate=False)] if t.device.type == "meta"]
     if meta:
@@ -317,6 +384,7 @@ def materialize(
     plan = plan_model(model, seed, materializing=True, **options)
     writer = _Writer(plan, progress, device)
     marks = [(t, dict(vars(t.tensor))) for t in plan.tensors if not t.new]
+    undo_created = [_Undo(t, plan, keep_values=False) for t in plan.tensors if t.new or t.recreated]
     try:
         model.to_empty(device=device)
         _retie(plan)
@@ -326,6 +394,8 @@ def materialize(
                     setattr(tensor.tensor, name, value)
         writer.run()
     except BaseException as exc:
+        for undo in undo_created:  # what init code created or re-created: the model's own tensors again
+            undo()
         torch.nn.Module.to_empty(model, device="meta")  # the base method: an override may be what failed
         for tensor in plan.tensors:
             if tensor.new and tensor.kind == "attribute" and tensor.attr in vars(tensor.module):

@@ -28,6 +28,8 @@ import attrs
 import torch
 
 from keyinit import layouts
+from keyinit._guard import no_writes
+from keyinit._shared_draws import warn_shared_draws
 from keyinit.capture import Capture, CaptureError, LazyTensor
 from keyinit.init_code import (
     Installed,
@@ -60,7 +62,7 @@ from keyinit.program import (
 )
 from keyinit.regions import make_region
 from keyinit.replay import Evaluator, element_local, write_target
-from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext
+from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext, initializer_problem
 
 __all__ = ["Plan", "PlannedTensor", "plan_model", "InitMethod", "Rules"]
 
@@ -169,6 +171,25 @@ class Plan:
         return tensor.program is None or element_local(tensor.program.roots())
 
 
+def _check_tie_chains(ties: Mapping[str, str]) -> None:
+    """A tie's target must not itself be tied elsewhere: a chain keys the two ends differently and a
+    cycle keys each tensor by the other's name."""
+    for alias, target in ties.items():
+        if target != alias and target in ties and ties[target] != target:
+            kind = "a cycle" if ties[target] == alias else "a chain"
+            raise PlanError(f"ties form {kind}: {alias!r} -> {target!r} -> {ties[target]!r}; tie every alias "
+                            f"directly to the one FQN that keys them all", (alias, target))
+
+
+def _check_tie_shapes(ties: Mapping[str, str], by_fqn: Mapping[str, "PlannedTensor"]) -> None:
+    """Tied tensors that are both here must have one global shape (one key, one set of values)."""
+    for alias, target in ties.items():
+        a, b = by_fqn.get(alias), by_fqn.get(target)
+        if a is not None and b is not None and a is not b and a.global_shape != b.global_shape:
+            raise PlanError(f"tie {alias!r} -> {target!r} joins tensors of different global shapes "
+                            f"{a.global_shape} and {b.global_shape}", (alias, target))
+
+
 class _Planner:
     def __init__(self, model: torch.nn.Module, seed: Union[int, Key], *, rules: Rules, init_method: InitMethod,
                  init_kwargs: Optional[Mapping[str, Any]], ties: Optional[Mapping[str, str]],
@@ -226,6 +247,8 @@ class _Planner:
             for m, a in t.locations():
                 self._own_index.setdefault(id(m), {})[a] = t
         self._resolve_ties()
+        self.shards = layouts.resolve_shard_names(self.shards, {n: t.fqn for t in self.tensors for n in t.names},
+                                                  strict=self.strict)
         for t in self.tensors:
             try:
                 t.global_shape = layouts.global_shape(t.tensor, fqn=t.fqn, module=t.module, name=t.attr,
@@ -234,6 +257,7 @@ class _Planner:
                 message = str(exc) if str(exc).startswith(t.fqn) else f"{t.fqn}: {exc}"
                 raise PlanError(message, (t.fqn,)) from exc
             t.dtype = t.tensor.dtype
+        _check_tie_shapes(self.ties, self.by_fqn)
         self._find_records()
 
     def _find_records(self) -> None:
@@ -266,6 +290,7 @@ class _Planner:
                     f"tie {alias!r} -> {target!r} names no tensor of this model (neither FQN exists); "
                     f"pass strict=False for pipeline stages that hold neither"
                 )
+        _check_tie_chains(self.ties)
         for t in self.tensors:
             t.key_fqn = next((self.ties[name] for name in t.names if name in self.ties), t.names[0])
 
@@ -307,9 +332,12 @@ class _Planner:
         bad = [k for k in self.rules if not isinstance(k, (str, type))]
         if bad:
             raise PlanError(f"rules keys must be FQN glob strings or nn.Module types, got {bad!r}")
-        for pattern, initializer in pattern_rules:
+        for pattern, initializer in pattern_rules + list(self.registry.patterns):
             if not callable(initializer):
                 raise PlanError(f"the rule for FQN pattern {pattern!r} is not callable: {initializer!r}")
+            problem = initializer_problem(initializer)
+            if problem is not None:
+                raise PlanError(f"the rule for FQN pattern {pattern!r}: {problem}")
         for module_type, rule in type_rules.items():
             if not callable(rule):
                 raise PlanError(f"the rule for {module_type.__name__} is not callable: {rule!r}")
@@ -368,7 +396,11 @@ class _Planner:
         own = self._own(module)
         where = module_fqn or "<root>"
         try:
-            produced = rule(module, self._context(module, module_fqn))
+            context = self._context(module, module_fqn)
+            with no_writes([module], [(t.fqn, t.tensor) for t in own.values()], f"{label} for {where}"):
+                produced = rule(module, context)
+        except PlanError:
+            raise
         except Exception as exc:
             raise PlanError(f"{label} raised while planning {where}: {exc!r}") from exc
         if not isinstance(produced, Mapping):
@@ -385,8 +417,9 @@ class _Planner:
             if name not in own:
                 raise PlanError(f"{label} for {where} returned {name!r}, which is not a parameter or buffer "
                                 f"of it (it has {sorted(own)})")
-            if not callable(initializer):
-                raise PlanError(f"{label} for {own[name].fqn}: {initializer!r} is not an initializer", (own[name].fqn,))
+            problem = initializer_problem(initializer)
+            if problem is not None:
+                raise PlanError(f"{label} for {own[name].fqn}: {problem}", (own[name].fqn,))
             t = own[name]
             if t.rule is not None and (t.rule[0] == "pattern" or t.module is not module):
                 continue  # a pattern wins; a tied tensor follows its first name's module
@@ -601,8 +634,8 @@ class _Planner:
             out = torch.empty(region.region_shape, dtype=node.dtype, device="cpu")
             try:
                 node.fill(Key(0, 0, self.root_key.stream), layouts.Target(t.fqn, region, out))
-            except (ValueError, TypeError, IndexError) as exc:
-                message = str(exc) if t.fqn in str(exc) else f"{t.fqn}: {exc}"
+            except Exception as exc:  # any error of a dry run is a plan error naming the tensor
+                message = str(exc) if t.fqn in str(exc) else f"{t.fqn}: {type(exc).__name__}: {exc}"
                 raise PlanError(f"{message} (planned by {node.what})", (t.fqn,)) from exc
 
 
@@ -656,4 +689,5 @@ def plan_model(
     planner.resolve_rules()
     planner.capture(materializing)
     planner.check(materializing)
+    warn_shared_draws(planner.tensors)
     return Plan(model, planner.root_key, planner.seed, planner.tensors, planner.shards, planner.notes)

@@ -33,7 +33,7 @@ from keyinit.distributions import (
     TruncatedNormal,
     Uniform,
 )
-from keyinit.keys import Key, _require_key
+from keyinit.keys import Key, _require_key, as_int
 from keyinit.regions import RegionEntry, make_region, normalize_shape
 
 __all__ = ["bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint", "sample"]
@@ -176,6 +176,14 @@ def bernoulli(key: Key, shape: ShapeLike, *, p: float = 0.5, dtype: Optional[tor
     return sample(Bernoulli.create(p), key, shape, dtype=dtype, device=device, region=region, out=out)
 
 
+def _integer(value: object, name: str) -> object:
+    """Integer scalars ``key()`` accepts (numpy ints, 0-d int tensors) as ints; anything else unchanged."""
+    try:
+        return as_int(value, f"randint: {name}")
+    except TypeError:
+        return value  # Randint.create names what is wrong
+
+
 def randint(key: Key, shape: ShapeLike, *, low: int, high: int, dtype: Optional[torch.dtype] = None,
             device: DeviceLike = None, region: RegionLike = None,
             out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -184,5 +192,6 @@ def randint(key: Key, shape: ShapeLike, *, low: int, high: int, dtype: Optional[
     dtype: int64 (default), int32, int16, int8, uint8; the range must fit it.
     """
     resolved = _resolve_dtype(dtype, out, torch.int64)
+    low, high = (_integer(value, name) for value, name in ((low, "low"), (high, "high")))
     dist = Randint.create(low, high, resolved)
     return sample(dist, key, shape, dtype=resolved, device=device, region=region, out=out)

@@ -10,9 +10,10 @@ An *FQN rule* maps a glob pattern over canonical FQNs (``fnmatch`` syntax, where
 ``*`` also matches dots) to an initializer.
 
 Precedence, highest first: FQN rules passed to ``init_model(rules=...)``, FQN
-rules registered with :func:`register_pattern` (later registrations first), user
-module rules for the module's exact type, then its base classes in MRO order
-(passed before registered), then init code (the ``init_method``, then the
+rules registered with :func:`register_pattern` (later registrations first),
+module rules passed to ``init_model(rules=...)`` (the module's exact type, then
+its base classes in MRO order), registered module rules (likewise; a passed
+rule for a base class beats a registered one for the exact type), then init code (the ``init_method``, then the
 module's own ``reset_parameters``: captured and replayed keyed, see
 :mod:`keyinit.plan`), then the built-in torch.nn defaults, which init code
 writes on top of.
@@ -20,6 +21,7 @@ writes on top of.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Callable
 
@@ -61,6 +63,31 @@ class RuleContext:
 ModuleRule = Callable[[torch.nn.Module, RuleContext], Mapping[str, Initializer]]
 
 
+def initializer_problem(init: object) -> "str | None":
+    """Why ``init`` cannot serve as an initializer ``fn(key, target)``, or None if it can.
+
+    Checked when a rule is registered or planned, so a wrong callable (``torch.nn.init.zeros_``,
+    which takes a tensor) is refused before anything is written.
+    """
+    if isinstance(init, Initializer):
+        return None
+    if not callable(init):
+        return f"{init!r} is not callable"
+    if getattr(init, "__module__", None) == "torch.nn.init":
+        name = getattr(init, "__name__", "?")
+        return (f"torch.nn.init.{name} takes a tensor, not (key, target); use keyinit.init."
+                f"{name.rstrip('_')}(...) or another keyinit.init initializer")
+    try:
+        signature = inspect.signature(init)
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: trusted
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        return f"{init!r} must be an initializer called as fn(key, target); its signature is {signature}"
+    return None
+
+
 
 class Registry:
     """The documented, process-wide table of user rules (``keyinit.REGISTRY``).
@@ -98,8 +125,9 @@ class Registry:
             raise TypeError(f"register_pattern() takes a non-empty glob str, got {pattern!r}")
 
         def add(init: Initializer) -> Initializer:
-            if not callable(init):
-                raise TypeError(f"the initializer for pattern {pattern!r} must be callable, got {init!r}")
+            problem = initializer_problem(init)
+            if problem is not None:
+                raise TypeError(f"the initializer for pattern {pattern!r}: {problem}")
             self._patterns.insert(0, (pattern, init))
             return init
 

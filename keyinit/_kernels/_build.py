@@ -13,6 +13,11 @@ named by the source's stem and a hash of the source, the headers next to it
 ``-march=native``) the compiler's view of this CPU, so a changed source,
 header, compiler or machine never reuses a stale build. The library is written
 to a temporary file and renamed into place, so concurrent processes are safe.
+Its size and SHA-256 are recorded beside it (``<name>.sha256``) and checked
+before every load: a cached file that does not match (truncated by an
+interrupted copy, a restored backup, a shared filesystem) is compiled again,
+never loaded, since such a file can pass ``dlopen`` and crash the process with
+SIGBUS on its first call.
 If the cache directory cannot be written, every process of the user shares ONE
 private temporary cache, ``<tmp>/keyinit-<uid>`` (mode 0700, owned by the
 user; a fresh private directory only if that name is taken by someone else).
@@ -174,10 +179,40 @@ def _compile(cc: list[str], flags: tuple[str, ...], source: Path, target: Path) 
                 f"compiling {source.name} with {shlex.join(cc)} {' '.join(flags)} failed:\n"
                 f"{result.stderr.strip()[:2000]}"
             )
+        _write_record(Path(tmp_name), target)  # the record first: a library without one is rebuilt
         os.replace(tmp_name, target)  # atomic: readers see the old file or the whole new one
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
+
+
+def _record_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _file_record(path: Path) -> str:
+    data = path.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"
+
+
+def _write_record(built: Path, target: Path) -> None:
+    """Record the size and SHA-256 of a freshly built library next to where it will live."""
+    record = _record_path(target)
+    fd, tmp_name = tempfile.mkstemp(prefix=record.name + ".", suffix=".tmp", dir=target.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(_file_record(built))
+    os.replace(tmp_name, record)
+
+
+def verified(library: Path) -> bool:
+    """Whether a cached library is exactly the file that was built: its size and SHA-256 match the
+    record written at build time. A truncated or altered file (an interrupted copy, a restored
+    backup, a shared filesystem) can pass ``dlopen`` and then crash the process with SIGBUS on
+    its first call, so it is never loaded; :func:`build` compiles it again."""
+    try:
+        return _record_path(library).read_text() == _file_record(library)
+    except OSError:
+        return False
 
 
 def build(native: bool = True, extra_flags: tuple[str, ...] = (), source: Optional[Path] = None) -> Path:
@@ -198,14 +233,14 @@ def build(native: bool = True, extra_flags: tuple[str, ...] = (), source: Option
         try:
             name = _library_name(cc, flags, source)
             target = cache_dir() / name
-            if target.exists():
+            if verified(target):
                 return target
             try:
                 _compile(cc, flags, source, target)
             except OSError:
                 # Unwritable cache directory: the user's one shared temporary cache.
                 target = _shared_temp_cache() / name
-                if not target.exists():
+                if not verified(target):
                     _compile(cc, flags, source, target)
             return target
         except (BuildError, OSError, subprocess.SubprocessError) as exc:
@@ -262,6 +297,8 @@ def load(native: bool = True, extra_flags: tuple[str, ...] = (), source: Optiona
     ``keyinit_fp_probe`` (if it exports one) reports a fast-math transformation.
     """
     path = build(native, extra_flags, source)
+    if not verified(path):  # replaced since build() checked it
+        raise BuildError(f"{path} does not match the size and SHA-256 recorded when it was built; not loaded")
     libm = _libm()
     saved = None
     if libm is not None:

@@ -7,7 +7,8 @@ keyed by the ``.c`` source; the header's SHA-256 is passed as a ``-D`` flag
 
 :func:`run` takes a prepared :class:`~keyinit.nn._geometry.Geometry` and
 writes ``out`` (contiguous, like ``x``); it returns ``False`` when the kernel
-is unavailable (no compiler), and the caller then uses the reference.
+is unavailable (no compiler, or a library that fails its golden self-test,
+:mod:`keyinit._kernels._dropout_selftest`), and the caller then uses the reference.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from keyinit._kernels import _build
+from keyinit._kernels import _build, _dropout_selftest
 from keyinit._kernels._lazy import LazyLibrary
 
 __all__ = ["SOURCE", "HEADER", "DTYPE_IDS", "library", "available", "failure_reason", "run", "MIN_PARALLEL_ELEMENTS"]
@@ -62,8 +63,30 @@ def build_library(native: bool = True, extra_flags: tuple[str, ...] = ()) -> cty
     return declare(_build.load(native, (header_flag(), *extra_flags), source=SOURCE))
 
 
-#: The library built for this machine (loaded on first use).
-LIBRARY = LazyLibrary("the compiled CPU dropout kernel", build_library)
+def _load_checked() -> ctypes.CDLL:
+    """Build and load the library for this machine, and prove it against the golden digests."""
+    lib = build_library()
+    failed = _dropout_selftest.run(lambda x, out, geometry, threads: run(x, out, geometry, threads=threads, lib=lib))
+    if failed:
+        raise _build.BuildError(
+            f"the compiled dropout kernel failed its golden self-test ({', '.join(failed)}): its masks "
+            "differ from the reference"
+        )
+    return lib
+
+
+#: The library built for this machine (loaded on first use, after its golden self-test).
+LIBRARY = LazyLibrary("the compiled CPU dropout kernel", _load_checked)
+
+
+#: The same library without the self-test, for tests that compare the kernel with the reference
+#: case by case (a kernel bug must fail the tests that describe it, not turn them into skips).
+UNCHECKED = LazyLibrary("the compiled CPU dropout kernel (not self-tested)", build_library)
+
+
+def unchecked_library() -> Optional[ctypes.CDLL]:
+    """The library built for this machine whether or not it passes its golden self-test (tests only)."""
+    return UNCHECKED.get()
 
 
 def library() -> Optional[ctypes.CDLL]:

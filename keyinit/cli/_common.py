@@ -61,6 +61,8 @@ def load_factory(spec: str) -> Any:
         raise
     except ModuleNotFoundError as exc:
         raise CLIError(f"cannot import {module_name!r}: {exc}") from exc
+    except SystemExit as exc:
+        raise CLIError(f"importing {module_name!r} called exit({exc.code!r}); nothing was checked") from exc
     except Exception as exc:
         raise CLIError(f"importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
     target: Any = module
@@ -82,6 +84,8 @@ def build_model(factory: Any, spec: str, *, device: str = "meta") -> tuple[torch
     try:
         with torch.device(device):
             built = factory()
+    except SystemExit as exc:  # exit(0) in a factory must not pass for a successful check
+        raise CLIError(f"{spec}() called exit({exc.code!r}) instead of returning a model; nothing was checked") from exc
     except Exception as exc:
         raise CLIError(f"{spec}() raised {type(exc).__name__}: {exc}") from exc
     kwargs: dict[str, Any] = {}
