@@ -109,6 +109,13 @@ class PlannedTensor:
         return [(m, a) for m, a in self.aliases if getattr(m, a) is not first]
 
 
+def _is_hf_pretrained(module: Any) -> bool:
+    """An instance of transformers' ``PreTrainedModel`` (checked by class, without importing transformers)."""
+    return isinstance(module, torch.nn.Module) and any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
+        for cls in type(module).__mro__)
+
+
 def _nn_defaults() -> Mapping[type, ModuleRule]:
     from keyinit import nn_defaults
 
@@ -491,9 +498,11 @@ class _Planner:
                     kwargs: Mapping[str, Any]) -> list[tuple[torch.nn.Module, str, str, Callable[[], Any]]]:
         """``fn(module)`` for every module under ``root``, children before parents (as HF's
         ``smart_apply``). A descendant with its own method of the same name (an HF sub-model)
-        has its subtree initialized by that method instead."""
+        has its subtree initialized by that method instead; under an HF ``PreTrainedModel``,
+        only a descendant that is itself a ``PreTrainedModel`` switches, as HF does."""
         name = getattr(fn, "__name__", None)
         owner = getattr(fn, "__self__", None)
+        hf_owner = _is_hf_pretrained(owner)
         calls: list[tuple[torch.nn.Module, str, str, Callable[[], Any]]] = []
         seen: set[int] = set()
 
@@ -506,6 +515,8 @@ class _Planner:
                     continue
                 child_name_fqn = child_fqn(module, fqn, child_name)
                 own = getattr(child, name, None) if (name and isinstance(owner, torch.nn.Module)) else None
+                if hf_owner and not _is_hf_pretrained(child):
+                    own = None  # HF's smart_apply switches only at PreTrainedModel sub-models
                 nxt = own if (own is not None and getattr(own, "__self__", None) is child) else current
                 visit(child, child_name_fqn, nxt)
             calls.append((module, fqn, label, PerModuleCall(current, kwargs, module)))
