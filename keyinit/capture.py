@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -259,22 +259,27 @@ class Capture:
             evaluator = Evaluator({}, why_unkeyed=f"uses the values of a tensor in Python ({why})")
             return evaluator.full(self.node(value))
 
-    def concretize_attributes(self, module: torch.nn.Module, module_fqn: str) -> None:
+    def concretize_attributes(self, module: torch.nn.Module, module_fqn: str,
+                              replaced: Optional[Mapping[int, torch.Tensor]] = None) -> None:
         """Give stand-ins that code stored outside parameters and buffers (plain attributes, and
         tensors inside lists, tuples and dicts there: RoPE caches) their real values, as eager
         torch would have them, so no stand-in escapes the capture.
 
         Their values must not depend on a draw: a draw is keyed by the parameter or buffer it
-        lands in, and a plain attribute is neither (:class:`UnkeyedRandomnessError`, naming it)."""
+        lands in, and a plain attribute is neither (:class:`UnkeyedRandomnessError`, naming it).
+        A stand-in that IS a model tensor (nn.LSTM's ``_flat_weights`` list) becomes its
+        replacement in ``replaced`` (``id(stand-in) -> tensor``) instead."""
         for name, value in list(vars(module).items()):
             if name in _MODULE_INTERNALS:
                 continue
-            converted = self._concrete_tree(value, f"{module_fqn}.{name}" if module_fqn else name)
+            converted = self._concrete_tree(value, f"{module_fqn}.{name}" if module_fqn else name, replaced or {})
             if converted is not value:
                 object.__setattr__(module, name, converted)
 
-    def _concrete_tree(self, value: Any, where: str) -> Any:
+    def _concrete_tree(self, value: Any, where: str, replaced: Mapping[int, torch.Tensor]) -> Any:
         if isinstance(value, LazyTensor):
+            if id(value) in replaced:
+                return replaced[id(value)]
             try:
                 return self.concrete(value, f"attribute {where}")
             except UnkeyedRandomnessError as exc:
@@ -283,13 +288,13 @@ class Capture:
                     f"and buffers; keyinit keys a draw by the parameter or buffer it lands in: register it as a "
                     f"buffer (register_buffer) or a parameter") from exc
         if isinstance(value, (list, tuple)) and any(isinstance(v, LazyTensor) for v in value):
-            items = [self._concrete_tree(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            items = [self._concrete_tree(v, f"{where}[{i}]", replaced) for i, v in enumerate(value)]
             if isinstance(value, list):
                 value[:] = items  # in place: other references to the list see real values too
                 return value
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         if isinstance(value, dict) and any(isinstance(v, LazyTensor) for v in value.values()):
-            value.update({k: self._concrete_tree(v, f"{where}[{k!r}]") for k, v in value.items()})
+            value.update({k: self._concrete_tree(v, f"{where}[{k!r}]", replaced) for k, v in value.items()})
         return value
 
     # ------------------------------------------------------------------ frames

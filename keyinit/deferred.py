@@ -123,8 +123,11 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
                     replaced[id(tensor)] = _meta_like(tensor, is_parameter=table is module._parameters)
                 record[name] = values[id(tensor)]
                 table[name] = replaced[id(tensor)]
-        capture.concretize_attributes(module, module_fqn)
         object.__setattr__(module, RECORD_ATTRIBUTE, ConstructorRecord(record, builder))
+    # Plain attributes last: one that refers to a parameter or buffer (nn.LSTM's _flat_weights)
+    # gets its meta replacement; any other stand-in its real value.
+    for module_fqn, module in model.named_modules(remove_duplicate=True):
+        capture.concretize_attributes(module, module_fqn, replaced)
 
 
 def _value_node(tensor: torch.Tensor, capture: Capture, fqn: str) -> Node:

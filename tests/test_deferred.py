@@ -421,3 +421,18 @@ def test_deterministic_buffers_have_eagers_bits(n):
     eager = Rope()
     assert same_bits(model.inv_freq, eager.inv_freq)
     assert same_bits(model.table, eager.table)
+
+
+def test_rnn_flat_weights_follow_the_parameters():
+    """nn.LSTM keeps its parameters in a plain list too (_flat_weights): it must see the meta tensors,
+    then the materialized ones, and the LSTM must run."""
+    model = keyinit.deferred(nn.LSTM, 4, 6, num_layers=2)
+    assert all(w is p for w, p in zip(model._flat_weights, model._flat_weights_names and
+                                      [getattr(model, n) for n in model._flat_weights_names]))
+    keyinit.materialize(model, SEED, device="cpu")
+    assert all(not w.is_meta for w in model._flat_weights)
+    out, _ = model(torch.ones(3, 1, 4))
+    assert out.shape == (3, 1, 6) and torch.isfinite(out).all()
+    eager = nn.LSTM(4, 6, num_layers=2)
+    keyinit.init_model(eager, SEED)  # its reset_parameters, captured: the same keyed draws
+    assert_same_bits(full_state(model), full_state(eager), "deferred LSTM vs init_model's reset_parameters")
