@@ -155,10 +155,13 @@ def test_data_parallel_ddp_and_fsdp2_equal_one_process():
     for results in per_rank:
         for name in ("ddp", "fsdp2"):
             out, rank_taps, lo, rows = results[name]
-            assert torch.equal(out, logits[lo:lo + rows]), name
+            # 4 rows per rank vs 8: torch's matmuls are not batch-invariant bitwise (CPU ISAs differ)
+            torch.testing.assert_close(out, logits[lo:lo + rows], rtol=1e-5, atol=1e-5, msg=name)
             assert len(rank_taps) == len(taps)
+            assert torch.equal(rank_taps[0], taps[0][lo:lo + rows]), name  # keyed values of the exact embedding
             for got, whole in zip(rank_taps, taps):
-                assert torch.equal(got, whole[lo:lo + rows]), name
+                assert torch.equal(got != 0, whole[lo:lo + rows] != 0), name  # the masks, bitwise
+                torch.testing.assert_close(got, whole[lo:lo + rows], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def tp_sp_plan(model: DropLlama) -> dict:

@@ -195,18 +195,59 @@ def _handle_dropout(ctx: "Keyed", frame: _Frame, kind: str, mask: str, inplace_o
 # ----------------------------------------------------------------------------- modes
 
 
-def _sdpa_functions() -> set:
-    return {torch.nn.functional.scaled_dot_product_attention}
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def _keyed_sdpa(ctx: "Keyed", frame: _Frame, p: float, args: tuple, kwargs: dict) -> torch.Tensor:
+    """SDPA with ``dropout_p > 0``: the next call ordinal of the module, probabilities dropped by rows."""
+    from keyinit.nn import functional as KF
+    from keyinit.nn._attention import attend
+
+    bound = dict(_SDPA_DEFAULTS)
+    bound.update(zip(_SDPA_ARGS, args))
+    bound.update(kwargs)
+    extra = set(bound) - set(_SDPA_ARGS)
+    if extra:
+        raise TypeError(f"scaled_dot_product_attention: unexpected arguments {sorted(extra)}")
+    key = dropout_key(ctx.seed, ctx.step, frame.fqn, frame.calls)
+    frame.calls += 1
+    drop = KF._probs_drop(p, key, None, ctx.sample_offset)
+    try:
+        for name in ("query", "key", "value"):
+            KF._check_input(bound[name])
+        return attend(bound["query"], bound["key"], bound["value"], bound["attn_mask"], bool(bound["is_causal"]),
+                      bound["scale"], bool(bound["enable_gqa"]), drop)[0]
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{frame.describe()}: scaled_dot_product_attention under keyinit.nn.keyed: {exc}") from exc
+
+
+def _keyed_mha(ctx: "Keyed", frame: _Frame, args: tuple, kwargs: dict) -> Any:
+    """``F.multi_head_attention_forward`` in training with dropout: answered by keyed attention, or None."""
+    from keyinit.nn import functional as KF
+    from keyinit.nn._attention import mha_arguments, mha_forward
+
+    bound = mha_arguments(args, kwargs)
+    p = KF._check_p(bound["dropout_p"])
+    if not bound["training"] or p == 0.0:
+        return None
+    key = dropout_key(ctx.seed, ctx.step, frame.fqn, frame.calls)
+    frame.calls += 1
+    try:
+        return mha_forward(bound, KF._probs_drop(p, key, None, ctx.sample_offset))
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{frame.describe()}: multi-head attention under keyinit.nn.keyed: {exc}") from exc
 
 
 class _DropoutFunctionMode(TorchFunctionMode):
-    """Answers the dropout family with keyed masks and refuses SDPA with ``dropout_p > 0``."""
+    """Answers the dropout family, SDPA with ``dropout_p > 0`` and multi-head attention with keyed masks."""
 
     def __init__(self, ctx: "Keyed") -> None:
         super().__init__()
         self.ctx = ctx
         self.family = _dropout_family()
-        self.sdpa = _sdpa_functions()
+        self.sdpa = torch.nn.functional.scaled_dot_product_attention
+        self.mha = torch.nn.functional.multi_head_attention_forward
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -215,16 +256,19 @@ class _DropoutFunctionMode(TorchFunctionMode):
             frame = self.ctx._current_frame()
             if frame is not None:
                 return _handle_dropout(self.ctx, frame, *entry, args, kwargs)
-        elif func in self.sdpa:
+        elif func is self.sdpa:
             dropout_p = _arg(args, kwargs, 4, "dropout_p", 0.0)
             frame = self.ctx._current_frame()
             if frame is not None and dropout_p:
-                raise UnkeyedRandomnessError(
-                    f"{frame.describe()}: torch.nn.functional.scaled_dot_product_attention with "
-                    f"dropout_p={dropout_p} inside a keyinit.nn.keyed forward: the fused attention kernel draws "
-                    "its dropout mask from torch's global RNG, which keyinit cannot key. Use an attention whose "
-                    "dropout is a separate F.dropout call (e.g. HF attn_implementation='eager') or dropout_p=0."
-                )
+                from keyinit.nn.functional import _check_p
+
+                return _keyed_sdpa(self.ctx, frame, _check_p(dropout_p), args, kwargs)
+        elif func is self.mha:
+            frame = self.ctx._current_frame()
+            if frame is not None:
+                out = _keyed_mha(self.ctx, frame, args, kwargs)
+                if out is not None:
+                    return out
         return func(*args, **kwargs)
 
 
@@ -267,8 +311,9 @@ class _SeededOpGuard(TorchDispatchMode):
                 raise UnkeyedRandomnessError(
                     f"{frame.describe()}: {func} inside a keyinit.nn.keyed forward draws from torch's random "
                     "number generator, which keyinit cannot key (the values would depend on the RNG state and "
-                    "on the layout). Only dropout (F.dropout, torch.dropout, nn.Dropout*, keyinit.nn.Dropout) "
-                    "is keyed; for other noise use keyinit.random with a key from keyinit.nn.dropout_key."
+                    "on the layout). Only dropout (F.dropout, torch.dropout, nn.Dropout*, keyinit.nn.Dropout) and "
+                    "attention dropout (F.scaled_dot_product_attention, nn.MultiheadAttention, nn.Transformer*Layer) "
+                    "are keyed; for other noise use keyinit.random with a key from keyinit.nn.dropout_key."
                 )
         return func(*args, **kwargs)
 
