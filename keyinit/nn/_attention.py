@@ -36,6 +36,34 @@ def _positions(n: int, start: int, index: Optional[torch.Tensor], device: torch.
     return torch.arange(start, start + n, device=device)
 
 
+class _DropThenMatmul(torch.autograd.Function):
+    """``drop(P) @ v`` saving only ``P`` (which softmax saves anyway) and ``v``: the dropped ``P`` is regenerated.
+
+    Dropout is diagonal, so ``dP = drop(dOut @ v^T)`` and ``dv = drop(P)^T @ dOut``
+    with ``drop`` regenerating the mask from the key: nothing mask-sized and no
+    second probability matrix is kept for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, value: torch.Tensor, drop: Drop) -> torch.Tensor:
+        ctx.drop = drop
+        ctx.save_for_backward(probs, value)
+        return torch.matmul(drop(probs), value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        probs, value = ctx.saved_tensors
+        drop = ctx.drop
+        grad_probs = grad_value = None
+        if ctx.needs_input_grad[0]:
+            grad_probs = drop(torch.matmul(grad, value.transpose(-2, -1)))
+        if ctx.needs_input_grad[1]:
+            grad_value = torch.matmul(drop(probs).transpose(-2, -1), grad)
+            if grad_value.shape != value.shape:  # value broadcast over leading dimensions
+                grad_value = grad_value.sum_to_size(value.shape)
+        return grad_probs, grad_value, None
+
+
 def attend(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -46,12 +74,14 @@ def attend(
     enable_gqa: bool,
     drop: Optional[Drop],
     positions: Optional[tuple[int, Optional[torch.Tensor], int, Optional[torch.Tensor]]] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(output, dropped probabilities)`` of scaled dot-product attention (torch's SDPA semantics).
+    need_weights: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(output, dropped probabilities or None)`` of scaled dot-product attention (torch's SDPA semantics).
 
     ``positions = (q_start, q_index, k_start, k_index)`` are the global query and
     key positions that ``is_causal`` compares (default: local, from 0);
-    ``drop=None`` applies no dropout.
+    ``drop=None`` applies no dropout. On the CPU, 16-bit inputs are computed in
+    float32 (as torch's CPU SDPA does) and the output is rounded back.
     """
     if query.dim() < 2 or key.dim() != query.dim() or value.dim() != query.dim():
         raise ValueError(
@@ -64,6 +94,11 @@ def attend(
         groups = query.size(-3) // key.size(-3)
         key = key.repeat_interleave(groups, dim=-3)
         value = value.repeat_interleave(groups, dim=-3)
+    out_dtype = query.dtype
+    if query.device.type == "cpu" and out_dtype in (torch.float16, torch.bfloat16):
+        query, key, value = query.float(), key.float(), value.float()
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.float()
     length, source = query.size(-2), key.size(-2)
     scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else float(scale)
     scores = torch.matmul(query, key.transpose(-2, -1)) * scale
@@ -83,9 +118,15 @@ def attend(
         probs = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
     else:
         probs = torch.softmax(scores, dim=-1)
-    if drop is not None:
+    if drop is None:
+        out = torch.matmul(probs, value)
+    elif need_weights:
         probs = drop(probs)
-    return torch.matmul(probs, value), probs
+        out = torch.matmul(probs, value)
+    else:
+        out = _DropThenMatmul.apply(probs, value, drop)
+    weights = probs.to(out_dtype) if need_weights else None
+    return out.to(out_dtype), weights
 
 
 # ----------------------------------------------------------------------------- nn.MultiheadAttention
@@ -173,7 +214,7 @@ def mha_forward(a: dict[str, Any], drop: Drop) -> tuple[torch.Tensor, Optional[t
     if key_padding_mask is not None:
         padding = key_padding_mask.view(bsz, 1, 1, src_len)
         attn_mask = padding if attn_mask is None else attn_mask + padding
-    out, weights = attend(q, k, v, attn_mask, is_causal, None, False, drop)
+    out, weights = attend(q, k, v, attn_mask, is_causal, None, False, drop, need_weights=a["need_weights"])
     out = out.permute(2, 0, 1, 3).reshape(tgt_len * bsz, embed_dim)
     out = F.linear(out, a["out_proj_weight"], a["out_proj_bias"]).view(tgt_len, bsz, embed_dim)
     if a["need_weights"]:
