@@ -11,6 +11,9 @@
   logits and dropout outputs; tensor parallelism with sequence-parallel DTensor
   activations gives the one-process masks (the values differ only by the order
   of the row-parallel sums).
+- A Transformer encoder (nn.MultiheadAttention, keyed attention dropout) with a
+  2-rank DDP batch split: the attention masks equal one process bit for bit, the
+  outputs to a tolerance.
 """
 
 from __future__ import annotations
@@ -224,3 +227,59 @@ def test_tensor_and_sequence_parallel_masks_equal_one_process():
         assert counts == {"c10d": 0, "comm_debug": 0}
         assert torch.equal(rows, KF.dropout(torch.ones(6, 10), 0.5, dropout_key(1, 2, "", 0), global_shape=(10, 10),
                                             region=(slice(4, 10), slice(None))))
+
+
+# ----------------------------------------------------------------------------- attention dropout, 2 ranks
+
+
+def _attention_model():
+    torch.manual_seed(0)  # only for the module constructors; keyinit.init_model sets every weight
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.2, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    keyinit.init_model(model, 0)
+    return model.train()
+
+
+def _attention_inputs():
+    return torch.randn(6, 5, 16, generator=torch.Generator().manual_seed(3))
+
+
+def _attention_run(model, x, sample_offset, wrapped=None):
+    weights = []
+    attn = model.layers[0].self_attn
+    call = attn.forward
+
+    def forward(*args, **kwargs):  # ask layer 0's attention for its (dropped) per-head weights
+        kwargs.update(need_weights=True, average_attn_weights=False)
+        out, w = call(*args, **kwargs)
+        weights.append(w.detach())
+        return out, w
+
+    attn.forward = forward
+    try:
+        wrapped = model if wrapped is None else wrapped
+        with knn.keyed(wrapped, SEED, step=1, sample_offset=sample_offset):  # DDP's "module." is stripped
+            out = wrapped(x)
+        out.sum().backward()
+    finally:
+        del attn.forward
+    return out.detach(), weights[0]
+
+
+def _attention_data_parallel():
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _attention_model()
+    ddp = DistributedDataParallel(model)
+    rows = 6 // dist.get_world_size()
+    lo = dist.get_rank() * rows
+    out, weights = _attention_run(model, _attention_inputs()[lo:lo + rows], lo, wrapped=ddp)
+    return out, weights, lo, rows
+
+
+@pytest.mark.slow
+def test_attention_dropout_2_rank_batch_split_equals_one_process():
+    out, weights = _attention_run(_attention_model(), _attention_inputs(), 0)
+    for rank_out, rank_weights, lo, rows in run_distributed(_attention_data_parallel, 2, timeout=120):
+        assert torch.equal(rank_weights != 0, weights[lo:lo + rows] != 0)  # the masks, bitwise
+        torch.testing.assert_close(rank_out, out[lo:lo + rows], rtol=1e-5, atol=1e-5)
