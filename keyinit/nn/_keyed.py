@@ -27,6 +27,13 @@ modes are entered by the outermost forward and left when it returns, so code
 outside the model's forwards (the loss, the backward pass, the optimizer) runs
 without them; a forward that activation checkpointing recomputes during
 backward enters them again. The global torch RNG is never read or advanced.
+
+A forward of the model in a thread other than the one that entered the context
+gets its own frames and modes, and refuses every draw there
+(:class:`~keyinit.errors.UnkeyedRandomnessError` naming the thread). A
+``keyed`` on a submodule entered inside a ``keyed`` on its model with the same
+values keys nothing more (the outer context keys the submodule by its FQN
+there); any other overlap of two active contexts is a ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from keyinit.nn._keys import dropout_key
 __all__ = ["keyed", "Keyed", "inside_keyed_forward"]
 
 _state = threading.local()  # .active: list of Keyed entered in this thread, innermost last
+_entered_lock = threading.Lock()
+_entered: list = []  # every Keyed entered and not yet exited, in any thread
 
 def _active() -> list:
     active = getattr(_state, "active", None)
@@ -57,22 +66,38 @@ def _active() -> list:
 
 
 def inside_keyed_forward() -> bool:
-    """True when this thread runs the forward of a module of a model inside an active ``keyed``."""
-    return any(ctx._current_frame() is not None for ctx in _active())
+    """True when this thread runs the forward of a module of a model inside an active ``keyed``.
+
+    Also in a thread other than the one that entered the context: there, a draw is refused.
+    """
+    with _entered_lock:
+        contexts = list(_entered)
+    return any(ctx._current_frame() is not None for ctx in contexts)
 
 
 class _Frame:
-    __slots__ = ("module", "fqn", "calls", "pushed")
+    __slots__ = ("module", "fqn", "calls", "pushed", "foreign")
 
-    def __init__(self, module: torch.nn.Module, fqn: str) -> None:
+    def __init__(self, module: torch.nn.Module, fqn: str, foreign: bool) -> None:
         self.module = module
         self.fqn = fqn
         self.calls = 0
         self.pushed: list[Any] = []  # the modes this forward entered (exited by its post-hook)
+        self.foreign = foreign  # a forward in a thread other than the one that entered the context
 
     def describe(self) -> str:
         name = f"module '{self.fqn}'" if self.fqn else "the root module"
         return f"{name} ({type(self.module).__name__})"
+
+
+def _refuse_foreign(ctx: "Keyed", frame: _Frame, what: str) -> None:
+    raise UnkeyedRandomnessError(
+        f"{frame.describe()}: {what} in thread {threading.current_thread().name!r}, while {ctx!r} was entered in "
+        "another thread. A keyed context keys the forwards of the thread that entered it; in any other thread "
+        "(nn.DataParallel replicas, a serving thread) a draw is refused rather than left to torch's global RNG: "
+        "enter keyinit.nn.keyed in the thread that runs the forward (with that thread's sample_offset), use "
+        "DistributedDataParallel instead of nn.DataParallel, or call model.eval()."
+    )
 
 
 # ----------------------------------------------------------------------------- the dropout family
@@ -179,6 +204,8 @@ def _handle_dropout(ctx: "Keyed", frame: _Frame, kind: str, mask: str, inplace_o
         raise TypeError(f"{kind}: input must be a torch.Tensor, got {type(input).__name__}")
     if not training or p == 0.0:
         return input
+    if frame.foreign:
+        _refuse_foreign(ctx, frame, f"{kind}(p={p})")
     key = dropout_key(ctx.seed, ctx.step, frame.fqn, ordinal)
     try:
         out = _keyed_masked(ctx, kind, mask, input, p, key)
@@ -210,6 +237,8 @@ def _keyed_sdpa(ctx: "Keyed", frame: _Frame, p: float, args: tuple, kwargs: dict
     extra = set(bound) - set(_SDPA_ARGS)
     if extra:
         raise TypeError(f"scaled_dot_product_attention: unexpected arguments {sorted(extra)}")
+    if frame.foreign:
+        _refuse_foreign(ctx, frame, f"scaled_dot_product_attention(dropout_p={p})")
     key = dropout_key(ctx.seed, ctx.step, frame.fqn, frame.calls)
     frame.calls += 1
     drop = KF._probs_drop(p, key, None, ctx.sample_offset)
@@ -231,6 +260,8 @@ def _keyed_mha(ctx: "Keyed", frame: _Frame, args: tuple, kwargs: dict) -> Any:
     p = KF._check_p(bound["dropout_p"])
     if not bound["training"] or p == 0.0:
         return None
+    if frame.foreign:
+        _refuse_foreign(ctx, frame, f"multi-head attention with dropout {p}")
     key = dropout_key(ctx.seed, ctx.step, frame.fqn, frame.calls)
     frame.calls += 1
     try:
@@ -308,6 +339,8 @@ class _SeededOpGuard(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             frame = self.ctx._current_frame()
             if frame is not None and not _draws_nothing(func, args, kwargs):
+                if frame.foreign:
+                    _refuse_foreign(self.ctx, frame, str(func))
                 raise UnkeyedRandomnessError(
                     f"{frame.describe()}: {func} inside a keyinit.nn.keyed forward draws from torch's random "
                     "number generator, which keyinit cannot key (the values would depend on the RNG state and "
@@ -331,6 +364,25 @@ def _mode_is_active(mode: Any) -> bool:
     return any(m is mode for m in _get_current_dispatch_mode_stack())
 
 
+class _ThreadState:
+    """One thread's forwards of a keyed model: its frame stack and its own mode objects."""
+
+    __slots__ = ("frames", "modes", "foreign")
+
+    def __init__(self, ctx: "Keyed", foreign: bool) -> None:
+        self.frames: list[_Frame] = []
+        self.modes: list[Any] = [_DropoutFunctionMode(ctx), _SeededOpGuard(ctx)]
+        self.foreign = foreign
+
+
+def _module_fqn(root: torch.nn.Module, module: torch.nn.Module) -> Optional[str]:
+    """The canonical FQN of ``module`` inside ``root`` (the first path), or None."""
+    for _, fqn, candidate in canonical_modules(root):
+        if candidate is module:
+            return fqn
+    return None
+
+
 class Keyed:
     """The context manager :func:`keyed` returns (single use; enter it with ``with``)."""
 
@@ -341,43 +393,52 @@ class Keyed:
         self.seed = _as_uint64(seed, "seed")
         self.step = _as_uint64(step, "step")
         self.sample_offset = _as_uint64(sample_offset, "sample_offset")
-        self._frames: list[_Frame] = []
         self._handles: list[Any] = []
         self._thread: Optional[int] = None
-        self._modes: list[Any] = []
+        self._local = threading.local()
+        self._owner: Optional[_ThreadState] = None
+        self._covered_by: Optional["Keyed"] = None  # an outer context that keys this model already
         self._state = "new"
 
     def __repr__(self) -> str:
         return (f"keyed({type(self.model).__name__}, seed={self.seed}, step={self.step}, "
                 f"sample_offset={self.sample_offset})")
 
+    def _thread_state(self) -> _ThreadState:
+        state = getattr(self._local, "state", None)
+        if state is None:
+            state = self._local.state = _ThreadState(self, foreign=threading.get_ident() != self._thread)
+        return state
+
     def _current_frame(self) -> Optional[_Frame]:
-        if self._frames and threading.get_ident() == self._thread:
-            return self._frames[-1]
+        state = getattr(self._local, "state", None)
+        if state is not None and state.frames:
+            return state.frames[-1]
         return None
 
     def _pre_hook(self, fqn: str) -> Callable:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if threading.get_ident() != self._thread:
-                return
-            frame = _Frame(module, fqn)
+            state = self._thread_state()
+            frame = _Frame(module, fqn, state.foreign)
             # The modes are active only while one of the model's forwards runs: entered by the outermost
             # forward (and again by a forward that activation checkpointing recomputes in backward, where
             # the autograd engine does not carry torch-function modes), exited by its post-hook.
-            for mode in self._modes:
+            for mode in state.modes:
                 if not _mode_is_active(mode):
                     mode.__enter__()
                     frame.pushed.append(mode)
-            self._frames.append(frame)
+            state.frames.append(frame)
 
         return hook
 
     def _post_hook(self) -> Callable:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if threading.get_ident() != self._thread:
+            state = getattr(self._local, "state", None)
+            if state is None:
                 return
-            while self._frames:  # robust to a forward that raised inside a child
-                frame = self._frames.pop()
+            frames = state.frames
+            while frames:  # robust to a forward that raised inside a child
+                frame = frames.pop()
                 for mode in reversed(frame.pushed):
                     mode.__exit__(None, None, None)
                 if frame.module is module:
@@ -385,15 +446,41 @@ class Keyed:
 
         return hook
 
+    def _check_nesting(self) -> bool:
+        """False to key nothing here (an outer context keys the model already); raises on a conflict."""
+        for outer in _active():
+            if outer.model is self.model:
+                raise RuntimeError(
+                    f"keyed: {type(self.model).__name__} is already inside a keyinit.nn.keyed context (nested "
+                    "keyed() on the same model)"
+                )
+            fqn = _module_fqn(outer.model, self.model)
+            if fqn is not None:
+                same = (outer.seed, outer.step, outer.sample_offset) == (self.seed, self.step, self.sample_offset)
+                if not same:
+                    raise RuntimeError(
+                        f"keyed: {self!r} entered inside {outer!r}, where this module is '{fqn}': its dropout is "
+                        f"keyed by the outer context with the FQN '{fqn}' and the outer seed/step/sample_offset; "
+                        "a nested keyed() with other values would make its masks ambiguous. Remove the inner "
+                        "keyed() (or give it the outer values: it then keys nothing more)."
+                    )
+                self._covered_by = outer
+                return False
+            if _module_fqn(self.model, outer.model) is not None:
+                raise RuntimeError(
+                    f"keyed: {self!r} entered inside {outer!r}, whose model is one of this model's submodules: "
+                    "enter keyinit.nn.keyed once, on the whole model"
+                )
+        return True
+
     def __enter__(self) -> "Keyed":
         if self._state != "new":
             raise RuntimeError("a keyinit.nn.keyed context can be entered once; call keyed(...) again")
-        if any(ctx.model is self.model for ctx in _active()):
-            raise RuntimeError(
-                f"keyed: {type(self.model).__name__} is already inside a keyinit.nn.keyed context (nested keyed() "
-                "on the same model)"
-            )
+        self._state = "entered"
+        if not self._check_nesting():
+            return self  # keyed by the outer context, with this module's FQN there
         self._thread = threading.get_ident()
+        self._owner = self._thread_state()
         seen: set[int] = set()
         try:
             for _, fqn, module in canonical_modules(self.model):
@@ -403,24 +490,29 @@ class Keyed:
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn)))
                 self._handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
             _active().append(self)
-            self._modes = [_DropoutFunctionMode(self), _SeededOpGuard(self)]
+            with _entered_lock:
+                _entered.append(self)
         except BaseException:
             self._teardown()
+            self._state = "exited"
             raise
-        self._state = "entered"
         return self
 
     def _teardown(self) -> None:
-        for frame in reversed(self._frames):  # a forward left without its post-hook (e.g. an exception)
-            for mode in reversed(frame.pushed):
-                mode.__exit__(None, None, None)
-        self._modes = []
+        owner = self._owner
+        if owner is not None:
+            for frame in reversed(owner.frames):  # a forward left without its post-hook (e.g. an exception)
+                for mode in reversed(frame.pushed):
+                    mode.__exit__(None, None, None)
+            owner.frames.clear()
         for handle in self._handles:
             handle.remove()
         self._handles = []
         if self in _active():
             _active().remove(self)
-        self._frames.clear()
+        with _entered_lock:
+            if self in _entered:
+                _entered.remove(self)
 
     def __exit__(self, *exc_info: Any) -> None:
         self._teardown()
