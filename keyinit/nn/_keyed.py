@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.fqn import canonical_modules
 from keyinit.keys import _as_uint64
-from keyinit.nn._keys import dropout_key
+from keyinit.nn._keys import keyed_call_key
 
 __all__ = ["keyed", "Keyed", "inside_keyed_forward"]
 
@@ -206,7 +206,7 @@ def _handle_dropout(ctx: "Keyed", frame: _Frame, kind: str, mask: str, inplace_o
         return input
     if frame.foreign:
         _refuse_foreign(ctx, frame, f"{kind}(p={p})")
-    key = dropout_key(ctx.seed, ctx.step, frame.fqn, ordinal)
+    key = keyed_call_key(ctx.seed, ctx.step, frame.fqn, ordinal)
     try:
         out = _keyed_masked(ctx, kind, mask, input, p, key)
     except (ValueError, TypeError, RuntimeError) as exc:
@@ -239,7 +239,7 @@ def _keyed_sdpa(ctx: "Keyed", frame: _Frame, p: float, args: tuple, kwargs: dict
         raise TypeError(f"scaled_dot_product_attention: unexpected arguments {sorted(extra)}")
     if frame.foreign:
         _refuse_foreign(ctx, frame, f"scaled_dot_product_attention(dropout_p={p})")
-    key = dropout_key(ctx.seed, ctx.step, frame.fqn, frame.calls)
+    key = keyed_call_key(ctx.seed, ctx.step, frame.fqn, frame.calls)
     frame.calls += 1
     drop = KF._probs_drop(p, key, None, ctx.sample_offset)
     try:
@@ -262,7 +262,7 @@ def _keyed_mha(ctx: "Keyed", frame: _Frame, args: tuple, kwargs: dict) -> Any:
         return None
     if frame.foreign:
         _refuse_foreign(ctx, frame, f"multi-head attention with dropout {p}")
-    key = dropout_key(ctx.seed, ctx.step, frame.fqn, frame.calls)
+    key = keyed_call_key(ctx.seed, ctx.step, frame.fqn, frame.calls)
     frame.calls += 1
     try:
         return mha_forward(bound, KF._probs_drop(p, key, None, ctx.sample_offset))
@@ -286,21 +286,55 @@ class _DropoutFunctionMode(TorchFunctionMode):
         if entry is not None:
             frame = self.ctx._current_frame()
             if frame is not None:
-                return _handle_dropout(self.ctx, frame, *entry, args, kwargs)
+                with _GuardSuspended(self.ctx):
+                    return _handle_dropout(self.ctx, frame, *entry, args, kwargs)
         elif func is self.sdpa:
             dropout_p = _arg(args, kwargs, 4, "dropout_p", 0.0)
             frame = self.ctx._current_frame()
             if frame is not None and dropout_p:
                 from keyinit.nn.functional import _check_p
 
-                return _keyed_sdpa(self.ctx, frame, _check_p(dropout_p), args, kwargs)
+                with _GuardSuspended(self.ctx):
+                    return _keyed_sdpa(self.ctx, frame, _check_p(dropout_p), args, kwargs)
         elif func is self.mha:
             frame = self.ctx._current_frame()
             if frame is not None:
-                out = _keyed_mha(self.ctx, frame, args, kwargs)
+                with _GuardSuspended(self.ctx):
+                    out = _keyed_mha(self.ctx, frame, args, kwargs)
                 if out is not None:
                     return out
         return func(*args, **kwargs)
+
+
+class _GuardSuspended:
+    """Leaves this thread's seeded-op guard while keyinit's own code (which draws nothing unkeyed) runs.
+
+    Every ATen op under a Python dispatch mode costs a trip through Python, and the
+    ``keyinit::dropout`` custom op takes torch's slow path there; keyinit's handlers
+    only run keyed ops, torch's matmul/softmax and projections. Only when the guard is
+    the innermost dispatch mode (so no other mode's order changes).
+    """
+
+    __slots__ = ("guard",)
+
+    def __init__(self, ctx: "Keyed") -> None:
+        state = getattr(ctx._local, "state", None)
+        guard = state.modes[-1] if state is not None and state.modes else None
+        self.guard = guard if guard is not None and _current_dispatch_mode() is guard else None
+
+    def __enter__(self) -> None:
+        if self.guard is not None:
+            self.guard.__exit__(None, None, None)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.guard is not None:
+            self.guard.__enter__()
+
+
+def _current_dispatch_mode() -> Any:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
 
 
 def _draws_nothing(func, args: tuple, kwargs: dict) -> bool:

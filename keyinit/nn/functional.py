@@ -60,7 +60,7 @@ def _run(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch.Tenso
     from keyinit.nn import _op
 
     k0, k1 = key.words
-    return _op.dropout(local, k0, k1, p, list(layout.gstrides), list(layout.starts), list(layout.indices))
+    return _op.call(local, k0, k1, p, list(layout.gstrides), list(layout.starts), list(layout.indices))
 
 
 def _dtensor_dropout(input: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:
