@@ -283,3 +283,35 @@ def test_attention_dropout_2_rank_batch_split_equals_one_process():
     for rank_out, rank_weights, lo, rows in run_distributed(_attention_data_parallel, 2, timeout=120):
         assert torch.equal(rank_weights != 0, weights[lo:lo + rows] != 0)  # the masks, bitwise
         torch.testing.assert_close(rank_out, out[lo:lo + rows], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the sample_offset rule
+
+
+def _sample_offset_rule():
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    errors = []
+    try:
+        knn.keyed(model, 0, step=0)
+    except ValueError as exc:
+        errors.append(str(exc))
+    ddp = DistributedDataParallel(model)
+    try:
+        knn.keyed(ddp, 0, step=0, sample_offset=0)
+        errors.append("accepted")
+    except ValueError as exc:
+        errors.append(str(exc))
+    knn.keyed(model, 0, step=0, sample_offset=0)  # explicit 0: tensor parallelism, every rank the whole batch
+    knn.keyed(ddp, 0, step=0, sample_offset=4 * dist.get_rank())
+    return errors
+
+
+@pytest.mark.slow
+def test_sample_offset_is_required_under_more_than_one_rank():
+    rank0, rank1 = run_distributed(_sample_offset_rule, 2, timeout=120)
+    for errors in (rank0, rank1):
+        assert "initialized with 2 ranks, so sample_offset must be given" in errors[0]
+    assert rank0[1] == "accepted"  # rank 0's first sample is global sample 0
+    assert "sample_offset=0 on rank 1 of the DistributedDataParallel group" in rank1[1]

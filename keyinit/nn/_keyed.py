@@ -417,16 +417,51 @@ def _module_fqn(root: torch.nn.Module, module: torch.nn.Module) -> Optional[str]
     return None
 
 
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _resolve_sample_offset(model: torch.nn.Module, sample_offset: Optional[int]) -> int:
+    """The rule: explicit under more than one process; never 0 on a DDP rank other than 0."""
+    if sample_offset is None:
+        world = _world()
+        if world > 1:
+            raise ValueError(
+                f"keyed: torch.distributed is initialized with {world} ranks, so sample_offset must be given: the "
+                "global index of this rank's first sample in the step's batch (e.g. dp_rank * local_batch + "
+                "micro-batch offset), or 0 where every rank holds the whole batch (tensor/sequence parallelism; "
+                "DTensor activations add their own placements)"
+            )
+        return 0
+    offset = _as_uint64(sample_offset, "sample_offset")
+    if offset == 0 and _world() > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            import torch.distributed as dist
+
+            rank = dist.get_rank(model.process_group)
+            if rank > 0:
+                raise ValueError(
+                    f"keyed: sample_offset=0 on rank {rank} of the DistributedDataParallel group: each data-parallel "
+                    "rank holds its own rows of the batch, so its first sample is not global sample 0; pass "
+                    "sample_offset = rank * local_batch (+ the micro-batch offset)"
+                )
+    return offset
+
+
 class Keyed:
     """The context manager :func:`keyed` returns (single use; enter it with ``with``)."""
 
-    def __init__(self, model: torch.nn.Module, seed: int, step: int, sample_offset: int) -> None:
+    def __init__(self, model: torch.nn.Module, seed: int, step: int, sample_offset: Optional[int]) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"keyed: model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.seed = _as_uint64(seed, "seed")
         self.step = _as_uint64(step, "step")
-        self.sample_offset = _as_uint64(sample_offset, "sample_offset")
+        self.sample_offset = _resolve_sample_offset(model, sample_offset)
         self._handles: list[Any] = []
         self._thread: Optional[int] = None
         self._local = threading.local()
@@ -553,7 +588,7 @@ class Keyed:
         self._state = "exited"
 
 
-def keyed(model: torch.nn.Module, seed: int, *, step: int, sample_offset: int = 0) -> Keyed:
+def keyed(model: torch.nn.Module, seed: int, *, step: int, sample_offset: Optional[int] = None) -> Keyed:
     """Key every dropout in ``model``'s forward by (seed, step, module FQN, call ordinal, global index).
 
     Use it around each forward (and backward, if activation checkpointing
@@ -579,5 +614,13 @@ def keyed(model: torch.nn.Module, seed: int, *, step: int, sample_offset: int = 
     Randomness outside the model's forwards is left alone. The global RNG is
     never read or advanced. ``seed``, ``step`` and ``sample_offset`` are ints in
     ``[0, 2**64)``.
+
+    ``sample_offset`` defaults to 0 in a single process. When ``torch.distributed``
+    is initialized with more than one rank it must be given (a ``ValueError``
+    otherwise): keyinit cannot tell data-parallel ranks (each with its own rows)
+    from tensor-parallel ones (all with the whole batch). A model wrapped in
+    ``DistributedDataParallel`` on a group rank other than 0 refuses
+    ``sample_offset=0``. Batch-sharded DTensor activations place their rows
+    themselves (their placements add to ``sample_offset``).
     """
     return Keyed(model, seed, step, sample_offset)
