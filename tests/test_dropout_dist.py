@@ -315,3 +315,45 @@ def test_sample_offset_is_required_under_more_than_one_rank():
         assert "initialized with 2 ranks, so sample_offset must be given" in errors[0]
     assert rank0[1] == "accepted"  # rank 0's first sample is global sample 0
     assert "sample_offset=0 on rank 1 of the DistributedDataParallel group" in rank1[1]
+
+
+# ----------------------------------------------------------------------------- attention on DTensors
+
+
+class _Sdpa(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+
+
+def _attention_qkv():
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 4, 6, 8, generator=g)
+    v = torch.eye(6).expand(2, 4, 6, 6).contiguous()  # the output IS the dropped probability matrix
+    return q, k, v
+
+
+def _attention_dtensors():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    q, k, v = _attention_qkv()
+    out = {}
+    for name, (pq, pkv) in {"heads": (Shard(1), Shard(1)), "queries": (Shard(2), Replicate())}.items():
+        dq = distribute_tensor(q, mesh, [pq])
+        dk, dv = (distribute_tensor(t, mesh, [pkv]) for t in (k, v))
+        with knn.keyed(model := _Sdpa(), SEED, step=2, sample_offset=0):
+            result = model(dq, dk, dv)
+        out[name] = (str(result.placements), result.full_tensor())
+    return out
+
+
+@pytest.mark.slow
+def test_attention_dropout_on_head_and_query_sharded_dtensors_equals_one_process():
+    with knn.keyed(model := _Sdpa(), SEED, step=2):
+        whole = model(*_attention_qkv())
+    for per_rank in run_distributed(_attention_dtensors, 2, timeout=120):
+        for name, (placements, full) in per_rank.items():
+            assert "Shard" in placements, name
+            assert torch.equal(full != 0, whole != 0), name  # the masks, bitwise
+            torch.testing.assert_close(full, whole, rtol=1e-5, atol=1e-6, msg=name)
