@@ -321,8 +321,12 @@ def test_sample_offset_is_required_under_more_than_one_rank():
 
 
 class _Sdpa(torch.nn.Module):
+    def __init__(self, is_causal: bool = False) -> None:
+        super().__init__()
+        self.is_causal = is_causal
+
     def forward(self, q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.4, is_causal=self.is_causal)
 
 
 def _attention_qkv():
@@ -342,18 +346,23 @@ def _attention_dtensors():
     for name, (pq, pkv) in {"heads": (Shard(1), Shard(1)), "queries": (Shard(2), Replicate())}.items():
         dq = distribute_tensor(q, mesh, [pq])
         dk, dv = (distribute_tensor(t, mesh, [pkv]) for t in (k, v))
-        with knn.keyed(model := _Sdpa(), SEED, step=2, sample_offset=0):
-            result = model(dq, dk, dv)
-        out[name] = (str(result.placements), result.full_tensor())
+        for causal in (False, True):
+            with knn.keyed(model := _Sdpa(causal), SEED, step=2, sample_offset=0):
+                result = model(dq, dk, dv)
+            out[name, causal] = (str(result.placements), result.full_tensor())
     return out
 
 
 @pytest.mark.slow
 def test_attention_dropout_on_head_and_query_sharded_dtensors_equals_one_process():
-    with knn.keyed(model := _Sdpa(), SEED, step=2):
-        whole = model(*_attention_qkv())
+    wholes = {}
+    for causal in (False, True):
+        with knn.keyed(model := _Sdpa(causal), SEED, step=2):
+            wholes[causal] = model(*_attention_qkv())
     for per_rank in run_distributed(_attention_dtensors, 2, timeout=120):
-        for name, (placements, full) in per_rank.items():
+        for (name, causal), (placements, full) in per_rank.items():
+            whole = wholes[causal]
             assert "Shard" in placements, name
-            assert torch.equal(full != 0, whole != 0), name  # the masks, bitwise
+            # the masks, bitwise (causal: the masked-out probabilities are 0 in both)
+            assert torch.equal(full != 0, whole != 0), (name, causal)
             torch.testing.assert_close(full, whole, rtol=1e-5, atol=1e-6, msg=name)

@@ -30,6 +30,13 @@ __all__ = ["attend", "mha_forward"]
 Drop = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from keyinit.layouts import _dtensor_class
+
+    cls = _dtensor_class()
+    return cls is not None and isinstance(tensor, cls)
+
+
 def _positions(n: int, start: int, index: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
     if index is not None:
         return index.to(device)
@@ -109,6 +116,12 @@ def attend(
         qpos = _positions(length, q_start, q_index, scores.device)
         kpos = _positions(source, k_start, k_index, scores.device)
         attn_mask = qpos[:, None] >= kpos[None, :]
+    if attn_mask is not None and _is_dtensor(scores) and not _is_dtensor(attn_mask):
+        # a DTensor's sizes are global: the mask is the global one, replicated (its ops shard it as needed)
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = scores.device_mesh
+        attn_mask = DTensor.from_local(attn_mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
