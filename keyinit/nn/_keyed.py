@@ -13,13 +13,17 @@ modules is running its forward in that thread:
   activation is the batch, and local row ``r`` is global sample
   ``sample_offset + r``. DTensor activations add the placements of their other
   dimensions (sequence parallelism).
+* ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` and
+  ``F.multi_head_attention_forward`` in training with dropout (``nn.MultiheadAttention``,
+  the ``nn.Transformer*Layer`` family) are computed by :mod:`keyinit.nn._attention`
+  with their attention probabilities dropped as the module's next call
+  (``docs/spec.md`` section 14.5): the same mask as an ``F.dropout`` of the
+  probabilities.
 * Any other random op raises :class:`~keyinit.errors.UnkeyedRandomnessError`
   naming the module and the op: a ``TorchDispatchMode`` checks every ATen op for
   ``torch.Tag.nondeterministic_seeded`` (``rand_like``, ``bernoulli_``,
-  ``randperm``, fused attention with ``dropout_p > 0``, ...), and
-  ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` is refused by name.
-  Ops whose ``dropout_p``/``p`` is 0 or whose ``train`` flag is False draw
-  nothing and pass.
+  ``randperm``, ``native_dropout`` called directly, ...). Ops whose
+  ``dropout_p``/``p`` is 0 or whose ``train`` flag is False draw nothing and pass.
 
 Module boundaries come from forward pre-hooks and ``always_call`` forward hooks
 registered on every module of ``model`` for the duration of the context. The two
