@@ -274,3 +274,19 @@ def test_golden_attention_masks(case):
     with knn.keyed(model, case["seed"], step=case["step"]):
         whole = model(q, k, v)
     assert torch.equal((whole != 0)[region], expected)
+
+
+@pytest.mark.parametrize("boolean", [True, False])
+def test_a_fully_masked_query_row_gives_zeros_and_finite_gradients_as_in_torch(boolean):
+    q, k = _qk(8, (1, 2, 3, 3, 4))
+    v = torch.randn(1, 2, 3, 4)
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    mask[1] = False
+    if not boolean:
+        mask = torch.zeros(3, 3).masked_fill(~mask, float("-inf"))
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = KF.scaled_dot_product_attention(*inputs, attn_mask=mask, dropout_p=0.3, rng_key=keyinit.key(0))
+    assert torch.equal(out[:, :, 1], torch.zeros(1, 2, 4))
+    torch.testing.assert_close(out[:, :, 1], F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[:, :, 1])
+    out.sum().backward()
+    assert all(bool(t.grad.isfinite().all()) for t in inputs)

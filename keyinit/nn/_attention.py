@@ -122,15 +122,22 @@ def attend(
 
         mesh = scores.device_mesh
         attn_mask = DTensor.from_local(attn_mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    masked_rows = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask
+        # a row with every key masked gets probabilities 0 (torch's SDPA does the same), not NaN; its
+        # scores are replaced before the softmax so that no NaN reaches the backward either
+        masked_rows = torch.isneginf(scores).all(dim=-1, keepdim=True)
+        scores = scores.masked_fill(masked_rows, 0.0)
     if scores.dtype in (torch.float16, torch.bfloat16):
         probs = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
     else:
         probs = torch.softmax(scores, dim=-1)
+    if masked_rows is not None:
+        probs = probs.masked_fill(masked_rows, 0.0)
     if drop is None:
         out = torch.matmul(probs, value)
     elif need_weights:
