@@ -11,7 +11,12 @@ Sections (every ratio is torch time / keyinit time, so > 1 means keyinit is fast
 3. activation memory: bytes each saves for backward (measured with
    ``torch.autograd.graph.saved_tensors_hooks``), per dropout call;
 4. keyed overhead (CPU): a small Llama-like model's forward+backward under
-   ``keyinit.nn.keyed`` vs the same model with torch's dropout.
+   ``keyinit.nn.keyed`` vs the same model with torch's dropout;
+5. attention dropout: ``F.scaled_dot_product_attention(q, k, v, dropout_p=p)``
+   (torch picks its kernel) vs ``keyinit.nn.functional.scaled_dot_product_attention``
+   with the same ``dropout_p``, forward+backward, and the bytes each saves for backward.
+
+    python benchmarks/bench_dropout.py --only attention   # section 5 alone
 
 Timings alternate torch and keyinit call by call (so both see the same machine
 load) and report the MEDIAN of the repeats. ``p = 0.1``. This is not a test.
@@ -66,12 +71,16 @@ def median_pair(peer, mine, repeats: int, device: str) -> tuple[float, float]:
 
 
 def saved_bytes(fn, x: torch.Tensor) -> int:
-    """Bytes of the tensors autograd saves for backward while ``fn(x)`` runs."""
+    """Bytes of the tensors autograd saves for backward while ``fn(x)`` runs (a storage saved twice counts once)."""
     total = 0
+    seen: set = set()
 
     def pack(t):
         nonlocal total
-        total += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -119,8 +128,11 @@ def bench_ops(shape, dtypes, threads_list, repeats: int, device: str) -> list[di
     return rows
 
 
-def bench_keyed_model(repeats: int, threads: int) -> dict:
-    """Forward+backward of a small Llama-like model: torch dropout vs the same model under keyed()."""
+def bench_keyed_model(repeats: int, threads: int, dim: int = 256, batch: tuple[int, int] = (8, 128)) -> dict:
+    """Forward+backward of a small Llama-like model: torch dropout vs the same model under keyed().
+
+    ``dim=16, batch=(2, 8)`` makes the compute negligible: what remains is keyed()'s per-call overhead.
+    """
     from torch import nn
 
     torch.set_num_threads(threads)
@@ -141,9 +153,9 @@ def bench_keyed_model(repeats: int, threads: int) -> dict:
             x = x + self.drop(self.proj((w @ v).transpose(1, 2).reshape(b, t, d)))
             return x + self.drop(self.down(F.gelu(self.up(self.norm2(x)))))
 
-    model = nn.Sequential(*[Block(256, 4) for _ in range(4)]).train()
+    model = nn.Sequential(*[Block(dim, 4) for _ in range(4)]).train()
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 128, 256, generator=g)
+    x = torch.randn(*batch, dim, generator=g)
 
     def plain():
         model(x).sum().backward()
@@ -153,11 +165,44 @@ def bench_keyed_model(repeats: int, threads: int) -> dict:
             model(x).sum().backward()
 
     t_plain, t_keyed = median_pair(plain, keyed, repeats, "cpu")
-    return {"model": "4 blocks, dim 256, batch (8, 128)", "threads": threads,
+    return {"model": f"4 blocks, dim {dim}, batch {batch}", "threads": threads,
             "torch_ms": t_plain * 1e3, "keyed_ms": t_keyed * 1e3, "ratio": t_plain / t_keyed}
 
 
-def run(device: str = "cpu", quick: bool = False, repeats: int | None = None) -> dict:
+def bench_attention(shape, dtype, repeats: int, device: str, threads: int | None) -> dict:
+    """SDPA with dropout: torch's vs keyinit's (keyed), forward and forward+backward."""
+    if device == "cpu" and threads:
+        torch.set_num_threads(threads)
+    b, h, length, e = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, grad = (torch.randn(shape, generator=g, device=device).to(dtype) for _ in range(4))
+
+    def torch_fwd(q=q, k=k, v=v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=P)
+
+    def keyinit_fwd(q=q, k=k, v=v):
+        return KF.scaled_dot_product_attention(q, k, v, dropout_p=P, rng_key=KEY)
+
+    def both(fn):
+        def run_both():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            fn(*inputs).backward(grad)
+        return run_both
+
+    def saved(fn) -> int:
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        return saved_bytes(lambda _: fn(*inputs), q)
+
+    fwd = median_pair(torch_fwd, keyinit_fwd, repeats, device)
+    fb = median_pair(both(torch_fwd), both(keyinit_fwd), repeats, device)
+    return {"device": device, "threads": threads, "dtype": str(dtype)[6:], "shape": list(shape),
+            "fwd_torch_ms": fwd[0] * 1e3, "fwd_keyinit_ms": fwd[1] * 1e3, "fwd_ratio": fwd[0] / fwd[1],
+            "fwdbwd_torch_ms": fb[0] * 1e3, "fwdbwd_keyinit_ms": fb[1] * 1e3, "fwdbwd_ratio": fb[0] / fb[1],
+            "saved_torch_bytes": saved(torch_fwd), "saved_keyinit_bytes": saved(keyinit_fwd),
+            "probs_bytes": b * h * length * length * torch.finfo(dtype).bits // 8}
+
+
+def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, only: str | None = None) -> dict:
     if device == "cuda":
         shape, dtypes, threads_list = (8, 4096, 4096), (torch.bfloat16, torch.float32), (None,)
         repeats = repeats or 20
@@ -167,9 +212,16 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None) ->
         repeats = repeats or (5 if quick else 9)
     before = torch.get_num_threads()
     try:
-        result = {"ops": bench_ops(shape, dtypes, threads_list, repeats, device)}
-        if device == "cpu":
+        result = {}
+        if only in (None, "ops"):
+            result["ops"] = bench_ops(shape, dtypes, threads_list, repeats, device)
+        if device == "cpu" and only in (None, "model"):
             result["keyed_model"] = bench_keyed_model(repeats, 1)
+            result["keyed_overhead"] = bench_keyed_model(max(repeats, 50), 1, dim=16, batch=(2, 8))
+        if only in (None, "attention"):
+            attention_shape = (8, 8, 1024, 64) if device == "cuda" else (4, 8, 256, 64)
+            result["attention"] = [bench_attention(attention_shape, dtype, repeats, device, 1 if device == "cpu" else None)
+                                   for dtype in (torch.float32, torch.bfloat16)]
     finally:
         torch.set_num_threads(before)
     result["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
@@ -180,6 +232,22 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None) ->
 
 def print_report(result: dict) -> None:
     print(f"machine: {result['machine']}")
+    if "ops" in result:
+        _print_ops(result)
+    for name in ("keyed_model", "keyed_overhead"):
+        if name in result:
+            m = result[name]
+            print(f"\nkeyed() on a model ({m['model']}, {m['threads']} thread), forward+backward: torch dropout "
+                  f"{m['torch_ms']:.2f} ms, keyed {m['keyed_ms']:.2f} ms, ratio {m['ratio']:.2f}x")
+    for r in result.get("attention", []):
+        print(f"\nattention dropout {r['device']} {r['dtype']} (B, H, L, E) = {tuple(r['shape'])}, threads "
+              f"{r['threads'] or '-'}: forward torch SDPA {r['fwd_torch_ms']:.2f} ms, keyinit {r['fwd_keyinit_ms']:.2f} ms"
+              f" ({r['fwd_ratio']:.2f}x); forward+backward {r['fwdbwd_torch_ms']:.2f} / {r['fwdbwd_keyinit_ms']:.2f} ms"
+              f" ({r['fwdbwd_ratio']:.2f}x); saved for backward: torch {r['saved_torch_bytes'] / 2**20:.1f} MiB, keyinit"
+              f" {r['saved_keyinit_bytes'] / 2**20:.1f} MiB (one probability matrix: {r['probs_bytes'] / 2**20:.1f} MiB)")
+
+
+def _print_ops(result: dict) -> None:
     print(f"\n{'device':6} {'thr':>3} {'dtype':8} {'shape':16} {'fwd torch':>10} {'fwd keyinit':>11} {'ratio':>6}"
           f" {'f+b torch':>10} {'f+b keyinit':>11} {'ratio':>6}")
     for r in result["ops"]:
@@ -194,10 +262,6 @@ def print_report(result: dict) -> None:
         seen.add(r["dtype"])
         print(f"  {r['dtype']:8} input {r['input_bytes'] / 2**20:7.1f} MiB: torch {r['saved_torch_bytes'] / 2**20:7.1f}"
               f" MiB, keyinit {r['saved_keyinit_bytes'] / 2**20:7.1f} MiB")
-    if "keyed_model" in result:
-        m = result["keyed_model"]
-        print(f"\nkeyed() on a model ({m['model']}, {m['threads']} thread), forward+backward: torch dropout "
-              f"{m['torch_ms']:.1f} ms, keyed {m['keyed_ms']:.1f} ms, ratio {m['ratio']:.2f}x")
 
 
 def main() -> None:
@@ -205,11 +269,13 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--quick", action="store_true", help="smaller CPU shape, fewer repeats")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--only", choices=("ops", "model", "attention"), default=None,
+                        help="run one section: ops (1-3), model (4) or attention (5)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device")
-    result = run(args.device, args.quick, args.repeats)
+    result = run(args.device, args.quick, args.repeats, args.only)
     print_report(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -11,6 +11,9 @@
   logits and dropout outputs; tensor parallelism with sequence-parallel DTensor
   activations gives the one-process masks (the values differ only by the order
   of the row-parallel sums).
+- A Transformer encoder (nn.MultiheadAttention, keyed attention dropout) with a
+  2-rank DDP batch split: the attention masks equal one process bit for bit, the
+  outputs to a tolerance.
 """
 
 from __future__ import annotations
@@ -155,10 +158,13 @@ def test_data_parallel_ddp_and_fsdp2_equal_one_process():
     for results in per_rank:
         for name in ("ddp", "fsdp2"):
             out, rank_taps, lo, rows = results[name]
-            assert torch.equal(out, logits[lo:lo + rows]), name
+            # 4 rows per rank vs 8: torch's matmuls are not batch-invariant bitwise (CPU ISAs differ)
+            torch.testing.assert_close(out, logits[lo:lo + rows], rtol=1e-5, atol=1e-5, msg=name)
             assert len(rank_taps) == len(taps)
+            assert torch.equal(rank_taps[0], taps[0][lo:lo + rows]), name  # keyed values of the exact embedding
             for got, whole in zip(rank_taps, taps):
-                assert torch.equal(got, whole[lo:lo + rows]), name
+                assert torch.equal(got != 0, whole[lo:lo + rows] != 0), name  # the masks, bitwise
+                torch.testing.assert_close(got, whole[lo:lo + rows], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def tp_sp_plan(model: DropLlama) -> dict:
@@ -221,3 +227,142 @@ def test_tensor_and_sequence_parallel_masks_equal_one_process():
         assert counts == {"c10d": 0, "comm_debug": 0}
         assert torch.equal(rows, KF.dropout(torch.ones(6, 10), 0.5, dropout_key(1, 2, "", 0), global_shape=(10, 10),
                                             region=(slice(4, 10), slice(None))))
+
+
+# ----------------------------------------------------------------------------- attention dropout, 2 ranks
+
+
+def _attention_model():
+    torch.manual_seed(0)  # only for the module constructors; keyinit.init_model sets every weight
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.2, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    keyinit.init_model(model, 0)
+    return model.train()
+
+
+def _attention_inputs():
+    return torch.randn(6, 5, 16, generator=torch.Generator().manual_seed(3))
+
+
+def _attention_run(model, x, sample_offset, wrapped=None):
+    weights = []
+    attn = model.layers[0].self_attn
+    call = attn.forward
+
+    def forward(*args, **kwargs):  # ask layer 0's attention for its (dropped) per-head weights
+        kwargs.update(need_weights=True, average_attn_weights=False)
+        out, w = call(*args, **kwargs)
+        weights.append(w.detach())
+        return out, w
+
+    attn.forward = forward
+    try:
+        wrapped = model if wrapped is None else wrapped
+        with knn.keyed(wrapped, SEED, step=1, sample_offset=sample_offset):  # DDP's "module." is stripped
+            out = wrapped(x)
+        out.sum().backward()
+    finally:
+        del attn.forward
+    return out.detach(), weights[0]
+
+
+def _attention_data_parallel():
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _attention_model()
+    ddp = DistributedDataParallel(model)
+    rows = 6 // dist.get_world_size()
+    lo = dist.get_rank() * rows
+    out, weights = _attention_run(model, _attention_inputs()[lo:lo + rows], lo, wrapped=ddp)
+    return out, weights, lo, rows
+
+
+@pytest.mark.slow
+def test_attention_dropout_2_rank_batch_split_equals_one_process():
+    out, weights = _attention_run(_attention_model(), _attention_inputs(), 0)
+    for rank_out, rank_weights, lo, rows in run_distributed(_attention_data_parallel, 2, timeout=120):
+        assert torch.equal(rank_weights != 0, weights[lo:lo + rows] != 0)  # the masks, bitwise
+        torch.testing.assert_close(rank_out, out[lo:lo + rows], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the sample_offset rule
+
+
+def _sample_offset_rule():
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    errors = []
+    try:
+        knn.keyed(model, 0, step=0)
+    except ValueError as exc:
+        errors.append(str(exc))
+    ddp = DistributedDataParallel(model)
+    try:
+        knn.keyed(ddp, 0, step=0, sample_offset=0)
+        errors.append("accepted")
+    except ValueError as exc:
+        errors.append(str(exc))
+    knn.keyed(model, 0, step=0, sample_offset=0)  # explicit 0: tensor parallelism, every rank the whole batch
+    knn.keyed(ddp, 0, step=0, sample_offset=4 * dist.get_rank())
+    return errors
+
+
+@pytest.mark.slow
+def test_sample_offset_is_required_under_more_than_one_rank():
+    rank0, rank1 = run_distributed(_sample_offset_rule, 2, timeout=120)
+    for errors in (rank0, rank1):
+        assert "initialized with 2 ranks, so sample_offset must be given" in errors[0]
+    assert rank0[1] == "accepted"  # rank 0's first sample is global sample 0
+    assert "sample_offset=0 on rank 1 of the DistributedDataParallel group" in rank1[1]
+
+
+# ----------------------------------------------------------------------------- attention on DTensors
+
+
+class _Sdpa(torch.nn.Module):
+    def __init__(self, is_causal: bool = False) -> None:
+        super().__init__()
+        self.is_causal = is_causal
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.4, is_causal=self.is_causal)
+
+
+def _attention_qkv():
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 4, 6, 8, generator=g)
+    v = torch.eye(6).expand(2, 4, 6, 6).contiguous()  # the output IS the dropped probability matrix
+    return q, k, v
+
+
+def _attention_dtensors():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    q, k, v = _attention_qkv()
+    out = {}
+    for name, (pq, pkv) in {"heads": (Shard(1), Shard(1)), "queries": (Shard(2), Replicate())}.items():
+        dq = distribute_tensor(q, mesh, [pq])
+        dk, dv = (distribute_tensor(t, mesh, [pkv]) for t in (k, v))
+        for causal in (False, True):
+            with knn.keyed(model := _Sdpa(causal), SEED, step=2, sample_offset=0):
+                result = model(dq, dk, dv)
+            out[name, causal] = (str(result.placements), result.full_tensor())
+    return out
+
+
+@pytest.mark.slow
+def test_attention_dropout_on_head_and_query_sharded_dtensors_equals_one_process():
+    wholes = {}
+    for causal in (False, True):
+        with knn.keyed(model := _Sdpa(causal), SEED, step=2):
+            wholes[causal] = model(*_attention_qkv())
+    for per_rank in run_distributed(_attention_dtensors, 2, timeout=120):
+        for (name, causal), (placements, full) in per_rank.items():
+            whole = wholes[causal]
+            assert "Shard" in placements, name
+            # the masks, bitwise (causal: the masked-out probabilities are 0 in both)
+            assert torch.equal(full != 0, whole != 0), (name, causal)
+            torch.testing.assert_close(full, whole, rtol=1e-5, atol=1e-6, msg=name)

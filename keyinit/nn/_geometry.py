@@ -17,6 +17,7 @@ of consecutive indices), plus the keep threshold and the scale.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Sequence
@@ -193,6 +194,7 @@ def rows_layout(local_shape: Sequence[int], row_offset: int) -> Layout:
     return Layout(_row_major(shape), (row_offset,) + (0,) * (len(shape) - 1), (None,) * len(shape))
 
 
+@functools.lru_cache(maxsize=256)
 def constants(p: float) -> tuple[int, float, float]:
     """``(threshold, scale32, scale64)`` for drop probability ``p``.
 

@@ -17,6 +17,7 @@ weight whatever the FQNs.
 
 from __future__ import annotations
 
+import functools
 from typing import Union
 
 from keyinit.keys import Key, _as_uint64, fold_in, key
@@ -36,6 +37,24 @@ def _check_fqn(fqn: object) -> tuple[str, ...]:
     if any(not part for part in parts):
         raise ValueError(f"fqn must be '' or non-empty dot-separated names, got {fqn!r}")
     return parts
+
+
+@functools.lru_cache(maxsize=4096)
+def _module_key(seed: int, step: int, parts: tuple[str, ...]) -> Key:
+    """``dropout_key`` before the ordinal fold, for an int seed (memoized: a pure function; prefixes shared)."""
+    if not parts:
+        return fold_in(fold_in(key(seed), DROPOUT_DOMAIN), step)
+    return fold_in(_module_key(seed, step, parts[:-1]), parts[-1])
+
+
+@functools.lru_cache(maxsize=8192)
+def _call_key(seed: int, step: int, fqn: str, ordinal: int) -> Key:
+    return fold_in(_module_key(seed, step, _check_fqn(fqn)), ordinal)
+
+
+def keyed_call_key(seed: int, step: int, fqn: str, ordinal: int) -> Key:
+    """``dropout_key(seed, step, fqn, ordinal)`` for validated ints (what ``keyed`` asks for each call), memoized."""
+    return _call_key(seed, step, fqn, ordinal)
 
 
 def dropout_key(seed: Union[int, Key], step: int, fqn: str = "", ordinal: int = 0) -> Key:

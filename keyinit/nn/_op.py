@@ -24,13 +24,14 @@ Implementations, all bit-identical: the C kernel on CPU
 
 from typing import Optional
 
+import attrs
 import torch
 
 from keyinit._kernels import kernels_disabled
 from keyinit.nn import _reference
 from keyinit.nn._geometry import Geometry, plan
 
-__all__ = ["dropout", "run"]
+__all__ = ["dropout", "run", "call"]
 
 _SCHEMA = "(Tensor input, int k0, int k1, float p, int[] gstrides, int[] starts, Tensor?[] indices) -> Tensor"
 
@@ -86,3 +87,38 @@ def _backward(ctx, grad: torch.Tensor):
 
 
 dropout.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerDropout(torch.autograd.Function):
+    """The op's eager form: the same kernels and values without the custom-op machinery.
+
+    ``torch.library.custom_op`` routes every eager call and its backward through
+    Python argument binding, pytree flattening and a redispatch; for the many small
+    dropout calls of a keyed forward that costs more than the kernel. The geometry
+    is planned once and reused by the backward (the same op on the gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        # the index vectors (if any) are saved as tensors, the rest of the geometry is a few ints
+        ctx.geometry = attrs.evolve(geometry, indices=tuple(None for _ in geometry.indices))
+        ctx.has_index = [index is not None for index in geometry.indices]
+        ctx.save_for_backward(*(index for index in geometry.indices if index is not None))
+        return run(x, geometry)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        saved = iter(ctx.saved_tensors)
+        indices = tuple(next(saved) if has else None for has in ctx.has_index)
+        return _EagerDropout.apply(grad, attrs.evolve(ctx.geometry, indices=indices)), None
+
+
+def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: list, indices: list) -> torch.Tensor:
+    """``keyinit::dropout`` on ``x``: the eager form for plain CPU/CUDA tensors, the custom op otherwise.
+
+    The custom op (with its fake kernel) is what ``torch.compile`` traces and what
+    fake/meta tensors and tensor subclasses take; both give the same values.
+    """
+    if type(x) is torch.Tensor and x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling():
+        return _EagerDropout.apply(x, plan(x.shape, k0, k1, p, gstrides, starts, indices))
+    return dropout(x, k0, k1, p, gstrides, starts, indices)

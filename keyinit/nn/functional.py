@@ -22,7 +22,7 @@ import torch
 from keyinit.keys import Key, _require_key
 from keyinit.nn._geometry import Layout, dtensor_layout, layout_for, rows_layout
 
-__all__ = ["dropout"]
+__all__ = ["dropout", "scaled_dot_product_attention"]
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -60,7 +60,7 @@ def _run(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch.Tenso
     from keyinit.nn import _op
 
     k0, k1 = key.words
-    return _op.dropout(local, k0, k1, p, list(layout.gstrides), list(layout.starts), list(layout.indices))
+    return _op.call(local, k0, k1, p, list(layout.gstrides), list(layout.starts), list(layout.indices))
 
 
 def _dtensor_dropout(input: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:
@@ -130,3 +130,60 @@ def _dropout_rows(input: torch.Tensor, p: float, key: Key, row_offset: int) -> t
     if _is_dtensor(input):
         return _dtensor_dropout(input, p, key, row_offset)
     return _run(input, p, key, rows_layout(tuple(input.shape), row_offset))
+
+
+def _probs_drop(p: float, key: Key, layout: Optional[Layout], row_offset: int = 0):
+    """The dropout of attention probabilities: by ``layout`` (plain) or by placements (DTensor)."""
+
+    def drop(probs: torch.Tensor) -> torch.Tensor:
+        if _is_dtensor(probs):
+            return _dtensor_dropout(probs, p, key, row_offset)
+        if layout is None:
+            return _run(probs, p, key, rows_layout(tuple(probs.shape), row_offset))
+        return _run(probs, p, key, layout)
+
+    return drop
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    rng_key: Key,
+    global_shape: Optional[Sequence[int]] = None,
+    region: Optional[Sequence[Any]] = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with its attention dropout keyed by ``rng_key``.
+
+    The attention probabilities ``P`` (shape ``(..., Lq, Lk)``) are dropped exactly as
+    :func:`dropout` drops them: probability ``(b, h, i, j)`` is kept iff
+    ``keyinit.random.bernoulli(rng_key, global_shape, p=1 - dropout_p)`` is True at
+    its global index, where the local ``P`` is ``full[region]`` of a tensor of
+    ``global_shape`` (default: the local shape). So a batch, head or query split
+    (each shard passing its region) draws the same masks. ``is_causal`` compares
+    the GLOBAL query and key positions the region gives. The matmuls and softmax
+    are torch's (not batch-invariant bitwise); the backward regenerates the mask
+    from the key. DTensor inputs take their regions from their placements.
+    """
+    p = _check_p(dropout_p)
+    rng_key = _require_key(rng_key)
+    for tensor in (query, key, value):
+        _check_input(tensor)
+    from keyinit.nn._attention import attend
+
+    shape = (*query.shape[:-1], key.shape[-2])
+    if _is_dtensor(query):
+        if global_shape is not None or region is not None:
+            raise TypeError("scaled_dot_product_attention: DTensor inputs take their region from their placements")
+        layout, positions = None, None
+    else:
+        layout = layout_for(shape, global_shape, region)
+        positions = (layout.starts[-2], layout.indices[-2], layout.starts[-1], layout.indices[-1])
+    drop = _probs_drop(p, rng_key, layout) if p > 0.0 else None
+    return attend(query, key, value, attn_mask, is_causal, scale, enable_gqa, drop, positions)[0]
