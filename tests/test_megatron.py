@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import keyinit
+from keyinit import init
 from keyinit.layouts import MegatronLayout, register_layout, unregister_layout
 from tests._dist import requires_gloo, run_distributed
 
@@ -166,8 +167,14 @@ def test_gpt_moe_tp2_ep2_with_expert_tp1_is_bit_identical_to_one_process():
     """Dense layers split over TP=2 (fused QKV, gated MLP fc1 with stride 2); experts whole (expert TP=1)
     and spread over EP=2, named by local index on each rank: every tensor matches the TP=1/EP=1 build."""
     reference = _reference(_gpt_rank, 1, 1, 1)
-    assert torch.std(reference["decoder.layers.0.self_attention.linear_qkv.weight"]).item() == pytest.approx(0.02,
-                                                                                                              rel=0.2)
+    for fqn, std in (("decoder.layers.0.self_attention.linear_qkv.weight", 0.02),
+                     ("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight", 0.02),
+                     ("embedding.word_embeddings.weight", 0.02)):
+        # megatron's init_method (init_method_normal(0.02)) drew the master weight: keyed like the rule
+        owner = torch.nn.Module()
+        owner.weight = torch.nn.Parameter(torch.empty(reference[fqn].shape))
+        keyinit.init_model(owner, SEED, rules={fqn: init.normal(std=std)}, fqn_prefix=fqn.rpartition(".")[0])
+        assert torch.equal(reference[fqn], owner.weight), fqn
     results = run_distributed(_gpt_rank, 2, args=(2, 2, 1))
     keys = results[1]["keys"]
     assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight" in keys  # keyed by global index
