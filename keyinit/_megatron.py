@@ -28,6 +28,10 @@ _SIZE_PAIRS = (("output_size", "output_size_per_partition"), ("input_size", "inp
                ("num_embeddings", "num_embeddings_per_partition"))
 
 
+def _packed(module: torch.nn.Module) -> bool:
+    return any(cls.__name__ in _PACKED_EXPERTS for cls in type(module).__mro__)
+
+
 def _dist_initialized() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -86,7 +90,7 @@ def check_layer_sizes(module: torch.nn.Module, fqn: str, dim: int, local: int, s
                 f"size would be {local * size}, but its layer ({type(module).__name__}) has {whole}={total} and "
                 f"{part}={per}: the tensor-parallel size keyinit was given contradicts the layer's"
             )
-    if type(module).__name__ in _PACKED_EXPERTS and size > 1:
+    if _packed(module) and size > 1:
         raise ValueError(
             f"{fqn}: {type(module).__name__} packs all local experts into one tensor split over {size} expert "
             "tensor-parallel ranks; keyinit cannot key that layout by global expert index. Build the experts "
@@ -109,7 +113,7 @@ def expert_child_names(module: torch.nn.Module, fqn: str) -> Optional[dict[str, 
     experts = module._modules.get("local_experts")
     count = attributes["num_local_experts"]
     if experts is None:
-        if name in _PACKED_EXPERTS and ep_size > 1:
+        if _packed(module) and ep_size > 1:
             raise ValueError(
                 f"{fqn}: {name} packs its {count} local experts into one tensor per weight under expert "
                 f"parallelism ({ep_size} ranks); keyinit keys experts by their global index only for "

@@ -129,6 +129,18 @@ def _packed_experts_refused() -> None:
         keyinit.init_model(model, 5, rules=RULES)
     model.experts.ep_group = Group(0, 1)  # no expert parallelism: the tensor is whole
     keyinit.init_model(model, 5, rules=RULES)
+    te_grouped = type("TEGroupedMLP", (nn.Module,), {})
+    model.experts = type("InferenceGroupedMLP", (te_grouped,), {})()  # a subclass (megatron 0.19) is refused too
+    model.experts.ep_group, model.experts.num_local_experts = Group(1, 2), 2
+    model.experts.weight1 = nn.Parameter(torch.empty(3, 4))
+    with pytest.raises(ValueError, match=r"experts: InferenceGroupedMLP packs its 2 local experts"):
+        keyinit.init_model(model, 5, rules=RULES)
+    model.experts.ep_group = Group(0, 1)
+    model.experts.tp_group = Group(1, 2)  # split over expert tensor parallelism: refused as well
+    model.experts.weight1.tensor_model_parallel, model.experts.weight1.partition_dim = True, 1
+    with pytest.raises(keyinit.PlanError, match=r"experts.weight1: InferenceGroupedMLP packs all local experts "
+                                                r"into one tensor split over 2 expert tensor-parallel ranks"):
+        keyinit.init_model(model, 5, rules=RULES)
 
 
 @pytest.mark.parametrize("check", [_layer_group_decides, _sizes_contradict, _experts_global_names,
