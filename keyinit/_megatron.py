@@ -108,15 +108,18 @@ def expert_child_names(module: torch.nn.Module, fqn: str) -> Optional[dict[str, 
     attributes = vars(module)
     if "ep_group" not in attributes or "num_local_experts" not in attributes:
         return None
-    name = type(module).__name__
-    ep_rank, ep_size = group_rank_and_size(attributes["ep_group"], f"{fqn or 'the model'}: its ep_group")
     experts = module._modules.get("local_experts")
+    if experts is not None and not isinstance(experts, torch.nn.ModuleList):
+        return None  # not megatron's experts module
+    if experts is None and not _packed(module):
+        return None  # e.g. megatron's MoELayer, which holds the experts module
+    ep_rank, ep_size = group_rank_and_size(attributes["ep_group"], f"{fqn or 'the model'}: its ep_group")
     count = attributes["num_local_experts"]
     if experts is None:
-        if _packed(module) and ep_size > 1:
+        if ep_size > 1:
             raise ValueError(
-                f"{fqn}: {name} packs its {count} local experts into one tensor per weight under expert "
-                f"parallelism ({ep_size} ranks); keyinit keys experts by their global index only for "
+                f"{fqn}: {type(module).__name__} packs its {count} local experts into one tensor per weight under "
+                f"expert parallelism ({ep_size} ranks); keyinit keys experts by their global index only for "
                 "SequentialMLP (one module per expert, local_experts.<i>)"
             )
         return None
@@ -130,7 +133,6 @@ def expert_child_names(module: torch.nn.Module, fqn: str) -> Optional[dict[str, 
             f"with {count} local experts (global experts {globals_})"
         )
     return {str(i): str(g) for i, g in enumerate(globals_)}
-
 
 
 def _copied_value(node: Any) -> Any:
