@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, TypeVar
 import attrs
 import torch
 
+from keyinit import _megatron
 from keyinit.capture import Capture, LazyTensor
 from keyinit.program import Geometry, Literal, Node, Read, Storage, Write
 
@@ -119,7 +120,10 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
                     continue
                 fqn = f"{module_fqn}.{name}" if module_fqn else name
                 if id(tensor) not in replaced:
-                    values[id(tensor)] = _value_node(tensor, capture, fqn)
+                    # megatron-core hook: a tensor-parallel split's record is its WHOLE value (keyinit._megatron)
+                    whole = _megatron.whole_node(module, name, tensor, fqn,
+                                                 lambda t, fqn=fqn: _value_node(t, capture, fqn))
+                    values[id(tensor)] = whole if whole is not None else _value_node(tensor, capture, fqn)
                     replaced[id(tensor)] = _meta_like(tensor, is_parameter=table is module._parameters)
                 record[name] = values[id(tensor)]
                 table[name] = replaced[id(tensor)]

@@ -6,6 +6,12 @@ path component are ``torch.compile``'s ``_orig_mod``, FSDP1's
 ``_fsdp_wrapped_module``, activation checkpointing's
 ``_checkpoint_wrapped_module``, and DDP/DataParallel's ``module``. So
 compiling, checkpointing or wrapping a model never changes its values.
+
+megatron-core experts under expert parallelism: an experts module (``SequentialMLP``)
+numbers its ``local_experts`` from 0 on every expert-parallel rank; their canonical
+names use the GLOBAL expert index (``...experts.local_experts.<global index>...``),
+``ep_group.rank() * num_local_experts + local index``, as megatron's distributed
+checkpoint does. So expert parameters are keyed the same under any expert parallelism.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from collections.abc import Iterator, Mapping
 from typing import Callable, Optional, Union
 
 import torch
+
+from keyinit._megatron import expert_child_names
 
 __all__ = ["WRAPPER_ATTRIBUTES", "canonical_modules", "FqnMap"]
 
@@ -44,16 +52,20 @@ def canonical_modules(root: torch.nn.Module) -> Iterator[tuple[str, str, torch.n
     ``named_modules(remove_duplicate=False)``.
     """
 
-    def walk(module: torch.nn.Module, raw: str, canonical: str) -> Iterator[tuple[str, str, torch.nn.Module]]:
+    def walk(module: torch.nn.Module, raw: str, canonical: str,
+             renamed: Optional[Mapping[str, str]]) -> Iterator[tuple[str, str, torch.nn.Module]]:
         yield raw, canonical, module
         strip_module = _is_data_parallel(module)
+        experts = expert_child_names(module, canonical)  # megatron-core: {local: global expert index}
         for name, child in module._modules.items():
             if child is None:
                 continue
             stripped = name in WRAPPER_ATTRIBUTES or (strip_module and name == "module")
-            yield from walk(child, _join(raw, name), canonical if stripped else _join(canonical, name))
+            child_canonical = canonical if stripped else _join(canonical, renamed.get(name, name) if renamed else name)
+            yield from walk(child, _join(raw, name), child_canonical,
+                            experts if experts is not None and name == "local_experts" else None)
 
-    yield from walk(root, "", "")
+    yield from walk(root, "", "", None)
 
 
 def apply_fqn_mapping(fqn: str, prefix: Optional[str], mapping: Optional[FqnMap]) -> str:

@@ -510,34 +510,53 @@ class MegatronLayout:
     chunks ``k * tp_size + tp_rank`` (``k < partition_stride``) of ``local_size /
     partition_stride`` elements each, as megatron's CPU initialization splits a master weight.
 
-    Built in: when megatron-core's ``parallel_state`` is initialized, ``tp_rank``/``tp_size``
-    are read from it. Otherwise register one with this process's values:
-    ``keyinit.layouts.register_layout(MegatronLayout(tp_rank, tp_size))``. Local shards
+    Where ``tp_rank``/``tp_size`` come from, first that applies:
+
+    1. the layer that owns the parameter: megatron-core layers keep their process group as
+       ``self.tp_group`` (the expert tensor-parallel group for expert layers, ``None`` for a
+       group of one), so a layer built with an explicit ``tp_group`` is read with it, whatever
+       ``parallel_state`` says;
+    2. the values of a registered ``MegatronLayout(tp_rank, tp_size)``;
+    3. ``megatron.core.parallel_state`` (its expert tensor-parallel group for a layer with
+       ``is_expert = True``).
+
+    A registered layout whose values contradict the layer's group, or a size that contradicts
+    the layer's own global and per-partition sizes (``output_size`` and
+    ``output_size_per_partition``, ...), is a ``ValueError`` naming the FQN. Local shards
     without these markers are plain tensors to keyinit: declare them (:func:`declare_shard`).
     """
 
     tp_rank: Optional[int] = None
     tp_size: Optional[int] = None
 
-    def _rank_and_size(self, fqn: str) -> tuple[int, int]:
-        if self.tp_rank is not None and self.tp_size is not None:
+    def _rank_and_size(self, fqn: str, module: Optional[torch.nn.Module] = None) -> tuple[int, int]:
+        from keyinit import _megatron
+
+        given = self.tp_rank is not None and self.tp_size is not None
+        if module is not None and _megatron.has_layer_group(module):
+            rank, size = _megatron.layer_tp(module, fqn)
+            if given and (int(self.tp_rank), int(self.tp_size)) != (rank, size):
+                raise ValueError(
+                    f"{fqn}: the registered MegatronLayout(tp_rank={self.tp_rank}, tp_size={self.tp_size}) "
+                    f"contradicts its layer's own tp_group (rank {rank} of {size}); unregister it, keyinit "
+                    "reads the layer's group"
+                )
+            return rank, size
+        if given:
             return int(self.tp_rank), int(self.tp_size)
         try:
-            from megatron.core import parallel_state  # type: ignore[import-not-found]
-
-            return (int(parallel_state.get_tensor_model_parallel_rank()),
-                    int(parallel_state.get_tensor_model_parallel_world_size()))
+            return _megatron.parallel_state_tp(bool(getattr(module, "is_expert", False)))
         except Exception as exc:  # noqa: BLE001 - not installed, or not initialized
             raise ValueError(
                 f"{fqn} is marked tensor_model_parallel by megatron-core, but keyinit cannot tell this process's "
-                f"tensor-parallel rank and size (megatron.core.parallel_state: {exc}); register "
-                f"keyinit.layouts.MegatronLayout(tp_rank, tp_size)"
+                f"tensor-parallel rank and size (its layer keeps no tp_group; megatron.core.parallel_state: "
+                f"{exc}); register keyinit.layouts.MegatronLayout(tp_rank, tp_size)"
             ) from None
 
     def target(self, tensor: torch.Tensor, *, fqn: str, module: torch.nn.Module, name: str) -> Optional[Target]:
         if not getattr(tensor, "tensor_model_parallel", False):
             return None
-        rank, size = self._rank_and_size(fqn)
+        rank, size = self._rank_and_size(fqn, module)
         if not 0 <= rank < size:
             raise ValueError(f"{fqn}: tensor-parallel rank {rank} is not in [0, {size})")
         shape = tuple(tensor.shape)
@@ -549,6 +568,9 @@ class MegatronLayout:
         if stride < 1 or shape[dim] % stride:
             raise ValueError(f"{fqn}: partition_stride {stride} does not divide its local size {shape[dim]} on "
                              f"partition_dim {dim}")
+        from keyinit._megatron import check_layer_sizes
+
+        check_layer_sizes(module, fqn, dim, shape[dim], size)
         chunk = shape[dim] // stride
         rows = torch.cat([torch.arange((k * size + rank) * chunk, (k * size + rank + 1) * chunk, dtype=torch.int64,
                                        device="cpu") for k in range(stride)]) if chunk else \
