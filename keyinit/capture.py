@@ -360,6 +360,8 @@ class Capture:
         target = bind_arguments(func, args, kwargs)[name]
         if not isinstance(target, LazyTensor):
             return func(*args, **kwargs)
+        if self._inplace_view_is_noop(func, args, kwargs, target):
+            return target  # resize_ to its own shape (torch's out= handling): nothing changes
         label = self.storage_of(target).label
         if label != "temporary":
             raise CaptureError(f"{self.site}: init code's {_op_name(func)} changes the shape of {label} in place; "
@@ -374,6 +376,20 @@ class Capture:
             finally:
                 torch._C._set_meta_in_tls_dispatch_include(include)
         return target
+
+    def _inplace_view_is_noop(self, func: Any, args: tuple, kwargs: dict, target: LazyTensor) -> bool:
+        """Run the op on a private meta copy of ``target``'s geometry: does it change anything?"""
+        meta = target._meta
+        with _disable_current_modes():
+            base = torch.empty(meta.untyped_storage().nbytes() // max(meta.element_size(), 1), dtype=meta.dtype,
+                               device="meta")
+            probe = base.as_strided(meta.size(), meta.stride(), meta.storage_offset())
+        margs, mkwargs = tree_map(lambda x: probe if x is target else (x._meta if isinstance(x, LazyTensor) else x),
+                                  (args, kwargs))
+        before = Geometry.of(probe)
+        with _disable_current_modes():
+            func(*margs, **mkwargs)
+        return Geometry.of(probe) == before
 
     def _to_meta(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         def convert(x: Any) -> Any:
