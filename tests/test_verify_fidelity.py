@@ -293,3 +293,23 @@ def test_fidelity_is_skipped_when_two_eager_builds_would_not_fit_in_memory(model
     result = verify(models.resnet, ["fsdp2"], progress=False)
     assert result["fidelity"].skipped.startswith("the two eager builds need 0.0 GiB of CPU memory")
     assert result["ok"] and not result["fidelity"].tensors
+
+
+def test_torchvision_resnet_passes_with_deferred_and_fails_built_on_meta():
+    """The bare torchvision ResNet: its own kaiming_normal_(fan_out) init with deferred; built on meta
+    without it, torch.nn's default conv init, which fidelity catches on every 3x3 conv."""
+    import functools
+
+    from tests._vision import import_vision
+
+    resnet = import_vision("torchvision.models.resnet")
+    factory = functools.partial(resnet.ResNet, resnet.BasicBlock, [1, 1, 1, 1], num_classes=10)
+    result = verify(factory, ["fsdp2"], progress=False, label="resnet")
+    assert result["ok"] and not result["fidelity"].with_status("DIFFERS")
+    assert {p["source"] for p in result["params"]} == {"constructor"}
+    result = verify(factory, ["fsdp2"], progress=False, label="resnet", build="meta")
+    assert result["layouts_ok"] and not result["ok"]
+    differs = {t.fqn for t in result["fidelity"].with_status("DIFFERS")}
+    convs = {p["fqn"] for p in result["params"] if len(p["shape"]) == 4 and p["shape"][2:] == (3, 3)}
+    assert convs and convs <= differs
+    assert differs <= {p["fqn"] for p in result["params"] if len(p["shape"]) == 4}  # only conv weights

@@ -276,8 +276,9 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         print(f"  {result['plan_error']}", file=sys.stderr)
         return 1
+    built = "built with keyinit.deferred" if args.build == "deferred" else "built on meta without keyinit.deferred"
     print(f"keyinit verify {args.factory}: seed {args.seed}, {len(result['params'])} tensors, "
-          f"{result['numel']:,} elements")
+          f"{result['numel']:,} elements, {built}")
     if not args.summary:
         headers = ["tensor", "shape", "initialized by"] + [s["layout"] for s in result["layouts"]]
         rows = []
