@@ -162,7 +162,10 @@ def test_verify_reports_uncovered_parameters(capsys, user_module):
 def test_verify_runs_init_code_for_modules_without_rules(capsys, user_module):
     code, out, _ = run_cli(capsys, "verify", f"{user_module}:net", "--layouts", "fsdp2,pp2")
     line = next(line for line in out.splitlines() if line.startswith("custom.bias"))
-    assert "reset_parameters" in line
+    assert "constructor" in line and code == 0, out  # built with keyinit.deferred: its constructor's record
+    code, out, _ = run_cli(capsys, "verify", f"{user_module}:net", "--layouts", "fsdp2,pp2", "--build", "meta")
+    line = next(line for line in out.splitlines() if line.startswith("custom.bias"))
+    assert "reset_parameters" in line  # built on meta: reset_parameters captured while planning
     # custom.bias reads self.weight.shape[1], which FSDP's row shards keep: ok under fsdp2
     assert code == 0, out
 

@@ -162,7 +162,7 @@ def test_integer_scalars_key_accepts_are_accepted_everywhere():
 
 
 @pytest.mark.parametrize("body, message", [
-    ("def f():\n    raise SystemExit(0)\n", "f() called exit(0) instead of returning a model; nothing was checked"),
+    ("def f():\n    raise SystemExit(0)\n", "f() called sys.exit(0) instead of returning a model; nothing was checked"),
     ("import sys\nsys.exit(0)\ndef f():\n    pass\n", "called exit(0); nothing was checked"),
 ])
 def test_verify_with_a_factory_that_exits_fails_with_exit_code_2(capsys, tmp_path, body, message):

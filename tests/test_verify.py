@@ -2,8 +2,9 @@
 
 ``tests/test_zoo.py`` shows real gloo runs of the zoo (FSDP2 x4, FSDP2xTP 2x2) bit-identical to one
 process; here ``verify`` reaches the same verdict in one process, for its default layouts (pipeline
-stages of encoder-decoder models included), with no factory kwargs: an HF model's ``_init_weights``
-is found on its own.
+stages of encoder-decoder models included), with no factory kwargs: the factory is built with
+``keyinit.deferred``, so HF's own init (``post_init`` in the constructor) is what is replayed, and
+fidelity finds every tensor following HF's eager init.
 """
 
 from __future__ import annotations
@@ -21,12 +22,17 @@ from tests import _zoo
 
 @pytest.mark.parametrize("name", [*_zoo.NAMES])
 def test_verify_default_layouts_on_the_zoo(name):
-    result = verify(functools.partial(_zoo.build, name), DEFAULT_LAYOUTS.split(","), seed=3, progress=False,
-                    label=name)
+    # built on CPU: verify's deferred build captures it on stand-ins, and its eager build runs HF's init
+    result = verify(functools.partial(_zoo.build, name, "cpu"), DEFAULT_LAYOUTS.split(","), seed=3,
+                    progress=False, label=name)
     assert "plan_error" not in result, result.get("plan_error")
-    assert result["ok"], [(p["fqn"], p["bad"]) for p in result["params"] if p["bad"]]
-    assert "_init_weights" in result["notes"][0]
-    assert all(p["source"] != "kept" for p in result["params"])
+    assert result["layouts_ok"], [(p["fqn"], p["bad"]) for p in result["params"] if p["bad"]]
+    fidelity = result["fidelity"]
+    assert fidelity.skipped is None
+    assert not fidelity.with_status("DIFFERS"), [(t.fqn, t.difference) for t in fidelity.with_status("DIFFERS")]
+    assert not fidelity.with_status("not compared")
+    assert result["ok"]
+    assert {p["source"] for p in result["params"]} == {"constructor"}  # HF's init ran in the constructor
 
 
 def test_verify_reports_clip_as_a_plan_error():

@@ -75,28 +75,59 @@ def load_factory(spec: str) -> Any:
     return target
 
 
-def build_model(factory: Any, spec: str, *, device: str = "meta") -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Call ``factory()`` under ``torch.device(device)``.
+BUILDS = ("deferred", "meta", "eager")
+
+
+def build_model(factory: Any, spec: str, *, build: str = "meta") -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Call ``factory()`` and return ``(model, init_model kwargs)``.
 
     The factory returns an ``nn.Module`` or ``(module, init_model_kwargs)``
-    (e.g. ``{"rules": {...}, "init_method": "init_weights"}``).
+    (e.g. ``{"rules": {...}, "init_method": "init_weights"}``). ``build`` says how:
+
+    - ``"deferred"``: through :func:`keyinit.deferred` (construction captured on stand-ins,
+      the model on meta with its constructor's record), what ``keyinit.materialize``
+      replays for a training script that builds with ``deferred``;
+    - ``"meta"``: under ``torch.device("meta")``, where constructors' init code computes nothing;
+    - ``"eager"``: under ``torch.device("cpu")``, init code running with torch's global RNG.
+
+    A factory that raises (``SystemExit`` included: ``sys.exit()`` in a script's top level
+    must not end the check as if it passed) is a :class:`CLIError`.
     """
+    if build not in BUILDS:
+        raise ValueError(f"build must be one of {BUILDS}, got {build!r}")
+    extra: dict[str, Any] = {}
+
+    def call() -> Any:
+        built = factory()
+        if isinstance(built, tuple) and len(built) == 2 and isinstance(built[1], Mapping):
+            built, extra["kwargs"] = built[0], dict(built[1])
+        if not isinstance(built, torch.nn.Module):
+            raise _NotAModule(type(built).__name__)
+        return built
+
     try:
-        with torch.device(device):
-            built = factory()
-    except SystemExit as exc:  # exit(0) in a factory must not pass for a successful check
-        raise CLIError(f"{spec}() called exit({exc.code!r}) instead of returning a model; nothing was checked") from exc
+        if build == "deferred":
+            import keyinit
+
+            model = keyinit.deferred(call)
+        else:
+            with torch.device("meta" if build == "meta" else "cpu"):
+                model = call()
+    except _NotAModule as exc:
+        raise CLIError(f"{spec}() returned {exc}; expected an nn.Module or (nn.Module, dict)") from None
+    except SystemExit as exc:  # sys.exit() in the factory: no model, so nothing could be checked
+        raise CLIError(f"{spec}() called sys.exit({exc.code!r}) instead of returning a model; nothing was checked") from exc
     except Exception as exc:
         raise CLIError(f"{spec}() raised {type(exc).__name__}: {exc}") from exc
-    kwargs: dict[str, Any] = {}
-    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[1], Mapping):
-        built, kwargs = built[0], dict(built[1])
-        unknown = set(kwargs) - _INIT_KWARGS
-        if unknown:
-            raise CLIError(f"{spec}() returned init_model kwargs it does not take: {sorted(unknown)}")
-    if not isinstance(built, torch.nn.Module):
-        raise CLIError(f"{spec}() returned {type(built).__name__}; expected an nn.Module or (nn.Module, dict)")
-    return built, kwargs
+    kwargs = extra.get("kwargs", {})
+    unknown = set(kwargs) - _INIT_KWARGS
+    if unknown:
+        raise CLIError(f"{spec}() returned init_model kwargs it does not take: {sorted(unknown)}")
+    return model, kwargs
+
+
+class _NotAModule(Exception):
+    """The factory returned something else than a module (its type name)."""
 
 
 def canonical_tensors(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, str, torch.Tensor]]:

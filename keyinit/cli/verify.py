@@ -1,9 +1,12 @@
-"""``keyinit verify MODULE:FACTORY``: check your model initializes identically under other layouts.
+"""``keyinit verify MODULE:FACTORY``: check your model initializes identically under other layouts,
+and as its own code initializes it.
 
 In ONE process, with no process group, verify runs the same machinery a real run
-does: the model is built on the meta device and planned exactly as
-``keyinit.materialize`` plans it (rules resolved, init code captured once on
-global-shape stand-ins), the single-process values are computed, and then every
+does. The factory is built with ``keyinit.deferred`` (its constructor captured on
+global-shape stand-ins, the model on meta keeping what each constructor did) and
+planned exactly as ``keyinit.materialize`` plans it with the factory's kwargs
+(rules, init_method): what a training script that builds with ``deferred`` and
+calls ``materialize`` gets. The single-process values are computed, and then every
 distinct region a rank of each ``--layouts`` entry would hold (from the DTensor
 placements FSDP2 / HSDP / TP / FSDP2xTP would give it, computed with
 ``keyinit.layouts.dtensor_region``) is replayed and compared bit for bit.
@@ -11,13 +14,30 @@ Pipeline stages are cut (FQNs kept, other stages' modules removed) and planned
 on their own, as a real stage is. The cost grows with the number of distinct
 shards, not with the number of ranks.
 
+Fidelity: the keyed values are then compared with the model's own eager
+construction: the factory built on CPU twice, with torch's RNG seeded 1 and 2
+(the caller's RNG state is restored). A tensor identical in both eager builds must
+be bit-identical keyed; a random one must pass a two-sample Kolmogorov-Smirnov
+test and a test of its std (alpha 1e-6); one under 16 elements is checked for
+shape, dtype and finiteness only. A difference on a tensor a rule or the
+init_method of the factory writes is listed as explained by it; any other
+difference fails the check. This builds the model eagerly twice: twice its memory
+on CPU beside the keyed copy, and its constructor's time; ``--no-fidelity`` skips
+it (large models).
+
+``--build meta`` checks a script that builds on the meta device WITHOUT
+``keyinit.deferred`` instead: constructors' init code is lost there (torch.nn
+defaults, reset_parameters), and fidelity shows where.
+
 Layout names: ``fsdpN``, ``fsdpRxS`` / ``hsdpRxS`` (HSDP), ``tpN``, ``dpN``,
 ``ppN``, joined with ``x`` (``fsdp2xtp2``, ``pp2xfsdp4``). Tensor parallelism
 shards ``nn.Linear`` column-wise, except layers whose leaf name is in
 ``--rowwise`` (row-wise); embeddings and other >=2-D tensors on dim 0.
 
-A model with an ``_init_weights`` method (Hugging Face) and no ``init_method`` in
-its factory's kwargs is checked with that method as its init code.
+OK means: every simulated rank of every layout holds exactly the single-process
+values, and every tensor follows the model's own eager init (or a rule/init_method
+the factory gave explains the difference). Exit codes: 0 OK, 1 a difference or a
+tensor nothing initializes, 2 a usage error.
 """
 
 from __future__ import annotations
@@ -55,28 +75,31 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("factory", help="MODULE:FACTORY (or path/to/file.py:FACTORY); the factory returns an "
-                                   "nn.Module, or (nn.Module, init_model kwargs); it is called under "
-                                   "torch.device('meta')")
+                                   "nn.Module, or (nn.Module, init_model kwargs); it is called through "
+                                   "keyinit.deferred (see --build), and twice eagerly on CPU for fidelity")
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated layouts (default {DEFAULT_LAYOUTS})")
     p.add_argument("--seed", type=int, default=0, help="the seed (default 0)")
     p.add_argument("--init-method", default=None,
                    help="run this method as existing init code (init_model(init_method=...)), e.g. init_weights")
     p.add_argument("--rowwise", default=",".join(sorted(ROWWISE_NAMES)),
                    help="leaf names of Linear layers TP shards row-wise (default: %(default)s)")
+    p.add_argument("--no-fidelity", dest="fidelity", action="store_false",
+                   help="skip comparing the keyed values with the model's own eager init (that check builds "
+                        "the model eagerly on CPU twice: twice its memory beside the keyed copy, and its "
+                        "constructor's time)")
+    p.add_argument("--build", choices=("deferred", "meta"), default="deferred",
+                   help="how the script being checked builds the model: with keyinit.deferred (default), or "
+                        "on the meta device without it (constructors' init code is lost there)")
     p.add_argument("--summary", action="store_true", help="print only the per-layout summary, not the per-parameter table")
     p.set_defaults(run=run)
 
 
-def _init_kwargs(model: torch.nn.Module, kwargs: dict[str, Any], init_method: Any) -> tuple[dict[str, Any], Optional[str]]:
-    """The factory's kwargs plus ``--init-method``; an HF-style model with no init method uses its
-    own ``_init_weights`` (returned as a note)."""
+def _init_kwargs(kwargs: dict[str, Any], init_method: Any) -> dict[str, Any]:
+    """The factory's kwargs plus ``--init-method``: exactly what ``materialize`` is given."""
     out = dict(kwargs)
     if init_method:
         out["init_method"] = init_method
-    elif "init_method" not in out and callable(getattr(model, "_init_weights", None)):
-        out["init_method"] = "_init_weights"
-        return out, "using the model's own _init_weights as its init code"
-    return out, None
+    return out
 
 
 def _slot(tensor: Any) -> Slot:
@@ -110,19 +133,25 @@ def _ravel(coordinate: tuple[int, ...], shape: tuple[int, ...]) -> int:
 
 
 def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, init_method: Any = None,
-           progress: bool = True, label: "str | None" = None) -> dict[str, Any]:
+           progress: bool = True, label: "str | None" = None, build: str = "deferred",
+           fidelity: bool = True) -> dict[str, Any]:
     """What ``keyinit verify`` checks, from Python.
 
-    ``factory()`` (called under ``torch.device("meta")``) returns an ``nn.Module`` or
-    ``(module, init_model_kwargs)``; ``layouts`` are names such as ``"fsdp4"``,
-    ``"fsdp2xtp2"``, ``"pp2"``. The model is planned exactly as ``materialize`` plans it (init
-    code captured on global-shape stand-ins), the single-process values are computed once,
-    and then every distinct region a rank of each layout would hold is replayed and compared
-    bit for bit. Pipeline stages are cut and planned on their own, as a real stage is.
-    Returns ``{"ok": bool, "params": [per-tensor dicts with "fqn", "source", "bad"
-    ({layout: [ranks]}) ...], "layouts": [per-layout summaries]}``, or
-    ``{"ok": False, "plan_error": message}`` if the model cannot be planned.
+    ``factory()`` returns an ``nn.Module`` or ``(module, init_model_kwargs)``; it is built with
+    ``keyinit.deferred`` (``build="meta"``: under ``torch.device("meta")`` without it).
+    ``layouts`` are names such as ``"fsdp4"``, ``"fsdp2xtp2"``, ``"pp2"``. The model is planned
+    exactly as ``materialize`` plans it with the factory's kwargs, the single-process values are
+    computed once, and then every distinct region a rank of each layout would hold is replayed
+    and compared bit for bit. Pipeline stages are cut and planned on their own, as a real stage
+    is. With ``fidelity``, the single-process values are compared with the factory's eager
+    builds (:mod:`keyinit.cli._fidelity`).
+
+    Returns ``{"ok": bool, "layouts_ok": bool, "params": [per-tensor dicts with "fqn", "source",
+    "bad" ({layout: [ranks]}) ...], "layouts": [per-layout summaries], "fidelity": Fidelity or
+    None}``, or ``{"ok": False, "plan_error": message}`` if the model cannot be planned.
     """
+    from keyinit.cli._fidelity import check_fidelity
+
     import keyinit
     from keyinit.layouts import Target
     from keyinit.plan import plan_model
@@ -131,8 +160,8 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
     spec = label or getattr(factory, "__qualname__", "factory")
     layouts = [parse_layout(layout) if isinstance(layout, str) else layout for layout in layouts]
 
-    model, kwargs = build_model(factory, spec)
-    kwargs, note = _init_kwargs(model, kwargs, init_method)
+    model, kwargs = build_model(factory, spec, build=build)
+    kwargs = _init_kwargs(kwargs, init_method)
     ref_aliases = aliases(model)
     try:
         plan = plan_model(model, seed, materializing=True, **kwargs)
@@ -144,7 +173,7 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
         plan.write(tensor, Target(tensor.fqn, make_region(tensor.global_shape, None), full))
         reference[tensor.fqn] = full
 
-    notes = [note] if note else []
+    notes = list(plan.notes)
     cells: dict[str, dict[str, list[int]]] = {t.fqn: {} for t in plan.tensors}  # fqn -> layout -> bad ranks
     held: dict[str, dict[str, int]] = {t.fqn: {} for t in plan.tensors}  # fqn -> layout -> ranks holding it
     summaries = []
@@ -157,7 +186,7 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
             stage_plan, stage_tensors = plan, plan.tensors
             if layout.pp > 1:
                 stage_plan, stage_tensors, stage_note = _stage_plan(factory, spec, layout, stage, seed, init_method,
-                                                                    ref_aliases, plan)
+                                                                    ref_aliases, plan, build)
                 if stage_note:
                     notes.append(stage_note)
             local_numel = 0
@@ -186,13 +215,16 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
                        "tied": [n for n in tensor.names if n != tensor.fqn],
                        "bad": {name: ranks for name, ranks in cells[tensor.fqn].items() if ranks},
                        "held": held[tensor.fqn]})
-    ok = all(not p["bad"] for p in params) and all(not s["missing"] for s in summaries)
+    layouts_ok = all(not p["bad"] for p in params) and all(not s["missing"] for s in summaries)
+    faithful = check_fidelity(plan, reference, factory, spec, kwargs=kwargs) if fidelity else None
+    ok = layouts_ok and (faithful is None or faithful.ok)
     total_numel = sum(math.prod(t.global_shape) for t in plan.tensors)
-    return {"params": params, "layouts": summaries, "ok": ok, "numel": total_numel, "seed": seed, "notes": notes}
+    return {"params": params, "layouts": summaries, "ok": ok, "layouts_ok": layouts_ok, "fidelity": faithful,
+            "numel": total_numel, "seed": seed, "notes": notes, "build": build}
 
 
 def _stage_plan(factory: Any, spec: str, layout: LayoutSpec, stage: int, seed: int, init_method: Any,
-                ref_aliases: dict[str, str], full_plan: Any) -> tuple[Any, list[Any], Optional[str]]:
+                ref_aliases: dict[str, str], full_plan: Any, build: str) -> tuple[Any, list[Any], Optional[str]]:
     """Cut a fresh model to pipeline stage ``stage`` (FQNs kept) and plan it as that stage's ranks would.
 
     Returns ``(plan, the stage's planned tensors, note)``. Init code that cannot run on the cut
@@ -203,8 +235,8 @@ def _stage_plan(factory: Any, spec: str, layout: LayoutSpec, stage: int, seed: i
     import keyinit
     from keyinit.plan import plan_model
 
-    model, kwargs = build_model(factory, spec)
-    kwargs, _ = _init_kwargs(model, kwargs, init_method)
+    model, kwargs = build_model(factory, spec, build=build)
+    kwargs = _init_kwargs(kwargs, init_method)
     slots = slots_of(model)
     assignment = stage_assignment(model, slots, layout.pp)
     kept = cut_stage(model, slots, assignment, stage)
@@ -235,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
     layouts = [parse_layout(name, rowwise) for name in args.layouts.split(",") if name.strip()]
     if not layouts:
         raise CLIError("--layouts is empty")
-    result = verify(factory, layouts, args.seed, init_method=args.init_method, label=args.factory)
+    result = verify(factory, layouts, args.seed, init_method=args.init_method, label=args.factory, build=args.build,
+                    fidelity=args.fidelity)
     for note in result.get("notes", ()):
         print(f"keyinit verify: {note}", file=sys.stderr)
     if "plan_error" in result:
@@ -243,8 +276,9 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         print(f"  {result['plan_error']}", file=sys.stderr)
         return 1
+    built = "built with keyinit.deferred" if args.build == "deferred" else "built on meta without keyinit.deferred"
     print(f"keyinit verify {args.factory}: seed {args.seed}, {len(result['params'])} tensors, "
-          f"{result['numel']:,} elements")
+          f"{result['numel']:,} elements, {built}")
     if not args.summary:
         headers = ["tensor", "shape", "initialized by"] + [s["layout"] for s in result["layouts"]]
         rows = []
@@ -271,8 +305,53 @@ def run(args: argparse.Namespace) -> int:
                      f"{s['seconds']:.2f}s", status])
     print(format_table(["layout", "tensors bit-identical", "max elements on a rank", "time", ""], rows,
                        align="lrrrl"))
-    if result["ok"]:
-        print("\nOK: every simulated rank of every layout holds exactly the single-process values.")
-        return 0
-    print("\nMISMATCH: some simulated ranks differ from the single-process values (see DIFF above).")
-    return 1
+    faithful = result["fidelity"]
+    if faithful is not None:
+        _print_fidelity(faithful, summary=args.summary)
+    return _verdict(result, faithful)
+
+
+def _print_fidelity(faithful: Any, *, summary: bool = False) -> None:
+    from keyinit.cli._fidelity import EAGER_SEEDS
+
+    seeds = " and ".join(map(str, EAGER_SEEDS))
+    print(f"\nfidelity: keyed values against the model's own eager init (the factory on CPU, "
+          f"torch.manual_seed {seeds}), {faithful.seconds:.2f}s")
+    if faithful.skipped:
+        print(f"  not checked: {faithful.skipped}")
+        return
+    counts = faithful.counts()
+    print("  " + ", ".join(f"{n} {check}" for check, n in counts.items()))
+    listed = [t for t in faithful.tensors if t.status in (("DIFFERS",) if summary else ("DIFFERS", "explained"))]
+    if listed:
+        rows = [[t.fqn, "x".join(map(str, t.shape)) or "scalar", t.check,
+                 "DIFFERS" if t.status == "DIFFERS" else f"explained by {t.explained_by}", t.difference]
+                for t in listed]
+        print(format_table(["tensor", "shape", "check", "verdict", "keyed vs eager"], rows))
+    skipped = faithful.with_status("not compared")
+    if skipped:
+        shown = ", ".join(f"{t.fqn} ({t.why_not_compared})" for t in skipped[:4])
+        print(f"  not compared: {shown}" + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
+
+
+def _verdict(result: dict[str, Any], faithful: Any) -> int:
+    layouts_ok = result["layouts_ok"]
+    if not layouts_ok:
+        print("\nMISMATCH: some simulated ranks differ from the single-process values (see DIFF above).")
+    if faithful is not None and not faithful.ok:
+        n = len(faithful.with_status("DIFFERS"))
+        print(f"\nFIDELITY: {n} tensor{'s' if n != 1 else ''} do not follow the model's own eager init and no "
+              f"rule or init_method given explains it (see DIFFERS above).")
+    if not result["ok"]:
+        return 1
+    if faithful is None:
+        print("\nOK: bit-identical under every layout (not compared with the model's own eager init: --no-fidelity).")
+    elif faithful.skipped:
+        print("\nOK: bit-identical under every layout (NOT compared with the model's own eager init: "
+              "see 'not checked' above).")
+    else:
+        explained = len(faithful.with_status("explained"))
+        tail = (f", except {explained} tensor{'s' if explained != 1 else ''} that follow{'s' if explained == 1 else ''} "
+                f"the rules/init_method given" if explained else "")
+        print(f"\nOK: bit-identical under every layout, and every tensor follows the model's own eager init{tail}.")
+    return 0
