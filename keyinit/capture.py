@@ -207,6 +207,16 @@ class Capture:
         self.label = "init code"
         self._mode = _Mode(self)
 
+    @staticmethod
+    def running() -> Optional["Capture"]:
+        """The capture whose mode is active on this thread's dispatch-mode stack, if any."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        for mode in reversed(_get_current_dispatch_mode_stack()):
+            if isinstance(mode, _Mode):
+                return mode.capture
+        return None
+
     # ------------------------------------------------------------------ stand-ins
     def standin(self, shape: tuple[int, ...], dtype: torch.dtype, label: str) -> LazyTensor:
         """A fresh stand-in of a contiguous buffer of ``shape`` (nothing written yet)."""

@@ -98,6 +98,10 @@ def deferred(fn: Callable[..., M], /, *args: Any, **kwargs: Any) -> M:
     if not callable(fn):
         raise TypeError(f"keyinit.deferred expects a callable that builds an nn.Module, got {type(fn).__name__}")
     builder = _name_of(fn)
+    if Capture.running() is not None:
+        # Inside another capture (a factory that returns keyinit.deferred(...), built by
+        # `keyinit verify` or an outer deferred): the outer capture records this construction.
+        return fn(*args, **kwargs)
     capture = Capture()
     with capture.active(f"{builder}(...)", "constructor"):
         with torch.enable_grad():  # constructors run with grad mode as usual (Parameter flags)

@@ -436,3 +436,11 @@ def test_rnn_flat_weights_follow_the_parameters():
     eager = nn.LSTM(4, 6, num_layers=2)
     keyinit.init_model(eager, SEED)  # its reset_parameters, captured: the same keyed draws
     assert_same_bits(full_state(model), full_state(eager), "deferred LSTM vs init_model's reset_parameters")
+
+
+def test_nested_deferred_is_recorded_by_the_outer_one():
+    """A builder that itself calls keyinit.deferred (a factory verify wraps again) is recorded once."""
+    inner = keyinit.deferred(lambda: keyinit.deferred(Patterns))
+    keyinit.materialize(inner, SEED, device="cpu")
+    plain, _ = _deferred_values()
+    assert_same_bits(full_state(inner), full_state(plain), "nested deferred vs deferred")

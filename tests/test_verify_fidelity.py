@@ -221,10 +221,6 @@ def test_a_factory_that_calls_sys_exit_fails_instead_of_passing(capsys, models):
         verify(models.exits, ["fsdp2"], progress=False)
 
 
-@pytest.mark.xfail(strict=True, raises=CLIError,
-                   reason="keyinit.deferred is not reentrant: a factory that itself returns keyinit.deferred(...) "
-                          "raises KeyError in Capture.storage_of (deferred._concretize_attributes) when verify "
-                          "builds it under keyinit.deferred")
 def test_a_factory_that_uses_deferred_itself(models):
     result = verify(models.resnet_deferred, ["fsdp2"], progress=False)
     assert result["ok"] and not result["fidelity"].with_status("DIFFERS")
