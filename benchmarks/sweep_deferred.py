@@ -3,12 +3,13 @@
     python benchmarks/sweep_deferred.py --timm                       # ~50 timm models, default configs
     python benchmarks/sweep_deferred.py --hf MODEL_FOR_CAUSAL_LM_MAPPING_NAMES   # every HF causal LM
     python benchmarks/sweep_deferred.py --hf MODEL_MAPPING_NAMES --start 0 --count 100
+    python benchmarks/sweep_deferred.py --hf all --layouts --seconds 300   # every model type, + layouts
 
 For each model: build it eagerly twice (torch's RNG under two seeds, inside fork_rng), then
 ``keyinit.deferred`` + ``keyinit.materialize``, and compare every tensor with the model's own
 init (deterministic tensors bitwise, random ones by a two-sample KS test: the check of
 ``tests/test_vision_zoo.py``). HF configs are the architecture's defaults shrunk field by field
-(``SMALL``); architectures whose shrunk config does not build eagerly are counted, not checked.
+(``SMALL`` in ``tests/_hf_arch.py``); architectures whose shrunk config does not build eagerly are counted, not checked.
 Prints one line per problem and a summary.
 """
 
@@ -41,15 +42,6 @@ TIMM = ["resnet18", "resnet50d", "resnext26ts", "seresnet18", "efficientnet_b0",
         "xcit_nano_12_p16_224", "cait_xxs24_224", "pit_ti_224", "twins_svt_small", "visformer_tiny",
         "maxvit_nano_rw_256", "coatnet_nano_rw_224", "fastvit_t8", "repvit_m1", "edgenext_xx_small",
         "gcvit_xxtiny", "sequencer2d_s", "volo_d1_224", "hiera_tiny_224", "efficientvit_b0"]
-
-SMALL = dict(hidden_size=16, num_hidden_layers=1, num_layers=1, intermediate_size=24, num_attention_heads=2,
-             num_key_value_heads=1, vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
-             encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24,
-             max_position_embeddings=32, head_dim=8, n_embd=16, n_layer=1, n_head=2, d_ff=24, num_heads=2,
-             ffn_dim=24, embed_dim=16, num_experts=2, n_routed_experts=2, num_local_experts=2,
-             moe_intermediate_size=8, hidden_sizes=[8, 16], depths=[1, 1], embedding_size=16, projection_dim=8,
-             num_channels=3, image_size=16, patch_size=4)
-
 
 class _Timeout(Exception):
     pass
@@ -99,24 +91,58 @@ def check(build, label: str, stats: dict, seconds: int) -> None:
         signal.alarm(0)
 
 
-def _shrink(config, transformers):
-    for name, value in SMALL.items():
-        if hasattr(config, name):
-            try:
-                setattr(config, name, value)
-            except Exception:  # noqa: BLE001 - a config that validates its fields
-                pass
-    for sub in ("text_config", "vision_config", "audio_config", "encoder", "decoder"):
-        inner = getattr(config, sub, None)
-        if isinstance(inner, transformers.PretrainedConfig):
-            _shrink(inner, transformers)
-    return config
+def _mapping(name: str) -> list[tuple[str, str]]:
+    from transformers.models.auto import modeling_auto
+
+    return sorted(getattr(modeling_auto, name).items())
+
+
+def check_verify(factory, label: str, stats: dict, seconds: int) -> None:
+    """Like :func:`check`, through ``keyinit.cli.verify.verify`` (fidelity and FSDP(4)/TP(2) regions)."""
+    from keyinit.cli.verify import verify
+
+    signal.alarm(seconds)
+    start = time.perf_counter()
+    try:
+        try:
+            with torch.random.fork_rng(devices=[]):
+                factory()
+        except _Timeout:
+            raise
+        except Exception:  # noqa: BLE001 - the model itself does not build from this config
+            stats["does not build eagerly"] += 1
+            return
+        try:
+            result = verify(factory, ["fsdp4", "tp2"], progress=False, label=label)
+        except _Timeout:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported
+            stats["keyinit error"] += 1
+            print(f"KEYINIT {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            return
+        if result["ok"]:
+            stats["ok"] += 1
+            print(f"ok {label} ({time.perf_counter() - start:.1f}s)", flush=True)
+            return
+        stats["unfaithful"] += 1
+        fidelity = result.get("fidelity")
+        differs = [(t.fqn, t.difference) for t in fidelity.with_status("DIFFERS")][:3] if fidelity else []
+        layouts = [(p["fqn"], p["bad"]) for p in result.get("params", []) if p["bad"]][:3]
+        print(f"WRONG {label}: {result.get('plan_error', '')[:300]} layouts={layouts} fidelity={differs}", flush=True)
+    except _Timeout:
+        stats["timeout"] += 1
+        print(f"TIMEOUT {label}", flush=True)
+    finally:
+        signal.alarm(0)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--timm", action="store_true")
-    parser.add_argument("--hf", default=None, help="a mapping of transformers.models.auto.modeling_auto")
+    parser.add_argument("--hf", default=None, help="a mapping of transformers.models.auto.modeling_auto, or 'all' "
+                        "(one class per model type: tests/_hf_arch.py)")
+    parser.add_argument("--layouts", action="store_true",
+                        help="check with keyinit verify's engine: fidelity and fsdp4/tp2 regions bit for bit")
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--count", type=int, default=10_000)
     parser.add_argument("--seconds", type=int, default=300, help="time limit per model")
@@ -129,17 +155,19 @@ def main() -> None:
         for name in TIMM[args.start:args.start + args.count]:
             check(lambda name=name: timm.create_model(name, num_classes=10), f"timm:{name}", stats, args.seconds)
     if args.hf:
-        import transformers
-        from transformers.models.auto import modeling_auto
+        from tests._hf_arch import architectures, tiny_factory
 
-        for model_type, class_name in sorted(getattr(modeling_auto, args.hf).items())[args.start:args.start + args.count]:
+        chosen = architectures() if args.hf == "all" else _mapping(args.hf)
+        for model_type, class_name in chosen[args.start:args.start + args.count]:
             try:
-                config = _shrink(transformers.AutoConfig.for_model(model_type), transformers)
-                cls = getattr(transformers, class_name)
-            except Exception:  # noqa: BLE001 - the shrunk config is not valid for this architecture
+                factory = tiny_factory(model_type, class_name)
+            except ValueError:
                 stats["does not build eagerly"] += 1
                 continue
-            check(lambda cls=cls, config=config: cls(config), f"hf:{model_type}", stats, args.seconds)
+            if args.layouts:
+                check_verify(factory, f"hf:{model_type}", stats, args.seconds)
+            else:
+                check(factory, f"hf:{model_type}", stats, args.seconds)
     print(stats, flush=True)
 
 

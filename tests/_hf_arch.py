@@ -1,0 +1,66 @@
+"""Every architecture the installed transformers offers, built from a tiny config (no hub).
+
+``architectures()`` lists ``(model_type, class name)``: one model class per ``model_type`` of the
+auto mappings, the first of causal LM, masked LM and base model that it has (the heads are where
+ties and aliases live). ``tiny_factory(model_type, class_name)`` gives a factory that builds it
+from the architecture's default config shrunk field by field (:data:`SMALL`, sub-configs too), or
+raises ``ValueError`` when the shrunk config cannot be made. Used by ``tests/test_hf_sweep.py``
+and ``benchmarks/sweep_deferred.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+SMALL = dict(hidden_size=16, num_hidden_layers=1, num_layers=1, intermediate_size=24, num_attention_heads=2,
+             num_key_value_heads=1, vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+             encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24,
+             max_position_embeddings=32, head_dim=8, n_embd=16, n_layer=1, n_head=2, d_ff=24, num_heads=2,
+             ffn_dim=24, embed_dim=16, num_experts=2, n_routed_experts=2, num_local_experts=2,
+             moe_intermediate_size=8, hidden_sizes=[8, 16], depths=[1, 1], embedding_size=16, projection_dim=8,
+             num_channels=3, image_size=16, patch_size=4)
+
+#: The head classes tried per model_type, in order, then the base model.
+MAPPINGS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+
+
+def architectures() -> list[tuple[str, str]]:
+    from transformers.models.auto import modeling_auto
+
+    chosen: dict[str, str] = {}
+    for mapping in MAPPINGS:
+        for model_type, class_name in getattr(modeling_auto, mapping).items():
+            if isinstance(class_name, (tuple, list)):
+                class_name = class_name[0]
+            chosen.setdefault(model_type, class_name)
+    return sorted(chosen.items())
+
+
+def _shrink(config: Any, transformers: Any) -> Any:
+    for name, value in SMALL.items():
+        if hasattr(config, name):
+            try:
+                setattr(config, name, value)
+            except Exception:  # noqa: BLE001 - a config that validates its fields
+                pass
+    for sub in ("text_config", "vision_config", "audio_config", "encoder", "decoder"):
+        inner = getattr(config, sub, None)
+        if isinstance(inner, transformers.PretrainedConfig):
+            _shrink(inner, transformers)
+    return config
+
+
+def tiny_factory(model_type: str, class_name: str) -> Callable[[], Any]:
+    import transformers
+
+    try:
+        config = _shrink(transformers.AutoConfig.for_model(model_type), transformers)
+        cls = getattr(transformers, class_name)
+    except Exception as exc:  # noqa: BLE001 - the shrunk config is not valid for this architecture
+        raise ValueError(f"{model_type}: no tiny config ({type(exc).__name__}: {exc})") from None
+
+    def build() -> Any:
+        return cls(config)
+
+    build.__qualname__ = f"{class_name}(tiny {model_type} config)"
+    return build
