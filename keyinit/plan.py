@@ -428,6 +428,11 @@ class _Planner:
             if problem is not None:
                 raise PlanError(f"{label} for {own[name].fqn}: {problem}", (own[name].fqn,))
             t = own[name]
+            if kind == "default" and t.module is not module:
+                # torch.nn's default reaches a tensor only through the module that owns it (its first
+                # name): an alias (``decoder.bias = self.bias``, HF's tied heads) was assigned after the
+                # aliasing module's constructor ran its reset_parameters, so eager torch never applied it
+                continue
             if t.rule is not None and (t.rule[0] == "pattern" or t.module is not module):
                 continue  # a pattern wins; a tied tensor follows its first name's module
             t.rule = (kind, label, initializer)
@@ -610,9 +615,8 @@ class _Planner:
         missing = [t.fqn for t in self.tensors if t.program is None and (materializing or t.kind == "parameter")]
         if missing:
             raise PlanError(
-                "no rule or init method covers these tensors: " + ", ".join(missing) + ". Register a rule "
-                "(@keyinit.register(ModuleType) or rules={'fqn glob': initializer}), give the module "
-                "reset_parameters(), or pass init_method=.", tuple(missing)
+                "no rule or init method covers these tensors: " + ", ".join(missing) + ". " + self._missing_advice(),
+                tuple(missing)
             )
         partial = [t.fqn for t in self.tensors if t.program is not None and not t.program.complete]
         if partial and materializing:
@@ -630,6 +634,20 @@ class _Planner:
         for t in self.tensors:
             if t.program is not None:
                 self._dry_run(t)
+
+    def _missing_advice(self) -> str:
+        """What to do about tensors nothing covers, for this model."""
+        advice = []
+        if not any(t.record is not None for t in self.tensors):
+            advice.append("If the model's constructor initializes them (most models do: torchvision, timm, HF "
+                          "post_init, megatron), build it with keyinit.deferred(ModelClass, ...) instead of on "
+                          "meta and its own init is replayed, keyed (docs/init-code.md)")
+        own = getattr(self.model, "_init_weights", None)
+        if self.init_method is None and callable(own):
+            advice.append("this model has _init_weights: pass init_method=model._init_weights")
+        advice.append("or register a rule (@keyinit.register(ModuleType) or rules={'fqn glob': initializer}), "
+                      "give the module reset_parameters(), or pass init_method=")
+        return "; ".join(advice) + "."
 
     def _dry_run(self, t: PlannedTensor) -> None:
         """Run every keyinit initializer of the program on an empty region: dtype, shape and bound

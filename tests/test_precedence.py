@@ -9,6 +9,7 @@ a different constant, so the winner is read off the values.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -116,3 +117,43 @@ def test_the_built_in_default_applies_when_nothing_else_does():
     expected = nn.Linear(3, 3)
     keyinit.init_model(expected, 0, registry=keyinit.Registry(), rules={"weight": init.kaiming_uniform(a=5**0.5)})
     assert torch.equal(model.weight, expected.weight)
+
+
+class SharedBias(nn.Module):
+    """An alias made in the constructor (HF's LM heads): ``decoder.bias`` is the root's ``bias``,
+    assigned after ``nn.Linear`` ran its own ``reset_parameters``, so eager torch leaves it zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(8))
+        self.decoder = nn.Linear(4, 8)
+        self.decoder.bias = self.bias
+
+
+def test_a_torch_nn_default_never_reaches_a_tensor_through_an_alias():
+    with torch.device("meta"):
+        model = SharedBias()
+    with pytest.raises(keyinit.PlanError) as err:
+        keyinit.materialize(model, 0, device="cpu")
+    assert err.value.fqns == ("bias",)
+    assert "keyinit.deferred" in str(err.value)
+    assert model.bias.is_meta  # nothing was written
+
+
+def test_built_deferred_the_alias_keeps_its_constructor_value():
+    eager = SharedBias()
+    model = keyinit.deferred(SharedBias)
+    keyinit.materialize(model, 0, device="cpu")
+    assert torch.equal(model.bias, eager.bias) and model.decoder.bias is model.bias
+    assert model.decoder.weight.std() > 0  # the Linear's own default, keyed
+
+
+def test_the_missing_tensor_error_points_an_hf_style_model_to_its_init_weights():
+    class WithInitWeights(SharedBias):
+        def _init_weights(self, module):
+            pass
+
+    with torch.device("meta"):
+        model = WithInitWeights()
+    with pytest.raises(keyinit.PlanError, match="pass init_method=model._init_weights"):
+        keyinit.materialize(model, 0, device="cpu")
