@@ -14,7 +14,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 
@@ -244,18 +244,34 @@ class Installed:
             self.capture.concretize_attributes(module, fqn)
 
     @contextlib.contextmanager
-    def untied(self, module: Optional[torch.nn.Module], capture: Capture) -> Iterator[None]:
-        """While ``module``'s init runs, its aliases of tensors first owned elsewhere are throwaway copies."""
+    def untied(self, module: Optional[torch.nn.Module], capture: Capture,
+               owners: Optional[Mapping[int, tuple[torch.nn.Module, str]]] = None) -> Iterator[None]:
+        """While ``module``'s init runs, aliases are throwaway copies.
+
+        HF initializes every module on untied weights and ties them afterwards (``tie_weights``), so
+        a tensor it ties keeps the init of its tie source and nothing written through another name
+        of it, by this module or by an ancestor writing into a descendant's alias (ModernBERT's root
+        writes ``decoder.weight``). ``owners`` (HF models): ``id(tensor) -> (module, attr)`` of the
+        tie source of each tensor HF ties; every other location of it in ``module``'s subtree is
+        untied. Without ``owners``: ``module``'s own aliases of tensors first owned elsewhere."""
         swapped = []
         if module is not None:
+            # HF (``owners`` given): the tensors tie_weights ties, anywhere in the subtree; otherwise
+            # the module's own aliases of tensors first owned elsewhere
+            subtree = module.modules() if owners is not None else [module]
+            tables = {id(table) for sub in subtree for table in (sub._parameters, sub._buffers)}
             for t, table, attr, _original, replacement in self.entries:
-                owned_here = table is module._parameters or table is module._buffers
-                if owned_here and not (t.module is module and t.attr == attr):
-                    stand = capture.standin(tuple(replacement.shape), replacement.dtype, f"{t.fqn} (untied alias)")
-                    if isinstance(replacement, torch.nn.Parameter):
-                        stand = torch.nn.Parameter(stand, requires_grad=replacement.requires_grad)
-                    swapped.append((table, attr, table[attr]))
-                    table[attr] = stand
+                if not t.aliases or id(table) not in tables or (owners is not None and id(t) not in owners):
+                    continue
+                owner_module, owner_attr = (owners or {}).get(id(t), (t.module, t.attr))
+                if table is owner_module._parameters or table is owner_module._buffers:
+                    if attr == owner_attr:
+                        continue
+                stand = capture.standin(tuple(replacement.shape), replacement.dtype, f"{t.fqn} (untied alias)")
+                if isinstance(replacement, torch.nn.Parameter):
+                    stand = torch.nn.Parameter(stand, requires_grad=replacement.requires_grad)
+                swapped.append((table, attr, table[attr]))
+                table[attr] = stand
         try:
             yield
         finally:

@@ -529,6 +529,31 @@ class _Planner:
         visit(root, root_fqn, fn)
         return calls
 
+    def _hf_tie_sources(self) -> Optional[dict[int, tuple[torch.nn.Module, str]]]:
+        """For an HF ``PreTrainedModel``: ``id(tensor) -> (module, attr)`` of the tie source of every
+        tensor its ``tie_weights`` ties (``all_tied_weights_keys``, target -> source, raw FQNs);
+        ``None`` for any other model."""
+        if not _is_hf_pretrained(self.model):
+            return None
+        mapping = getattr(self.model, "all_tied_weights_keys", None)
+        if not isinstance(mapping, Mapping):
+            return {}
+        where: dict[str, tuple[torch.nn.Module, str]] = {}
+        for name, module in self.model.named_modules(remove_duplicate=False):
+            for table in (module._parameters, module._buffers):
+                for attr in table:
+                    where[f"{name}.{attr}" if name else attr] = (module, attr)
+        by_location = {(id(m), a): t for t in self.tensors for m, a in t.locations()}
+        owners: dict[int, tuple[torch.nn.Module, str]] = {}
+        for target, source in mapping.items():
+            if not isinstance(target, str) or not isinstance(source, str) or source not in where \
+                    or target not in where:
+                continue
+            t = by_location.get((id(where[source][0]), where[source][1]))
+            if t is not None and t is by_location.get((id(where[target][0]), where[target][1])):
+                owners[id(t)] = where[source]
+        return owners
+
     def capture(self, materializing: bool) -> None:
         """Run the init code on stand-ins and give every tensor its program."""
         calls = self.code_calls()
@@ -555,13 +580,14 @@ class _Planner:
                                                 t.rule[1])
             standins[id(t)] = stand
         failures = []
+        owners = self._hf_tie_sources()
         installed = Installed(self.tensors, standins, capture, list(self.modules.values()))
         with installed:
             for module, fqn, label, call in calls:
                 site = f"{type(module).__name__} at {fqn or '<root>'}"
                 try:
                     with capture.active(site, label), installed.untied(module if getattr(call, "untie", False)
-                                                                          else None, capture):
+                                                                          else None, capture, owners):
                         call()
                 except (UnkeyedRandomnessError, CaptureError, Exception) as exc:  # noqa: B014 - kept explicit
                     failures.append((module, fqn, site, label, exc))
