@@ -1,7 +1,9 @@
 """Every ```python block in docs/*.md and README.md runs, and docs/api.md covers every public name.
 
-Blocks of one file run in order in one namespace (a later block may use an
-earlier block's names), with the repository root as the working directory.
+Every block runs alone, in a fresh namespace, so a reader can copy any one of them. A block
+that continues the one before it says so twice: its fence is ```python continued and its first
+line is the comment ``# continues the example above``; it runs in the namespace of the blocks
+before it. The repository root is the working directory.
 A block fenced as ```python no-run is not executed: it needs several processes
 or a GPU. Keep those minimal; each has a runnable counterpart in examples/.
 """
@@ -19,6 +21,9 @@ FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 #: Fence info strings that are not executed.
 SKIP_MARKER = "no-run"
+#: Fence info of a block that continues the one before it, and the comment that opens it.
+CONTINUED = "continued"
+CONTINUED_COMMENT = "# continues the example above"
 
 
 def blocks(path: Path) -> list[tuple[int, str, str]]:
@@ -34,13 +39,20 @@ def test_python_blocks_run(path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
     registry = keyinit.REGISTRY
     saved = (dict(registry._module_rules), list(registry._patterns))
-    namespace: dict = {"__name__": f"docs_{path.stem}"}
+    namespace: dict = {}
     try:
         for line, info, source in blocks(path):
             if info == SKIP_MARKER:
                 compile(source, f"{path.name}:{line}", "exec")  # must still be valid Python
                 continue
-            assert info == "", f"{path.name}:{line}: unknown fence info {info!r} (use ```python or ```python no-run)"
+            assert info in ("", CONTINUED), (f"{path.name}:{line}: unknown fence info {info!r} (use ```python, "
+                                             f"```python {CONTINUED} or ```python {SKIP_MARKER})")
+            if info == CONTINUED:
+                assert source.startswith(CONTINUED_COMMENT + "\n"), \
+                    f"{path.name}:{line}: a continued block opens with {CONTINUED_COMMENT!r}"
+                assert namespace, f"{path.name}:{line}: continues nothing (no runnable block before it)"
+            else:
+                namespace = {"__name__": f"docs_{path.stem}"}
             exec(compile(source, f"{path.name}:{line}", "exec"), namespace)
     finally:
         registry._module_rules, registry._patterns = saved
