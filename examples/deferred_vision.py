@@ -29,25 +29,13 @@ import keyinit  # noqa: E402
 
 
 def _import_vision(library: str):
-    """``import timm`` / ``import torchvision``. A CUDA torchvision wheel beside a CPU torch build
-    cannot load its two C++ ops and fails to import; defining their schemas lets the Python part load."""
+    """``import timm`` / ``import torchvision`` (see ``examples/_torchvision.py``)."""
     import importlib
 
-    try:
-        return importlib.import_module(library)
-    except (RuntimeError, AttributeError):
-        for name in list(sys.modules):
-            if name.startswith(("torchvision", "timm")):
-                del sys.modules[name]
-        library_def = torch.library.Library("torchvision", "DEF")
-        library_def.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        library_def.define("qnms(Tensor qdets, Tensor qscores, Tensor scale, float iou_threshold, "
-                           "int zero_point) -> Tensor")
-        _KEEP.append(library_def)
-        return importlib.import_module(library)
+    from examples._torchvision import ensure_torchvision
 
-
-_KEEP: list = []
+    ensure_torchvision()
+    return importlib.import_module(library)
 
 
 def builder(spec: str):

@@ -102,3 +102,17 @@ def test_deferred_vision_fsdp2_two_ranks():
     assert [r["identical"] for r in results] == [r["total"] for r in results] and results[0]["total"] > 100
     assert all(r["defaults"] == 0 for r in results)  # every tensor from the model's own constructor
     assert all(0 < r["loss"] < 10 for r in results)
+
+
+@pytest.mark.parametrize("kind", ["own", "hf"])
+def test_first_training_script_is_layout_invariant_and_follows_the_models_init(kind):
+    if kind == "hf":
+        pytest.importorskip("transformers")
+    from examples import first_training
+
+    result = first_training.main(["--check", "--model", kind])
+    assert result["identical"] == result["tensors"] > 10  # initial weights: 1 rank == 2 ranks, bit for bit
+    assert result["losses_close"] and len(result["losses_1"]) == 3
+    assert result["defaults"] == []  # every tensor from the model's own constructor
+    # the constructor's std=0.02 embedding, not nn.Embedding's N(0, 1) default
+    assert abs(result["embedding_std"] - 0.02) < 0.003 and abs(result["eager_embedding_std"] - 0.02) < 0.003
