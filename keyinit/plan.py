@@ -63,6 +63,7 @@ from keyinit.program import (
 from keyinit.regions import make_region
 from keyinit.replay import Evaluator, element_local, write_target
 from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext, initializer_problem
+from keyinit.tensors import tensors as model_tensors
 
 __all__ = ["Plan", "PlannedTensor", "plan_model", "InitMethod", "Rules"]
 
@@ -224,30 +225,20 @@ class _Planner:
 
     # ------------------------------------------------------------------ tensors
     def collect(self) -> None:
-        seen: dict[int, PlannedTensor] = {}
         by_fqn: dict[str, PlannedTensor] = {}
-        for _raw, canonical, module in canonical_modules(self.model):
-            for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
-                for attr, tensor in table.items():
-                    if tensor is None:
-                        continue
-                    local = f"{canonical}.{attr}" if canonical else attr
-                    fqn = apply_fqn_mapping(local, self.fqn_prefix, self.fqn_map)
-                    if id(tensor) in seen:
-                        entry = seen[id(tensor)]
-                        if fqn not in entry.names:
-                            entry.names.append(fqn)
-                        entry.aliases.append((module, attr))
-                        continue
-                    if fqn in by_fqn:
-                        raise PlanError(
-                            f"two different tensors have the canonical FQN {fqn!r}; keyinit keys tensors by "
-                            f"FQN, so each must be unique (check fqn_map / fqn_prefix and wrapper modules)", (fqn,)
-                        )
-                    entry = PlannedTensor(fqn, [fqn], fqn, kind, module, canonical, attr)
-                    seen[id(tensor)] = entry
-                    by_fqn[fqn] = entry
-                    self.tensors.append(entry)
+        for found in model_tensors(self.model):
+            names = list(dict.fromkeys(apply_fqn_mapping(n, self.fqn_prefix, self.fqn_map) for n in found.names))
+            fqn = names[0]
+            if fqn in by_fqn:
+                raise PlanError(
+                    f"two different tensors have the canonical FQN {fqn!r}; keyinit keys tensors by "
+                    f"FQN, so each must be unique (check fqn_map / fqn_prefix and wrapper modules)", (fqn,)
+                )
+            module_fqn = found.fqn[: -len(found.attr) - 1] if found.fqn != found.attr else ""
+            entry = PlannedTensor(fqn, names, fqn, found.kind, found.module, module_fqn, found.attr,
+                                  aliases=[(m, a) for m, a, _ in found.locations[1:]])
+            by_fqn[fqn] = entry
+            self.tensors.append(entry)
         self.by_fqn = {name: t for t in self.tensors for name in t.names}
         self._own_index: dict[int, dict[str, PlannedTensor]] = {}
         for t in self.tensors:

@@ -22,7 +22,6 @@ __all__ = [
     "digest",
     "format_table",
     "Progress",
-    "canonical_tensors",
 ]
 
 
@@ -128,43 +127,6 @@ def build_model(factory: Any, spec: str, *, build: str = "meta") -> tuple[torch.
 
 class _NotAModule(Exception):
     """The factory returned something else than a module (its type name)."""
-
-
-def canonical_tensors(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, str, torch.Tensor]]:
-    """``{canonical fqn: (owner module, attr, kind, tensor)}`` for every distinct tensor, first name wins."""
-    from keyinit.fqn import canonical_modules
-
-    found: dict[str, tuple[torch.nn.Module, str, str, torch.Tensor]] = {}
-    seen: set[int] = set()
-    for _raw, canonical, module in canonical_modules(model):
-        for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
-            for attr, tensor in table.items():
-                if tensor is None or id(tensor) in seen:
-                    continue
-                seen.add(id(tensor))
-                fqn = f"{canonical}.{attr}" if canonical else attr
-                found.setdefault(fqn, (module, attr, kind, tensor))
-    return found
-
-
-def aliases(model: torch.nn.Module) -> dict[str, str]:
-    """``{alias fqn: first fqn}`` for tensors that appear under several canonical names (tied weights)."""
-    from keyinit.fqn import canonical_modules
-
-    first: dict[int, str] = {}
-    out: dict[str, str] = {}
-    for _raw, canonical, module in canonical_modules(model):
-        for table in (module._parameters, module._buffers):
-            for attr, tensor in table.items():
-                if tensor is None:
-                    continue
-                fqn = f"{canonical}.{attr}" if canonical else attr
-                if id(tensor) in first:
-                    if first[id(tensor)] != fqn:
-                        out.setdefault(fqn, first[id(tensor)])
-                else:
-                    first[id(tensor)] = fqn
-    return out
 
 
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import attrs
 import torch
 
-from keyinit.cli._common import CLIError, bitwise_equal, build_model, canonical_tensors
+from keyinit.cli._common import CLIError, bitwise_equal, build_model
 
 __all__ = [
     "ALPHA",
@@ -287,7 +287,9 @@ def check_fidelity(plan: Any, keyed: Mapping[str, torch.Tensor], factory: Callab
     prefix, fqn_map = kwargs.get("fqn_prefix"), kwargs.get("fqn_map")
 
     def tensors_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return {apply_fqn_mapping(fqn, prefix, fqn_map): entry[3] for fqn, entry in canonical_tensors(model).items()}
+        from keyinit.tensors import tensors
+
+        return {apply_fqn_mapping(t.fqn, prefix, fqn_map): t.tensor for t in tensors(model)}
 
     eager_a, eager_b = tensors_of(first), tensors_of(second)
     on_meta = [fqn for fqn, t in eager_a.items() if t.device.type == "meta"]

@@ -1,16 +1,9 @@
-"""Simulated ranks in one process: a meta model whose tensors become declared manual shards.
+"""The layouts ``keyinit verify`` simulates: which region of each tensor each rank of a layout holds.
 
-``shard_in_place(model, region_for)`` replaces every tensor of a meta-device
-model with a plain CPU tensor holding only ``region_for(...)`` of it, and
-declares that with :func:`keyinit.layouts.declare_shard`. ``keyinit.init_model``
-then runs its real planner and writer over the model and writes exactly the
-elements a rank of that layout would hold. Nothing else is allocated: a tensor
-whose region is empty costs no memory.
-
-Layouts (``--layouts`` of ``keyinit verify``) are parsed by :func:`parse_layout`
-and turned into per-rank regions by :class:`LayoutSpec`, using
-:func:`keyinit.layouts.dtensor_region` for the DTensor placements that FSDP2,
-HSDP, TP and FSDP2xTP would give each parameter.
+Layouts (``--layouts``) are parsed by :func:`parse_layout` and turned into per-rank regions by
+:class:`LayoutSpec`, using :func:`keyinit.layouts.dtensor_region` for the DTensor placements that
+FSDP2, HSDP, TP and FSDP2xTP would give each parameter. The model walk and pipeline-stage cuts
+live in :mod:`keyinit.tensors`.
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ import hashlib
 import itertools
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import attrs
@@ -27,12 +20,9 @@ import torch
 
 from keyinit.cli._common import CLIError
 from keyinit.regions import Region, make_region
+from keyinit.tensors import ModelTensor
 
 __all__ = [
-    "Slot",
-    "slots_of",
-    "shard_in_place",
-    "empty_region",
     "LayoutSpec",
     "parse_layout",
     "ROWWISE_NAMES",
@@ -47,84 +37,10 @@ ROWWISE_NAMES = frozenset({"wo", "w2", "o_proj", "down_proj", "out_proj", "c_pro
                            "proj_out", "dense"})
 
 
-@attrs.define(eq=False)
-class Slot:
-    """One distinct tensor of a model: its canonical FQN, every (module, attr) location, and metadata."""
-
-    fqn: str
-    kind: str
-    locations: list[tuple[torch.nn.Module, str, str]]  # (module, attr, fqn at this location)
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.locations[0][0]
-
-    @property
-    def attr(self) -> str:
-        return self.locations[0][1]
-
-    @property
-    def names(self) -> list[str]:
-        return [name for _, _, name in self.locations]
-
-
-def slots_of(model: torch.nn.Module) -> list[Slot]:
-    """Every distinct tensor of ``model``, named by its first canonical FQN, in module order."""
-    from keyinit.fqn import canonical_modules
-
-    by_id: dict[int, Slot] = {}
-    order: list[Slot] = []
-    for _raw, canonical, module in canonical_modules(model):
-        for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
-            for attr, tensor in table.items():
-                if tensor is None:
-                    continue
-                fqn = f"{canonical}.{attr}" if canonical else attr
-                slot = by_id.get(id(tensor))
-                if slot is None:
-                    slot = Slot(fqn, kind, [], tuple(tensor.shape), tensor.dtype, bool(tensor.requires_grad))
-                    by_id[id(tensor)] = slot
-                    order.append(slot)
-                if all(m is not module or a != attr for m, a, _ in slot.locations):
-                    slot.locations.append((module, attr, fqn))
-    return order
-
-
-def empty_region(shape: tuple[int, ...]) -> Region:
-    """A region of no elements (a 0-D tensor has no empty region: it is its one element)."""
-    if not shape:
-        return make_region(shape, ())
-    return make_region(shape, (slice(0, 0),) + tuple(slice(None) for _ in shape[1:]))
-
-
-def shard_in_place(model: torch.nn.Module, region_for: Callable[[Slot], Region],
-                   slots: Optional[list[Slot]] = None) -> dict[str, tuple[Slot, Region, torch.Tensor]]:
-    """Give every tensor of ``model`` a CPU local tensor of ``region_for(slot)`` and declare the shard.
-
-    Returns ``{fqn: (slot, region, local tensor)}``. Tied tensors stay tied.
-    """
-    from keyinit.layouts import declare_shard
-
-    out = {}
-    for slot in slots if slots is not None else slots_of(model):
-        region = region_for(slot)
-        local = torch.empty(region.region_shape, dtype=slot.dtype, device="cpu")
-        new: torch.Tensor = torch.nn.Parameter(local, requires_grad=slot.requires_grad) if slot.kind == "parameter" else local
-        for module, attr, _name in slot.locations:
-            table = module._parameters if slot.kind == "parameter" else module._buffers
-            table[attr] = new
-            declare_shard(module, attr, global_shape=slot.shape, region=region)
-        out[slot.fqn] = (slot, region, new)
-    return out
-
-
 # --------------------------------------------------------------------------- layouts
 
 
-def tp_shard_dim(slot: Slot, rowwise: frozenset) -> Optional[int]:
+def tp_shard_dim(slot: ModelTensor, rowwise: frozenset) -> Optional[int]:
     """The tensor dim tensor parallelism shards (torchtitan-style plans), or None for replicated.
 
     ``nn.Linear``: weight ``Shard(0)`` (column-wise) or ``Shard(1)`` (row-wise, when the
@@ -177,7 +93,7 @@ class LayoutSpec:
                 yield rank, stage, coordinate
                 rank += 1
 
-    def placements(self, slot: Slot) -> tuple[Any, ...]:
+    def placements(self, slot: ModelTensor) -> tuple[Any, ...]:
         """The DTensor placements this layout gives ``slot`` (one per mesh dim).
 
         FSDP2: ``Shard(0)`` (``_StridedShard(0, split_factor=tp)`` over a TP ``Shard(0)``,
@@ -205,7 +121,7 @@ class LayoutSpec:
                 out.append(Replicate() if tp_dim is None else Shard(tp_dim))
         return tuple(out)
 
-    def region(self, slot: Slot, coordinate: tuple[int, ...]) -> Region:
+    def region(self, slot: ModelTensor, coordinate: tuple[int, ...]) -> Region:
         from torch.distributed.tensor.placement_types import _StridedShard
 
         from keyinit.layouts import dtensor_region
@@ -217,7 +133,7 @@ class LayoutSpec:
         return dtensor_region(slot.shape, self.mesh_shape, coordinate, placements,
                               strided_shard_as_shard_order=True if strided else None)
 
-    def distinct_regions(self, slot: Slot) -> list[tuple[Region, tuple[int, ...], int]]:
+    def distinct_regions(self, slot: ModelTensor) -> list[tuple[Region, tuple[int, ...], int]]:
         """``(region, a mesh coordinate holding it, how many coordinates hold it)`` for each distinct
         region ranks of this layout hold of ``slot``: costs grow with the number of distinct shards,
         not with the number of ranks (a mesh dim of size ``k`` that shards a dim of size ``n < k``
@@ -318,106 +234,3 @@ def parse_layout(text: str, rowwise: frozenset = ROWWISE_NAMES) -> LayoutSpec:
     if "tp" in kinds and kinds[-1] != "tp":
         raise CLIError(f"{bad}: tp must be the innermost (last) mesh dimension")
     return LayoutSpec(name, pp, tuple(kinds), tuple(sizes), rowwise)
-
-
-# --------------------------------------------------------------------------- pipeline stages
-
-
-def _block_container(model: torch.nn.Module) -> Optional[tuple[str, torch.nn.Module]]:
-    """The ModuleList/ModuleDict holding the most parameters (the transformer's ``layers``)."""
-    from keyinit.fqn import canonical_modules
-
-    best: Optional[tuple[int, str, torch.nn.Module]] = None
-    for _raw, canonical, module in canonical_modules(model):
-        if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) and len(module._modules) >= 1:
-            numel = sum(math.prod(p.shape) for p in module.parameters())
-            if best is None or numel > best[0]:
-                best = (numel, canonical, module)
-    return None if best is None else (best[1], best[2])
-
-
-def stage_assignment(model: torch.nn.Module, slots: list[Slot], stages: int) -> dict[str, int]:
-    """``{fqn: stage}``: blocks of the largest ModuleList/ModuleDict split into contiguous runs;
-    tensors before it go to the first stage, tensors after it to the last."""
-    found = _block_container(model)
-    if found is None or len(found[1]._modules) < stages:
-        # no ModuleList/ModuleDict to split: split the root's children that hold tensors
-        children = [n for n, c in model._modules.items() if c is not None and any(True for _ in c.parameters())]
-        if len(children) < stages:
-            raise CLIError(f"pp{stages}: cannot split the model into {stages} stages: no nn.ModuleList/ModuleDict "
-                           f"and only {len(children)} top-level submodules with parameters")
-        found = ("", model)
-    prefix, container = found
-    names = [n for n, c in container._modules.items()
-             if c is not None and (container is not model or any(True for _ in c.parameters()))]
-    per, extra = divmod(len(names), stages)
-    block_stage = {}
-    start = 0
-    for stage in range(stages):
-        count = per + (stage < extra)
-        for name in names[start:start + count]:
-            block_stage[name] = stage
-        start += count
-    assignment: dict[str, int] = {}
-    seen_block = False
-    block_prefix = f"{prefix}." if prefix else ""
-    for slot in slots:
-        for _module, _attr, fqn in slot.locations:
-            if fqn.startswith(block_prefix):
-                block = fqn[len(block_prefix):].split(".", 1)[0]
-                if block in block_stage:
-                    assignment[fqn] = block_stage[block]
-                    seen_block = True
-                    continue
-            assignment[fqn] = stages - 1 if seen_block else 0
-    return assignment
-
-
-def cut_stage(model: torch.nn.Module, slots: list[Slot], assignment: dict[str, int], stage: int) -> list[Slot]:
-    """Cut ``model`` in place to pipeline stage ``stage``, torchtitan style, keeping FQNs.
-
-    A submodule whose tensors all belong to other stages is removed: deleted
-    from a ModuleList/ModuleDict (the other entries keep their names) or set to
-    None in any other parent (``model.tok_embeddings = None``). Remaining tensors
-    of other stages are deleted from their module. Returns the kept slots, with
-    only their kept locations.
-    """
-    owned_ids: dict[int, bool] = {}
-    for slot in slots:
-        for module, attr, fqn in slot.locations:
-            owned_ids[id(module)] = owned_ids.get(id(module), False) or assignment[fqn] == stage
-
-    def owns_any(module: torch.nn.Module) -> "bool | None":
-        """True if ``module``'s subtree holds a tensor of this stage; None if it holds no tensors at all."""
-        any_tensor = False
-        for sub in module.modules():
-            if id(sub) in owned_ids:
-                any_tensor = True
-                if owned_ids[id(sub)]:
-                    return True
-        return False if any_tensor else None
-
-    def prune(module: torch.nn.Module) -> None:
-        for name, child in list(module._modules.items()):
-            if child is None:
-                continue
-            if owns_any(child) is False:
-                if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
-                    module._modules.pop(name)
-                else:
-                    module._modules[name] = None
-            else:
-                prune(child)
-
-    prune(model)
-    kept = []
-    for slot in slots:
-        locations = []
-        for module, attr, fqn in slot.locations:
-            if assignment[fqn] == stage:
-                locations.append((module, attr, fqn))
-            else:
-                (module._parameters if slot.kind == "parameter" else module._buffers).pop(attr, None)
-        if locations:
-            kept.append(Slot(locations[0][2], slot.kind, locations, slot.shape, slot.dtype, slot.requires_grad))
-    return kept

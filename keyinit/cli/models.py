@@ -248,10 +248,10 @@ def pipeline_stage(model: Transformer, stage: int, num_stages: int) -> Transform
     first stage) and ``norm``/``output`` (all but the last) to None. Layers are
     split into contiguous, near-equal runs.
     """
+    from keyinit.tensors import stage_blocks
+
     names = list(model.layers)
-    per, extra = divmod(len(names), num_stages)
-    start = stage * per + min(stage, extra)
-    owned = set(names[start:start + per + (stage < extra)])
+    owned = set(stage_blocks(names, num_stages)[stage])
     for name in names:
         if name not in owned:
             del model.layers[name]

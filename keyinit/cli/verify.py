@@ -50,16 +50,9 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit.cli._common import CLIError, Progress, aliases, bitwise_equal, build_model, format_table, load_factory, take_region
-from keyinit.cli._virtual import (
-    ROWWISE_NAMES,
-    LayoutSpec,
-    Slot,
-    cut_stage,
-    parse_layout,
-    slots_of,
-    stage_assignment,
-)
+from keyinit.cli._common import CLIError, Progress, bitwise_equal, build_model, format_table, load_factory, take_region
+from keyinit.cli._virtual import ROWWISE_NAMES, LayoutSpec, parse_layout
+from keyinit.tensors import ModelTensor, StageError, aliases, cut_stage, stage_assignment, tensors
 
 __all__ = ["add_parser", "run", "verify"]
 
@@ -102,9 +95,9 @@ def _init_kwargs(kwargs: dict[str, Any], init_method: Any) -> dict[str, Any]:
     return out
 
 
-def _slot(tensor: Any) -> Slot:
-    return Slot(tensor.fqn, tensor.kind, [(m, a, tensor.fqn) for m, a in tensor.locations()],
-                tuple(tensor.global_shape), tensor.dtype, False)
+def _slot(tensor: Any) -> ModelTensor:
+    return ModelTensor(tensor.fqn, tensor.kind, [(m, a, tensor.fqn) for m, a in tensor.locations()],
+                       tuple(tensor.global_shape), tensor.dtype, False)
 
 
 def _check(plan: Any, tensor: Any, layout: LayoutSpec, expected: torch.Tensor, stage_rank: int,
@@ -237,9 +230,12 @@ def _stage_plan(factory: Any, spec: str, layout: LayoutSpec, stage: int, seed: i
 
     model, kwargs = build_model(factory, spec, build=build)
     kwargs = _init_kwargs(kwargs, init_method)
-    slots = slots_of(model)
-    assignment = stage_assignment(model, slots, layout.pp)
-    kept = cut_stage(model, slots, assignment, stage)
+    found = tensors(model)
+    try:
+        assignment = stage_assignment(model, found, layout.pp)
+    except StageError as exc:
+        raise CLIError(str(exc)) from None
+    kept = cut_stage(model, found, assignment, stage)
     ties = dict(kwargs.get("ties") or {})
     names = {s.fqn for s in kept}
     for slot in kept:
