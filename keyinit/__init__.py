@@ -9,7 +9,7 @@ from keyinit import init, layouts, random
 from keyinit.keys import DEFAULT_STREAM, STREAM_VERSIONS, Key, fold_in, key, key_for, split
 from keyinit.deferred import deferred
 from keyinit.init_code import call_once, per_module
-from keyinit.model import InitReport, TensorRecord, init_model, materialize
+from keyinit.model import InitReport, Plan, TensorRecord, init_model, materialize, plan_init
 from keyinit.rules import REGISTRY, Registry, RuleContext, register, register_pattern
 from keyinit.errors import InitError, PlanError, SharedDrawWarning, UnkeyedRandomnessError
 from keyinit import nn
@@ -40,6 +40,8 @@ __all__ = [
     "call_once",
     "init_model",
     "materialize",
+    "plan_init",
+    "Plan",
     "InitReport",
     "TensorRecord",
     "InitError",

@@ -35,10 +35,10 @@ from keyinit.fqn import FqnMap
 from keyinit.init import Initializer
 from keyinit.program import Const, Random, iter_nodes
 from keyinit.keys import DEFAULT_STREAM, Key
-from keyinit.plan import InitMethod, Plan, PlannedTensor, Rules, plan_model
+from keyinit.plan import InitMethod, Plan as _EnginePlan, PlannedTensor, Rules, plan_model
 from keyinit.rules import REGISTRY, Registry
 
-__all__ = ["init_model", "materialize", "InitReport", "TensorRecord", "InitError", "PlanError"]
+__all__ = ["init_model", "materialize", "plan_init", "Plan", "PlanEntry", "InitReport", "TensorRecord", "InitError", "PlanError"]
 
 logger = logging.getLogger("keyinit")
 
@@ -120,7 +120,7 @@ class InitReport:
 class _Writer:
     """Writes every planned tensor into its target (this process's region), lowest precedence first."""
 
-    def __init__(self, plan: Plan, progress: Optional[bool], device: Union[torch.device, str, None] = None) -> None:
+    def __init__(self, plan: _EnginePlan, progress: Optional[bool], device: Union[torch.device, str, None] = None) -> None:
         self.plan = plan
         self.device = device
         self.written: list[PlannedTensor] = []
@@ -340,14 +340,10 @@ def init_model(
             keyinit cannot key.
         InitError: writing failed part-way; ``.written`` lists exactly what was written.
     """
-    start = time.perf_counter()
     _reject_meta(model)
-    plan = plan_model(model, seed, rules=rules, init_method=init_method, init_kwargs=init_kwargs, ties=ties,
-                      fqn_prefix=fqn_prefix, fqn_map=fqn_map, shards=shards, strict=strict, stream=stream,
-                      registry=registry)
-    writer = _Writer(plan, progress)
-    writer.run()
-    return writer.report(time.perf_counter() - start)
+    return plan_init(model, seed, rules=rules, init_method=init_method, init_kwargs=init_kwargs, ties=ties,
+                     fqn_prefix=fqn_prefix, fqn_map=fqn_map, shards=shards, strict=strict, stream=stream,
+                     registry=registry, progress=progress).apply()
 
 
 def _reject_meta(model: torch.nn.Module) -> None:
@@ -376,12 +372,169 @@ def materialize(
     and out-of-memory included, the model is returned to the meta device, so no uninitialized
     memory is ever left behind. Takes :func:`init_model`'s keyword arguments.
     """
-    start = time.perf_counter()
+    options = _plan_kwargs(kwargs)
+    return plan_init(model, seed, materializing=True, **options).apply(device=device)
+
+
+@attrs.frozen(eq=False)
+class PlanEntry:
+    """One tensor of a :class:`Plan`: what it is and what gives it its values.
+
+    ``origin``: ``"constructor"`` (its ``deferred`` record), ``"default"`` (torch.nn's),
+    ``"code"`` (init code), ``"rule"``, ``"pattern"`` or ``"kept"``; ``source``: the label of
+    what wrote it last (``"default Linear"``, ``"pattern *.bias"``, ``"init_weights"``, ...);
+    ``writers``: the labels of every write its values come from, oldest first; ``rule``: the
+    label of the rule or pattern that covers it, if any; ``constructed``: its values start from
+    its constructor's record; ``built_deferred``: its module was built by ``keyinit.deferred``;
+    ``locations``: every ``(module, attribute)`` it lives at, its owner first."""
+
+    fqn: str
+    names: tuple[str, ...]
+    key_fqn: str
+    kind: str
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    origin: str
+    source: str
+    writers: tuple[str, ...]
+    rule: Optional[str]
+    element_local: bool
+    constructed: bool
+    built_deferred: bool
+    locations: tuple[tuple[torch.nn.Module, str], ...]
+
+
+def _entry(engine: _EnginePlan, t: PlannedTensor) -> PlanEntry:
+    from keyinit.deferred import record_of
+    from keyinit.program import Read, writes_of
+
+    program = t.program
+    writes = () if program is None else (
+        writes_of(program.read.version) if isinstance(program.read, Read) else program.writes)
+    return PlanEntry(t.fqn, tuple(t.names), t.key_fqn, t.kind, tuple(t.global_shape), t.dtype, t.origin, t.source,
+                     tuple(w.label for w in writes), t.rule[1] if t.rule is not None else None,
+                     engine.element_local(t), t.record is not None, record_of(t.module) is not None,
+                     tuple(t.locations()))
+
+
+class Plan:
+    """What keyinit will write into a model, decided before anything is allocated.
+
+    Made by :func:`plan_init` (``init_model`` and ``materialize`` are ``plan_init(...).apply()``).
+    Planning checked everything it can: every tensor is covered, keyable and fillable.
+
+    * :attr:`fqns`: the canonical FQN of every tensor the plan writes, in model order;
+    * :meth:`values` ``(fqn, region=None)``: the values of any region of one tensor, computed
+      alone (``region`` as in :func:`keyinit.random.normal`: ``None`` for the whole tensor, or
+      one entry per dimension: a slice, an int, a range or an index tensor of GLOBAL indices);
+      nothing is written into the model. These are exactly the values :meth:`apply` writes
+      there, on any layout (the torchdistx ``materialize_tensor`` of keyinit);
+    * :meth:`apply`: write every tensor of the model, for the region this process holds
+      (``materialize`` on a meta model: allocate on ``device`` first). A plan is applied once.
+    """
+
+    def __init__(self, engine: _EnginePlan, materializing: bool, progress: Optional[bool], started: float) -> None:
+        self._engine = engine
+        self._materializing = materializing
+        self._progress = progress
+        self._started = started
+        self._applied = False
+        self._by_name = {name: t for t in engine.tensors for name in t.names}
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._engine.model
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        """Canonical FQNs of the tensors the plan writes (tensors it keeps are not listed)."""
+        return tuple(t.fqn for t in self._engine.tensors if t.program is not None)
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return self._engine.notes
+
+    @property
+    def entries(self) -> tuple[PlanEntry, ...]:
+        """Every tensor of the model, kept ones included, in model order."""
+        return tuple(_entry(self._engine, t) for t in self._engine.tensors)
+
+    def entry(self, fqn: str) -> PlanEntry:
+        """The :class:`PlanEntry` of ``fqn`` (any of its names); ``KeyError`` if the model has none."""
+        tensor = self._by_name.get(fqn) if isinstance(fqn, str) else None
+        if tensor is None:
+            raise KeyError(f"{fqn!r} is not a tensor of this model")
+        return _entry(self._engine, tensor)
+
+    def _tensor(self, fqn: str) -> PlannedTensor:
+        tensor = self._by_name.get(fqn) if isinstance(fqn, str) else None
+        if tensor is None:
+            close = sorted(self._by_name)[:8]
+            raise KeyError(f"{fqn!r} is not a tensor of this plan (FQNs such as {close})")
+        if tensor.program is None:
+            raise KeyError(f"{fqn!r}: the plan keeps this tensor as it is (nothing initializes it)")
+        return tensor
+
+    def source(self, fqn: str) -> str:
+        """What gives ``fqn`` its values (``"constructor"``, ``"default Linear"``, a rule's label, ...)."""
+        return self._tensor(fqn).source
+
+    def global_shape(self, fqn: str) -> tuple[int, ...]:
+        return tuple(self._tensor(fqn).global_shape)
+
+    def values(self, fqn: str, region: Any = None, *, device: Union[torch.device, str] = "cpu") -> torch.Tensor:
+        """The values of ``region`` of tensor ``fqn`` (any of its names), a new tensor on ``device``."""
+        from keyinit.layouts import Target
+        from keyinit.regions import make_region
+
+        tensor = self._tensor(fqn)
+        try:
+            wanted = make_region(tuple(tensor.global_shape), region)
+        except (TypeError, ValueError, IndexError) as exc:
+            raise ValueError(f"{fqn}: bad region {region!r} for global shape {tuple(tensor.global_shape)}: "
+                             f"{exc}") from exc
+        out = torch.empty(wanted.region_shape, dtype=tensor.dtype, device=device)
+        with torch.no_grad():
+            self._engine.write(tensor, Target(tensor.fqn, wanted, out))
+        return out
+
+    def apply(self, *, device: Union[torch.device, str, None] = None) -> InitReport:
+        """Write every tensor into the model (allocating a meta model on ``device`` first)."""
+        if self._applied:
+            raise RuntimeError("this Plan was already applied; plan again (keyinit.plan_init) to re-initialize")
+        self._applied = True
+        if not self._materializing:
+            if device is not None:
+                raise ValueError("device= is for a meta-device model (materialize); this model is allocated")
+            writer = _Writer(self._engine, self._progress)
+            writer.run()
+            return writer.report(time.perf_counter() - self._started)
+        return _materialize(self._engine, self._progress, device, self._started)
+
+
+def plan_init(model: torch.nn.Module, seed: Union[int, Key], *, materializing: Optional[bool] = None,
+              progress: Optional[bool] = None, **options: Any) -> Plan:
+    """Plan ``model``'s initialization without allocating or writing anything; returns a :class:`Plan`.
+
+    Takes :func:`init_model`'s keyword arguments. ``materializing`` (default: whether any tensor
+    is on the meta device) plans for :func:`materialize`: every buffer must be covered too.
+    """
+    started = time.perf_counter()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"plan_init expects an nn.Module, got {type(model).__name__}")
+    if materializing is None:
+        materializing = any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+    options = _plan_kwargs({**options, "progress": progress}, "plan_init")
+    options.pop("progress")
+    engine = plan_model(model, seed, materializing=bool(materializing), **options)
+    return Plan(engine, bool(materializing), progress, started)
+
+
+def _materialize(plan: _EnginePlan, progress: Optional[bool], device: Union[torch.device, str, None],
+                 started: float) -> InitReport:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    options = _plan_kwargs(kwargs)
-    progress = options.pop("progress")
-    plan = plan_model(model, seed, materializing=True, **options)
+    model = plan.model
     writer = _Writer(plan, progress, device)
     marks = [(t, dict(vars(t.tensor))) for t in plan.tensors if not t.new]
     undo_created = [_Undo(t, plan, keep_values=False) for t in plan.tensors if t.new or t.recreated]
@@ -405,10 +558,10 @@ def materialize(
         written = exc.written if isinstance(exc, InitError) else ()
         raise InitError(f"{exc} -- the model was returned to the meta device; nothing is left uninitialized",
                         written) from exc
-    return writer.report(time.perf_counter() - start)
+    return writer.report(time.perf_counter() - started)
 
 
-def _retie(plan: Plan) -> None:
+def _retie(plan: _EnginePlan) -> None:
     """Re-tie plain parameters that ``to_empty`` untied, restoring the model's sharing."""
     for tensor in plan.tensors:
         if tensor.new:
@@ -419,11 +572,11 @@ def _retie(plan: Plan) -> None:
                 setattr(module, attr, first)
 
 
-def _plan_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+def _plan_kwargs(kwargs: dict[str, Any], caller: str = "materialize") -> dict[str, Any]:
     allowed = {"rules": None, "init_method": None, "init_kwargs": None, "ties": None, "fqn_prefix": None,
                "fqn_map": None, "shards": None, "strict": True, "stream": DEFAULT_STREAM, "registry": REGISTRY,
                "progress": None}
     unknown = set(kwargs) - set(allowed)
     if unknown:
-        raise TypeError(f"materialize() got unexpected keyword arguments {sorted(unknown)}")
+        raise TypeError(f"{caller}() got unexpected keyword arguments {sorted(unknown)}")
     return {**allowed, **kwargs}

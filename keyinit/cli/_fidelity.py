@@ -238,20 +238,15 @@ def _available_memory() -> Optional[int]:
     return None
 
 
-def _explanation(tensor: Any, init_label: Optional[str]) -> Optional[str]:
-    """The user's rule or init method that wrote ``tensor`` last, if any."""
-    from keyinit.program import Read, writes_of
-
-    if tensor.origin in ("rule", "pattern") and tensor.rule is not None:
-        label = tensor.rule[1]
+def _explanation(entry: Any, init_label: Optional[str]) -> Optional[str]:
+    """The user's rule or init method that wrote ``entry``'s tensor last, if any (a :class:`keyinit.PlanEntry`)."""
+    if entry.origin in ("rule", "pattern") and entry.rule is not None:
+        label = entry.rule
         if label.startswith("pattern "):
             return f"rule {label[len('pattern '):]!r}"
         return label if label.startswith("rule ") else f"rule {label}"
-    program = tensor.program
-    if init_label and program is not None:
-        writes = writes_of(program.read.version) if isinstance(program.read, Read) else program.writes
-        if any(w.label == init_label for w in writes):
-            return f"init_method {init_label}"
+    if init_label and init_label in entry.writers:
+        return f"init_method {init_label}"
     return None
 
 
@@ -261,11 +256,9 @@ def _init_label(init_method: Any) -> Optional[str]:
     return init_method if isinstance(init_method, str) else getattr(init_method, "__name__", "init_method")
 
 
-def _uninitialized(tensor: Any) -> bool:
+def _uninitialized(entry: Any) -> bool:
     """Built by ``keyinit.deferred`` but its constructor left it uninitialized (``torch.empty``)."""
-    from keyinit.deferred import record_of
-
-    return tensor.record is None and record_of(tensor.module) is not None
+    return entry.built_deferred and not entry.constructed
 
 
 def check_fidelity(plan: Any, keyed: Mapping[str, torch.Tensor], factory: Callable[[], Any], spec: str, *,
@@ -275,7 +268,8 @@ def check_fidelity(plan: Any, keyed: Mapping[str, torch.Tensor], factory: Callab
     from keyinit.fqn import apply_fqn_mapping
 
     start = time.perf_counter()
-    needed = 2 * sum(math.prod(t.global_shape) * t.dtype.itemsize for t in plan.tensors)
+    entries = plan.entries
+    needed = 2 * sum(math.prod(e.global_shape) * e.dtype.itemsize for e in entries)
     available = _available_memory()
     if available is not None and needed > 0.8 * available:
         return Fidelity(skipped=f"the two eager builds need {needed / 2**30:.1f} GiB of CPU memory and "
@@ -299,7 +293,7 @@ def check_fidelity(plan: Any, keyed: Mapping[str, torch.Tensor], factory: Callab
                         seconds=time.perf_counter() - start)
     init_label = _init_label(kwargs.get("init_method"))
     verdicts = []
-    for tensor in plan.tensors:
+    for tensor in entries:
         shape = tuple(tensor.global_shape)
         name = next((n for n in tensor.names if n in eager_a), None)
         explained = _explanation(tensor, init_label)

@@ -28,7 +28,6 @@ from typing import Any, Optional
 import torch
 
 from keyinit.cli._common import CLIError, build_model, digest, load_factory
-from keyinit.layouts import Target
 from keyinit.regions import make_region
 
 __all__ = ["add_parser", "run", "parse_selector", "compute_slice"]
@@ -142,36 +141,35 @@ def compute_slice(spec: str, factory: Any, fqn: str, index: Optional[list[Any]],
     only the selected region of the selected tensor: nothing else is allocated.
     """
     import keyinit
-    from keyinit.plan import plan_model
 
     model, kwargs = build_model(factory, spec)
     if init_method:
         kwargs["init_method"] = init_method
     try:
-        plan = plan_model(model, seed, **kwargs)
+        plan = keyinit.plan_init(model, seed, materializing=False, **kwargs)
     except (keyinit.PlanError, keyinit.UnkeyedRandomnessError) as exc:
         raise CLIError(f"cannot plan {spec}'s initialization: {exc}") from exc
-    by_name = {name: t for t in plan.tensors for name in t.names}
-    if fqn not in by_name:
-        close = difflib.get_close_matches(fqn, list(by_name), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else f"; it has {len(by_name)} tensors, e.g. {list(by_name)[:3]}"
-        raise CLIError(f"{spec}'s model has no parameter or buffer {fqn!r}{hint}")
-    wanted = by_name[fqn]
-    if wanted.program is None:
+    names = [name for e in plan.entries for name in e.names]
+    try:
+        wanted = plan.entry(fqn)
+    except KeyError:
+        close = difflib.get_close_matches(fqn, names, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; it has {len(names)} tensors, e.g. {names[:3]}"
+        raise CLIError(f"{spec}'s model has no parameter or buffer {fqn!r}{hint}") from None
+    if wanted.fqn not in plan.fqns:
         raise CLIError(f"{fqn} is a buffer that no rule or init method initializes; its value comes from "
                        f"the model's constructor, not from the seed")
     entries, dropped = to_region(wanted.global_shape, index, fqn)
     region = make_region(wanted.global_shape, entries)
-    values = torch.empty(region.region_shape, dtype=wanted.dtype)
     try:
-        plan.write(wanted, Target(wanted.fqn, region, values))
+        values = plan.values(fqn, region)
     except Exception as exc:  # noqa: BLE001 - any failure of the user's initializers
         raise CLIError(f"initialization failed: {type(exc).__name__}: {exc}") from exc
     for dim in reversed(dropped):
         values = values.squeeze(dim)
     return {"tensor": values, "fqn": fqn, "canonical": wanted.fqn, "key_fqn": wanted.key_fqn,
             "source": wanted.source, "shape": wanted.global_shape, "dtype": wanted.dtype,
-            "region_shape": region.region_shape, "element_local": plan.element_local(wanted)}
+            "region_shape": region.region_shape, "element_local": wanted.element_local}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -95,22 +95,19 @@ def _init_kwargs(kwargs: dict[str, Any], init_method: Any) -> dict[str, Any]:
     return out
 
 
-def _slot(tensor: Any) -> ModelTensor:
-    return ModelTensor(tensor.fqn, tensor.kind, [(m, a, tensor.fqn) for m, a in tensor.locations()],
-                       tuple(tensor.global_shape), tensor.dtype, False)
+def _slot(entry: Any) -> ModelTensor:
+    return ModelTensor(entry.fqn, entry.kind, [(m, a, entry.fqn) for m, a in entry.locations],
+                       tuple(entry.global_shape), entry.dtype, False)
 
 
-def _check(plan: Any, tensor: Any, layout: LayoutSpec, expected: torch.Tensor, stage_rank: int,
+def _check(plan: Any, entry: Any, layout: LayoutSpec, expected: torch.Tensor, stage_rank: int,
            stage_ranks: int) -> tuple[list[int], int, int]:
-    """Replay ``tensor`` for every distinct region ``layout`` gives it; return (bad ranks, ranks holding it,
-    largest region)."""
-    from keyinit.layouts import Target
-
+    """Replay ``entry``'s tensor for every distinct region ``layout`` gives it (``plan.values``);
+    return (bad ranks, ranks holding it, largest region)."""
     bad, held, largest = [], 0, 0
-    for region, coordinate, count in layout.distinct_regions(_slot(tensor)):
+    for region, coordinate, count in layout.distinct_regions(_slot(entry)):
         rank = stage_rank * stage_ranks + (_ravel(coordinate, layout.mesh_shape) if coordinate else 0)
-        out = torch.empty(region.region_shape, dtype=tensor.dtype)
-        plan.write(tensor, Target(tensor.fqn, region, out))
+        out = plan.values(entry.fqn, region)
         held += count
         largest = max(largest, out.numel())
         if not bitwise_equal(out, take_region(expected, region)):
@@ -146,9 +143,6 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
     from keyinit.cli._fidelity import check_fidelity
 
     import keyinit
-    from keyinit.layouts import Target
-    from keyinit.plan import plan_model
-    from keyinit.regions import make_region
 
     spec = label or getattr(factory, "__qualname__", "factory")
     layouts = [parse_layout(layout) if isinstance(layout, str) else layout for layout in layouts]
@@ -157,18 +151,15 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
     kwargs = _init_kwargs(kwargs, init_method)
     ref_aliases = aliases(model)
     try:
-        plan = plan_model(model, seed, materializing=True, **kwargs)
+        plan = keyinit.plan_init(model, seed, materializing=True, **kwargs)
     except (keyinit.PlanError, keyinit.UnkeyedRandomnessError) as exc:
         return {"plan_error": str(exc), "ok": False}
-    reference: dict[str, torch.Tensor] = {}
-    for tensor in plan.tensors:
-        full = torch.empty(tensor.global_shape, dtype=tensor.dtype)
-        plan.write(tensor, Target(tensor.fqn, make_region(tensor.global_shape, None), full))
-        reference[tensor.fqn] = full
+    entries = plan.entries
+    reference = {e.fqn: plan.values(e.fqn) for e in entries}
 
     notes = list(plan.notes)
-    cells: dict[str, dict[str, list[int]]] = {t.fqn: {} for t in plan.tensors}  # fqn -> layout -> bad ranks
-    held: dict[str, dict[str, int]] = {t.fqn: {} for t in plan.tensors}  # fqn -> layout -> ranks holding it
+    cells: dict[str, dict[str, list[int]]] = {e.fqn: {} for e in entries}  # fqn -> layout -> bad ranks
+    held: dict[str, dict[str, int]] = {e.fqn: {} for e in entries}  # fqn -> layout -> ranks holding it
     summaries = []
     bar = Progress(len(layouts), "keyinit verify", enabled=None if progress else False)
     for layout in layouts:
@@ -176,7 +167,7 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
         max_local = 0
         mesh_ranks = math.prod(layout.mesh_shape) if layout.mesh_shape else 1
         for stage in range(layout.pp):
-            stage_plan, stage_tensors = plan, plan.tensors
+            stage_plan, stage_tensors = plan, entries
             if layout.pp > 1:
                 stage_plan, stage_tensors, stage_note = _stage_plan(factory, spec, layout, stage, seed, init_method,
                                                                     ref_aliases, plan, build)
@@ -201,17 +192,17 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
         bar.update(note=layout.name)
     bar.close()
     params = []
-    for tensor in plan.tensors:
-        params.append({"fqn": tensor.fqn, "kind": tensor.kind, "shape": tensor.global_shape,
-                       "dtype": str(tensor.dtype).replace("torch.", ""), "source": tensor.source,
-                       "element_local": plan.element_local(tensor),
-                       "tied": [n for n in tensor.names if n != tensor.fqn],
-                       "bad": {name: ranks for name, ranks in cells[tensor.fqn].items() if ranks},
-                       "held": held[tensor.fqn]})
+    for e in entries:
+        params.append({"fqn": e.fqn, "kind": e.kind, "shape": e.global_shape,
+                       "dtype": str(e.dtype).replace("torch.", ""), "source": e.source,
+                       "element_local": e.element_local,
+                       "tied": [n for n in e.names if n != e.fqn],
+                       "bad": {name: ranks for name, ranks in cells[e.fqn].items() if ranks},
+                       "held": held[e.fqn]})
     layouts_ok = all(not p["bad"] for p in params) and all(not s["missing"] for s in summaries)
     faithful = check_fidelity(plan, reference, factory, spec, kwargs=kwargs) if fidelity else None
     ok = layouts_ok and (faithful is None or faithful.ok)
-    total_numel = sum(math.prod(t.global_shape) for t in plan.tensors)
+    total_numel = sum(math.prod(e.global_shape) for e in entries)
     return {"params": params, "layouts": summaries, "ok": ok, "layouts_ok": layouts_ok, "fidelity": faithful,
             "numel": total_numel, "seed": seed, "notes": notes, "build": build}
 
@@ -226,7 +217,6 @@ def _stage_plan(factory: Any, spec: str, layout: LayoutSpec, stage: int, seed: i
     with the full model's plan, as when the whole model is planned on meta and then split.
     """
     import keyinit
-    from keyinit.plan import plan_model
 
     model, kwargs = build_model(factory, spec, build=build)
     kwargs = _init_kwargs(kwargs, init_method)
@@ -245,13 +235,13 @@ def _stage_plan(factory: Any, spec: str, layout: LayoutSpec, stage: int, seed: i
     kwargs["ties"] = ties
     kwargs["strict"] = False  # a stage holds only some of the FQNs the rules name
     try:
-        plan = plan_model(model, seed, materializing=True, **kwargs)
+        plan = keyinit.plan_init(model, seed, materializing=True, **kwargs)
     except (keyinit.PlanError, keyinit.UnkeyedRandomnessError) as exc:
         wanted = {ref_aliases.get(name, name) for name in names}
         note = (f"{layout.name} stage {stage}: the init code cannot run on the cut stage ({exc}); its "
                 f"{len(wanted)} tensors were checked with the full model's plan instead")
-        return full_plan, [t for t in full_plan.tensors if t.fqn in wanted], note
-    return plan, plan.tensors, None
+        return full_plan, [e for e in full_plan.entries if e.fqn in wanted], note
+    return plan, plan.entries, None
 
 
 def run(args: argparse.Namespace) -> int:
