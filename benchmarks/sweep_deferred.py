@@ -97,7 +97,7 @@ def _mapping(name: str) -> list[tuple[str, str]]:
     return sorted(getattr(modeling_auto, name).items())
 
 
-def check_verify(factory, label: str, stats: dict, seconds: int) -> None:
+def check_verify(factory, label: str, stats: dict, seconds: int, max_elements: int) -> None:
     """Like :func:`check`, through ``keyinit.cli.verify.verify`` (fidelity and FSDP(4)/TP(2) regions)."""
     from keyinit.cli.verify import verify
 
@@ -106,11 +106,17 @@ def check_verify(factory, label: str, stats: dict, seconds: int) -> None:
     try:
         try:
             with torch.random.fork_rng(devices=[]):
-                factory()
+                probe = factory()
         except _Timeout:
             raise
         except Exception:  # noqa: BLE001 - the model itself does not build from this config
             stats["does not build eagerly"] += 1
+            return
+        elements = sum(t.numel() for t in [*probe.parameters(), *probe.buffers()])
+        del probe
+        if elements > max_elements:
+            stats["too large"] = stats.get("too large", 0) + 1
+            print(f"too large {label}: {elements} elements", flush=True)
             return
         try:
             result = verify(factory, ["fsdp4", "tp2"], progress=False, label=label)
@@ -146,6 +152,8 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--count", type=int, default=10_000)
     parser.add_argument("--seconds", type=int, default=300, help="time limit per model")
+    parser.add_argument("--max-elements", type=int, default=20_000_000,
+                        help="with --layouts: skip (count) models whose tiny build is larger")
     args = parser.parse_args()
     signal.signal(signal.SIGALRM, _alarm)
     stats = {"ok": 0, "unfaithful": 0, "keyinit error": 0, "timeout": 0, "does not build eagerly": 0}
@@ -165,7 +173,7 @@ def main() -> None:
                 stats["does not build eagerly"] += 1
                 continue
             if args.layouts:
-                check_verify(factory, f"hf:{model_type}", stats, args.seconds)
+                check_verify(factory, f"hf:{model_type}", stats, args.seconds, args.max_elements)
             else:
                 check(factory, f"hf:{model_type}", stats, args.seconds)
     print(stats, flush=True)

@@ -361,7 +361,17 @@ def materialize(
     seed: Union[int, Key],
     *,
     device: Union[torch.device, str, None] = None,
-    **kwargs: Any,
+    rules: Rules = None,
+    init_method: InitMethod = None,
+    init_kwargs: Optional[Mapping[str, Any]] = None,
+    ties: Optional[Mapping[str, str]] = None,
+    fqn_prefix: Optional[str] = None,
+    fqn_map: Optional[FqnMap] = None,
+    shards: Optional[Mapping[str, Any]] = None,
+    strict: bool = True,
+    stream: str = DEFAULT_STREAM,
+    registry: Registry = REGISTRY,
+    progress: Optional[bool] = None,
 ) -> InitReport:
     """Allocate a meta-device model on ``device`` and initialize it: ``to_empty`` then :func:`init_model`.
 
@@ -370,10 +380,12 @@ def materialize(
     memory is allocated (a :class:`PlanError` or :class:`UnkeyedRandomnessError` leaves the
     model untouched on meta). If allocating or writing fails for any reason, KeyboardInterrupt
     and out-of-memory included, the model is returned to the meta device, so no uninitialized
-    memory is ever left behind. Takes :func:`init_model`'s keyword arguments.
+    memory is ever left behind. The other arguments are :func:`init_model`'s. ``device``
+    defaults to ``"cuda"`` when available, else ``"cpu"``.
     """
-    options = _plan_kwargs(kwargs)
-    return plan_init(model, seed, materializing=True, **options).apply(device=device)
+    return plan_init(model, seed, materializing=True, rules=rules, init_method=init_method,
+                     init_kwargs=init_kwargs, ties=ties, fqn_prefix=fqn_prefix, fqn_map=fqn_map, shards=shards,
+                     strict=strict, stream=stream, registry=registry, progress=progress).apply(device=device)
 
 
 @attrs.frozen(eq=False)
@@ -572,7 +584,7 @@ def _retie(plan: _EnginePlan) -> None:
                 setattr(module, attr, first)
 
 
-def _plan_kwargs(kwargs: dict[str, Any], caller: str = "materialize") -> dict[str, Any]:
+def _plan_kwargs(kwargs: dict[str, Any], caller: str) -> dict[str, Any]:
     allowed = {"rules": None, "init_method": None, "init_kwargs": None, "ties": None, "fqn_prefix": None,
                "fqn_map": None, "shards": None, "strict": True, "stream": DEFAULT_STREAM, "registry": REGISTRY,
                "progress": None}
