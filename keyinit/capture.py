@@ -25,6 +25,7 @@ global torch RNG is never read or advanced.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import types
 from collections.abc import Iterator, Mapping
@@ -82,10 +83,26 @@ class LazyTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         return f"LazyTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "LazyTensor":
+        """``copy.deepcopy`` of a module built from stand-ins (torchtune's ``_get_clones`` repeats one
+        layer ``num_layers`` times): a recorded ``clone``, so each copy starts with the values the
+        original holds now, as in eager torch. Its Python attributes (``_is_param``, markers) are
+        deep-copied; the stand-in's own bookkeeping (its meta twin, the capture) is not."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            twin = self.clone(memory_format=torch.preserve_format)  # recorded by the running capture
+        twin.requires_grad_(self.requires_grad)
+        memo[id(self)] = twin
+        for name, value in vars(self).items():
+            if name not in ("_meta", "_capture"):
+                setattr(twin, name, copy.deepcopy(value, memo))
+        return twin
+
     @classmethod
     def __torch_function__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if func in _NEEDS_VALUES:
+        if func in _NEEDS_VALUES or (func in _SCALAR_CONVERSIONS and _python_dispatch_excluded()):
             capture = next(a._capture for a in _leaves((args, kwargs)) if isinstance(a, LazyTensor))
             concrete = tree_map(lambda x: capture.concrete(x, getattr(func, "__name__", "value"))
                                 if isinstance(x, LazyTensor) else x, (args, kwargs))
@@ -127,6 +144,17 @@ def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
 
 
 _NEEDS_VALUES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
+#: Scalar conversions reach the capture's dispatch mode as ``_local_scalar_dense``, except where torch
+#: runs them with Python dispatch excluded: ``torch.tensor([...])`` of tensor elements converts each
+#: element that way (Llama 3.1's RoPE scaling builds ``torch.tensor(new_freqs)`` from 0-d tensors).
+_SCALAR_CONVERSIONS = {torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
+                       torch.Tensor.__bool__, torch.Tensor.__complex__}
+
+
+def _python_dispatch_excluded() -> bool:
+    """Dispatch modes cannot see the aten ops issued now (inside ``torch.tensor``'s data conversion)."""
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python)
+
 
 #: Init functions whose torch algorithm draws in a loop; recorded as keyinit's initializer.
 def _recognised() -> dict[types.CodeType, Callable[[dict], Any]]:
