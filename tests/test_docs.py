@@ -4,10 +4,14 @@ Blocks of one file run in order in one namespace (a later block may use an
 earlier block's names), with the repository root as the working directory.
 A block fenced as ```python no-run is not executed: it needs several processes
 or a GPU. Keep those minimal; each has a runnable counterpart in examples/.
+A block fenced as ```python requires=MODULE[,MODULE] (an optional package of the
+test extra, such as torchtune) runs only where every MODULE imports; elsewhere it
+is only compiled.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -19,6 +23,19 @@ FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 #: Fence info strings that are not executed.
 SKIP_MARKER = "no-run"
+#: Fence info prefix of blocks that need optional packages: ``requires=torchtune.models.llama3_1``.
+REQUIRES = "requires="
+
+
+def _importable(modules: str) -> bool:
+    """Every comma-separated module of a ``requires=`` fence imports (not only is installed:
+    torchtune's models also need torchao)."""
+    for name in modules.split(","):
+        try:
+            importlib.import_module(name.strip())
+        except ImportError:
+            return False
+    return True
 
 
 def blocks(path: Path) -> list[tuple[int, str, str]]:
@@ -37,10 +54,11 @@ def test_python_blocks_run(path, monkeypatch):
     namespace: dict = {"__name__": f"docs_{path.stem}"}
     try:
         for line, info, source in blocks(path):
-            if info == SKIP_MARKER:
+            if info == SKIP_MARKER or (info.startswith(REQUIRES) and not _importable(info[len(REQUIRES):])):
                 compile(source, f"{path.name}:{line}", "exec")  # must still be valid Python
                 continue
-            assert info == "", f"{path.name}:{line}: unknown fence info {info!r} (use ```python or ```python no-run)"
+            assert info == "" or info.startswith(REQUIRES), \
+                f"{path.name}:{line}: unknown fence info {info!r} (use ```python, ```python no-run or ```python requires=...)"
             exec(compile(source, f"{path.name}:{line}", "exec"), namespace)
     finally:
         registry._module_rules, registry._patterns = saved
