@@ -112,7 +112,14 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        raise CaptureError(f"a keyinit stand-in tensor was used outside keyinit's capture ({func})")
+        running = next((a._capture for a in _leaves((args, kwargs or {})) if isinstance(a, LazyTensor)), None)
+        site = running.site if running is not None and running.site != "<init code>" else None
+        raise CaptureError(
+            (f"{site}: " if site else "") + f"a keyinit stand-in tensor was used outside keyinit's capture ({func})"
+            + ("; the op ran beneath the capture's dispatch mode, e.g. inside another tensor subclass's "
+               "__torch_dispatch__ (torchao's NF4Tensor: torchtune's QLoRA), whose ops on the stand-ins it wraps "
+               "keyinit cannot record"
+               if site else ""))
 
 
 def _leaves(tree: Any) -> list[Any]:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 import keyinit
+from keyinit.capture import CaptureError
 from keyinit.cli._fidelity import compare
 from tests._dist import requires_gloo, run_distributed
 from tests._vision import define_torchvision_schemas
@@ -246,6 +247,14 @@ def test_dora_magnitude_from_its_own_init_method():
         with torch.no_grad():
             expected = dora._get_weight_norm(dora.weight, dora.lora_b.weight @ dora.lora_a.weight)
         assert same_bits(dora.magnitude.detach(), expected), fqn
+
+
+def test_qlora_is_refused_naming_the_builder():
+    """QLoRA's NF4Tensor wraps the stand-ins and runs ops on them beneath the capture: a clear error."""
+    with pytest.raises(CaptureError, match=r"lora_llama3\(\.\.\.\).*NF4Tensor"):
+        keyinit.deferred(lora_llama3, lora_attn_modules=["q_proj"], vocab_size=128, num_layers=1, num_heads=4,
+                         num_kv_heads=4, embed_dim=128, max_seq_len=64, intermediate_dim=256, lora_rank=4,
+                         lora_alpha=8.0, quantize_base=True)  # NF4 blocks: every weight a multiple of 16384
 
 
 # ----------------------------------------------------------------------------- real ranks
