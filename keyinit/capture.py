@@ -14,12 +14,14 @@ capture's ``TorchDispatchMode`` every aten op the code issues is recorded into
 - random ops become keyed draws (:mod:`keyinit._random_ops`). ``nn.init.trunc_normal_``
   and ``nn.init.orthogonal_``, whose torch algorithms draw in loops, are recognised by
   their frames and recorded as the :mod:`keyinit.init` initializer of the same
-  distribution (the draw keyinit gives every rule); the rest of their body is suppressed.
+  distribution (the draw keyinit gives every rule); the rest of their body is suppressed;
+- ``copy.deepcopy`` of a stand-in (a layer cloned per depth) is a ``clone``: the copy starts
+  with the original's values, as in eager torch.
 
-Python that needs a value (``.item()``, ``bool(t)``, ``.tolist()``) gets it computed on
-the spot when it depends on no random draw; depending on one is an
-:class:`keyinit.UnkeyedRandomnessError`, because a draw is keyed by where it lands. The
-global torch RNG is never read or advanced.
+Python that needs a value (``.item()``, ``bool(t)``, ``.tolist()``, ``torch.tensor`` of a
+list of 0-d tensors) gets it computed on the spot when it depends on no random draw;
+depending on one is an :class:`keyinit.UnkeyedRandomnessError`, because a draw is keyed
+by where it lands. The global torch RNG is never read or advanced.
 """
 
 from __future__ import annotations
