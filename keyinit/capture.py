@@ -14,17 +14,20 @@ capture's ``TorchDispatchMode`` every aten op the code issues is recorded into
 - random ops become keyed draws (:mod:`keyinit._random_ops`). ``nn.init.trunc_normal_``
   and ``nn.init.orthogonal_``, whose torch algorithms draw in loops, are recognised by
   their frames and recorded as the :mod:`keyinit.init` initializer of the same
-  distribution (the draw keyinit gives every rule); the rest of their body is suppressed.
+  distribution (the draw keyinit gives every rule); the rest of their body is suppressed;
+- ``copy.deepcopy`` of a stand-in (a layer cloned per depth) is a ``clone``: the copy starts
+  with the original's values, as in eager torch.
 
-Python that needs a value (``.item()``, ``bool(t)``, ``.tolist()``) gets it computed on
-the spot when it depends on no random draw; depending on one is an
-:class:`keyinit.UnkeyedRandomnessError`, because a draw is keyed by where it lands. The
-global torch RNG is never read or advanced.
+Python that needs a value (``.item()``, ``bool(t)``, ``.tolist()``, ``torch.tensor`` of a
+list of 0-d tensors) gets it computed on the spot when it depends on no random draw;
+depending on one is an :class:`keyinit.UnkeyedRandomnessError`, because a draw is keyed
+by where it lands. The global torch RNG is never read or advanced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import types
 from collections.abc import Iterator, Mapping
@@ -82,10 +85,26 @@ class LazyTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         return f"LazyTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "LazyTensor":
+        """``copy.deepcopy`` of a module built from stand-ins (torchtune's ``_get_clones`` repeats one
+        layer ``num_layers`` times): a recorded ``clone``, so each copy starts with the values the
+        original holds now, as in eager torch. Its Python attributes (``_is_param``, markers) are
+        deep-copied; the stand-in's own bookkeeping (its meta twin, the capture) is not."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            twin = self.clone(memory_format=torch.preserve_format)  # recorded by the running capture
+        twin.requires_grad_(self.requires_grad)
+        memo[id(self)] = twin
+        for name, value in vars(self).items():
+            if name not in ("_meta", "_capture"):
+                setattr(twin, name, copy.deepcopy(value, memo))
+        return twin
+
     @classmethod
     def __torch_function__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if func in _NEEDS_VALUES:
+        if func in _NEEDS_VALUES or (func in _SCALAR_CONVERSIONS and _python_dispatch_excluded()):
             capture = next(a._capture for a in _leaves((args, kwargs)) if isinstance(a, LazyTensor))
             concrete = tree_map(lambda x: capture.concrete(x, getattr(func, "__name__", "value"))
                                 if isinstance(x, LazyTensor) else x, (args, kwargs))
@@ -95,7 +114,14 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        raise CaptureError(f"a keyinit stand-in tensor was used outside keyinit's capture ({func})")
+        running = next((a._capture for a in _leaves((args, kwargs or {})) if isinstance(a, LazyTensor)), None)
+        site = running.site if running is not None and running.site != "<init code>" else None
+        raise CaptureError(
+            (f"{site}: " if site else "") + f"a keyinit stand-in tensor was used outside keyinit's capture ({func})"
+            + ("; the op ran beneath the capture's dispatch mode, e.g. inside another tensor subclass's "
+               "__torch_dispatch__ (torchao's NF4Tensor: torchtune's QLoRA), whose ops on the stand-ins it wraps "
+               "keyinit cannot record"
+               if site else ""))
 
 
 def _leaves(tree: Any) -> list[Any]:
@@ -127,6 +153,17 @@ def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
 
 
 _NEEDS_VALUES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
+#: Scalar conversions reach the capture's dispatch mode as ``_local_scalar_dense``, except where torch
+#: runs them with Python dispatch excluded: ``torch.tensor([...])`` of tensor elements converts each
+#: element that way (Llama 3.1's RoPE scaling builds ``torch.tensor(new_freqs)`` from 0-d tensors).
+_SCALAR_CONVERSIONS = {torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
+                       torch.Tensor.__bool__, torch.Tensor.__complex__}
+
+
+def _python_dispatch_excluded() -> bool:
+    """Dispatch modes cannot see the aten ops issued now (inside ``torch.tensor``'s data conversion)."""
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python)
+
 
 #: Init functions whose torch algorithm draws in a loop; recorded as keyinit's initializer.
 def _recognised() -> dict[types.CodeType, Callable[[dict], Any]]:

@@ -444,3 +444,59 @@ def test_nested_deferred_is_recorded_by_the_outer_one():
     keyinit.materialize(inner, SEED, device="cpu")
     plain, _ = _deferred_values()
     assert_same_bits(full_state(inner), full_state(plain), "nested deferred vs deferred")
+
+
+class Cloned(nn.Module):
+    """One layer built, then deep-copied per depth (torchtune's ``_get_clones``, many ViTs)."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        import copy
+
+        layer = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6))
+        self.scale = nn.Parameter(0.5 * torch.randn(6))
+        layer[0].weight.marker = "colwise"  # a tensor attribute rides along with the copy
+        self.layers = nn.ModuleList([copy.deepcopy(layer) for _ in range(depth)])
+        self.layers[1][1].bias.data.fill_(0.25)  # a copy changed afterwards: only that copy
+        self.twin = copy.deepcopy(self.scale)
+
+
+def test_deepcopied_layers_start_equal_as_in_eager():
+    """copy.deepcopy of a module of stand-ins is a recorded clone: every copy holds what the
+    original held, as eager copies do, and a later write changes that copy only."""
+    with pytest.warns(keyinit.SharedDrawWarning, match="keyed by 'layers.0.0.(weight|bias)'"):
+        model, report = _deferred_values(Cloned)
+    assert report.defaults == ()
+    assert isinstance(model.layers[2][0].weight, nn.Parameter) and model.layers[2][0].weight.requires_grad
+    assert model.layers[2][0].weight.marker == "colwise"
+    for name, value in model.layers[0].state_dict().items():
+        assert same_bits(model.layers[2].state_dict()[name], value), name
+    assert torch.all(model.layers[1][1].bias == 0.25) and torch.all(model.layers[0][1].bias == 0)
+    assert same_bits(model.twin.detach(), model.scale.detach())
+    eager = Cloned()
+    for name in ("layers.0.1.weight", "layers.2.1.bias", "layers.1.1.bias"):
+        assert same_bits(model.get_parameter(name).detach(), eager.get_parameter(name).detach()), name
+
+
+def test_tensor_built_from_zero_d_tensors_has_eagers_bits():
+    """``torch.tensor([...])`` of 0-d tensors converts each element with Python dispatch excluded
+    (Llama 3.1's RoPE scaling: a Python loop over the frequencies): values computed on the spot."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            freqs = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+            picked = [f if 2 * math.pi / f < 40 else f / 8 for f in freqs]
+            self.register_buffer("theta", torch.tensor(picked, dtype=freqs.dtype))
+            self.register_buffer("ints", freqs.new_tensor([int(f * 1000) for f in freqs]))
+
+    model, _ = _deferred_values(Scaled)
+    eager = Scaled()
+    assert same_bits(model.theta, eager.theta) and same_bits(model.ints, eager.ints)
+
+    class FromDraws(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("b", torch.tensor([2 * x for x in torch.randn(3)]))
+
+    with pytest.raises(keyinit.UnkeyedRandomnessError, match="FromDraws.*__float__"):
+        keyinit.deferred(FromDraws)

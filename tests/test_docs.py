@@ -6,10 +6,14 @@ line is the comment ``# continues the example above``; it runs in the namespace 
 before it. The repository root is the working directory.
 A block fenced as ```python no-run is not executed: it needs several processes
 or a GPU. Keep those minimal; each has a runnable counterpart in examples/.
+A block fenced as ```python requires=MODULE[,MODULE] (an optional package of the
+test extra, such as torchtune) runs only where every MODULE imports; elsewhere it
+is only compiled.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -24,6 +28,19 @@ SKIP_MARKER = "no-run"
 #: Fence info of a block that continues the one before it, and the comment that opens it.
 CONTINUED = "continued"
 CONTINUED_COMMENT = "# continues the example above"
+#: Fence info prefix of blocks that need optional packages: ``requires=torchtune.models.llama3_1``.
+REQUIRES = "requires="
+
+
+def _importable(modules: str) -> bool:
+    """Every comma-separated module of a ``requires=`` fence imports (not only is installed:
+    torchtune's models also need torchao)."""
+    for name in modules.split(","):
+        try:
+            importlib.import_module(name.strip())
+        except ImportError:
+            return False
+    return True
 
 
 def blocks(path: Path) -> list[tuple[int, str, str]]:
@@ -42,11 +59,12 @@ def test_python_blocks_run(path, monkeypatch):
     namespace: dict = {}
     try:
         for line, info, source in blocks(path):
-            if info == SKIP_MARKER:
+            if info == SKIP_MARKER or (info.startswith(REQUIRES) and not _importable(info[len(REQUIRES):])):
                 compile(source, f"{path.name}:{line}", "exec")  # must still be valid Python
                 continue
-            assert info in ("", CONTINUED), (f"{path.name}:{line}: unknown fence info {info!r} (use ```python, "
-                                             f"```python {CONTINUED} or ```python {SKIP_MARKER})")
+            assert info in ("", CONTINUED) or info.startswith(REQUIRES), (
+                f"{path.name}:{line}: unknown fence info {info!r} (use ```python, ```python {CONTINUED}, "
+                f"```python {SKIP_MARKER} or ```python requires=...)")
             if info == CONTINUED:
                 assert source.startswith(CONTINUED_COMMENT + "\n"), \
                     f"{path.name}:{line}: a continued block opens with {CONTINUED_COMMENT!r}"
