@@ -105,18 +105,20 @@ def check_verify(factory, label: str, stats: dict, seconds: int, max_elements: i
     start = time.perf_counter()
     try:
         try:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):  # sized without memory first
                 probe = factory()
+            elements = sum(t.numel() for t in [*probe.parameters(), *probe.buffers()])
+            del probe
+            if elements > max_elements:
+                stats["too large"] = stats.get("too large", 0) + 1
+                print(f"too large {label}: {elements} elements", flush=True)
+                return
+            with torch.random.fork_rng(devices=[]):
+                factory()
         except _Timeout:
             raise
         except Exception:  # noqa: BLE001 - the model itself does not build from this config
             stats["does not build eagerly"] += 1
-            return
-        elements = sum(t.numel() for t in [*probe.parameters(), *probe.buffers()])
-        del probe
-        if elements > max_elements:
-            stats["too large"] = stats.get("too large", 0) + 1
-            print(f"too large {label}: {elements} elements", flush=True)
             return
         try:
             result = verify(factory, ["fsdp4", "tp2"], progress=False, label=label)

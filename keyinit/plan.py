@@ -629,7 +629,8 @@ class _Planner:
 
     # ------------------------------------------------------------------ checks
     def check(self, materializing: bool) -> None:
-        missing = [t.fqn for t in self.tensors if t.program is None and (materializing or t.kind == "parameter")]
+        missing = [t.fqn for t in self.tensors if t.program is None and (materializing or t.kind == "parameter")
+                   and math.prod(t.global_shape) > 0]  # a tensor of no elements has nothing to initialize
         if missing:
             raise PlanError(
                 "no rule or init method covers these tensors: " + ", ".join(missing) + ". " + self._missing_advice(),

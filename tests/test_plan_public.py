@@ -94,3 +94,23 @@ def test_plan_errors_come_before_anything_is_allocated():
         keyinit.plan_init(model, 0)
     assert err.value.fqns == ("free",)
     assert all(t.is_meta for t in model.parameters())
+
+
+def test_a_tensor_of_no_elements_needs_no_init():
+    # HF's DINOv3 with num_register_tokens=0: torch.empty(1, 0, dim) that no init code touches
+    class Registers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = nn.Parameter(torch.empty(1, 0, 4))
+            self.proj = nn.Linear(4, 4)
+
+    with torch.device("meta"):
+        model = Registers()
+    report = keyinit.materialize(model, 0, device="cpu")
+    assert model.tokens.shape == (1, 0, 4) and not model.tokens.is_meta
+    assert {r.fqn: r.source for r in report.records}["tokens"] == "kept"
+    with torch.device("meta"):
+        model = Registers()
+    model.tokens = nn.Parameter(torch.empty(1, 2, 4, device="meta"))  # with elements it must be covered
+    with pytest.raises(keyinit.PlanError, match="tokens"):
+        keyinit.materialize(model, 0, device="cpu")

@@ -154,7 +154,8 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
         plan = keyinit.plan_init(model, seed, materializing=True, **kwargs)
     except (keyinit.PlanError, keyinit.UnkeyedRandomnessError) as exc:
         return {"plan_error": str(exc), "ok": False}
-    entries = plan.entries
+    written = set(plan.fqns)
+    entries = [e for e in plan.entries if e.fqn in written]  # materializing: only empty tensors are kept
     reference = {e.fqn: plan.values(e.fqn) for e in entries}
 
     notes = list(plan.notes)
@@ -240,8 +241,8 @@ def _stage_plan(factory: Any, spec: str, layout: LayoutSpec, stage: int, seed: i
         wanted = {ref_aliases.get(name, name) for name in names}
         note = (f"{layout.name} stage {stage}: the init code cannot run on the cut stage ({exc}); its "
                 f"{len(wanted)} tensors were checked with the full model's plan instead")
-        return full_plan, [e for e in full_plan.entries if e.fqn in wanted], note
-    return plan, plan.entries, None
+        return full_plan, [e for e in full_plan.entries if e.fqn in wanted and e.fqn in full_plan.fqns], note
+    return plan, [e for e in plan.entries if e.fqn in plan.fqns], None
 
 
 def run(args: argparse.Namespace) -> int:
