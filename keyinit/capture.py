@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -148,6 +148,13 @@ def _recognised() -> dict[types.CodeType, Callable[[dict], Any]]:
 
 #: nn.Module's own bookkeeping attributes (its parameter, buffer, module and hook tables).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+#: Values stand-ins are never looked for inside: other tensors, modules (each module of a model is
+#: walked on its own), classes, functions, Python modules and scalars.
+_LEAVES = (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+#: How deep containers and plain objects are walked from a module attribute (a cache class holding a
+#: dict of dicts of tensors is 4 levels down).
+_WALK_DEPTH = 8
 
 _FILL_VALUE = {aten.fill_.Scalar, aten.fill.Scalar, aten.fill_.Tensor, aten.fill.Tensor}
 _ZERO = {aten.zero_.default, aten.zero.default}
@@ -270,23 +277,31 @@ class Capture:
             return evaluator.full(self.node(value))
 
     def concretize_attributes(self, module: torch.nn.Module, module_fqn: str,
-                              replaced: Optional[Mapping[int, torch.Tensor]] = None) -> None:
-        """Give stand-ins that code stored outside parameters and buffers (plain attributes, and
-        tensors inside lists, tuples and dicts there: RoPE caches) their real values, as eager
-        torch would have them, so no stand-in escapes the capture.
+                              replaced: Optional[Mapping[int, torch.Tensor]] = None,
+                              seen: Optional[set[int]] = None) -> None:
+        """Give stand-ins that code stored outside parameters and buffers their real values, as
+        eager torch would have them, so no stand-in escapes the capture: plain attributes, tensors
+        inside lists, tuples and dicts there, and inside the attributes of plain objects and
+        mappings held there (OLMo-core's RoPE ``BufferCache``, a mapping over a dict of dicts).
 
         Their values must not depend on a draw: a draw is keyed by the parameter or buffer it
         lands in, and a plain attribute is neither (:class:`UnkeyedRandomnessError`, naming it).
         A stand-in that IS a model tensor (nn.LSTM's ``_flat_weights`` list) becomes its
-        replacement in ``replaced`` (``id(stand-in) -> tensor``) instead."""
+        replacement in ``replaced`` (``id(stand-in) -> tensor``) instead. ``seen`` (ids of the
+        containers already walked) is shared across the modules of one model, so an object many
+        modules hold (a cache shared by every block) is walked once."""
+        seen = set() if seen is None else seen
         for name, value in list(vars(module).items()):
             if name in _MODULE_INTERNALS:
                 continue
-            converted = self._concrete_tree(value, f"{module_fqn}.{name}" if module_fqn else name, replaced or {})
+            where = f"{module_fqn}.{name}" if module_fqn else name
+            converted = self._concrete_tree(value, where, replaced or {}, seen, _WALK_DEPTH)
             if converted is not value:
                 object.__setattr__(module, name, converted)
 
-    def _concrete_tree(self, value: Any, where: str, replaced: Mapping[int, torch.Tensor]) -> Any:
+    def _concrete_tree(self, value: Any, where: str, replaced: Mapping[int, torch.Tensor], seen: set[int],
+                       depth: int) -> Any:
+        """``value`` with every stand-in inside it replaced by its real value (containers in place)."""
         if isinstance(value, LazyTensor):
             if id(value) in replaced:
                 return replaced[id(value)]
@@ -297,14 +312,40 @@ class Capture:
                     f"{where}: code stored a tensor computed from random draws outside the model's parameters "
                     f"and buffers; keyinit keys a draw by the parameter or buffer it lands in: register it as a "
                     f"buffer (register_buffer) or a parameter") from exc
-        if isinstance(value, (list, tuple)) and any(isinstance(v, LazyTensor) for v in value):
-            items = [self._concrete_tree(v, f"{where}[{i}]", replaced) for i, v in enumerate(value)]
+        if depth <= 0 or isinstance(value, _LEAVES) or id(value) in seen:
+            return value
+        seen.add(id(value))
+
+        def inner(item: Any, suffix: str) -> Any:
+            return self._concrete_tree(item, where + suffix, replaced, seen, depth - 1)
+
+        if isinstance(value, (list, tuple)):
+            items = [inner(v, f"[{i}]") for i, v in enumerate(value)]
+            if all(new is old for new, old in zip(items, value)):
+                return value
             if isinstance(value, list):
                 value[:] = items  # in place: other references to the list see real values too
                 return value
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-        if isinstance(value, dict) and any(isinstance(v, LazyTensor) for v in value.values()):
-            value.update({k: self._concrete_tree(v, f"{where}[{k!r}]", replaced) for k, v in value.items()})
+        if isinstance(value, dict):
+            changed = {k: new for k, v in list(value.items()) if (new := inner(v, f"[{k!r}]")) is not v}
+            value.update(changed)
+            return value
+        if isinstance(value, MutableMapping):  # a mapping class of its own: through its items
+            try:
+                items = list(value.items())
+            except Exception:  # noqa: BLE001 - a mapping that cannot list itself: its attributes below
+                items = []
+            for k, v in items:
+                new = inner(v, f"[{k!r}]")
+                if new is not v:
+                    value[k] = new
+        attributes = getattr(value, "__dict__", None)
+        if isinstance(attributes, dict):  # a plain object (a cache class): through its attributes
+            for name, v in list(attributes.items()):
+                new = inner(v, f".{name}")
+                if new is not v:
+                    attributes[name] = new
         return value
 
     # ------------------------------------------------------------------ frames

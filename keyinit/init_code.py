@@ -240,8 +240,9 @@ class Installed:
             module._non_persistent_buffers_set.update(non_persistent)
         for _t, table, attr, original, _replacement in reversed(self.entries):
             table[attr] = original
+        seen: set[int] = set()  # a cache many modules share (OLMo-core's BufferCache) is walked once
         for module, fqn in self.modules:  # caches init code filled in place (a dict of RoPE tables)
-            self.capture.concretize_attributes(module, fqn)
+            self.capture.concretize_attributes(module, fqn, seen=seen)
 
     @contextlib.contextmanager
     def untied(self, module: Optional[torch.nn.Module], capture: Capture) -> Iterator[None]:
