@@ -603,17 +603,27 @@ class Capture:
                 nodes = [n for n in nodes if n.numel or len(n.shape) == len(first.shape)]
             return result(Cat(tuple(first.shape), first.dtype,
                               tuple(_convert(n, n.shape, first.dtype, name) for n in nodes), d, _CAT[func]))
-        inputs = tuple(self.node(flat[i]) for i in positions)
-        writes_to = {id(bound[m]) for m in mutated if m in bound}
         out_kwargs = {m for m in mutated if _is_kwarg_only(func, m)}
-        fresh = [j for j, i in enumerate(positions) if id(flat[i]) in writes_to]
+        # the position of each written argument, in the order of the op's mutated arguments: an in-place
+        # op's own tensor (``w.mul_(w)`` reads w as the other operand), an out= argument in the kwargs
+        # (``torch.add(x, 1, out=x)`` reads x as the input)
+        n_args = len(tree_flatten(args)[0]) if out_kwargs else 0
+        slots = [(m, next(j for j, i in enumerate(positions)
+                          if flat[i] is bound[m] and (i >= n_args or m not in out_kwargs)))
+                 for m in mutated if isinstance(bound.get(m), torch.Tensor)]
+        fresh = [j for _m, j in slots]
+        out_at = {j for m, j in slots if m in out_kwargs}
+        # an out= argument's old contents are never read (``call`` passes an empty tensor in its place):
+        # not an input, so an out= tensor fresh from torch.empty is not a read of uninitialized memory
+        inputs = tuple(Const(tuple(flat[i].shape), flat[i].dtype, 0) if j in out_at else self.node(flat[i])
+                       for j, i in enumerate(positions))
 
         def call(*values: torch.Tensor) -> Any:
             rebuilt = list(flat)
             for j, (i, v) in enumerate(zip(positions, values)):
                 if j in fresh:
                     # the written argument: a copy (an out= argument's old contents are never read)
-                    v = torch.empty(0, dtype=v.dtype) if any(flat[i] is bound.get(m) for m in out_kwargs) else v.clone()
+                    v = torch.empty(0, dtype=v.dtype) if j in out_at else v.clone()
                 rebuilt[i] = v
             a, k = tree_unflatten(rebuilt, spec)
             if k.get("device") is not None:
