@@ -39,6 +39,7 @@ from keyinit import init as _init
 from keyinit._random_ops import Effects, bind_arguments, is_random, keyed_effects
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.program import (
+    Alloc,
     Cat,
     Const,
     Geometry,
@@ -210,6 +211,7 @@ class Capture:
         self._bases: list[torch.Tensor] = []  # keeps meta storages alive, so their ids stay unique
         self._claimed: list[types.FrameType] = []
         self._recognised = _recognised()
+        self.emptied: dict[int, str] = {}  # id(storage) -> the site whose to_empty forgot its contents
         self.site = "<init code>"
         self.label = "init code"
         self._mode = _Mode(self)
@@ -244,6 +246,13 @@ class Capture:
             self._storages[cdata] = storage
             self._bases.append(meta)
         return storage
+
+    def forget(self, tensor: LazyTensor) -> None:
+        """From now on the elements of ``tensor``'s buffer are uninitialized, as after eager
+        ``to_empty``: what was written before is dead, and reading it is an error."""
+        storage = self.storage_of(tensor)
+        storage.current = Alloc(storage)
+        self.emptied[id(storage)] = self.site
 
     @contextlib.contextmanager
     def active(self, site: str, label: str) -> Iterator[None]:
