@@ -3,11 +3,14 @@
 Blocks of one file run in order in one namespace (a later block may use an
 earlier block's names), with the repository root as the working directory.
 A block fenced as ```python no-run is not executed: it needs several processes
-or a GPU. Keep those minimal; each has a runnable counterpart in examples/.
+or a GPU. Keep those minimal; each has a runnable counterpart in examples/ or tests/.
+A block fenced as ```python requires=PACKAGE runs only where that optional package
+is installed (OLMo-core), and is compiled only elsewhere.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -19,6 +22,17 @@ FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 #: Fence info strings that are not executed.
 SKIP_MARKER = "no-run"
+#: Fence info prefix of blocks that need an optional package: ```python requires=olmo_core
+REQUIRES = "requires="
+
+
+def _runs(info: str, where: str) -> bool:
+    """Whether a block with fence info ``info`` is executed here (else it is only compiled)."""
+    if info.startswith(REQUIRES):
+        return importlib.util.find_spec(info[len(REQUIRES):]) is not None
+    assert info in ("", SKIP_MARKER), \
+        f"{where}: unknown fence info {info!r} (use ```python, ```python no-run or ```python requires=PACKAGE)"
+    return info == ""
 
 
 def blocks(path: Path) -> list[tuple[int, str, str]]:
@@ -37,10 +51,9 @@ def test_python_blocks_run(path, monkeypatch):
     namespace: dict = {"__name__": f"docs_{path.stem}"}
     try:
         for line, info, source in blocks(path):
-            if info == SKIP_MARKER:
+            if not _runs(info, f"{path.name}:{line}"):
                 compile(source, f"{path.name}:{line}", "exec")  # must still be valid Python
                 continue
-            assert info == "", f"{path.name}:{line}: unknown fence info {info!r} (use ```python or ```python no-run)"
             exec(compile(source, f"{path.name}:{line}", "exec"), namespace)
     finally:
         registry._module_rules, registry._patterns = saved
