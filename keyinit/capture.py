@@ -287,7 +287,7 @@ class Capture:
 
     def concretize_attributes(self, module: torch.nn.Module, module_fqn: str,
                               replaced: Optional[Mapping[int, torch.Tensor]] = None,
-                              seen: Optional[set[int]] = None) -> None:
+                              seen: Optional[dict[int, Any]] = None) -> None:
         """Give stand-ins that code stored outside parameters and buffers their real values, as
         eager torch would have them, so no stand-in escapes the capture: plain attributes, tensors
         inside lists, tuples and dicts there, and inside the attributes of plain objects and
@@ -296,10 +296,11 @@ class Capture:
         Their values must not depend on a draw: a draw is keyed by the parameter or buffer it
         lands in, and a plain attribute is neither (:class:`UnkeyedRandomnessError`, naming it).
         A stand-in that IS a model tensor (nn.LSTM's ``_flat_weights`` list) becomes its
-        replacement in ``replaced`` (``id(stand-in) -> tensor``) instead. ``seen`` (ids of the
-        containers already walked) is shared across the modules of one model, so an object many
-        modules hold (a cache shared by every block) is walked once."""
-        seen = set() if seen is None else seen
+        replacement in ``replaced`` (``id(stand-in) -> tensor``) instead. ``seen`` (``id -> (object,
+        what it became)`` of what was walked; the object is kept so its id stays its own) is shared across the modules of one model, so an object many
+        modules hold (a cache shared by every block) is walked once, and a stand-in or tuple held in
+        two places becomes one real value."""
+        seen = {} if seen is None else seen
         for name, value in list(vars(module).items()):
             if name in _MODULE_INTERNALS:
                 continue
@@ -308,22 +309,25 @@ class Capture:
             if converted is not value:
                 object.__setattr__(module, name, converted)
 
-    def _concrete_tree(self, value: Any, where: str, replaced: Mapping[int, torch.Tensor], seen: set[int],
+    def _concrete_tree(self, value: Any, where: str, replaced: Mapping[int, torch.Tensor], seen: dict[int, Any],
                        depth: int) -> Any:
         """``value`` with every stand-in inside it replaced by its real value (containers in place)."""
+        if id(value) in seen:
+            return seen[id(value)][1]
         if isinstance(value, LazyTensor):
             if id(value) in replaced:
                 return replaced[id(value)]
             try:
-                return self.concrete(value, f"attribute {where}")
+                seen[id(value)] = (value, self.concrete(value, f"attribute {where}"))
             except UnkeyedRandomnessError as exc:
                 raise UnkeyedRandomnessError(
                     f"{where}: code stored a tensor computed from random draws outside the model's parameters "
                     f"and buffers; keyinit keys a draw by the parameter or buffer it lands in: register it as a "
                     f"buffer (register_buffer) or a parameter") from exc
-        if depth <= 0 or isinstance(value, _LEAVES) or id(value) in seen:
+            return seen[id(value)][1]
+        if depth <= 0 or isinstance(value, _LEAVES):
             return value
-        seen.add(id(value))
+        seen[id(value)] = (value, value)
 
         def inner(item: Any, suffix: str) -> Any:
             return self._concrete_tree(item, where + suffix, replaced, seen, depth - 1)
@@ -335,7 +339,8 @@ class Capture:
             if isinstance(value, list):
                 value[:] = items  # in place: other references to the list see real values too
                 return value
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+            seen[id(value)] = (value, type(value)(*items) if hasattr(value, "_fields") else type(value)(items))
+            return seen[id(value)][1]
         if isinstance(value, dict):
             changed = {k: new for k, v in list(value.items()) if (new := inner(v, f"[{k!r}]")) is not v}
             value.update(changed)

@@ -7,8 +7,9 @@ tensors the code re-assigned or created. While they are installed, the memory-ma
 calls init code makes on the model (``to_empty``, ``.to(device)`` and everything else that goes
 through ``Module._apply``; FSDP2's ``unshard``/``reshard``/``reset_sharded_param``) act on the
 stand-ins, which are global and hold no memory, instead of on the model's real tensors or
-shards. :class:`PerModuleCall` is a per-module init method (HF's ``_init_weights``); the parametrization helpers turn a rule for a
-parametrized tensor, and spectral norm's constructor state, into init code.
+shards. :class:`PerModuleCall` is a per-module init method (HF's ``_init_weights``); the
+parametrization helpers turn a rule for a parametrized tensor, and spectral norm's
+constructor state, into init code.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ class Installed:
             module._non_persistent_buffers_set.update(non_persistent)
         for _t, table, attr, original, _replacement in reversed(self.entries):
             table[attr] = original
-        seen: set[int] = set()  # a cache many modules share (OLMo-core's BufferCache) is walked once
+        seen: dict[int, Any] = {}  # a cache many modules share (OLMo-core's BufferCache) is walked once
         for module, fqn in self.modules:  # caches init code filled in place (a dict of RoPE tables)
             self.capture.concretize_attributes(module, fqn, seen=seen)
 
@@ -365,9 +366,10 @@ def _apply_to_standin(fn: Callable[[torch.Tensor], Any], standin: LazyTensor, fq
     if result is standin:
         return
     if not isinstance(result, LazyTensor) or tuple(result.shape) != tuple(standin.shape):
-        raise CaptureError(f"{fqn}: init code's Module._apply ({getattr(fn, '__qualname__', fn)}) turns the tensor into "
-                           f"{type(result).__name__} of shape {tuple(getattr(result, 'shape', ()))}; keyinit follows "
-                           f"only moves (to_empty, .to(device)) of the tensors it materializes")
+        what = getattr(fn, "__qualname__", fn)
+        raise CaptureError(f"{fqn}: init code's Module._apply ({what}) turns the tensor into {type(result).__name__} "
+                           f"of shape {tuple(getattr(result, 'shape', ()))}; keyinit follows only moves (to_empty, "
+                           f".to(device)) of the tensors it materializes")
     if result.dtype != standin.dtype:
         raise CaptureError(f"{fqn}: init code converts it from {standin.dtype} to {result.dtype} (Module.to, .half, "
                            f".float, ...); keyinit materializes a tensor in the dtype the model declares: build the "

@@ -134,3 +134,24 @@ def test_random_values_in_a_mapping_class_are_a_plan_error_naming_where():
     with pytest.raises(keyinit.UnkeyedRandomnessError, match=r"cache\._data\['b'\]\['noise'\].*register_buffer"):
         keyinit.materialize(model, 0, device="cpu", init_method="init_weights")
     assert model.proj.weight.is_meta
+
+
+def test_a_table_held_in_two_places_becomes_one_real_tensor():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+
+        def init_weights(self):
+            nn.init.zeros_(self.proj.weight)
+            nn.init.zeros_(self.proj.bias)
+            table = torch.arange(3.0)
+            self.pair = (table, table * 2)
+            self.same_pair = self.pair
+            self.tables = [table, table]
+
+    with torch.device("meta"):
+        model = Twice()
+    keyinit.materialize(model, 0, device="cpu", init_method="init_weights")
+    assert model.same_pair is model.pair and model.tables[0] is model.tables[1] is model.pair[0]
+    assert torch.equal(model.pair[1], torch.arange(3.0) * 2) and type(model.pair[0]) is torch.Tensor

@@ -38,7 +38,8 @@ from keyinit.cli._fidelity import compare
 from tests._dist import requires_gloo, run_distributed
 from tests.test_model_dist import count_collectives
 
-olmo_transformer = pytest.importorskip("olmo_core.nn.transformer", reason="needs ai2-olmo-core (pip install -e '.[test]')")
+olmo_transformer = pytest.importorskip("olmo_core.nn.transformer",
+                                       reason="needs ai2-olmo-core (pip install -e '.[test]')")
 
 SEED = 20260117
 VOCAB = 256
