@@ -144,6 +144,17 @@ def test_follows_olmo_cores_own_init(name):
     assert checks.get("distribution", 0) >= 8 and checks.get("exact", 0) >= 1, (name, checks)
 
 
+def test_built_with_deferred_gives_the_same_values():
+    """``deferred(config.build)`` records the constructor's init; ``init_weights`` starts with
+    ``to_empty``, which drops it, then writes every tensor: the values of the model built on meta."""
+    model = keyinit.deferred(_config("olmo2", 0).build, init_device="cpu")
+    report = _materialize(model)
+    assert {r.source for r in report.records} == {"init_weights"}
+    expected = _state(_keyed("olmo2")[0])
+    ours = _state(model)
+    assert all(torch.equal(ours[k], v) for k, v in expected.items())
+
+
 def test_tied_embeddings_stay_tied():
     model, report = _keyed("tied")
     assert model.lm_head.w_out.weight is model.embeddings.weight
