@@ -26,6 +26,7 @@ ai2-olmo-core is an optional test dependency: these tests skip without it.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import pytest
@@ -38,8 +39,23 @@ from keyinit.cli._fidelity import compare
 from tests._dist import requires_gloo, run_distributed
 from tests.test_model_dist import count_collectives
 
-olmo_transformer = pytest.importorskip("olmo_core.nn.transformer",
-                                       reason="needs ai2-olmo-core (pip install -e '.[test]')")
+
+
+def _import_olmo_core() -> Any:
+    """``olmo_core.nn.transformer``, leaving this process's environment as it was: importing
+    OLMo-core points ``TRITON_CACHE_DIR`` at a per-process directory it makes under /tmp (asked
+    not to here) and sets ``TORCHINDUCTOR_CACHE_DIR``, for every test after it."""
+    saved = dict(os.environ)
+    os.environ["OLMO_DISABLE_PER_RANK_TRITON_CACHE"] = "1"
+    try:
+        return pytest.importorskip("olmo_core.nn.transformer", reason="needs ai2-olmo-core (pip install -e '.[test]')")
+    finally:
+        for name in set(os.environ) - set(saved):
+            del os.environ[name]
+        os.environ.update(saved)
+
+
+olmo_transformer = _import_olmo_core()
 
 SEED = 20260117
 VOCAB = 256
