@@ -150,14 +150,30 @@ def test_follows_olmo_cores_own_init(name):
     ours, first, second = _state(model), _state(_eager(name, 0)), _state(_eager(name, 1))
     assert set(ours) == set(first), sorted(set(ours) ^ set(first))
     checks: dict[str, int] = {}
+    wrong = _unfaithful(ours, first, second, checks)
+    assert not wrong, f"{name}: {len(wrong)} of {len(first)} tensors do not follow OLMo-core's init: {wrong}"
+    assert checks.get("distribution", 0) >= 8 and checks.get("exact", 0) >= 1, (name, checks)
+
+
+def _unfaithful(ours: dict[str, torch.Tensor], first: dict[str, torch.Tensor], second: dict[str, torch.Tensor],
+                checks: dict[str, int]) -> list[str]:
+    """Tensors whose values do not follow the two eager inits (``checks`` counts the kinds of check)."""
     wrong = []
     for fqn, eager in first.items():
         check, difference = compare(ours[fqn], eager, second[fqn])
         checks[check] = checks.get(check, 0) + 1
         if difference is not None:
             wrong.append(f"{fqn} ({check}: {difference})")
-    assert not wrong, f"{name}: {len(wrong)} of {len(first)} tensors do not follow OLMo-core's init: {wrong}"
-    assert checks.get("distribution", 0) >= 8 and checks.get("exact", 0) >= 1, (name, checks)
+    return wrong
+
+
+def test_the_check_notices_init_weights_left_out():
+    """Without ``init_method``, a meta-built model gets torch.nn's defaults: reported, and the check fails."""
+    model = _config("llama_llama", 0).build(init_device="meta")
+    report = keyinit.materialize(model, SEED, device="cpu")
+    assert report.defaults
+    wrong = _unfaithful(_state(model), _state(_eager("llama_llama", 0)), _state(_eager("llama_llama", 1)), {})
+    assert any("attention.w_q.weight" in w for w in wrong) and len(wrong) >= 8, wrong
 
 
 def test_built_with_deferred_gives_the_same_values():
