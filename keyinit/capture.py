@@ -30,7 +30,7 @@ import contextlib
 import copy
 import sys
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -42,6 +42,7 @@ from keyinit import init as _init
 from keyinit._random_ops import Effects, bind_arguments, is_random, keyed_effects
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.program import (
+    Alloc,
     Cat,
     Const,
     Geometry,
@@ -185,6 +186,13 @@ def _recognised() -> dict[types.CodeType, Callable[[dict], Any]]:
 
 #: nn.Module's own bookkeeping attributes (its parameter, buffer, module and hook tables).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+#: Values stand-ins are never looked for inside: other tensors, modules (each module of a model is
+#: walked on its own), classes, functions, Python modules and scalars.
+_LEAVES = (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+#: How deep containers and plain objects are walked from a module attribute (a cache class holding a
+#: dict of dicts of tensors is 4 levels down).
+_WALK_DEPTH = 8
 
 _FILL_VALUE = {aten.fill_.Scalar, aten.fill.Scalar, aten.fill_.Tensor, aten.fill.Tensor}
 _ZERO = {aten.zero_.default, aten.zero.default}
@@ -240,6 +248,7 @@ class Capture:
         self._bases: list[torch.Tensor] = []  # keeps meta storages alive, so their ids stay unique
         self._claimed: list[types.FrameType] = []
         self._recognised = _recognised()
+        self.emptied: dict[int, str] = {}  # id(storage) -> the site whose to_empty forgot its contents
         self.site = "<init code>"
         self.label = "init code"
         self._mode = _Mode(self)
@@ -275,6 +284,13 @@ class Capture:
             self._bases.append(meta)
         return storage
 
+    def forget(self, tensor: LazyTensor) -> None:
+        """From now on the elements of ``tensor``'s buffer are uninitialized, as after eager
+        ``to_empty``: what was written before is dead, and reading it is an error."""
+        storage = self.storage_of(tensor)
+        storage.current = Alloc(storage)
+        self.emptied[id(storage)] = self.site
+
     @contextlib.contextmanager
     def active(self, site: str, label: str) -> Iterator[None]:
         """Run init code under capture; ``site`` names it in errors, ``label`` in reports."""
@@ -307,41 +323,80 @@ class Capture:
             return evaluator.full(self.node(value))
 
     def concretize_attributes(self, module: torch.nn.Module, module_fqn: str,
-                              replaced: Optional[Mapping[int, torch.Tensor]] = None) -> None:
-        """Give stand-ins that code stored outside parameters and buffers (plain attributes, and
-        tensors inside lists, tuples and dicts there: RoPE caches) their real values, as eager
-        torch would have them, so no stand-in escapes the capture.
+                              replaced: Optional[Mapping[int, torch.Tensor]] = None,
+                              seen: Optional[dict[int, Any]] = None) -> None:
+        """Give stand-ins that code stored outside parameters and buffers their real values, as
+        eager torch would have them, so no stand-in escapes the capture: plain attributes, tensors
+        inside lists, tuples and dicts there, and inside the attributes of plain objects and
+        mappings held there (OLMo-core's RoPE ``BufferCache``, a mapping over a dict of dicts).
 
         Their values must not depend on a draw: a draw is keyed by the parameter or buffer it
         lands in, and a plain attribute is neither (:class:`UnkeyedRandomnessError`, naming it).
         A stand-in that IS a model tensor (nn.LSTM's ``_flat_weights`` list) becomes its
-        replacement in ``replaced`` (``id(stand-in) -> tensor``) instead."""
+        replacement in ``replaced`` (``id(stand-in) -> tensor``) instead. ``seen`` (``id -> (object,
+        what it became)`` of what was walked; the object is kept so its id stays its own) is shared across the modules of one model, so an object many
+        modules hold (a cache shared by every block) is walked once, and a stand-in or tuple held in
+        two places becomes one real value."""
+        seen = {} if seen is None else seen
         for name, value in list(vars(module).items()):
             if name in _MODULE_INTERNALS:
                 continue
-            converted = self._concrete_tree(value, f"{module_fqn}.{name}" if module_fqn else name, replaced or {})
+            where = f"{module_fqn}.{name}" if module_fqn else name
+            converted = self._concrete_tree(value, where, replaced or {}, seen, _WALK_DEPTH)
             if converted is not value:
                 object.__setattr__(module, name, converted)
 
-    def _concrete_tree(self, value: Any, where: str, replaced: Mapping[int, torch.Tensor]) -> Any:
+    def _concrete_tree(self, value: Any, where: str, replaced: Mapping[int, torch.Tensor], seen: dict[int, Any],
+                       depth: int) -> Any:
+        """``value`` with every stand-in inside it replaced by its real value (containers in place)."""
+        if id(value) in seen:
+            return seen[id(value)][1]
         if isinstance(value, LazyTensor):
             if id(value) in replaced:
                 return replaced[id(value)]
             try:
-                return self.concrete(value, f"attribute {where}")
+                seen[id(value)] = (value, self.concrete(value, f"attribute {where}"))
             except UnkeyedRandomnessError as exc:
                 raise UnkeyedRandomnessError(
                     f"{where}: code stored a tensor computed from random draws outside the model's parameters "
                     f"and buffers; keyinit keys a draw by the parameter or buffer it lands in: register it as a "
                     f"buffer (register_buffer) or a parameter") from exc
-        if isinstance(value, (list, tuple)) and any(isinstance(v, LazyTensor) for v in value):
-            items = [self._concrete_tree(v, f"{where}[{i}]", replaced) for i, v in enumerate(value)]
+            return seen[id(value)][1]
+        if depth <= 0 or isinstance(value, _LEAVES):
+            return value
+        seen[id(value)] = (value, value)
+
+        def inner(item: Any, suffix: str) -> Any:
+            return self._concrete_tree(item, where + suffix, replaced, seen, depth - 1)
+
+        if isinstance(value, (list, tuple)):
+            items = [inner(v, f"[{i}]") for i, v in enumerate(value)]
+            if all(new is old for new, old in zip(items, value)):
+                return value
             if isinstance(value, list):
                 value[:] = items  # in place: other references to the list see real values too
                 return value
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-        if isinstance(value, dict) and any(isinstance(v, LazyTensor) for v in value.values()):
-            value.update({k: self._concrete_tree(v, f"{where}[{k!r}]", replaced) for k, v in value.items()})
+            seen[id(value)] = (value, type(value)(*items) if hasattr(value, "_fields") else type(value)(items))
+            return seen[id(value)][1]
+        if isinstance(value, dict):
+            changed = {k: new for k, v in list(value.items()) if (new := inner(v, f"[{k!r}]")) is not v}
+            value.update(changed)
+            return value
+        if isinstance(value, MutableMapping):  # a mapping class of its own: through its items
+            try:
+                items = list(value.items())
+            except Exception:  # noqa: BLE001 - a mapping that cannot list itself: its attributes below
+                items = []
+            for k, v in items:
+                new = inner(v, f"[{k!r}]")
+                if new is not v:
+                    value[k] = new
+        attributes = getattr(value, "__dict__", None)
+        if isinstance(attributes, dict):  # a plain object (a cache class): through its attributes
+            for name, v in list(attributes.items()):
+                new = inner(v, f".{name}")
+                if new is not v:
+                    attributes[name] = new
         return value
 
     # ------------------------------------------------------------------ frames
@@ -599,17 +654,27 @@ class Capture:
                 nodes = [n for n in nodes if n.numel or len(n.shape) == len(first.shape)]
             return result(Cat(tuple(first.shape), first.dtype,
                               tuple(_convert(n, n.shape, first.dtype, name) for n in nodes), d, _CAT[func]))
-        inputs = tuple(self.node(flat[i]) for i in positions)
-        writes_to = {id(bound[m]) for m in mutated if m in bound}
         out_kwargs = {m for m in mutated if _is_kwarg_only(func, m)}
-        fresh = [j for j, i in enumerate(positions) if id(flat[i]) in writes_to]
+        # the position of each written argument, in the order of the op's mutated arguments: an in-place
+        # op's own tensor (``w.mul_(w)`` reads w as the other operand), an out= argument in the kwargs
+        # (``torch.add(x, 1, out=x)`` reads x as the input)
+        n_args = len(tree_flatten(args)[0]) if out_kwargs else 0
+        slots = [(m, next(j for j, i in enumerate(positions)
+                          if flat[i] is bound[m] and (i >= n_args or m not in out_kwargs)))
+                 for m in mutated if isinstance(bound.get(m), torch.Tensor)]
+        fresh = [j for _m, j in slots]
+        out_at = {j for m, j in slots if m in out_kwargs}
+        # an out= argument's old contents are never read (``call`` passes an empty tensor in its place):
+        # not an input, so an out= tensor fresh from torch.empty is not a read of uninitialized memory
+        inputs = tuple(Const(tuple(flat[i].shape), flat[i].dtype, 0) if j in out_at else self.node(flat[i])
+                       for j, i in enumerate(positions))
 
         def call(*values: torch.Tensor) -> Any:
             rebuilt = list(flat)
             for j, (i, v) in enumerate(zip(positions, values)):
                 if j in fresh:
                     # the written argument: a copy (an out= argument's old contents are never read)
-                    v = torch.empty(0, dtype=v.dtype) if any(flat[i] is bound.get(m) for m in out_kwargs) else v.clone()
+                    v = torch.empty(0, dtype=v.dtype) if j in out_at else v.clone()
                 rebuilt[i] = v
             a, k = tree_unflatten(rebuilt, spec)
             if k.get("device") is not None:

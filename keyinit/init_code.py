@@ -3,9 +3,13 @@
 :class:`Installed` swaps every parameter and buffer of a model for its
 :class:`keyinit.capture.LazyTensor` stand-in and restores every module exactly
 afterwards (parameters, buffers, attributes, the non-persistent set), reporting
-tensors the code re-assigned or created. :class:`PerModuleCall` is a per-module
-init method (HF's ``_init_weights``); the parametrization helpers turn a rule for a
-parametrized tensor, and spectral norm's constructor state, into init code.
+tensors the code re-assigned or created. While they are installed, the memory-management
+calls init code makes on the model (``to_empty``, ``.to(device)`` and everything else that goes
+through ``Module._apply``; FSDP2's ``unshard``/``reshard``/``reset_sharded_param``) act on the
+stand-ins, which are global and hold no memory, instead of on the model's real tensors or
+shards. :class:`PerModuleCall` is a per-module init method (HF's ``_init_weights``); the
+parametrization helpers turn a rule for a parametrized tensor, and spectral norm's
+constructor state, into init code.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 
-from keyinit.capture import Capture, LazyTensor
+from keyinit.capture import Capture, CaptureError, LazyTensor
 from keyinit.errors import PlanError
 from keyinit.deferred import seed_storage
-from keyinit.program import Geometry, Node, Random
+from keyinit.program import Alloc, Geometry, Node, Random
 
 if TYPE_CHECKING:
     from keyinit.plan import PlannedTensor
@@ -208,9 +212,11 @@ class Installed:
                           for m, _ in self.modules]
         for _t, table, attr, _original, replacement in self.entries:
             table[attr] = replacement
+        self._held = _hold_memory_calls(self.modules, self.capture)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        _release_memory_calls(self._held)
         installed = {(id(table), attr) for _t, table, attr, _o, _r in self.entries}
         fqns = {id(m): fqn for m, fqn in self.modules}
         for module, attributes, parameters, buffers, non_persistent in self.snapshots:
@@ -240,8 +246,9 @@ class Installed:
             module._non_persistent_buffers_set.update(non_persistent)
         for _t, table, attr, original, _replacement in reversed(self.entries):
             table[attr] = original
+        seen: dict[int, Any] = {}  # a cache many modules share (OLMo-core's BufferCache) is walked once
         for module, fqn in self.modules:  # caches init code filled in place (a dict of RoPE tables)
-            self.capture.concretize_attributes(module, fqn)
+            self.capture.concretize_attributes(module, fqn, seen=seen)
 
     @contextlib.contextmanager
     def untied(self, module: Optional[torch.nn.Module], capture: Capture,
@@ -290,3 +297,99 @@ class Installed:
     def assigned(self) -> list[tuple[torch.nn.Module, str, str, str, LazyTensor]]:
         """``(module, module fqn, name, kind, value)`` of tensors init code put where no tensor was."""
         return list(self._assigned)
+
+
+# ----------------------------------------------------------------------------- memory management on stand-ins
+#: FSDP2's calls that gather or free a module's shards (``FSDPModule.unshard``/``reshard``): on
+#: stand-ins, which are the global tensors already, there is nothing to gather or free.
+_FSDP_MODULE_CALLS = ("unshard", "reshard")
+
+
+def _hold_memory_calls(modules: list[tuple[torch.nn.Module, str]], capture: Capture) -> list[tuple[Any, str]]:
+    """Shadow the memory-management methods of ``modules`` (instance attributes over their class
+    methods) while stand-ins are installed; returns what :func:`_release_memory_calls` removes.
+
+    ``Module._apply``, which ``to_empty``, ``.to()``, ``.cuda()``, ``.cpu()``, ``.half()``, ``.float()``
+    and ``.type()`` all call, applies its function to every stand-in: a result of the same shape and
+    dtype that holds a copy is a move (nothing changes); one that holds nothing (``to_empty``'s
+    ``empty_like``) leaves the stand-in's elements uninitialized, as eager ``to_empty`` does, so the
+    code must write them again; a dtype conversion is a :class:`CaptureError` naming the tensor.
+    FSDP2's own ``_apply`` (which re-pads its shards through ``reset_sharded_param``) is shadowed
+    with the rest, and so are ``unshard``/``reshard`` and every ``FSDPParam.reset_sharded_param``
+    (a ``load_state_dict`` post-hook calls it)."""
+    held: list[tuple[Any, str]] = []
+    for module, fqn in modules:
+        _shadow(module, "_apply", _standin_apply(module, fqn, capture), held)
+        if callable(getattr(module, "_get_fsdp_state", None)):
+            for name in _FSDP_MODULE_CALLS:
+                if callable(getattr(module, name, None)):
+                    _shadow(module, name, _nothing_to_move, held)
+            for fsdp_param in _fsdp_params(module):
+                _shadow(fsdp_param, "reset_sharded_param", _nothing_to_move, held)
+    return held
+
+
+def _release_memory_calls(held: list[tuple[Any, str]]) -> None:
+    for owner, name in reversed(held):
+        vars(owner).pop(name, None)
+
+
+def _shadow(owner: Any, name: str, replacement: Callable[..., Any], held: list[tuple[Any, str]]) -> None:
+    attributes = getattr(owner, "__dict__", None)
+    if not isinstance(attributes, dict) or name in attributes:
+        return  # no instance dictionary, or an instance attribute of its own: left alone
+    attributes[name] = replacement
+    held.append((owner, name))
+
+
+def _nothing_to_move(*args: Any, **kwargs: Any) -> None:
+    """Gathering, freeing or re-padding shards: stand-ins are whole and hold no memory."""
+    return None
+
+
+def _fsdp_params(module: torch.nn.Module) -> list[Any]:
+    """The ``FSDPParam`` objects of an FSDP2 module (torch internals: none if they moved)."""
+    try:
+        state = module._get_fsdp_state()  # type: ignore[operator]
+    except Exception:  # noqa: BLE001 - not an FSDP2 module after all, or other torch internals
+        return []
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch releases with one group per module
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return [p for group in groups for p in getattr(group, "fsdp_params", ())]
+
+
+def _standin_apply(module: torch.nn.Module, fqn: str, capture: Capture) -> Callable[..., torch.nn.Module]:
+    """``module._apply(fn, recurse=True)`` over stand-ins (see :func:`_hold_memory_calls`)."""
+
+    def _apply(fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> torch.nn.Module:
+        if recurse:
+            for child in module.children():
+                child._apply(fn)
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if isinstance(tensor, LazyTensor):
+                    _apply_to_standin(fn, tensor, f"{fqn}.{name}" if fqn else name, capture)
+        return module
+
+    return _apply
+
+
+def _apply_to_standin(fn: Callable[[torch.Tensor], Any], standin: LazyTensor, fqn: str, capture: Capture) -> None:
+    with torch.no_grad():
+        result = fn(standin)
+    if result is standin:
+        return
+    if not isinstance(result, LazyTensor) or tuple(result.shape) != tuple(standin.shape):
+        what = getattr(fn, "__qualname__", fn)
+        raise CaptureError(f"{fqn}: init code's Module._apply ({what}) turns the tensor into {type(result).__name__} "
+                           f"of shape {tuple(getattr(result, 'shape', ()))}; keyinit follows only moves (to_empty, "
+                           f".to(device)) of the tensors it materializes")
+    if result.dtype != standin.dtype:
+        raise CaptureError(f"{fqn}: init code converts it from {standin.dtype} to {result.dtype} (Module.to, .half, "
+                           f".float, ...); keyinit materializes a tensor in the dtype the model declares: build the "
+                           f"model in {result.dtype}, or convert it after materialize")
+    moved = capture.storage_of(result)
+    if isinstance(moved.current, Alloc):  # to_empty: fresh memory, nothing written
+        capture.forget(standin)

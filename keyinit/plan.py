@@ -220,6 +220,7 @@ class _Planner:
         self.registry = registry
         self.tensors: list[PlannedTensor] = []
         self.notes: list[str] = []
+        self.emptied: dict[str, str] = {}  # fqn -> the init code whose to_empty left it with nothing written
         # rules for parametrized tensors: (id(module), name) -> (module, fqn, name, kind, label, initializer)
         self.parametrized: dict[tuple[int, str], tuple] = {}
 
@@ -597,6 +598,8 @@ class _Planner:
                 continue
             program = SlotProgram.of_storage(t.fqn, t.global_shape, capture.storage_of(standins[id(t)]))
             t.program = None if program.empty else program
+            if program.empty and id(capture.storage_of(standins[id(t)])) in capture.emptied:
+                self.emptied[t.fqn] = capture.emptied[id(capture.storage_of(standins[id(t)]))]
             only_default = t.rule is not None and len(program.writes) == 1 and program.source == t.rule[1]
             if program.empty:
                 t.origin = "kept"
@@ -631,6 +634,12 @@ class _Planner:
     def check(self, materializing: bool) -> None:
         missing = [t.fqn for t in self.tensors if t.program is None and (materializing or t.kind == "parameter")
                    and math.prod(t.global_shape) > 0]  # a tensor of no elements has nothing to initialize
+        emptied = [fqn for fqn in missing if fqn in self.emptied]
+        if emptied:
+            raise PlanError(
+                f"{self.emptied[emptied[0]]}: init code's to_empty left these tensors uninitialized and nothing "
+                "wrote them afterwards (eager torch would leave uninitialized memory there): " + ", ".join(emptied)
+                + ". Initialize them in the init code after to_empty, or give them a rule.", tuple(emptied))
         if missing:
             raise PlanError(
                 "no rule or init method covers these tensors: " + ", ".join(missing) + ". " + self._missing_advice(),

@@ -478,3 +478,52 @@ def test_init_under_a_meta_default_device(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_an_out_argument_fresh_from_empty_is_written_not_read():
+    """``torch.cumsum(x, 0, out=torch.empty_like(x))`` (OLMo-core's MoE bins): the out= tensor's old,
+    uninitialized contents are never read; its new values are the op's, in a parameter and a cache."""
+
+    class Bins(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4))
+            self.cache: dict[str, torch.Tensor] = {}
+
+        def reset_parameters(self) -> None:
+            counts = torch.tensor([3, 1, 2, 5])
+            bins = torch.empty_like(counts, dtype=torch.int32)
+            torch.cumsum(counts, 0, out=bins)
+            self.cache["bins"] = bins
+            torch.add(bins.float(), 0.5, out=self.w)
+
+    with torch.device("meta"):
+        model = Bins()
+    keyinit.materialize(model, 0, device="cpu")
+    assert torch.equal(model.cache["bins"], torch.tensor([3, 4, 6, 11], dtype=torch.int32))
+    assert torch.equal(model.w.detach(), torch.tensor([3.5, 4.5, 6.5, 11.5]))
+
+
+def test_a_written_argument_that_is_also_an_operand():
+    """``w.mul_(w)`` and ``torch.add(w, 1, out=w)``: the operand is read as it was before the write."""
+
+    class Square(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4))
+            self.v = nn.Parameter(torch.empty(64))
+
+        def reset_parameters(self) -> None:
+            self.w.fill_(3.0)
+            self.w.mul_(self.w)
+            torch.add(self.w, 1.0, out=self.w)
+            self.v.normal_()
+            self.v.mul_(self.v)
+            torch.sub(self.v, self.v.mean(), out=self.v)
+
+    with torch.device("meta"):
+        model = Square()
+    keyinit.materialize(model, 0, device="cpu")
+    assert torch.equal(model.w.detach(), torch.full((4,), 10.0))
+    v = model.v.detach()
+    assert abs(float(v.sum())) < 1e-4 and float(v.min()) < 0 < float(v.max())

@@ -5,9 +5,9 @@ that continues the one before it says so twice: its fence is ```python continued
 line is the comment ``# continues the example above``; it runs in the namespace of the blocks
 before it. The repository root is the working directory.
 A block fenced as ```python no-run is not executed: it needs several processes
-or a GPU. Keep those minimal; each has a runnable counterpart in examples/.
+or a GPU. Keep those minimal; each has a runnable counterpart in examples/ or tests/.
 A block fenced as ```python requires=MODULE[,MODULE] (an optional package of the
-test extra, such as torchtune) runs only where every MODULE imports; elsewhere it
+test extra, such as torchtune or olmo_core) runs only where every MODULE imports; elsewhere it
 is only compiled.
 """
 

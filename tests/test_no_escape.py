@@ -3,6 +3,10 @@ buffers (a RoPE cache dict, a list, a plain attribute) get their real values, or
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import MutableMapping
+from typing import Optional
+
 import pytest
 import torch
 from torch import nn
@@ -59,3 +63,95 @@ def test_constructor_caches_get_real_values():
     model = keyinit.deferred(Built)
     assert type(model.cache["cos"]) is torch.Tensor
     assert torch.equal(model.cache["cos"], torch.arange(4).float().cos())
+
+
+class SharedCache(MutableMapping):
+    """OLMo-core 3's ``BufferCache``: a mapping class (not a dict) over a dict of dicts, whose
+    namespace views share one store across every module that holds one."""
+
+    def __init__(self, namespace: str = "", data: Optional[dict] = None) -> None:
+        self._data = defaultdict(dict) if data is None else data
+        self._namespace = namespace
+
+    def view(self, namespace: str) -> "SharedCache":
+        return SharedCache(namespace, self._data)
+
+    def __getitem__(self, key):
+        return self._data[self._namespace][key]
+
+    def __setitem__(self, key, value):
+        self._data[self._namespace][key] = value
+
+    def __delitem__(self, key):
+        del self._data[self._namespace][key]
+
+    def __iter__(self):
+        return iter(self._data[self._namespace])
+
+    def __len__(self):
+        return len(self._data[self._namespace])
+
+
+class Rope(nn.Module):
+    def __init__(self, cache: SharedCache, namespace: str):
+        super().__init__()
+        self.cache = cache.view(namespace)
+
+    def warmup(self, n: int) -> None:
+        self.cache["sin"] = torch.arange(n).float().sin()
+
+
+class Blocks(nn.Module):
+    def __init__(self, noisy: bool = False):
+        super().__init__()
+        self.noisy = noisy
+        self.proj = nn.Linear(4, 4)
+        self.cache = SharedCache()
+        self.ropes = nn.ModuleList([Rope(self.cache, "a"), Rope(self.cache, "b")])
+
+    def init_weights(self, max_seq_len: int = 4) -> None:
+        nn.init.normal_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+        for rope in self.ropes:
+            rope.warmup(max_seq_len)
+        if self.noisy:
+            self.ropes[1].cache["noise"] = torch.randn(2)
+
+
+def test_a_mapping_class_shared_by_modules_gets_real_values():
+    with torch.device("meta"):
+        model = Blocks()
+    keyinit.materialize(model, 0, device="cpu", init_method="init_weights", init_kwargs={"max_seq_len": 5})
+    for rope in model.ropes:
+        assert type(rope.cache["sin"]) is torch.Tensor
+        assert torch.equal(rope.cache["sin"], torch.arange(5).float().sin())
+    assert not any(isinstance(v, LazyTensor) for d in model.cache._data.values() for v in d.values())
+
+
+def test_random_values_in_a_mapping_class_are_a_plan_error_naming_where():
+    with torch.device("meta"):
+        model = Blocks(noisy=True)
+    with pytest.raises(keyinit.UnkeyedRandomnessError, match=r"cache\._data\['b'\]\['noise'\].*register_buffer"):
+        keyinit.materialize(model, 0, device="cpu", init_method="init_weights")
+    assert model.proj.weight.is_meta
+
+
+def test_a_table_held_in_two_places_becomes_one_real_tensor():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+
+        def init_weights(self):
+            nn.init.zeros_(self.proj.weight)
+            nn.init.zeros_(self.proj.bias)
+            table = torch.arange(3.0)
+            self.pair = (table, table * 2)
+            self.same_pair = self.pair
+            self.tables = [table, table]
+
+    with torch.device("meta"):
+        model = Twice()
+    keyinit.materialize(model, 0, device="cpu", init_method="init_weights")
+    assert model.same_pair is model.pair and model.tables[0] is model.tables[1] is model.pair[0]
+    assert torch.equal(model.pair[1], torch.arange(3.0) * 2) and type(model.pair[0]) is torch.Tensor
