@@ -81,3 +81,34 @@ def test_a_permutation_library_failing_its_selftest_is_refused_with_one_warning(
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "reference" in messages[0] and "golden self-test" in messages[0]
     assert torch.equal(first, want) and torch.equal(second, want)
+
+
+# ------------------------------------------------------------ one table of kernel ids
+
+
+def test_the_kernel_ids_are_one_table():
+    from keyinit._kernels import _ids, triton_kernel
+
+    assert _cpu.DIST_IDS is _ids.DIST_IDS and _cpu.DTYPE_IDS is _ids.DTYPE_IDS
+    assert all(_dropout_cpu.DTYPE_IDS[dtype] == _ids.DTYPE_IDS[dtype] for dtype in _dropout_cpu.DTYPE_IDS)
+    assert triton_kernel.DIST_IDS is _ids.DIST_IDS and triton_kernel.DTYPE_IDS is _ids.DTYPE_IDS
+    assert sorted(_ids.DIST_IDS.values()) == list(range(len(_ids.DISTRIBUTIONS)))
+    assert sorted(_ids.DTYPE_IDS.values()) == list(range(len(_ids.DTYPES)))
+    defines = _ids.c_defines()
+    assert "-DKI_DIST_TRUNCATED_NORMAL=3" in defines and "-DKI_DTYPE_BFLOAT16=2" in defines
+    # no kernel source keeps ids of its own "in sync" with another file
+    for path in sorted(_cpu.KERNEL.source.parent.iterdir()):
+        if path.suffix in (".c", ".h", ".py"):
+            assert "keep in sync" not in path.read_text().lower(), path.name
+
+
+@needs_compiler
+def test_a_kernel_source_does_not_compile_without_the_table(tmp_path):
+    import shlex
+    import subprocess
+
+    cc = shlex.split(_build.find_compiler())
+    for module in (_cpu, _dropout_cpu):
+        proc = subprocess.run([*cc, "-fsyntax-only", "-std=c11", str(module.KERNEL.source)], capture_output=True,
+                              text=True)
+        assert proc.returncode != 0 and "_ids.py" in proc.stderr, module.KERNEL.source.name

@@ -13,29 +13,17 @@ from typing import Optional
 
 import torch
 
-from keyinit.distributions import Bernoulli, Bits, Distribution, Normal, Randint, TruncatedNormal, Uniform
+from keyinit.distributions import Bernoulli, Distribution, Normal, Randint, TruncatedNormal, Uniform
 from keyinit.keys import Key
 from keyinit.regions import Region
 
 from keyinit._kernels import _selftest
+from keyinit._kernels._ids import DIST_IDS, DTYPE_IDS
 from keyinit._kernels._library import CompiledLibrary
 from keyinit._kernels._plan import geometry
 
 __all__ = ["KERNEL", "available", "fill", "library", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
 
-DIST_IDS = {Bits: 0, Uniform: 1, Normal: 2, TruncatedNormal: 3, Bernoulli: 4, Randint: 5}
-DTYPE_IDS = {
-    torch.float32: 0,
-    torch.float64: 1,
-    torch.bfloat16: 2,
-    torch.float16: 3,
-    torch.bool: 4,
-    torch.int64: 5,
-    torch.int32: 6,
-    torch.int16: 7,
-    torch.int8: 8,
-    torch.uint8: 9,
-}
 MAX_DIMS = 64
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 16

@@ -17,12 +17,13 @@ from typing import Optional
 
 import torch
 
-from keyinit._kernels import _dropout_selftest
+from keyinit._kernels import _dropout_selftest, _ids
 from keyinit._kernels._library import CompiledLibrary
 
 __all__ = ["KERNEL", "SOURCE", "DTYPE_IDS", "library", "available", "failure_reason", "run", "MIN_PARALLEL_ELEMENTS"]
 
-DTYPE_IDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+#: dtype ids (the one table, :mod:`keyinit._kernels._ids`) of the dtypes dropout takes.
+DTYPE_IDS = {dtype: _ids.DTYPE_IDS[dtype] for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
 MAX_DIMS = 64
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 17

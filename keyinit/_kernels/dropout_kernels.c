@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include "convert.h"
+#include "ids.h"
 #include "parallel.h"
 #include "philox.h"
 
@@ -38,9 +39,6 @@
 #define KD_MAX_DIMS 64
 #define KD_TILE 1024
 #define KD_CHUNK 65536
-
-/* dtype ids (keep in sync with _dropout_cpu.py) */
-enum { KD_F32 = 0, KD_F64 = 1, KD_BF16 = 2, KD_F16 = 3 };
 
 typedef struct {
     int dtype;
@@ -68,7 +66,7 @@ static void kd_apply(const kd_plan_t *P, const uint32_t *restrict w, int64_t q, 
 {
     const uint32_t thm1 = P->thm1;
     switch (P->dtype) {
-    case KD_F32: {
+    case KI_DTYPE_FLOAT32: {
         const float *restrict x = (const float *)P->in + q;
         float *restrict y = (float *)P->out + q;
         const float s = P->s32;
@@ -82,7 +80,7 @@ static void kd_apply(const kd_plan_t *P, const uint32_t *restrict w, int64_t q, 
         }
         break;
     }
-    case KD_F64: {
+    case KI_DTYPE_FLOAT64: {
         const double *restrict x = (const double *)P->in + q;
         double *restrict y = (double *)P->out + q;
         const double s = P->s64;
@@ -96,7 +94,7 @@ static void kd_apply(const kd_plan_t *P, const uint32_t *restrict w, int64_t q, 
         }
         break;
     }
-    case KD_BF16: {
+    case KI_DTYPE_BFLOAT16: {
         const uint16_t *restrict x = (const uint16_t *)P->in + q;
         uint16_t *restrict y = (uint16_t *)P->out + q;
         const float s = P->s32;
@@ -110,7 +108,7 @@ static void kd_apply(const kd_plan_t *P, const uint32_t *restrict w, int64_t q, 
         }
         break;
     }
-    case KD_F16: {
+    case KI_DTYPE_FLOAT16: {
         const uint16_t *restrict x = (const uint16_t *)P->in + q;
         uint16_t *restrict y = (uint16_t *)P->out + q;
         const float s = P->s32;
@@ -192,7 +190,9 @@ KD_API int keyinit_dropout(int dtype, uint32_t k0, uint32_t k1, int64_t threshol
                            int nthreads)
 {
     if (ndim < 1 || ndim > KD_MAX_DIMS) return -1;
-    if (dtype < KD_F32 || dtype > KD_F16) return -2;
+    if (dtype != KI_DTYPE_FLOAT32 && dtype != KI_DTYPE_FLOAT64 && dtype != KI_DTYPE_BFLOAT16 &&
+        dtype != KI_DTYPE_FLOAT16)
+        return -2;
     if (threshold < 0 || threshold > ((int64_t)1 << 32)) return -3;
     static kd_plan_t zero_plan;
     kd_plan_t P = zero_plan;

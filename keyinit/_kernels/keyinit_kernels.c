@@ -41,20 +41,13 @@
 #include <string.h>
 
 #include "convert.h"
+#include "ids.h"
 #include "parallel.h"
 #include "philox.h"
 
 #define KI_MAX_DIMS 64
 #define TILE 512
 #define CHUNK 32768
-
-/* Distribution ids (keep in sync with _cpu.py). */
-enum { D_BITS = 0, D_UNIFORM = 1, D_NORMAL = 2, D_TRUNC = 3, D_BERNOULLI = 4, D_RANDINT = 5 };
-/* Output dtype ids (keep in sync with _cpu.py). */
-enum {
-    T_F32 = 0, T_F64 = 1, T_BF16 = 2, T_F16 = 3, T_BOOL = 4,
-    T_I64 = 5, T_I32 = 6, T_I16 = 7, T_I8 = 8, T_U8 = 9
-};
 
 #define KI_API __attribute__((visibility("default")))
 
@@ -221,10 +214,10 @@ KI_API void keyinit_ndtri_tail(const float *tail, int64_t n, float *mag);
 /* Exported for the exhaustive conversion tests (convert.h). */
 KI_API void keyinit_convert_f32(const float *src, int64_t n, int dtype, void *dst)
 {
-    if (dtype == T_BF16) {
+    if (dtype == KI_DTYPE_BFLOAT16) {
         uint16_t *d = (uint16_t *)dst;
         for (int64_t i = 0; i < n; i++) d[i] = ki_f32_to_bf16(src[i]);
-    } else if (dtype == T_F16) {
+    } else if (dtype == KI_DTYPE_FLOAT16) {
         uint16_t *d = (uint16_t *)dst;
         for (int64_t i = 0; i < n; i++) d[i] = ki_f32_to_f16(src[i]);
     }
@@ -258,7 +251,15 @@ typedef struct {
     int64_t numel;
 } plan_t;
 
-static const int elsizes[] = {4, 8, 2, 2, 1, 8, 4, 2, 1, 1};
+static int elsize_of(int dtype)
+{
+    switch (dtype) {
+    case KI_DTYPE_FLOAT64: case KI_DTYPE_INT64: return 8;
+    case KI_DTYPE_FLOAT32: case KI_DTYPE_INT32: return 4;
+    case KI_DTYPE_BFLOAT16: case KI_DTYPE_FLOAT16: case KI_DTYPE_INT16: return 2;
+    default: return 1;
+    }
+}
 
 /* Values of one tile. */
 typedef union {
@@ -273,7 +274,7 @@ static void transform_float(const plan_t *P, const uint32_t *wp, int64_t m, floa
 {
     float tail[TILE] = {0}, mag[TILE];
     switch (P->dist) {
-    case D_UNIFORM: {
+    case KI_DIST_UNIFORM: {
         const float low = P->a, span = P->b;
         for (int64_t k = 0; k < m; k++) {
             float u = (float)(wp[k] >> 8) * 0x1p-24f;
@@ -281,7 +282,7 @@ static void transform_float(const plan_t *P, const uint32_t *wp, int64_t m, floa
         }
         break;
     }
-    case D_NORMAL: {
+    case KI_DIST_NORMAL: {
         const float mean = P->a, std = P->b;
         for (int64_t k = 0; k < m; k++) tail[k] = (float)(wp[k] | 1u) * 0x1p-33f;
         ndtri_tail_batch(tail, m, mag);
@@ -291,7 +292,7 @@ static void transform_float(const plan_t *P, const uint32_t *wp, int64_t m, floa
         }
         break;
     }
-    case D_TRUNC: {
+    case KI_DIST_TRUNCATED_NORMAL: {
         const float mean = P->a, std = P->b, p_low = P->p_low, p_span = P->p_span;
         const float lower = P->lower, upper = P->upper;
         const int flip = P->flip;
@@ -318,15 +319,15 @@ static void transform_float(const plan_t *P, const uint32_t *wp, int64_t m, floa
 static void transform_tile(const plan_t *P, const uint32_t *wp, int64_t m, values_t *v)
 {
     switch (P->dist) {
-    case D_BITS:
+    case KI_DIST_BITS:
         for (int64_t k = 0; k < m; k++) v->i[k] = (int64_t)wp[k];
         break;
-    case D_BERNOULLI: {
+    case KI_DIST_BERNOULLI: {
         const uint64_t th = P->threshold;
         for (int64_t k = 0; k < m; k++) v->u[k] = (uint64_t)wp[k] < th;
         break;
     }
-    case D_RANDINT: {
+    case KI_DIST_RANDINT: {
         const uint64_t n = P->span;
         const int64_t low = P->low;
         for (int64_t k = 0; k < m; k++) {
@@ -365,35 +366,35 @@ static void store_tile(const plan_t *P, const values_t *v, int64_t m, const int6
     const int64_t *iv = v->i;
     const uint8_t *u = v->u;
     switch (P->dist) {
-    case D_BITS:
-    case D_RANDINT:
+    case KI_DIST_BITS:
+    case KI_DIST_RANDINT:
         switch (P->dtype) {
-        case T_I64: STORE_LOOP(int64_t, iv[k]); break;
-        case T_I32: STORE_LOOP(int32_t, (int32_t)iv[k]); break;
-        case T_I16: STORE_LOOP(int16_t, (int16_t)iv[k]); break;
-        case T_I8: STORE_LOOP(int8_t, (int8_t)iv[k]); break;
-        case T_U8: STORE_LOOP(uint8_t, (uint8_t)iv[k]); break;
+        case KI_DTYPE_INT64: STORE_LOOP(int64_t, iv[k]); break;
+        case KI_DTYPE_INT32: STORE_LOOP(int32_t, (int32_t)iv[k]); break;
+        case KI_DTYPE_INT16: STORE_LOOP(int16_t, (int16_t)iv[k]); break;
+        case KI_DTYPE_INT8: STORE_LOOP(int8_t, (int8_t)iv[k]); break;
+        case KI_DTYPE_UINT8: STORE_LOOP(uint8_t, (uint8_t)iv[k]); break;
         }
         break;
-    case D_BERNOULLI:
+    case KI_DIST_BERNOULLI:
         switch (P->dtype) {
-        case T_BOOL: case T_U8: STORE_LOOP(uint8_t, u[k]); break;
-        case T_I8: STORE_LOOP(int8_t, (int8_t)u[k]); break;
-        case T_I16: STORE_LOOP(int16_t, (int16_t)u[k]); break;
-        case T_I32: STORE_LOOP(int32_t, (int32_t)u[k]); break;
-        case T_I64: STORE_LOOP(int64_t, (int64_t)u[k]); break;
-        case T_F32: STORE_LOOP(float, (float)u[k]); break;
-        case T_F64: STORE_LOOP(double, (double)u[k]); break;
-        case T_BF16: STORE_LOOP(uint16_t, (uint16_t)(u[k] ? 0x3F80u : 0u)); break;
-        case T_F16: STORE_LOOP(uint16_t, (uint16_t)(u[k] ? 0x3C00u : 0u)); break;
+        case KI_DTYPE_BOOL: case KI_DTYPE_UINT8: STORE_LOOP(uint8_t, u[k]); break;
+        case KI_DTYPE_INT8: STORE_LOOP(int8_t, (int8_t)u[k]); break;
+        case KI_DTYPE_INT16: STORE_LOOP(int16_t, (int16_t)u[k]); break;
+        case KI_DTYPE_INT32: STORE_LOOP(int32_t, (int32_t)u[k]); break;
+        case KI_DTYPE_INT64: STORE_LOOP(int64_t, (int64_t)u[k]); break;
+        case KI_DTYPE_FLOAT32: STORE_LOOP(float, (float)u[k]); break;
+        case KI_DTYPE_FLOAT64: STORE_LOOP(double, (double)u[k]); break;
+        case KI_DTYPE_BFLOAT16: STORE_LOOP(uint16_t, (uint16_t)(u[k] ? 0x3F80u : 0u)); break;
+        case KI_DTYPE_FLOAT16: STORE_LOOP(uint16_t, (uint16_t)(u[k] ? 0x3C00u : 0u)); break;
         }
         break;
     default:
         switch (P->dtype) {
-        case T_F32: STORE_LOOP(float, f[k]); break;
-        case T_F64: STORE_LOOP(double, (double)f[k]); break;
-        case T_BF16: STORE_LOOP(uint16_t, ki_f32_to_bf16(f[k])); break;
-        case T_F16: STORE_LOOP(uint16_t, ki_f32_to_f16(f[k])); break;
+        case KI_DTYPE_FLOAT32: STORE_LOOP(float, f[k]); break;
+        case KI_DTYPE_FLOAT64: STORE_LOOP(double, (double)f[k]); break;
+        case KI_DTYPE_BFLOAT16: STORE_LOOP(uint16_t, ki_f32_to_bf16(f[k])); break;
+        case KI_DTYPE_FLOAT16: STORE_LOOP(uint16_t, ki_f32_to_f16(f[k])); break;
         }
     }
 }
@@ -421,9 +422,11 @@ static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const int64_t
         wp = words;
     }
     /* Write straight into the destination when it has the value buffer's type. */
+    const int float_values = P->dist == KI_DIST_UNIFORM || P->dist == KI_DIST_NORMAL ||
+                             P->dist == KI_DIST_TRUNCATED_NORMAL;
+    const int int_values = P->dist == KI_DIST_BITS || P->dist == KI_DIST_RANDINT;
     int direct = o == NULL && os == 1 &&
-                 (((P->dist == D_UNIFORM || P->dist == D_NORMAL || P->dist == D_TRUNC) && P->dtype == T_F32) ||
-                  ((P->dist == D_BITS || P->dist == D_RANDINT) && P->dtype == T_I64));
+                 ((float_values && P->dtype == KI_DTYPE_FLOAT32) || (int_values && P->dtype == KI_DTYPE_INT64));
     if (direct) {
         transform_tile(P, wp, m, (values_t *)(P->out + o0 * (int64_t)P->elsize));
         return;
@@ -598,7 +601,7 @@ KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
                         void *out, int nthreads)
 {
     if (ndim < 1 || ndim > KI_MAX_DIMS) return -1;
-    if (dist < D_BITS || dist > D_RANDINT || dtype < T_F32 || dtype > T_U8) return -2;
+    if (dist < 0 || dist >= KI_DIST_COUNT || dtype < 0 || dtype >= KI_DTYPE_COUNT) return -2;
     ki_fpstate_t saved = ki_fp_enter(); /* before the conversions below: exact, subnormals kept */
     int rc = fill_planned(dist, dtype, k0, k1, fparams, iparams, ndim, base, size, ostride, gstride, index, out,
                           nthreads);
@@ -616,7 +619,7 @@ static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1,
     plan_t P = zero_plan;
     P.dist = dist;
     P.dtype = dtype;
-    P.w = dist == D_RANDINT ? 2 : 1;
+    P.w = dist == KI_DIST_RANDINT ? 2 : 1;
     P.k0 = k0;
     P.k1 = k1;
     P.a = (float)fparams[0]; /* exact: each is a binary32 value */
@@ -636,7 +639,7 @@ static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1,
     P.gstride = gstride;
     P.index = index;
     P.out = (char *)out;
-    P.elsize = elsizes[dtype];
+    P.elsize = elsize_of(dtype);
     int64_t numel = 1;
     for (int k = 0; k < ndim; k++) {
         if (size[k] < 0) return -3;
