@@ -16,8 +16,8 @@ Being a custom op with a fake kernel, it traces under ``torch.compile``
 (``fullgraph=True``) as one opaque node; the key words and ``p`` are
 compile-time constants there, so a new key means a new graph.
 
-Implementations, all bit-identical: the C kernel on CPU
-(:mod:`keyinit._kernels._dropout_cpu`), Triton on CUDA
+Implementations, all bit-identical, chosen by :func:`keyinit._dispatch.dropout`:
+the C kernel on CPU (:mod:`keyinit._kernels._dropout_cpu`), Triton on CUDA
 (:mod:`keyinit._kernels.triton_dropout`), and the torch reference
 (:mod:`keyinit.nn._reference`) anywhere else or with ``KEYINIT_DISABLE_KERNELS=1``.
 """
@@ -27,8 +27,7 @@ from typing import Optional
 import attrs
 import torch
 
-from keyinit._kernels import kernels_disabled
-from keyinit.nn import _reference
+from keyinit import _dispatch
 from keyinit.nn._geometry import Geometry, plan
 
 __all__ = ["dropout", "run", "call"]
@@ -37,26 +36,9 @@ _SCHEMA = "(Tensor input, int k0, int k1, float p, int[] gstrides, int[] starts,
 
 
 def run(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
-    """Dropout of ``x`` by ``geometry`` with the best implementation for its device (a new contiguous tensor)."""
-    x = x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    if not kernels_disabled():
-        if x.device.type == "cpu":
-            from keyinit._kernels import _dropout_cpu
-
-            if _dropout_cpu.run(x, out, geometry):
-                return out
-        elif x.device.type == "cuda":
-            try:
-                from keyinit._kernels import triton_dropout
-            except Exception:  # noqa: BLE001 - no (working) triton: the reference gives the same values
-                triton_dropout = None
-            if triton_dropout is not None and triton_dropout.run(x, out, geometry):
-                return out
-    _reference.dropout(x, out, geometry)
-    return out
+    """Dropout of ``x`` by ``geometry`` with the best implementation for its device (a new contiguous tensor):
+    :func:`keyinit._dispatch.dropout`, the one seam of every kernel family."""
+    return _dispatch.dropout(x, geometry)
 
 
 @torch.library.custom_op("keyinit::dropout", mutates_args=(), schema=_SCHEMA)
