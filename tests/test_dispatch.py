@@ -7,6 +7,7 @@ import torch
 import keyinit
 from keyinit import _dispatch
 from keyinit import random as kr
+from keyinit._streams import V1
 from keyinit.nn import functional as KF
 
 
@@ -15,8 +16,8 @@ def _spy(monkeypatch):
     original = _dispatch.Kernels.run
 
     def run(self, device, *args, **kwargs):
-        family = {id(_dispatch.FILL): "fill", id(_dispatch.DROPOUT): "dropout",
-                  id(_dispatch.PERMUTATION): "permutation"}.get(id(self), "other")
+        family = {id(V1.fill): "fill", id(V1.dropout): "dropout",
+                  id(V1.permutation): "permutation"}.get(id(self), "other")
         calls.append((family, device))
         return original(self, device, *args, **kwargs)
 
@@ -51,4 +52,4 @@ def test_kernels_disabled_give_the_same_bits_for_every_family(monkeypatch):
 def test_kernel_refs_import_nothing_until_called():
     ref = _dispatch.KernelRef("keyinit._no_such_module", "fill")
     assert ref.resolve() is None
-    assert _dispatch.FILL.devices["cpu"].resolve() is keyinit._kernels._cpu.fill
+    assert V1.fill.devices["cpu"].resolve() is keyinit._kernels._cpu.fill
