@@ -1,7 +1,10 @@
 """Stateless keys: ``key``, ``split``, ``fold_in`` and ``key_for``.
 
 A :class:`Key` is two 32-bit words plus the name of the stream version that
-interprets them. Keys never change; deriving a key makes a new one.
+interprets them. Keys never change; deriving a key makes a new one. The name
+resolves to the version's registered :class:`keyinit._streams.Stream`
+(``key.impl``), which says how a seed becomes a key, how keys are derived and
+which kernels draw from them; every key derived from a key keeps its version.
 
 Derivation in stream ``"v1"`` (see ``docs/spec.md``)::
 
@@ -24,11 +27,12 @@ from typing import Union
 
 import attrs
 
-from keyinit._philox import philox4x32
+from keyinit import _streams
 
 __all__ = ["Key", "key", "split", "fold_in", "key_for", "STREAM_VERSIONS", "DEFAULT_STREAM"]
 
-#: Stream versions this release can produce. A version, once shipped, never changes.
+#: Stream versions this release ships (registered in :data:`keyinit._streams.STREAMS`). A version,
+#: once shipped, never changes.
 STREAM_VERSIONS: tuple[str, ...] = ("v1",)
 DEFAULT_STREAM = "v1"
 
@@ -45,12 +49,14 @@ def _check_uint32(value: int) -> int:
     return value
 
 
-def _check_stream(stream: str) -> str:
-    if stream not in STREAM_VERSIONS:
-        raise ValueError(
-            f"unknown stream version {stream!r}; this release supports {list(STREAM_VERSIONS)}"
-        )
-    return stream
+def _resolve_stream(stream: Union[str, _streams.Stream]) -> _streams.Stream:
+    """The registered stream version named ``stream`` (or ``stream`` itself, if it is a registered one)."""
+    return _streams.get_stream(stream.name if isinstance(stream, _streams.Stream) else stream)
+
+
+def _check_stream(stream: Union[str, _streams.Stream]) -> str:
+    """The name of a registered stream version (a :class:`keyinit._streams.Stream` gives its name)."""
+    return _resolve_stream(stream).name
 
 
 @attrs.frozen(repr=False, order=True)
@@ -63,12 +69,17 @@ class Key:
 
     k0: int = attrs.field(converter=_check_uint32)
     k1: int = attrs.field(converter=_check_uint32)
-    stream: str = attrs.field(default=DEFAULT_STREAM, converter=_check_stream)
+    stream: str = attrs.field(default=DEFAULT_STREAM, converter=_check_stream)  # a registered name
 
     @property
     def words(self) -> tuple[int, int]:
         """The two key words ``(k0, k1)`` as Philox uses them."""
         return (self.k0, self.k1)
+
+    @property
+    def impl(self) -> _streams.Stream:
+        """The registered :class:`keyinit._streams.Stream` of this key's version (``self.stream`` is its name)."""
+        return _streams.get_stream(self.stream)
 
     def __repr__(self) -> str:
         return f"Key(0x{self.k0:08x}, 0x{self.k1:08x}, stream={self.stream!r})"
@@ -108,18 +119,20 @@ def _as_uint64(value: object, what: str) -> int:
 
 
 def key(seed: int, *, stream: str = DEFAULT_STREAM) -> Key:
-    """The root key of ``seed``: words ``(lo32(seed), hi32(seed))``.
+    """The root key of ``seed`` in stream version ``stream``; in v1 its words are ``(lo32(seed), hi32(seed))``.
 
     ``seed`` is an int in ``[0, 2**64)``; bools, floats, strings and negative
     numbers are rejected.
     """
     seed = _as_uint64(seed, "seed")
-    return Key(seed & _MASK32, seed >> 32, stream)
+    impl = _resolve_stream(stream)
+    k0, k1 = impl.seed(seed)
+    return Key(k0, k1, impl.name)
 
 
 def _derive(parent: Key, tag: int, x0: int, x1: int, x3: int) -> Key:
-    out = philox4x32((x0, x1, tag, x3), parent.words)
-    return Key(out[0], out[1], parent.stream)
+    k0, k1 = _streams.get_stream(parent.stream).derive(parent.words, tag, (x0, x1, x3))
+    return Key(k0, k1, parent.stream)
 
 
 def _require_key(value: object, what: str = "key") -> Key:

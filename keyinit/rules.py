@@ -93,8 +93,9 @@ class Registry:
     """The documented, process-wide table of user rules (``keyinit.REGISTRY``).
 
     Module rules are keyed by type and looked up along the module's MRO; FQN
-    rules are glob patterns tried newest first. It is the only global mutable
-    state in keyinit. Tests and libraries that need isolation pass their own
+    rules are glob patterns tried newest first. With the stream-version registry
+    (``keyinit._streams.STREAMS``) it is the only global mutable state in
+    keyinit. Tests and libraries that need isolation pass their own
     ``Registry()`` to ``init_model(registry=...)``.
     """
 

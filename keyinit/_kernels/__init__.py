@@ -1,14 +1,21 @@
 """Fast implementations of stream v1, each bit-identical to :mod:`keyinit._reference`.
 
-- :mod:`keyinit._kernels._cpu`: a C kernel compiled on first use (``_build``,
-  which refuses builds that change floating-point semantics) and called through
-  ctypes, for CPU tensors; it proves itself against golden digests when it
-  loads (``_selftest``);
-- :mod:`keyinit._kernels.triton_kernel`: a Triton kernel for CUDA tensors,
-  used when the optional ``triton`` package is installed.
+- C kernels for CPU tensors, called through ctypes: the init kernel
+  (``keyinit_kernels.c``, :mod:`~keyinit._kernels._cpu`), keyed dropout
+  (``dropout_kernels.c``, :mod:`~keyinit._kernels._dropout_cpu`) and the keyed
+  permutation (``permutation_kernels.c``, :mod:`~keyinit._kernels._permutation_cpu`).
+  They share one Philox (``philox.h``), one set of float conversions
+  (``convert.h``) and one thread pool (``parallel.h``), and are all loaded by
+  one loader (:class:`~keyinit._kernels._library.CompiledLibrary`): compiled on
+  first use by ``_build`` (which refuses builds that change floating-point
+  semantics and verifies cached builds), then proved against golden digests
+  (``_selftest``, ``_dropout_selftest``, ``_permutation_selftest``);
+- Triton kernels for CUDA tensors (``triton_kernel``, ``triton_dropout``,
+  ``triton_permutation``), used when the optional ``triton`` package is installed.
 
-Both take their geometry from :mod:`keyinit._kernels._plan`: slices stay
-``(start, step, count)``, so a contiguous run of a region shares Philox blocks.
+The fill kernels take their geometry from :mod:`keyinit._kernels._plan`: slices
+stay ``(start, step, count)``, so a contiguous run of a region shares Philox blocks.
+:mod:`keyinit._dispatch` chooses among them and the reference.
 
 Set ``KEYINIT_DISABLE_KERNELS=1`` to force the reference implementation.
 """

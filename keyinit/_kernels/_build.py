@@ -32,7 +32,9 @@ flush-to-zero), no FP contraction into FMA, and the only math function,
 ``errno`` write and ``-fno-trapping-math`` only lets the compiler assume no FP
 trap handler is watching (so selects can be vectorized); neither permits a
 value-changing transformation. With ``-march=native`` the cache key includes the
-target macros the compiler predefines on this machine.
+target macros the compiler predefines on this machine. Every build also gets the ``-D``
+definitions of the kernels' distribution and dtype ids (:mod:`keyinit._kernels._ids`),
+which are part of the cache key like any flag.
 
 A compiler wrapper can still add flags behind our back (``CC`` set to a script
 that adds ``-ffast-math``). :func:`load` therefore judges the library by what it
@@ -220,13 +222,17 @@ def build(native: bool = True, extra_flags: tuple[str, ...] = (), source: Option
 
     ``native=False`` builds for the compiler's default target (no ``-march=native``);
     ``extra_flags`` are appended (the tests use them to build the AVX2 and portable variants).
+    Every build also gets the kernels' distribution and dtype ids as ``-D`` definitions
+    (:func:`keyinit._kernels._ids.c_defines`, the one table the Triton kernels import too).
     """
+    from keyinit._kernels import _ids
+
     source = SOURCE if source is None else Path(source)
     command = find_compiler()
     if command is None:
         raise BuildError("no C compiler found (set $CC, or install cc/gcc/clang)")
     cc = shlex.split(command)
-    extra = tuple(extra_flags)
+    extra = _ids.c_defines() + tuple(extra_flags)
     attempts = [BASE_FLAGS + NATIVE_FLAGS + extra, BASE_FLAGS + extra] if native else [BASE_FLAGS + extra]
     errors = []
     for flags in attempts:

@@ -13,29 +13,17 @@ from typing import Optional
 
 import torch
 
-from keyinit.distributions import Bernoulli, Bits, Distribution, Normal, Randint, TruncatedNormal, Uniform
+from keyinit.distributions import Bernoulli, Distribution, Normal, Randint, TruncatedNormal, Uniform
 from keyinit.keys import Key
 from keyinit.regions import Region
 
-from keyinit._kernels import _build, _selftest
-from keyinit._kernels._lazy import LazyLibrary
+from keyinit._kernels import _selftest
+from keyinit._kernels._ids import DIST_IDS, DTYPE_IDS
+from keyinit._kernels._library import CompiledLibrary
 from keyinit._kernels._plan import geometry
 
-__all__ = ["available", "fill", "library", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
+__all__ = ["KERNEL", "available", "fill", "library", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
 
-DIST_IDS = {Bits: 0, Uniform: 1, Normal: 2, TruncatedNormal: 3, Bernoulli: 4, Randint: 5}
-DTYPE_IDS = {
-    torch.float32: 0,
-    torch.float64: 1,
-    torch.bfloat16: 2,
-    torch.float16: 3,
-    torch.bool: 4,
-    torch.int64: 5,
-    torch.int32: 6,
-    torch.int16: 7,
-    torch.int8: 8,
-    torch.uint8: 9,
-}
 MAX_DIMS = 64
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 16
@@ -65,44 +53,26 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def _load_checked() -> ctypes.CDLL:
-    """Build and load the library for this machine, and prove it against the golden digests."""
-    lib = declare(_build.load())
-    failed = _selftest.run(lambda out, dist, key, region, threads:
-                           fill(out, dist, key, region, threads=threads, lib=lib))
-    if failed:
-        raise _build.BuildError(
-            f"the compiled kernel failed its golden self-test ({', '.join(failed)}): its values "
-            "differ from the stream v1 reference"
-        )
-    return lib
+def _selftest_run(lib: ctypes.CDLL) -> list[str]:
+    return _selftest.run(lambda out, dist, key, region, threads: fill(out, dist, key, region, threads=threads, lib=lib))
 
 
-#: The library built for this machine (loaded on first use).
-LIBRARY = LazyLibrary("the compiled CPU kernel", _load_checked)
+#: The init kernel library (``keyinit_kernels.c``), loaded through the one loader.
+KERNEL = CompiledLibrary("the compiled CPU kernel", "keyinit_kernels.c", declare, _selftest_run)
 
+#: The library built for this machine (loaded on first use, after its golden self-test).
+LIBRARY = KERNEL.checked
 
 #: The same library without the self-test, for tests that compare the kernel with the reference
 #: case by case (a kernel bug must fail the tests that describe it, not turn them into skips).
-UNCHECKED = LazyLibrary("the compiled CPU kernel (not self-tested)", lambda: declare(_build.load()))
+UNCHECKED = KERNEL.unchecked
 
 
-def unchecked_library() -> Optional[ctypes.CDLL]:
-    """The library built for this machine whether or not it passes its golden self-test (tests only)."""
-    return UNCHECKED.get()
-
-
-def library() -> Optional[ctypes.CDLL]:
-    """The library built for this machine, building it on first call; ``None`` if it cannot be built."""
-    return LIBRARY.get()
-
-
-def available() -> bool:
-    return LIBRARY.get() is not None
-
-
-def failure_reason() -> Optional[str]:
-    return LIBRARY.failure_reason()
+#: Module-level names of the loader's methods (the tests patch ``library``).
+library = KERNEL.library
+available = KERNEL.available
+failure_reason = KERNEL.failure_reason
+unchecked_library = UNCHECKED.get
 
 
 def _params(dist: Distribution) -> tuple[list[float], list[int]]:

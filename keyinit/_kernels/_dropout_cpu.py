@@ -1,9 +1,8 @@
 """The compiled CPU dropout kernel (``dropout_kernels.c``): build on first use, call through ctypes.
 
-The library is built by :mod:`keyinit._kernels._build` like the init kernel,
-from ``dropout_kernels.c``, which includes ``philox.h``. The build cache is
-keyed by the ``.c`` source; the header's SHA-256 is passed as a ``-D`` flag
-(part of the cache key), so a changed header never reuses a stale build.
+The library is built, verified, loaded and self-tested by the one loader of
+the C kernels (:class:`keyinit._kernels._library.CompiledLibrary`), like the
+init kernel, from ``dropout_kernels.c`` and the headers it includes.
 
 :func:`run` takes a prepared :class:`~keyinit.nn._geometry.Geometry` and
 writes ``out`` (contiguous, like ``x``); it returns ``False`` when the kernel
@@ -14,31 +13,23 @@ is unavailable (no compiler, or a library that fails its golden self-test,
 from __future__ import annotations
 
 import ctypes
-import hashlib
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from keyinit._kernels import _build, _dropout_selftest
-from keyinit._kernels._lazy import LazyLibrary
+from keyinit._kernels import _dropout_selftest, _ids
+from keyinit._kernels._library import CompiledLibrary
 
-__all__ = ["SOURCE", "HEADER", "DTYPE_IDS", "library", "available", "failure_reason", "run", "MIN_PARALLEL_ELEMENTS"]
+__all__ = ["KERNEL", "SOURCE", "DTYPE_IDS", "library", "available", "failure_reason", "run", "MIN_PARALLEL_ELEMENTS"]
 
-SOURCE = Path(__file__).with_name("dropout_kernels.c")
-HEADER = Path(__file__).with_name("philox.h")
-DTYPE_IDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+#: dtype ids (the one table, :mod:`keyinit._kernels._ids`) of the dtypes dropout takes.
+DTYPE_IDS = {dtype: _ids.DTYPE_IDS[dtype] for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
 MAX_DIMS = 64
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 17
 
 
 _I64P = ctypes.POINTER(ctypes.c_int64)
-
-
-def header_flag() -> str:
-    """``-D`` flag carrying ``philox.h``'s digest, so the build cache notices a changed header."""
-    return "-DKI_PHILOX_H_DIGEST=0x" + hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -58,48 +49,30 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def build_library(native: bool = True, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """Build (or reuse from the cache) and load a variant of the library; the tests build several."""
-    return declare(_build.load(native, (header_flag(), *extra_flags), source=SOURCE))
+def _selftest_run(lib: ctypes.CDLL) -> list[str]:
+    return _dropout_selftest.run(lambda x, out, geometry, threads: run(x, out, geometry, threads=threads, lib=lib))
 
 
-def _load_checked() -> ctypes.CDLL:
-    """Build and load the library for this machine, and prove it against the golden digests."""
-    lib = build_library()
-    failed = _dropout_selftest.run(lambda x, out, geometry, threads: run(x, out, geometry, threads=threads, lib=lib))
-    if failed:
-        raise _build.BuildError(
-            f"the compiled dropout kernel failed its golden self-test ({', '.join(failed)}): its masks "
-            "differ from the reference"
-        )
-    return lib
+#: The dropout kernel library (``dropout_kernels.c``), loaded through the one loader.
+KERNEL = CompiledLibrary("the compiled CPU dropout kernel", "dropout_kernels.c", declare, _selftest_run)
+SOURCE = KERNEL.source
 
+#: Build (or reuse from the cache) and load a variant of the library; the tests build several.
+build_library = KERNEL.build
 
 #: The library built for this machine (loaded on first use, after its golden self-test).
-LIBRARY = LazyLibrary("the compiled CPU dropout kernel", _load_checked)
-
+LIBRARY = KERNEL.checked
 
 #: The same library without the self-test, for tests that compare the kernel with the reference
 #: case by case (a kernel bug must fail the tests that describe it, not turn them into skips).
-UNCHECKED = LazyLibrary("the compiled CPU dropout kernel (not self-tested)", build_library)
+UNCHECKED = KERNEL.unchecked
 
 
-def unchecked_library() -> Optional[ctypes.CDLL]:
-    """The library built for this machine whether or not it passes its golden self-test (tests only)."""
-    return UNCHECKED.get()
-
-
-def library() -> Optional[ctypes.CDLL]:
-    """The library built for this machine, building it on first call; ``None`` if it cannot be built."""
-    return LIBRARY.get()
-
-
-def available() -> bool:
-    return LIBRARY.get() is not None
-
-
-def failure_reason() -> Optional[str]:
-    return LIBRARY.failure_reason()
+#: Module-level names of the loader's methods (the tests patch ``library``).
+library = KERNEL.library
+available = KERNEL.available
+failure_reason = KERNEL.failure_reason
+unchecked_library = UNCHECKED.get
 
 
 def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = None,

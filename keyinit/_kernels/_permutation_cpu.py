@@ -1,26 +1,23 @@
 """The compiled CPU permutation kernel (``permutation_kernels.c``): built on first use, called through ctypes.
 
-Built by :mod:`keyinit._kernels._build` like the other kernels (the header's
-digest goes into the cache key through a ``-D`` flag, as for the dropout
-kernel). :func:`run` returns ``False`` when the kernel is unavailable; the
-caller then uses the reference (:mod:`keyinit.data._feistel`), same values.
+Built, verified, loaded and self-tested (:mod:`keyinit._kernels._permutation_selftest`)
+by the one loader of the C kernels (:class:`keyinit._kernels._library.CompiledLibrary`).
+:func:`run` returns ``False`` when the kernel is unavailable; the caller then
+uses the reference (:mod:`keyinit.data._feistel`), same values.
 """
 
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from keyinit._kernels import _build
-from keyinit._kernels._dropout_cpu import header_flag
-from keyinit._kernels._lazy import LazyLibrary
+from keyinit._kernels import _permutation_selftest
+from keyinit._kernels._library import CompiledLibrary
 
-__all__ = ["SOURCE", "LIBRARY", "library", "run"]
+__all__ = ["KERNEL", "SOURCE", "LIBRARY", "library", "run"]
 
-SOURCE = Path(__file__).with_name("permutation_kernels.c")
 #: Positions per thread below which fewer threads are used (starting a thread would dominate).
 MIN_PER_THREAD = 1 << 16
 
@@ -34,17 +31,27 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def build_library(native: bool = True, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """Build (or reuse from the cache) and load a variant of the library."""
-    return declare(_build.load(native, (header_flag(), *extra_flags), source=SOURCE))
+def _selftest_run(lib: ctypes.CDLL) -> list[str]:
+    return _permutation_selftest.run(lambda *args, **kwargs: run(*args, lib=lib, **kwargs))
 
 
-#: The library built for this machine (loaded on first use).
-LIBRARY = LazyLibrary("the compiled CPU permutation kernel", build_library)
+#: The permutation kernel library (``permutation_kernels.c``), loaded through the one loader.
+KERNEL = CompiledLibrary("the compiled CPU permutation kernel", "permutation_kernels.c", declare, _selftest_run)
+SOURCE = KERNEL.source
 
+#: Build (or reuse from the cache) and load a variant of the library.
+build_library = KERNEL.build
 
-def library() -> Optional[ctypes.CDLL]:
-    return LIBRARY.get()
+#: The library built for this machine (loaded on first use, after its golden self-test).
+LIBRARY = KERNEL.checked
+
+#: The same library without the self-test (tests only).
+UNCHECKED = KERNEL.unchecked
+
+library = KERNEL.library
+available = KERNEL.available
+failure_reason = KERNEL.failure_reason
+unchecked_library = UNCHECKED.get
 
 
 def run(kp: tuple[int, int], n: int, inverse: bool, out: torch.Tensor, *, positions: Optional[torch.Tensor] = None,

@@ -28,13 +28,25 @@ time, and the GENERAL one is rarely needed.)
 import triton
 import triton.language as tl
 
+from keyinit._kernels import triton_kernel as _host
+from keyinit._kernels._ids import DIST, DTYPE
+
 __all__ = ["fill_kernel", "NB", "BLOCK", "MAX_DIMS"]
 
-#: Philox blocks per program on the RUN path, elements per program on the GENERAL path.
-NB = 256
-BLOCK = 1024
-#: Dimensions a launch describes (after size-1 dims are dropped and slice dims merged).
-MAX_DIMS = 4
+# Distribution and dtype ids of the one table (keyinit._kernels._ids, which the C kernels get too),
+# as constexpr globals that the jitted code can read.
+DIST_UNIFORM = tl.constexpr(DIST["uniform"])
+DIST_NORMAL = tl.constexpr(DIST["normal"])
+DIST_TRUNCATED_NORMAL = tl.constexpr(DIST["truncated_normal"])
+DIST_RANDINT = tl.constexpr(DIST["randint"])
+DTYPE_BFLOAT16 = tl.constexpr(DTYPE["bfloat16"])
+DTYPE_FLOAT16 = tl.constexpr(DTYPE["float16"])
+
+#: Philox blocks per program on the RUN path, elements per program on the GENERAL path, and the
+#: dimensions a launch describes: the host side's constants (triton_kernel, importable without triton).
+NB = _host.NB
+BLOCK = _host.BLOCK
+MAX_DIMS = _host.MAX_DIMS
 
 
 @triton.jit
@@ -114,12 +126,12 @@ def _ndtri_tail(tail):
 def _values(x, x1, dist, fa, fb, p_low, p_span, lower, upper, flip, threshold, ilow, ispan,
             FAMILY: tl.constexpr):
     """The distribution's values for words ``x`` (and ``x1``, randint's second word)."""
-    if FAMILY == 0:  # float values: dist 1 uniform, 2 normal, 3 truncated normal
-        if dist == 1:
+    if FAMILY == 0:  # float values: uniform, normal, truncated normal
+        if dist == DIST_UNIFORM:
             u = (x >> 8).to(tl.float32) * 5.9604644775390625e-08
             value = fa + fb * u
         else:
-            if dist == 2:
+            if dist == DIST_NORMAL:
                 tail = (x | 1).to(tl.float32) * 1.16415321826934814453125e-10
                 negative = (x & 1) != 0
             else:
@@ -132,11 +144,11 @@ def _values(x, x1, dist, fa, fb, p_low, p_span, lower, upper, flip, threshold, i
             if flip != 0:
                 z = -z
             value = fa + fb * z
-            if dist == 3:
+            if dist == DIST_TRUNCATED_NORMAL:
                 value = tl.where(value < lower, lower, value)
                 value = tl.where(value > upper, upper, value)
-    elif FAMILY == 1:  # integer values: dist 0 bits, 5 randint
-        if dist == 5:
+    elif FAMILY == 1:  # integer values: bits, randint
+        if dist == DIST_RANDINT:
             n = ispan.to(tl.uint64)
             carry = (x.to(tl.uint64) * n) >> 32
             value = ilow + ((x1.to(tl.uint64) * n + carry) >> 32).to(tl.int64)
@@ -150,16 +162,16 @@ def _values(x, x1, dist, fa, fb, p_low, p_span, lower, upper, flip, threshold, i
 @triton.jit
 def _store(out_ptr, offsets, value, mask, FAMILY: tl.constexpr, OUT: tl.constexpr):
     if FAMILY == 2:
-        if OUT == 2:
+        if OUT == DTYPE_BFLOAT16:
             stored = tl.where(value, 0x3F80, 0).to(tl.int16)
-        elif OUT == 3:
+        elif OUT == DTYPE_FLOAT16:
             stored = tl.where(value, 1.0, 0.0).to(tl.float16)
         else:
             stored = value.to(out_ptr.dtype.element_ty)
     elif FAMILY == 1:
         stored = value.to(out_ptr.dtype.element_ty)
     else:
-        if OUT == 2:  # bfloat16 bits, torch's round-to-nearest-even
+        if OUT == DTYPE_BFLOAT16:  # bfloat16 bits, torch's round-to-nearest-even
             bits = value.to(tl.uint32, bitcast=True)
             rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
             rounded = tl.where(value != value, 0x7FC0, rounded)

@@ -4,7 +4,7 @@
  * Built on first use by keyinit/_kernels/_build.py with
  *     cc -O3 -std=c11 -ffp-contract=off -fno-math-errno -fno-trapping-math -fPIC -shared -pthread
  * plus -march=native where the compiler accepts it. AVX-512 and AVX2 targets get
- * explicit Philox code, other targets a portable loop; all give the same integers.
+ * explicit Philox code (philox.h), other targets a portable loop; all give the same integers.
  * Never -ffast-math: every float operation below is the IEEE-754 binary32
  * operation the reference performs, in the same order, with no fused
  * multiply-add and no flush-to-zero. The only math function is sqrt
@@ -37,298 +37,24 @@
  * pure function of its global index.
  */
 
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "convert.h"
+#include "ids.h"
+#include "parallel.h"
+#include "philox.h"
 
 #define KI_MAX_DIMS 64
 #define TILE 512
 #define CHUNK 32768
 
-/* Distribution ids (keep in sync with _cpu.py). */
-enum { D_BITS = 0, D_UNIFORM = 1, D_NORMAL = 2, D_TRUNC = 3, D_BERNOULLI = 4, D_RANDINT = 5 };
-/* Output dtype ids (keep in sync with _cpu.py). */
-enum {
-    T_F32 = 0, T_F64 = 1, T_BF16 = 2, T_F16 = 3, T_BOOL = 4,
-    T_I64 = 5, T_I32 = 6, T_I16 = 7, T_I8 = 8, T_U8 = 9
-};
-
 #define KI_API __attribute__((visibility("default")))
-
-/* ---------------------------------------------------------------- bit casts */
-
-static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-/* ------------------------------------------------------------------ Philox */
-
-#define PH_M0 0xD2511F53u
-#define PH_M1 0xCD9E8D57u
-#define PH_W0 0x9E3779B9u
-#define PH_W1 0xBB67AE85u
-
-
-/* Philox4x32-10 of the counter (lo32(b), hi32(b), 0, 0). Written for one
- * block, called from loops over blocks that the compiler vectorizes (the
- * 32x32->64 products become vector multiplies of 64-bit lanes). */
-#define PHILOX_BLOCK(b, k0, k1, c0, c1, c2, c3)                                  \
-    do {                                                                         \
-        uint32_t key0_ = (k0), key1_ = (k1);                                     \
-        c0 = (uint32_t)(b);                                                      \
-        c1 = (uint32_t)((uint64_t)(b) >> 32);                                    \
-        c2 = 0;                                                                  \
-        c3 = 0;                                                                  \
-        for (int r_ = 0; r_ < 10; r_++) {                                        \
-            uint64_t p0_ = (uint64_t)PH_M0 * c0;                                 \
-            uint64_t p1_ = (uint64_t)PH_M1 * c2;                                 \
-            uint32_t n0_ = (uint32_t)(p1_ >> 32) ^ c1 ^ key0_;                   \
-            uint32_t n2_ = (uint32_t)(p0_ >> 32) ^ c3 ^ key1_;                   \
-            c1 = (uint32_t)p1_;                                                  \
-            c3 = (uint32_t)p0_;                                                  \
-            c0 = n0_;                                                            \
-            c2 = n2_;                                                            \
-            key0_ += PH_W0;                                                      \
-            key1_ += PH_W1;                                                      \
-        }                                                                        \
-    } while (0)
-
-/* Blocks first .. first+n-1, written interleaved: out[4*i + lane]. */
-static void philox_range_scalar(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, uint32_t *restrict out)
-{
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t c0, c1, c2, c3;
-        PHILOX_BLOCK(first + (uint64_t)i, k0, k1, c0, c1, c2, c3);
-        out[4 * i + 0] = c0;
-        out[4 * i + 1] = c1;
-        out[4 * i + 2] = c2;
-        out[4 * i + 3] = c3;
-    }
-}
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-#if defined(__AVX512F__)
-/* 16 blocks per vector in 32-bit lanes; the 32x32->64 products of the even and
- * odd lanes come from two vpmuludq. Same integer results as PHILOX_BLOCK. */
-static inline void mulhilo16(__m512i a, __m512i m, __m512i *hi, __m512i *lo)
-{
-    __m512i even = _mm512_mul_epu32(a, m);
-    __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
-    *hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
-    *lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
-}
-
-/* Transpose (c0, c1, c2, c3) x 16 blocks into out[4*i + lane]. */
-static inline void store_blocks16(__m512i c0, __m512i c1, __m512i c2, __m512i c3, uint32_t *restrict out)
-{
-    __m512i t0 = _mm512_unpacklo_epi32(c0, c1);
-    __m512i t1 = _mm512_unpackhi_epi32(c0, c1);
-    __m512i t2 = _mm512_unpacklo_epi32(c2, c3);
-    __m512i t3 = _mm512_unpackhi_epi32(c2, c3);
-    __m512i u0 = _mm512_unpacklo_epi64(t0, t2); /* 128-bit chunk j: block 4j */
-    __m512i u1 = _mm512_unpackhi_epi64(t0, t2); /* block 4j+1 */
-    __m512i u2 = _mm512_unpacklo_epi64(t1, t3); /* block 4j+2 */
-    __m512i u3 = _mm512_unpackhi_epi64(t1, t3); /* block 4j+3 */
-    const __m512i i01 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    const __m512i i23 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-    __m512i v01a = _mm512_permutex2var_epi64(u0, i01, u1); /* blocks 0 1 4 5 */
-    __m512i v01b = _mm512_permutex2var_epi64(u0, i23, u1); /* blocks 8 9 12 13 */
-    __m512i v23a = _mm512_permutex2var_epi64(u2, i01, u3); /* blocks 2 3 6 7 */
-    __m512i v23b = _mm512_permutex2var_epi64(u2, i23, u3); /* blocks 10 11 14 15 */
-    const __m512i j0 = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11);
-    const __m512i j1 = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
-    _mm512_storeu_si512(out + 0, _mm512_permutex2var_epi64(v01a, j0, v23a));
-    _mm512_storeu_si512(out + 16, _mm512_permutex2var_epi64(v01a, j1, v23a));
-    _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi64(v01b, j0, v23b));
-    _mm512_storeu_si512(out + 48, _mm512_permutex2var_epi64(v01b, j1, v23b));
-}
-
-/* 4 independent groups of 16 blocks, interleaved to hide the multiply latency.
- * c0/c1 hold the groups' counter words 0 and 1 (words 2 and 3 are 0). */
-#define SIMD_GROUPS 4
-static inline __attribute__((always_inline)) void philox_core(__m512i *c0, __m512i *c1, uint32_t k0, uint32_t k1,
-                                                              uint32_t *restrict out)
-{
-    __m512i c2[SIMD_GROUPS], c3[SIMD_GROUPS];
-    for (int g = 0; g < SIMD_GROUPS; g++) {
-        c2[g] = _mm512_setzero_si512();
-        c3[g] = _mm512_setzero_si512();
-    }
-    const __m512i m0 = _mm512_set1_epi64(PH_M0), m1 = _mm512_set1_epi64(PH_M1);
-    uint32_t key0 = k0, key1 = k1;
-    for (int r = 0; r < 10; r++) {
-        const __m512i kk0 = _mm512_set1_epi32((int)key0), kk1 = _mm512_set1_epi32((int)key1);
-        for (int g = 0; g < SIMD_GROUPS; g++) {
-            __m512i hi0, lo0, hi1, lo1;
-            mulhilo16(c0[g], m0, &hi0, &lo0);
-            mulhilo16(c2[g], m1, &hi1, &lo1);
-            c0[g] = _mm512_ternarylogic_epi32(hi1, c1[g], kk0, 0x96); /* a ^ b ^ c */
-            c2[g] = _mm512_ternarylogic_epi32(hi0, c3[g], kk1, 0x96);
-            c1[g] = lo1;
-            c3[g] = lo0;
-        }
-        key0 += PH_W0;
-        key1 += PH_W1;
-    }
-    for (int g = 0; g < SIMD_GROUPS; g++) store_blocks16(c0[g], c1[g], c2[g], c3[g], out + 64 * g);
-}
-
-/* Blocks first .. first + SIMD_BLOCKS - 1. */
-static void philox_simd_range(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *restrict out)
-{
-    __m512i c0[SIMD_GROUPS], c1[SIMD_GROUPS];
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int g = 0; g < SIMD_GROUPS; g++) {
-        uint64_t b0 = first + (uint64_t)(16 * g);
-        /* lo32(b0 + i) and hi32(b0 + i), with the carry out of the low word */
-        __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)b0), lane);
-        __mmask16 carry = _mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32((int)(uint32_t)b0));
-        __m512i hi = _mm512_mask_add_epi32(_mm512_set1_epi32((int)(uint32_t)(b0 >> 32)), carry,
-                                           _mm512_set1_epi32((int)(uint32_t)(b0 >> 32)), _mm512_set1_epi32(1));
-        c0[g] = lo;
-        c1[g] = hi;
-    }
-    philox_core(c0, c1, k0, k1, out);
-}
-
-/* Blocks with the counters (lo[i], hi[i], 0, 0), i < SIMD_BLOCKS. */
-static void philox_simd(const uint32_t *restrict lo, const uint32_t *restrict hi, uint32_t k0, uint32_t k1,
-                        uint32_t *restrict out)
-{
-    __m512i c0[SIMD_GROUPS], c1[SIMD_GROUPS];
-    for (int g = 0; g < SIMD_GROUPS; g++) {
-        c0[g] = _mm512_loadu_si512((const void *)(lo + 16 * g));
-        c1[g] = _mm512_loadu_si512((const void *)(hi + 16 * g));
-    }
-    philox_core(c0, c1, k0, k1, out);
-}
-#define SIMD_BLOCKS (16 * SIMD_GROUPS)
-#elif defined(__AVX2__)
-static inline void mulhilo8(__m256i a, __m256i m, __m256i *hi, __m256i *lo)
-{
-    __m256i even = _mm256_mul_epu32(a, m);
-    __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
-    *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
-    *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
-}
-
-/* 2 independent groups of 8 blocks, interleaved to hide the multiply latency.
- * c0/c1 hold the groups' counter words 0 and 1 (words 2 and 3 are 0). */
-#define SIMD_GROUPS 2
-#define SIMD_BLOCKS (8 * SIMD_GROUPS)
-static inline __attribute__((always_inline)) void philox_core(__m256i *c0, __m256i *c1, uint32_t k0, uint32_t k1,
-                                                              uint32_t *restrict out)
-{
-    __m256i c2[SIMD_GROUPS], c3[SIMD_GROUPS];
-    for (int g = 0; g < SIMD_GROUPS; g++) {
-        c2[g] = _mm256_setzero_si256();
-        c3[g] = _mm256_setzero_si256();
-    }
-    const __m256i m0 = _mm256_set1_epi64x(PH_M0), m1 = _mm256_set1_epi64x(PH_M1);
-    uint32_t key0 = k0, key1 = k1;
-    for (int r = 0; r < 10; r++) {
-        const __m256i kk0 = _mm256_set1_epi32((int)key0), kk1 = _mm256_set1_epi32((int)key1);
-        for (int g = 0; g < SIMD_GROUPS; g++) {
-            __m256i hi0, lo0, hi1, lo1;
-            mulhilo8(c0[g], m0, &hi0, &lo0);
-            mulhilo8(c2[g], m1, &hi1, &lo1);
-            c0[g] = _mm256_xor_si256(_mm256_xor_si256(hi1, c1[g]), kk0);
-            c2[g] = _mm256_xor_si256(_mm256_xor_si256(hi0, c3[g]), kk1);
-            c1[g] = lo1;
-            c3[g] = lo0;
-        }
-        key0 += PH_W0;
-        key1 += PH_W1;
-    }
-    for (int g = 0; g < SIMD_GROUPS; g++) {
-        uint32_t *o = out + 32 * g;
-        __m256i t0 = _mm256_unpacklo_epi32(c0[g], c1[g]);
-        __m256i t1 = _mm256_unpackhi_epi32(c0[g], c1[g]);
-        __m256i t2 = _mm256_unpacklo_epi32(c2[g], c3[g]);
-        __m256i t3 = _mm256_unpackhi_epi32(c2[g], c3[g]);
-        __m256i u0 = _mm256_unpacklo_epi64(t0, t2); /* blocks 0 | 4 */
-        __m256i u1 = _mm256_unpackhi_epi64(t0, t2); /* blocks 1 | 5 */
-        __m256i u2 = _mm256_unpacklo_epi64(t1, t3); /* blocks 2 | 6 */
-        __m256i u3 = _mm256_unpackhi_epi64(t1, t3); /* blocks 3 | 7 */
-        _mm256_storeu_si256((__m256i *)(o + 0), _mm256_permute2x128_si256(u0, u1, 0x20));
-        _mm256_storeu_si256((__m256i *)(o + 8), _mm256_permute2x128_si256(u2, u3, 0x20));
-        _mm256_storeu_si256((__m256i *)(o + 16), _mm256_permute2x128_si256(u0, u1, 0x31));
-        _mm256_storeu_si256((__m256i *)(o + 24), _mm256_permute2x128_si256(u2, u3, 0x31));
-    }
-}
-
-/* Blocks with the counters (lo[i], hi[i], 0, 0), i < SIMD_BLOCKS. */
-static void philox_simd(const uint32_t *restrict lo, const uint32_t *restrict hi, uint32_t k0, uint32_t k1,
-                        uint32_t *restrict out)
-{
-    __m256i c0[SIMD_GROUPS], c1[SIMD_GROUPS];
-    for (int g = 0; g < SIMD_GROUPS; g++) {
-        c0[g] = _mm256_loadu_si256((const __m256i *)(lo + 8 * g));
-        c1[g] = _mm256_loadu_si256((const __m256i *)(hi + 8 * g));
-    }
-    philox_core(c0, c1, k0, k1, out);
-}
-
-/* Blocks first .. first + SIMD_BLOCKS - 1: the counters are made in registers
- * (no store-then-load); a group whose low word wraps takes the array path. */
-static void philox_simd_range(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *restrict out)
-{
-    const uint32_t lo0 = (uint32_t)first, hi0 = (uint32_t)(first >> 32);
-    if (lo0 > 0xFFFFFFFFu - (SIMD_BLOCKS - 1)) {
-        uint32_t lo[SIMD_BLOCKS], hi[SIMD_BLOCKS];
-        for (int j = 0; j < SIMD_BLOCKS; j++) {
-            uint64_t b = first + (uint64_t)j;
-            lo[j] = (uint32_t)b;
-            hi[j] = (uint32_t)(b >> 32);
-        }
-        philox_simd(lo, hi, k0, k1, out);
-        return;
-    }
-    __m256i c0[SIMD_GROUPS], c1[SIMD_GROUPS];
-    for (int g = 0; g < SIMD_GROUPS; g++) {
-        c0[g] = _mm256_add_epi32(_mm256_set1_epi32((int)lo0),
-                                 _mm256_setr_epi32(8 * g, 8 * g + 1, 8 * g + 2, 8 * g + 3,
-                                                   8 * g + 4, 8 * g + 5, 8 * g + 6, 8 * g + 7));
-        c1[g] = _mm256_set1_epi32((int)hi0);
-    }
-    philox_core(c0, c1, k0, k1, out);
-}
-#endif
-
-/* Blocks first .. first+n-1, written interleaved: out[4*i + lane]. */
-static void philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, uint32_t *restrict out)
-{
-    int64_t i = 0;
-#ifdef SIMD_BLOCKS
-    for (; i + SIMD_BLOCKS <= n; i += SIMD_BLOCKS) philox_simd_range(first + (uint64_t)i, k0, k1, out + 4 * i);
-#endif
-    philox_range_scalar(first + (uint64_t)i, n - i, k0, k1, out + 4 * i);
-}
-
-/* Blocks blocks[0..n-1] (any values), written interleaved: out[4*i + lane]. */
-static void philox_list(const uint64_t *restrict blocks, int64_t n, uint32_t k0, uint32_t k1,
-                        uint32_t *restrict out)
-{
-    int64_t i = 0;
-#ifdef SIMD_BLOCKS
-    uint32_t lo[SIMD_BLOCKS], hi[SIMD_BLOCKS];
-    for (; i + SIMD_BLOCKS <= n; i += SIMD_BLOCKS) {
-        for (int j = 0; j < SIMD_BLOCKS; j++) {
-            lo[j] = (uint32_t)blocks[i + j];
-            hi[j] = (uint32_t)(blocks[i + j] >> 32);
-        }
-        philox_simd(lo, hi, k0, k1, out + 4 * i);
-    }
-#endif
-    for (; i < n; i++) philox_range_scalar(blocks[i], 1, k0, k1, out + 4 * i);
-}
 
 /* Exported for the tests: Philox blocks first .. first+n-1 through the path the fills use. */
 KI_API void keyinit_philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, uint32_t *out)
 {
-    philox_range(first, n, k0, k1, out);
+    ki_philox_stream(first, n, k0, k1, out);
 }
 
 /* Words of elements with arbitrary global indices g[0..m-1] (m <= TILE): element
@@ -341,7 +67,7 @@ static void words_gather(const int64_t *restrict g, int64_t m, int w, uint32_t k
     uint32_t lanes[4 * TILE];
     const unsigned shift = w == 1 ? 2u : 1u; /* block of element i: (w*i) >> 2 */
     for (int64_t k = 0; k < m; k++) blocks[k] = (uint64_t)g[k] >> shift;
-    philox_list(blocks, m, k0, k1, lanes);
+    ki_philox_list(blocks, m, k0, k1, lanes);
     if (w == 1) {
         for (int64_t k = 0; k < m; k++) words[k] = lanes[4 * k + ((uint64_t)g[k] & 3u)];
     } else {
@@ -406,9 +132,9 @@ KI_API int keyinit_constants(float *dst, int capacity)
 /* _fp32math.log_f32: positive normal x. */
 static inline float log_f32(float x)
 {
-    int32_t bits = (int32_t)f2u(x);
+    int32_t bits = (int32_t)ki_bits(x);
     int32_t exponent = (bits >> 23) - 127;
-    float mantissa = u2f((uint32_t)((bits & 0x007FFFFF) | 0x3F800000));
+    float mantissa = ki_float((uint32_t)((bits & 0x007FFFFF) | 0x3F800000));
     int halve = mantissa > C_SQRT2;
     mantissa = halve ? mantissa * 0.5f : mantissa;
     float e = (float)(exponent + halve);
@@ -485,45 +211,18 @@ KI_API void keyinit_ndtri_tail(const float *tail, int64_t n, float *mag);
 
 /* ------------------------------------------------ conversions to storage */
 
-/* c10::BFloat16 round_to_nearest_even (NaN -> 0x7FC0). */
-static inline uint16_t f32_to_bf16(float f)
-{
-    uint32_t u = f2u(f);
-    uint32_t rounded = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
-    return (uint16_t)(f != f ? 0x7FC0u : rounded);
-}
-
-/* fp16_ieee_from_fp32_value (the FP16 library that c10::Half uses): IEEE
- * round-to-nearest-even, overflow to infinity, NaN -> sign | 0x7E00. */
-static inline uint16_t f32_to_f16(float f)
-{
-    const float scale_to_inf = 0x1.0p+112f;
-    const float scale_to_zero = 0x1.0p-110f;
-    uint32_t w = f2u(f);
-    float base = (u2f(w & 0x7FFFFFFFu) * scale_to_inf) * scale_to_zero;
-    uint32_t shl1_w = w + w;
-    uint32_t sign = w & 0x80000000u;
-    uint32_t bias = shl1_w & 0xFF000000u;
-    bias = bias < 0x71000000u ? 0x71000000u : bias;
-    base = u2f((bias >> 1) + 0x07800000u) + base;
-    uint32_t bits = f2u(base);
-    uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
-    uint32_t mantissa_bits = bits & 0x00000FFFu;
-    uint32_t nonsign = exp_bits + mantissa_bits;
-    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
-
-/* Exported for the exhaustive conversion tests. */
+/* Exported for the exhaustive conversion tests (convert.h). */
 KI_API void keyinit_convert_f32(const float *src, int64_t n, int dtype, void *dst)
 {
-    if (dtype == T_BF16) {
+    if (dtype == KI_DTYPE_BFLOAT16) {
         uint16_t *d = (uint16_t *)dst;
-        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
-    } else if (dtype == T_F16) {
+        for (int64_t i = 0; i < n; i++) d[i] = ki_f32_to_bf16(src[i]);
+    } else if (dtype == KI_DTYPE_FLOAT16) {
         uint16_t *d = (uint16_t *)dst;
-        for (int64_t i = 0; i < n; i++) d[i] = f32_to_f16(src[i]);
+        for (int64_t i = 0; i < n; i++) d[i] = ki_f32_to_f16(src[i]);
     }
 }
+
 
 /* ------------------------------------------------------------------ plan */
 
@@ -550,12 +249,17 @@ typedef struct {
     char *out;
     int elsize;
     int64_t numel;
-    /* scheduling */
-    int64_t nchunks;
-    int64_t next_chunk __attribute__((aligned(64)));
 } plan_t;
 
-static const int elsizes[] = {4, 8, 2, 2, 1, 8, 4, 2, 1, 1};
+static int elsize_of(int dtype)
+{
+    switch (dtype) {
+    case KI_DTYPE_FLOAT64: case KI_DTYPE_INT64: return 8;
+    case KI_DTYPE_FLOAT32: case KI_DTYPE_INT32: return 4;
+    case KI_DTYPE_BFLOAT16: case KI_DTYPE_FLOAT16: case KI_DTYPE_INT16: return 2;
+    default: return 1;
+    }
+}
 
 /* Values of one tile. */
 typedef union {
@@ -570,7 +274,7 @@ static void transform_float(const plan_t *P, const uint32_t *wp, int64_t m, floa
 {
     float tail[TILE] = {0}, mag[TILE];
     switch (P->dist) {
-    case D_UNIFORM: {
+    case KI_DIST_UNIFORM: {
         const float low = P->a, span = P->b;
         for (int64_t k = 0; k < m; k++) {
             float u = (float)(wp[k] >> 8) * 0x1p-24f;
@@ -578,7 +282,7 @@ static void transform_float(const plan_t *P, const uint32_t *wp, int64_t m, floa
         }
         break;
     }
-    case D_NORMAL: {
+    case KI_DIST_NORMAL: {
         const float mean = P->a, std = P->b;
         for (int64_t k = 0; k < m; k++) tail[k] = (float)(wp[k] | 1u) * 0x1p-33f;
         ndtri_tail_batch(tail, m, mag);
@@ -588,7 +292,7 @@ static void transform_float(const plan_t *P, const uint32_t *wp, int64_t m, floa
         }
         break;
     }
-    case D_TRUNC: {
+    case KI_DIST_TRUNCATED_NORMAL: {
         const float mean = P->a, std = P->b, p_low = P->p_low, p_span = P->p_span;
         const float lower = P->lower, upper = P->upper;
         const int flip = P->flip;
@@ -615,15 +319,15 @@ static void transform_float(const plan_t *P, const uint32_t *wp, int64_t m, floa
 static void transform_tile(const plan_t *P, const uint32_t *wp, int64_t m, values_t *v)
 {
     switch (P->dist) {
-    case D_BITS:
+    case KI_DIST_BITS:
         for (int64_t k = 0; k < m; k++) v->i[k] = (int64_t)wp[k];
         break;
-    case D_BERNOULLI: {
+    case KI_DIST_BERNOULLI: {
         const uint64_t th = P->threshold;
         for (int64_t k = 0; k < m; k++) v->u[k] = (uint64_t)wp[k] < th;
         break;
     }
-    case D_RANDINT: {
+    case KI_DIST_RANDINT: {
         const uint64_t n = P->span;
         const int64_t low = P->low;
         for (int64_t k = 0; k < m; k++) {
@@ -662,35 +366,35 @@ static void store_tile(const plan_t *P, const values_t *v, int64_t m, const int6
     const int64_t *iv = v->i;
     const uint8_t *u = v->u;
     switch (P->dist) {
-    case D_BITS:
-    case D_RANDINT:
+    case KI_DIST_BITS:
+    case KI_DIST_RANDINT:
         switch (P->dtype) {
-        case T_I64: STORE_LOOP(int64_t, iv[k]); break;
-        case T_I32: STORE_LOOP(int32_t, (int32_t)iv[k]); break;
-        case T_I16: STORE_LOOP(int16_t, (int16_t)iv[k]); break;
-        case T_I8: STORE_LOOP(int8_t, (int8_t)iv[k]); break;
-        case T_U8: STORE_LOOP(uint8_t, (uint8_t)iv[k]); break;
+        case KI_DTYPE_INT64: STORE_LOOP(int64_t, iv[k]); break;
+        case KI_DTYPE_INT32: STORE_LOOP(int32_t, (int32_t)iv[k]); break;
+        case KI_DTYPE_INT16: STORE_LOOP(int16_t, (int16_t)iv[k]); break;
+        case KI_DTYPE_INT8: STORE_LOOP(int8_t, (int8_t)iv[k]); break;
+        case KI_DTYPE_UINT8: STORE_LOOP(uint8_t, (uint8_t)iv[k]); break;
         }
         break;
-    case D_BERNOULLI:
+    case KI_DIST_BERNOULLI:
         switch (P->dtype) {
-        case T_BOOL: case T_U8: STORE_LOOP(uint8_t, u[k]); break;
-        case T_I8: STORE_LOOP(int8_t, (int8_t)u[k]); break;
-        case T_I16: STORE_LOOP(int16_t, (int16_t)u[k]); break;
-        case T_I32: STORE_LOOP(int32_t, (int32_t)u[k]); break;
-        case T_I64: STORE_LOOP(int64_t, (int64_t)u[k]); break;
-        case T_F32: STORE_LOOP(float, (float)u[k]); break;
-        case T_F64: STORE_LOOP(double, (double)u[k]); break;
-        case T_BF16: STORE_LOOP(uint16_t, (uint16_t)(u[k] ? 0x3F80u : 0u)); break;
-        case T_F16: STORE_LOOP(uint16_t, (uint16_t)(u[k] ? 0x3C00u : 0u)); break;
+        case KI_DTYPE_BOOL: case KI_DTYPE_UINT8: STORE_LOOP(uint8_t, u[k]); break;
+        case KI_DTYPE_INT8: STORE_LOOP(int8_t, (int8_t)u[k]); break;
+        case KI_DTYPE_INT16: STORE_LOOP(int16_t, (int16_t)u[k]); break;
+        case KI_DTYPE_INT32: STORE_LOOP(int32_t, (int32_t)u[k]); break;
+        case KI_DTYPE_INT64: STORE_LOOP(int64_t, (int64_t)u[k]); break;
+        case KI_DTYPE_FLOAT32: STORE_LOOP(float, (float)u[k]); break;
+        case KI_DTYPE_FLOAT64: STORE_LOOP(double, (double)u[k]); break;
+        case KI_DTYPE_BFLOAT16: STORE_LOOP(uint16_t, (uint16_t)(u[k] ? 0x3F80u : 0u)); break;
+        case KI_DTYPE_FLOAT16: STORE_LOOP(uint16_t, (uint16_t)(u[k] ? 0x3C00u : 0u)); break;
         }
         break;
     default:
         switch (P->dtype) {
-        case T_F32: STORE_LOOP(float, f[k]); break;
-        case T_F64: STORE_LOOP(double, (double)f[k]); break;
-        case T_BF16: STORE_LOOP(uint16_t, f32_to_bf16(f[k])); break;
-        case T_F16: STORE_LOOP(uint16_t, f32_to_f16(f[k])); break;
+        case KI_DTYPE_FLOAT32: STORE_LOOP(float, f[k]); break;
+        case KI_DTYPE_FLOAT64: STORE_LOOP(double, (double)f[k]); break;
+        case KI_DTYPE_BFLOAT16: STORE_LOOP(uint16_t, ki_f32_to_bf16(f[k])); break;
+        case KI_DTYPE_FLOAT16: STORE_LOOP(uint16_t, ki_f32_to_f16(f[k])); break;
         }
     }
 }
@@ -711,16 +415,18 @@ static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const int64_t
         uint64_t j0 = (uint64_t)g0 * (uint64_t)w;
         uint64_t j1 = j0 + (uint64_t)(m * w); /* exclusive */
         uint64_t b0 = j0 >> 2, b1 = (j1 + 3) >> 2;
-        philox_range(b0, (int64_t)(b1 - b0), P->k0, P->k1, words);
+        ki_philox_stream(b0, (int64_t)(b1 - b0), P->k0, P->k1, words);
         wp = words + (j0 & 3u);
     } else {
         words_gather(g, m, w, P->k0, P->k1, words);
         wp = words;
     }
     /* Write straight into the destination when it has the value buffer's type. */
+    const int float_values = P->dist == KI_DIST_UNIFORM || P->dist == KI_DIST_NORMAL ||
+                             P->dist == KI_DIST_TRUNCATED_NORMAL;
+    const int int_values = P->dist == KI_DIST_BITS || P->dist == KI_DIST_RANDINT;
     int direct = o == NULL && os == 1 &&
-                 (((P->dist == D_UNIFORM || P->dist == D_NORMAL || P->dist == D_TRUNC) && P->dtype == T_F32) ||
-                  ((P->dist == D_BITS || P->dist == D_RANDINT) && P->dtype == T_I64));
+                 ((float_values && P->dtype == KI_DTYPE_FLOAT32) || (int_values && P->dtype == KI_DTYPE_INT64));
     if (direct) {
         transform_tile(P, wp, m, (values_t *)(P->out + o0 * (int64_t)P->elsize));
         return;
@@ -826,44 +532,23 @@ static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
 
 /* The values never depend on the caller's floating-point environment: each
  * thread clears flush-to-zero and denormals-are-zero while it computes (and the
- * calling thread restores its own state afterwards). */
-#if defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h>
-#define KI_MXCSR_FTZ_DAZ 0x8040u
-typedef unsigned int fpstate_t;
-static inline fpstate_t fp_enter(void)
-{
-    fpstate_t saved = _mm_getcsr();
-    _mm_setcsr(saved & ~KI_MXCSR_FTZ_DAZ);
-    return saved;
-}
-static inline void fp_leave(fpstate_t saved) { _mm_setcsr(saved); }
-#else
-typedef int fpstate_t;
-static inline fpstate_t fp_enter(void) { return 0; }
-static inline void fp_leave(fpstate_t saved) { (void)saved; }
-#endif
+ * calling thread restores its own state afterwards): ki_fp_enter / ki_fp_leave
+ * and the clear_fp pool of parallel.h. */
 
-static void *worker(void *arg)
+/* Chunk c: region elements c*CHUNK .. (c+1)*CHUNK - 1 (ki_parallel_for's body). */
+static void fill_chunk(void *ctx, int64_t c)
 {
-    plan_t *P = (plan_t *)arg;
-    fpstate_t saved = fp_enter();
-    for (;;) {
-        int64_t c = __atomic_fetch_add(&P->next_chunk, 1, __ATOMIC_RELAXED);
-        if (c >= P->nchunks) break;
-        int64_t start = c * CHUNK;
-        int64_t stop = start + CHUNK < P->numel ? start + CHUNK : P->numel;
-        do_chunk(P, start, stop);
-    }
-    fp_leave(saved);
-    return NULL;
+    const plan_t *P = (const plan_t *)ctx;
+    int64_t start = c * CHUNK;
+    int64_t stop = start + CHUNK < P->numel ? start + CHUNK : P->numel;
+    do_chunk(P, start, stop);
 }
 
 KI_API void keyinit_ndtri_tail(const float *tail, int64_t n, float *mag)
 {
-    fpstate_t saved = fp_enter();
+    ki_fpstate_t saved = ki_fp_enter();
     for (int64_t i = 0; i < n; i += TILE) ndtri_tail_batch(tail + i, n - i < TILE ? n - i : TILE, mag + i);
-    fp_leave(saved);
+    ki_fp_leave(saved);
 }
 
 /* Exported: which value-changing "fast math" transformations this compiled code
@@ -875,7 +560,7 @@ static volatile float probe_nan = __builtin_nanf(""), probe_min = 0x1p-126f, pro
 
 KI_API int keyinit_fp_probe(void)
 {
-    fpstate_t saved = fp_enter();
+    ki_fpstate_t saved = ki_fp_enter();
     int faults = 0;
     float a = probe_small, b = probe_one;
     if ((a + b) - b != 0.0f) faults |= 1;          /* 1 + 1e-8 rounds to 1 */
@@ -887,7 +572,7 @@ KI_API int keyinit_fp_probe(void)
     if (m * 0.5f == 0.0f) faults |= 8;
     float s = probe_sub, t = probe_one;
     if (s * t == 0.0f) faults |= 16;
-    fp_leave(saved);
+    ki_fp_leave(saved);
     return faults;
 }
 
@@ -916,11 +601,11 @@ KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
                         void *out, int nthreads)
 {
     if (ndim < 1 || ndim > KI_MAX_DIMS) return -1;
-    if (dist < D_BITS || dist > D_RANDINT || dtype < T_F32 || dtype > T_U8) return -2;
-    fpstate_t saved = fp_enter(); /* before the conversions below: exact, subnormals kept */
+    if (dist < 0 || dist >= KI_DIST_COUNT || dtype < 0 || dtype >= KI_DTYPE_COUNT) return -2;
+    ki_fpstate_t saved = ki_fp_enter(); /* before the conversions below: exact, subnormals kept */
     int rc = fill_planned(dist, dtype, k0, k1, fparams, iparams, ndim, base, size, ostride, gstride, index, out,
                           nthreads);
-    fp_leave(saved);
+    ki_fp_leave(saved);
     return rc;
 }
 
@@ -934,7 +619,7 @@ static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1,
     plan_t P = zero_plan;
     P.dist = dist;
     P.dtype = dtype;
-    P.w = dist == D_RANDINT ? 2 : 1;
+    P.w = dist == KI_DIST_RANDINT ? 2 : 1;
     P.k0 = k0;
     P.k1 = k1;
     P.a = (float)fparams[0]; /* exact: each is a binary32 value */
@@ -954,7 +639,7 @@ static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1,
     P.gstride = gstride;
     P.index = index;
     P.out = (char *)out;
-    P.elsize = elsizes[dtype];
+    P.elsize = elsize_of(dtype);
     int64_t numel = 1;
     for (int k = 0; k < ndim; k++) {
         if (size[k] < 0) return -3;
@@ -962,18 +647,6 @@ static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1,
     }
     P.numel = numel;
     if (numel == 0) return 0;
-    P.nchunks = (numel + CHUNK - 1) / CHUNK;
-    P.next_chunk = 0;
-    if (nthreads > P.nchunks) nthreads = (int)P.nchunks;
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > 256) nthreads = 256;
-    pthread_t threads[256];
-    int started = 0;
-    for (int t = 1; t < nthreads; t++) {
-        if (pthread_create(&threads[started], NULL, worker, &P) != 0) break;
-        started++;
-    }
-    worker(&P);
-    for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
+    ki_parallel_for((numel + CHUNK - 1) / CHUNK, nthreads, 1, fill_chunk, &P);
     return 0;
 }

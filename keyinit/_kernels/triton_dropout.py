@@ -32,22 +32,27 @@ import torch
 import triton
 import triton.language as tl
 
+from keyinit._kernels._ids import DTYPE, DTYPE_IDS
 from keyinit._kernels._triton_impl import _philox  # Philox4x32-10 of (c0, c1, 0, 0) under (k0, k1)
 
 __all__ = ["run", "BLOCK"]
 
 BLOCK = 1024
-_KINDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+#: dtype ids (the one table, keyinit._kernels._ids) of the dtypes dropout takes, as the C kernel gets them.
+_KINDS = {dtype: DTYPE_IDS[dtype] for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
+DTYPE_FLOAT32 = tl.constexpr(DTYPE["float32"])
+DTYPE_FLOAT64 = tl.constexpr(DTYPE["float64"])
+DTYPE_BFLOAT16 = tl.constexpr(DTYPE["bfloat16"])
 
 
 @triton.jit
 def _scaled(x, s32, s64, KIND: tl.constexpr):
     """``x * scale`` in the dtype's arithmetic, as stored (bfloat16 as int16 bits)."""
-    if KIND == 0:
+    if KIND == DTYPE_FLOAT32:
         return x * s32
-    elif KIND == 1:
+    elif KIND == DTYPE_FLOAT64:
         return x * s64
-    elif KIND == 2:
+    elif KIND == DTYPE_BFLOAT16:
         bits = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         v = bits * s32
         u = v.to(tl.uint32, bitcast=True)

@@ -43,36 +43,24 @@ import torch
 from keyinit.distributions import Bernoulli, Bits, Distribution, Normal, Randint, TruncatedNormal, Uniform
 from keyinit.keys import Key
 from keyinit.regions import Region
+from keyinit._kernels._ids import DIST_IDS, DTYPE_IDS
 from keyinit._kernels._plan import geometry
 
 __all__ = ["available", "fill", "MAX_DIMS", "RUN_MIN", "launch_plan"]
 
 #: Dimensions a launch describes after size-1 dims are dropped and slice dims merged; more: the reference.
 MAX_DIMS = 4
-#: Elements per program: Philox blocks per RUN program, elements per GENERAL program (keep in sync
-#: with _triton_impl, which cannot be imported without triton).
+#: Elements per program: Philox blocks per RUN program, elements per GENERAL program (defined here,
+#: where no triton is needed; _triton_impl imports them).
 NB = 256
 BLOCK = 1024
 #: Shortest row of a multi-row region that takes the RUN path (shorter rows waste most of a RUN program).
 RUN_MIN = 256
 _MAX_GRID = 2**31 - 1
 
-_DISTS = {Bits: 0, Uniform: 1, Normal: 2, TruncatedNormal: 3, Bernoulli: 4, Randint: 5}
-#: Value family of each distribution: 0 float, 1 integer, 2 boolean.
+#: Value family of each distribution: 0 float, 1 integer, 2 boolean (the Triton kernel's own grouping;
+#: the distribution and dtype ids themselves are the one table, keyinit._kernels._ids).
 _FAMILY = {Bits: 1, Uniform: 0, Normal: 0, TruncatedNormal: 0, Bernoulli: 2, Randint: 1}
-# Output kinds: how the kernel stores a value.
-_OUT_KINDS = {
-    torch.float32: 0,
-    torch.float64: 1,
-    torch.bfloat16: 2,  # stored as int16 bits
-    torch.float16: 3,
-    torch.bool: 4,  # stored as uint8
-    torch.int64: 5,
-    torch.int32: 6,
-    torch.int16: 7,
-    torch.int8: 8,
-    torch.uint8: 9,
-}
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,8 +131,8 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, int
     Runs for CUDA tensors; CPU tensors are accepted only with ``interpret_ok``
     (the tests, under ``TRITON_INTERPRET=1``).
     """
-    dist_id = _DISTS.get(type(dist))
-    out_kind = _OUT_KINDS.get(out.dtype)
+    dist_id = DIST_IDS.get(type(dist))
+    out_kind = DTYPE_IDS.get(out.dtype)
     if dist_id is None or out_kind is None:
         return False
     if out.device.type != "cuda" and not interpret_ok:

@@ -25,6 +25,7 @@ integer arithmetic on int64 tensors holding values below ``2**62``.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -32,7 +33,7 @@ from keyinit._philox import philox4x32
 from keyinit.keys import Key, fold_in
 
 __all__ = ["PERMUTE_DOMAIN", "rounds", "MAX_N", "permutation_key", "geometry", "encrypt", "decrypt",
-           "permute_reference", "unpermute_reference"]
+           "permute_reference", "unpermute_reference", "permute_into"]
 
 #: The int folded in first: the ASCII bytes of "permute", big-endian.
 PERMUTE_DOMAIN = int.from_bytes(b"permute", "big")
@@ -109,3 +110,20 @@ def unpermute_reference(key: Key, n: int, values: torch.Tensor) -> torch.Tensor:
     if n == 1:
         return torch.zeros_like(values)
     return _walk(decrypt, permutation_key(key, n).words, n, values.to(torch.int64))
+
+
+def permute_into(kp: tuple[int, int], n: int, inverse: bool, out: torch.Tensor, *,
+                 positions: Optional[torch.Tensor] = None, start: int = 0, step: int = 1) -> bool:
+    """The reference with the kernels' signature (``keyinit._dispatch``'s permutation family).
+
+    ``out[k] = perm(p_k)`` (``inverse``: ``perm^-1(p_k)``) under the round key ``kp``, with
+    ``p_k = positions[k]`` or ``start + step * k``; ``out`` is int64, ``positions`` (if given)
+    has its shape and device, and both are read in row-major order, as the kernels do.
+    """
+    if positions is None:
+        flat = start + step * torch.arange(out.numel(), dtype=torch.int64, device=out.device)
+    else:
+        flat = positions.reshape(-1).to(torch.int64)
+    values = _walk(decrypt if inverse else encrypt, kp, n, flat)
+    out.copy_(values.reshape(out.shape))
+    return True

@@ -1,9 +1,9 @@
 """``permutation`` and ``inverse_permutation``: a keyed bijection of ``range(n)`` with random access.
 
 Values are those of :mod:`keyinit.data._feistel` (``docs/spec.md`` section 16);
-CPU tensors go through the compiled kernel, CUDA tensors through the Triton
-kernel when triton is installed, anything else through the reference. All
-three give the same bits.
+:func:`keyinit._dispatch.permute` runs them: CPU tensors through the compiled
+kernel, CUDA tensors through the Triton kernel when triton is installed,
+anything else through the reference. All three give the same bits.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from keyinit._kernels import kernels_disabled
+from keyinit import _dispatch
 from keyinit.data import _feistel
 from keyinit.keys import Key, _require_key
 
@@ -76,25 +76,7 @@ def _run(key: Key, n: int, positions: Positions, device: DeviceLike, inverse: bo
         return out
     if n == 1:
         return out.zero_()
-    kp = _feistel.permutation_key(key, n).words
-    if not kernels_disabled():
-        if out.device.type == "cpu":
-            from keyinit._kernels import _permutation_cpu
-
-            if _permutation_cpu.run(kp, n, inverse, out, positions=indexed, start=start, step=step):
-                return out
-        elif out.device.type == "cuda":
-            try:
-                from keyinit._kernels import triton_permutation
-            except ImportError:
-                triton_permutation = None  # type: ignore[assignment]
-            if triton_permutation is not None and triton_permutation.run(
-                    kp, n, inverse, out, positions=indexed, start=start, step=step):
-                return out
-    if indexed is None:
-        indexed = start + step * torch.arange(out.numel(), dtype=torch.int64, device=out.device)
-    walk = _feistel.unpermute_reference if inverse else _feistel.permute_reference
-    return walk(key, n, indexed)
+    return _dispatch.permute(key, n, inverse, out, positions=indexed, start=start, step=step)
 
 
 def permutation(key: Key, n: int, positions: Positions = None, *, device: DeviceLike = None) -> torch.Tensor:

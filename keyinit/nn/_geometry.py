@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from keyinit.distributions import Bernoulli
+from keyinit.keys import DEFAULT_STREAM
 from keyinit.regions import MAX_NUMEL, Region, make_region, normalize_shape
 
 __all__ = ["Layout", "Geometry", "layout_for", "dtensor_layout", "rows_layout", "plan", "constants"]
@@ -51,7 +52,9 @@ class Geometry:
     Element ``q`` (row-major over ``sizes``) has global index
     ``base + sum_d gstrides[d] * idx_d(p_d)``; it is kept iff its stream word is
     below ``threshold``; kept values are scaled by ``scale32`` (binary32 and
-    16-bit dtypes) or ``scale64`` (float64).
+    16-bit dtypes) or ``scale64`` (float64). The key is ``(k0, k1)`` of stream
+    version ``stream`` (a registered name: :mod:`keyinit._dispatch` runs that
+    stream's dropout kernels).
     """
 
     k0: int
@@ -64,6 +67,7 @@ class Geometry:
     gstrides: tuple[int, ...]
     starts: tuple[int, ...]
     indices: tuple[Optional[torch.Tensor], ...]
+    stream: str = DEFAULT_STREAM
 
 
 def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
@@ -211,8 +215,9 @@ def constants(p: float) -> tuple[int, float, float]:
 
 
 def plan(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Sequence[int], starts: Sequence[int],
-         indices: Sequence[Optional[torch.Tensor]]) -> Geometry:
-    """The coalesced :class:`Geometry` of a contiguous tensor of ``shape`` placed by the op's layout arguments."""
+         indices: Sequence[Optional[torch.Tensor]], stream: str = DEFAULT_STREAM) -> Geometry:
+    """The coalesced :class:`Geometry` of a contiguous tensor of ``shape`` placed by the op's layout arguments,
+    for the key ``(k0, k1)`` of stream version ``stream``."""
     shape = tuple(int(n) for n in shape)
     if not (len(gstrides) == len(starts) == len(indices) == len(shape)):
         raise ValueError(
@@ -244,5 +249,5 @@ def plan(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Sequence[in
     return Geometry(
         k0=int(k0), k1=int(k1), threshold=threshold, scale32=scale32, scale64=scale64, base=base,
         sizes=tuple(d[0] for d in dims), gstrides=tuple(d[1] for d in dims), starts=tuple(d[2] for d in dims),
-        indices=tuple(d[3] for d in dims),
+        indices=tuple(d[3] for d in dims), stream=stream,
     )

@@ -1,10 +1,11 @@
 """The ``keyinit::dropout`` operator: a ``torch.library`` custom op with a fake kernel and autograd.
 
     keyinit::dropout(Tensor input, int k0, int k1, float p, int[] gstrides, int[] starts,
-                     Tensor?[] indices) -> Tensor
+                     Tensor?[] indices, str stream) -> Tensor
 
 returns the keyed dropout of ``input`` (contiguous, same shape and dtype) for the
-key ``(k0, k1)``, with the input's elements placed in the global stream by the
+key ``(k0, k1)`` of stream version ``stream`` (the key's own: it is never reduced
+to its two words), with the input's elements placed in the global stream by the
 layout ``(gstrides, starts, indices)`` (see :mod:`keyinit.nn._geometry`).
 
 Autograd: the op is linear in ``input`` with a diagonal 0 / ``1/(1-p)`` Jacobian,
@@ -16,8 +17,8 @@ Being a custom op with a fake kernel, it traces under ``torch.compile``
 (``fullgraph=True``) as one opaque node; the key words and ``p`` are
 compile-time constants there, so a new key means a new graph.
 
-Implementations, all bit-identical: the C kernel on CPU
-(:mod:`keyinit._kernels._dropout_cpu`), Triton on CUDA
+Implementations, all bit-identical, chosen by :func:`keyinit._dispatch.dropout`:
+the C kernel on CPU (:mod:`keyinit._kernels._dropout_cpu`), Triton on CUDA
 (:mod:`keyinit._kernels.triton_dropout`), and the torch reference
 (:mod:`keyinit.nn._reference`) anywhere else or with ``KEYINIT_DISABLE_KERNELS=1``.
 """
@@ -27,54 +28,40 @@ from typing import Optional
 import attrs
 import torch
 
-from keyinit._kernels import kernels_disabled
-from keyinit.nn import _reference
+from keyinit import _dispatch
+from keyinit.keys import DEFAULT_STREAM
 from keyinit.nn._geometry import Geometry, plan
 
 __all__ = ["dropout", "run", "call"]
 
-_SCHEMA = "(Tensor input, int k0, int k1, float p, int[] gstrides, int[] starts, Tensor?[] indices) -> Tensor"
+# ``stream`` has no default: the dispatcher drops arguments equal to their default before autograd,
+# which would make the backward's gradient count depend on the stream.
+_SCHEMA = ("(Tensor input, int k0, int k1, float p, int[] gstrides, int[] starts, Tensor?[] indices, "
+           "str stream) -> Tensor")
 
 
 def run(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
-    """Dropout of ``x`` by ``geometry`` with the best implementation for its device (a new contiguous tensor)."""
-    x = x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    if not kernels_disabled():
-        if x.device.type == "cpu":
-            from keyinit._kernels import _dropout_cpu
-
-            if _dropout_cpu.run(x, out, geometry):
-                return out
-        elif x.device.type == "cuda":
-            try:
-                from keyinit._kernels import triton_dropout
-            except Exception:  # noqa: BLE001 - no (working) triton: the reference gives the same values
-                triton_dropout = None
-            if triton_dropout is not None and triton_dropout.run(x, out, geometry):
-                return out
-    _reference.dropout(x, out, geometry)
-    return out
+    """Dropout of ``x`` by ``geometry`` with the best implementation for its device (a new contiguous tensor):
+    :func:`keyinit._dispatch.dropout`, the one seam of every kernel family."""
+    return _dispatch.dropout(x, geometry)
 
 
 @torch.library.custom_op("keyinit::dropout", mutates_args=(), schema=_SCHEMA)
 def dropout(input: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: list,
-            indices: list) -> torch.Tensor:
+            indices: list, stream: str) -> torch.Tensor:
     """Keyed dropout of ``input``; see the module docstring."""
-    return run(input, plan(input.shape, k0, k1, p, gstrides, starts, indices))
+    return run(input, plan(input.shape, k0, k1, p, gstrides, starts, indices, stream))
 
 
 @dropout.register_fake
 def _(input: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: list,
-      indices: list) -> torch.Tensor:
+      indices: list, stream: str) -> torch.Tensor:
     return torch.empty(input.shape, dtype=input.dtype, device=input.device)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _, k0, k1, p, gstrides, starts, indices = inputs
-    ctx.args = (k0, k1, p, list(gstrides), list(starts))
+    _, k0, k1, p, gstrides, starts, indices, stream = inputs
+    ctx.args = (k0, k1, p, list(gstrides), list(starts), stream)
     ctx.has_index = [index is not None for index in indices]
     ctx.save_for_backward(*(index for index in indices if index is not None))
 
@@ -82,8 +69,8 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad: torch.Tensor):
     saved = iter(ctx.saved_tensors)
     indices: list[Optional[torch.Tensor]] = [next(saved) if has else None for has in ctx.has_index]
-    k0, k1, p, gstrides, starts = ctx.args
-    return dropout(grad, k0, k1, p, gstrides, starts, indices), None, None, None, None, None, None
+    k0, k1, p, gstrides, starts, stream = ctx.args
+    return (dropout(grad, k0, k1, p, gstrides, starts, indices, stream),) + (None,) * 7
 
 
 dropout.register_autograd(_backward, setup_context=_setup_context)
@@ -113,12 +100,13 @@ class _EagerDropout(torch.autograd.Function):
         return _EagerDropout.apply(grad, attrs.evolve(ctx.geometry, indices=indices)), None
 
 
-def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: list, indices: list) -> torch.Tensor:
+def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: list, indices: list,
+         stream: str = DEFAULT_STREAM) -> torch.Tensor:
     """``keyinit::dropout`` on ``x``: the eager form for plain CPU/CUDA tensors, the custom op otherwise.
 
     The custom op (with its fake kernel) is what ``torch.compile`` traces and what
     fake/meta tensors and tensor subclasses take; both give the same values.
     """
     if type(x) is torch.Tensor and x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling():
-        return _EagerDropout.apply(x, plan(x.shape, k0, k1, p, gstrides, starts, indices))
-    return dropout(x, k0, k1, p, gstrides, starts, indices)
+        return _EagerDropout.apply(x, plan(x.shape, k0, k1, p, gstrides, starts, indices, stream))
+    return dropout(x, k0, k1, p, gstrides, starts, indices, stream)
