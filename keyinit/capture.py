@@ -45,7 +45,7 @@ from keyinit.program import (
     Alloc,
     Cat,
     Const,
-    Geometry,
+    StridedView,
     Item,
     Literal,
     Node,
@@ -308,7 +308,7 @@ class Capture:
         """The node of a tensor argument at this moment."""
         if isinstance(value, LazyTensor):
             storage = self.storage_of(value)
-            return Read(storage.current, Geometry.of(value._meta), value.dtype)
+            return Read(storage.current, StridedView.of(value._meta), value.dtype)
         if isinstance(value, torch.Tensor):
             if value.device.type == "meta":
                 raise CaptureError(f"{self.site}: init code used a meta tensor of shape {tuple(value.shape)} that keyinit "
@@ -429,7 +429,7 @@ class Capture:
             initializer = make(frame.f_locals)
             draw = Random(tuple(target.shape), target.dtype, f"nn.init.{frame.f_code.co_name}", self.site,
                           initializer, by_index=False, element_local=initializer.element_local)
-            self.storage_of(target).write(Geometry.of(target._meta), draw, self.label)
+            self.storage_of(target).write(StridedView.of(target._meta), draw, self.label)
             self._claimed.append(frame)
             return True
         return False
@@ -488,10 +488,10 @@ class Capture:
             probe = base.as_strided(meta.size(), meta.stride(), meta.storage_offset())
         margs, mkwargs = tree_map(lambda x: probe if x is target else (x._meta if isinstance(x, LazyTensor) else x),
                                   (args, kwargs))
-        before = Geometry.of(probe)
+        before = StridedView.of(probe)
         with _disable_current_modes():
             func(*margs, **mkwargs)
-        return Geometry.of(probe) == before
+        return StridedView.of(probe) == before
 
     def _to_meta(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         def convert(x: Any) -> Any:
@@ -524,7 +524,7 @@ class Capture:
     def _record(self, func: Any, args: tuple, kwargs: dict, *, random: bool) -> Any:
         bound = bind_arguments(func, args, kwargs)
         mutated = [bound[m] for m in _mutated_args(func) if isinstance(bound.get(m), LazyTensor)]
-        before = [Geometry.of(t._meta) for t in mutated]
+        before = [StridedView.of(t._meta) for t in mutated]
         try:
             # An in-place draw returns its own argument: no need to run torch's (Python) meta decomposition.
             out = mutated[0]._meta if random and mutated and _returns_self(func) else self._run_meta(func, args, kwargs)
@@ -540,7 +540,7 @@ class Capture:
                     return self._run_concrete(func, args, kwargs, exc)
                 except UnkeyedRandomnessError:
                     out = self._infer(func, args, kwargs, exc)  # the inputs depend on draws: record it
-        if any(Geometry.of(t._meta) != g for t, g in zip(mutated, before)):
+        if any(StridedView.of(t._meta) != g for t, g in zip(mutated, before)):
             raise CaptureError(f"{self.site}: init code's {_op_name(func)} resizes the tensor it writes into (an out= "
                                f"argument of another shape); keyinit captures writes into tensors of fixed shape")
         outputs = [o for o in _leaves(out) if isinstance(o, torch.Tensor)]
@@ -601,7 +601,7 @@ class Capture:
         def lift(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
                 lazy = self.standin(tuple(x.shape), x.dtype, "temporary")
-                self.storage_of(lazy).write(Geometry.of(lazy._meta), Literal(x.contiguous()), self.label)
+                self.storage_of(lazy).write(StridedView.of(lazy._meta), Literal(x.contiguous()), self.label)
                 return lazy
             return x
 
@@ -613,7 +613,7 @@ class Capture:
                 f"{self.site}: init code writes into a tensor keyinit does not manage"
                 + (f" (shape {tuple(target.shape)})" if isinstance(target, torch.Tensor) else "")
                 + ": not a parameter, buffer or tensor created inside the init code")
-        self.storage_of(target).write(Geometry.of(target._meta), _fit(value, target._meta), self.label)
+        self.storage_of(target).write(StridedView.of(target._meta), _fit(value, target._meta), self.label)
 
     def _effects(self, func: Any, args: tuple, kwargs: dict, bound: dict[str, Any],
                  outputs: list[torch.Tensor]) -> Effects:
@@ -719,13 +719,13 @@ class Capture:
             value = next(values, None)
             cdata = meta.untyped_storage()._cdata
             for arg in written:
-                if arg._meta.untyped_storage()._cdata == cdata and Geometry.of(arg._meta) == Geometry.of(meta):
+                if arg._meta.untyped_storage()._cdata == cdata and StridedView.of(arg._meta) == StridedView.of(meta):
                     return arg  # an in-place or out= op returns the argument it wrote
             if cdata in by_storage:
                 return LazyTensor(meta, self)  # a view
             storage = self._register(meta, "temporary")
             if value is not None:
-                storage.write(Geometry.of(meta), _fit(value, meta), self.label)
+                storage.write(StridedView.of(meta), _fit(value, meta), self.label)
             return LazyTensor(meta, self)
 
         return tree_map(wrap, out)

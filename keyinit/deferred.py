@@ -31,9 +31,9 @@ from typing import Any, Callable, Optional, TypeVar
 import attrs
 import torch
 
-from keyinit import _megatron
+from keyinit._megatron_records import whole_node
 from keyinit.capture import Capture, LazyTensor
-from keyinit.program import Geometry, Literal, Node, Read, Storage, Write
+from keyinit.program import StridedView, Literal, Node, Read, Storage, Write
 
 __all__ = ["deferred", "ConstructorRecord", "record_of", "seed_storage", "RECORD_ATTRIBUTE"]
 
@@ -124,8 +124,8 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
                     continue
                 fqn = f"{module_fqn}.{name}" if module_fqn else name
                 if id(tensor) not in replaced:
-                    # megatron-core hook: a tensor-parallel split's record is its WHOLE value (keyinit._megatron)
-                    whole = _megatron.whole_node(module, name, tensor, fqn,
+                    # megatron-core hook: a tensor-parallel split's record is its WHOLE value (keyinit._megatron_records)
+                    whole = whole_node(module, name, tensor, fqn,
                                                  lambda t, fqn=fqn: _value_node(t, capture, fqn))
                     values[id(tensor)] = whole if whole is not None else _value_node(tensor, capture, fqn)
                     replaced[id(tensor)] = _meta_like(tensor, is_parameter=table is module._parameters)
@@ -143,9 +143,9 @@ def _value_node(tensor: torch.Tensor, capture: Capture, fqn: str) -> Node:
         storage = capture.storage_of(tensor)
         if storage.label == "temporary":
             storage.label = fqn  # errors and reports name the tensor, not "a temporary"
-        return Read(storage.current, Geometry.of(tensor._meta), tensor.dtype)
+        return Read(storage.current, StridedView.of(tensor._meta), tensor.dtype)
     if tensor.device.type == "meta":  # made on meta outside the capture: nothing to record
-        return Read(Storage(tensor.numel(), tensor.dtype, fqn).current, Geometry.contiguous(tensor.shape),
+        return Read(Storage(tensor.numel(), tensor.dtype, fqn).current, StridedView.contiguous(tensor.shape),
                     tensor.dtype)
     return Literal(tensor.detach().to("cpu").clone())  # a real tensor the builder was given
 
@@ -173,11 +173,11 @@ def seed_storage(storage: Storage, node: Node, label: str) -> None:
     Otherwise the record is written as one value (``label``). ``storage`` has the record's
     dtype: a model cast after construction (``model.to(torch.bfloat16)``) is replayed in the
     constructor's dtype and rounded as it is written, as eager torch casts the built values."""
-    if isinstance(node, Read) and node.dtype == storage.dtype and node.geometry == Geometry.contiguous(node.shape):
+    if isinstance(node, Read) and node.dtype == storage.dtype and node.geometry == StridedView.contiguous(node.shape):
         root = node.version
         while isinstance(root, Write):
             root = root.prev
         if root.storage.numel == storage.numel and root.storage.dtype == storage.dtype:
             storage.current = node.version
             return
-    storage.write(Geometry.contiguous(node.shape), node, label)
+    storage.write(StridedView.contiguous(node.shape), node, label)

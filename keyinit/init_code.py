@@ -18,17 +18,17 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from keyinit.capture import Capture, CaptureError, LazyTensor
 from keyinit.errors import PlanError
 from keyinit.deferred import seed_storage
-from keyinit.program import Alloc, Geometry, Node, Random
+from keyinit.program import Alloc, StridedView, Node, Random
 
 if TYPE_CHECKING:
-    from keyinit.plan import PlannedTensor
+    from keyinit.planned import PlannedTensor
 
 __all__ = ["Installed", "PerModuleCall", "bind_call", "takes_module", "per_module", "call_once", "child_fqn",
            "parametrized_names",
@@ -106,7 +106,7 @@ def through_right_inverse(module: torch.nn.Module, module_fqn: str, name: str, s
             value = capture.standin(shape, dtype, fqn)
             draw = Random(shape, dtype, f"{fqn} ({initializer!r})", capture.site, initializer,
                           element_local=getattr(initializer, "element_local", True))
-            capture.storage_of(value).write(Geometry.contiguous(shape), draw, capture.label)
+            capture.storage_of(value).write(StridedView.contiguous(shape), draw, capture.label)
         for parametrization in reversed(plist):
             if not hasattr(parametrization, "right_inverse"):
                 raise PlanError(f"{fqn}: {type(parametrization).__name__} has no right_inverse, so a rule for the "

@@ -38,6 +38,8 @@ from typing import Any, Optional, Protocol, Union, runtime_checkable
 import attrs
 import torch
 
+from keyinit import _megatron
+from keyinit.errors import PlanError
 from keyinit.regions import Region, RegionEntry, make_region, normalize_shape
 
 __all__ = [
@@ -530,7 +532,6 @@ class MegatronLayout:
     tp_size: Optional[int] = None
 
     def _rank_and_size(self, fqn: str, module: Optional[torch.nn.Module] = None) -> tuple[int, int]:
-        from keyinit import _megatron
 
         given = self.tp_rank is not None and self.tp_size is not None
         if module is not None and _megatron.has_layer_group(module):
@@ -568,9 +569,8 @@ class MegatronLayout:
         if stride < 1 or shape[dim] % stride:
             raise ValueError(f"{fqn}: partition_stride {stride} does not divide its local size {shape[dim]} on "
                              f"partition_dim {dim}")
-        from keyinit._megatron import check_layer_sizes
 
-        check_layer_sizes(module, fqn, dim, shape[dim], size)
+        _megatron.check_layer_sizes(module, fqn, dim, shape[dim], size)
         chunk = shape[dim] // stride
         rows = torch.cat([torch.arange((k * size + rank) * chunk, (k * size + rank + 1) * chunk, dtype=torch.int64,
                                        device="cpu") for k in range(stride)]) if chunk else \
@@ -686,8 +686,6 @@ def resolve_shard_names(
     under ``strict`` (a typo must not silently turn a shard into a whole tensor), and so
     are different shards declared under two names of one tensor.
     """
-    from keyinit.errors import PlanError
-
     resolved: dict[str, Any] = {}
     declared_as: dict[str, str] = {}
     unknown = []

@@ -35,7 +35,8 @@ from keyinit.fqn import FqnMap
 from keyinit.init import Initializer
 from keyinit.program import Const, Random, iter_nodes
 from keyinit.keys import DEFAULT_STREAM, Key
-from keyinit.plan import InitMethod, Plan as _EnginePlan, PlannedTensor, Rules, plan_model
+from keyinit.plan import InitMethod, Rules, plan_model
+from keyinit.planned import ModelPlan, PlannedTensor
 from keyinit.rules import REGISTRY, Registry
 
 __all__ = ["init_model", "materialize", "plan_init", "Plan", "PlanEntry", "InitReport", "TensorRecord", "InitError", "PlanError"]
@@ -120,7 +121,7 @@ class InitReport:
 class _Writer:
     """Writes every planned tensor into its target (this process's region), lowest precedence first."""
 
-    def __init__(self, plan: _EnginePlan, progress: Optional[bool], device: Union[torch.device, str, None] = None) -> None:
+    def __init__(self, plan: ModelPlan, progress: Optional[bool], device: Union[torch.device, str, None] = None) -> None:
         self.plan = plan
         self.device = device
         self.written: list[PlannedTensor] = []
@@ -246,7 +247,7 @@ class _Undo:
     may re-create or create it) and, for ``init_model``, its local values (a fill that fails part-way
     must not leave it half-written)."""
 
-    def __init__(self, tensor: PlannedTensor, plan: Plan, keep_values: bool) -> None:
+    def __init__(self, tensor: PlannedTensor, plan: ModelPlan, keep_values: bool) -> None:
         self.entries = [(module, attr, module._parameters.get(attr, _ABSENT), module._buffers.get(attr, _ABSENT),
                          vars(module).get(attr, _ABSENT), attr in module._non_persistent_buffers_set)
                         for module, attr in tensor.locations()]
@@ -416,7 +417,7 @@ class PlanEntry:
     locations: tuple[tuple[torch.nn.Module, str], ...]
 
 
-def _entry(engine: _EnginePlan, t: PlannedTensor) -> PlanEntry:
+def _entry(engine: ModelPlan, t: PlannedTensor) -> PlanEntry:
     from keyinit.deferred import record_of
     from keyinit.program import Read, writes_of
 
@@ -445,7 +446,7 @@ class Plan:
       (``materialize`` on a meta model: allocate on ``device`` first). A plan is applied once.
     """
 
-    def __init__(self, engine: _EnginePlan, materializing: bool, progress: Optional[bool], started: float) -> None:
+    def __init__(self, engine: ModelPlan, materializing: bool, progress: Optional[bool], started: float) -> None:
         self._engine = engine
         self._materializing = materializing
         self._progress = progress
@@ -542,7 +543,7 @@ def plan_init(model: torch.nn.Module, seed: Union[int, Key], *, materializing: O
     return Plan(engine, bool(materializing), progress, started)
 
 
-def _materialize(plan: _EnginePlan, progress: Optional[bool], device: Union[torch.device, str, None],
+def _materialize(plan: ModelPlan, progress: Optional[bool], device: Union[torch.device, str, None],
                  started: float) -> InitReport:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -573,7 +574,7 @@ def _materialize(plan: _EnginePlan, progress: Optional[bool], device: Union[torc
     return writer.report(time.perf_counter() - started)
 
 
-def _retie(plan: _EnginePlan) -> None:
+def _retie(plan: ModelPlan) -> None:
     """Re-tie plain parameters that ``to_empty`` untied, restoring the model's sharing."""
     for tensor in plan.tensors:
         if tensor.new:

@@ -63,7 +63,7 @@ __all__ = [
     "mha_out_proj",
 ]
 
-Plan = dict[str, Initializer]
+Fills = dict[str, Initializer]
 
 _SQRT5 = math.sqrt(5)
 
@@ -84,35 +84,35 @@ def _fan_in_bias(ctx: RuleContext) -> Initializer:
     return uniform(-bound, bound)
 
 
-def linear(module: nn.Module, ctx: RuleContext) -> Plan:
+def linear(module: nn.Module, ctx: RuleContext) -> Fills:
     """``nn.Linear``: weight ``kaiming_uniform(a=sqrt(5))``, bias ``U(+-1/sqrt(in_features))``."""
-    plan: Plan = {"weight": _weight_default()}
+    plan: Fills = {"weight": _weight_default()}
     if _has(module, "bias"):
         plan["bias"] = _fan_in_bias(ctx)
     return plan
 
 
-def mha_out_proj(module: nn.Module, ctx: RuleContext) -> Plan:
+def mha_out_proj(module: nn.Module, ctx: RuleContext) -> Fills:
     """``MultiheadAttention.out_proj``: Linear's weight default, bias zeros (set by the MHA in torch)."""
-    plan: Plan = {"weight": _weight_default()}
+    plan: Fills = {"weight": _weight_default()}
     if _has(module, "bias"):
         plan["bias"] = zeros()
     return plan
 
 
-def bilinear(module: nn.Module, ctx: RuleContext) -> Plan:
+def bilinear(module: nn.Module, ctx: RuleContext) -> Fills:
     """``nn.Bilinear``: weight and bias ``U(+-1/sqrt(in1_features))``, ``in1_features = weight.shape[1]``."""
     in1 = ctx.global_shape("weight")[1]
     if in1 <= 0:
         raise ValueError(f"{ctx.fqn('weight')}: in1_features must be > 0, but got (in1_features={in1})")
     bound = 1 / math.sqrt(in1)
-    plan: Plan = {"weight": uniform(-bound, bound)}
+    plan: Fills = {"weight": uniform(-bound, bound)}
     if _has(module, "bias"):
         plan["bias"] = uniform(-bound, bound)
     return plan
 
 
-def conv(module: nn.Module, ctx: RuleContext) -> Plan:
+def conv(module: nn.Module, ctx: RuleContext) -> Fills:
     """``nn.Conv{1,2,3}d`` and ``nn.ConvTranspose{1,2,3}d``: as :func:`linear`, with torch's fans.
 
     The weight is ``(out, in/groups, *k)`` (``(in, out/groups, *k)`` when
@@ -122,7 +122,7 @@ def conv(module: nn.Module, ctx: RuleContext) -> Plan:
     return linear(module, ctx)
 
 
-def embedding(module: nn.Module, ctx: RuleContext) -> Plan:
+def embedding(module: nn.Module, ctx: RuleContext) -> Fills:
     """``nn.Embedding``/``nn.EmbeddingBag``: weight ``N(0, 1)``, row ``padding_idx`` zero."""
     padding_idx = getattr(module, "padding_idx", None)
     if padding_idx is None:
@@ -130,7 +130,7 @@ def embedding(module: nn.Module, ctx: RuleContext) -> Plan:
     return {"weight": with_zero_rows(normal(), padding_idx)}
 
 
-def _affine(module: nn.Module, plan: Plan) -> Plan:
+def _affine(module: nn.Module, plan: Fills) -> Fills:
     if _has(module, "weight"):
         plan["weight"] = ones()
     if _has(module, "bias"):
@@ -138,29 +138,29 @@ def _affine(module: nn.Module, plan: Plan) -> Plan:
     return plan
 
 
-def layer_norm(module: nn.Module, ctx: RuleContext) -> Plan:
+def layer_norm(module: nn.Module, ctx: RuleContext) -> Fills:
     """``nn.LayerNorm``: weight ones, bias zeros (when ``elementwise_affine``; bias when ``bias=True``)."""
     return _affine(module, {})
 
 
-def rms_norm(module: nn.Module, ctx: RuleContext) -> Plan:
+def rms_norm(module: nn.Module, ctx: RuleContext) -> Fills:
     """``nn.RMSNorm``: weight ones (when ``elementwise_affine``)."""
     return _affine(module, {})
 
 
-def group_norm(module: nn.Module, ctx: RuleContext) -> Plan:
+def group_norm(module: nn.Module, ctx: RuleContext) -> Fills:
     """``nn.GroupNorm``: weight ones, bias zeros (when ``affine``)."""
     return _affine(module, {})
 
 
-def batch_norm(module: nn.Module, ctx: RuleContext) -> Plan:
+def batch_norm(module: nn.Module, ctx: RuleContext) -> Fills:
     """``nn.BatchNorm{1,2,3}d``, ``nn.SyncBatchNorm``, ``nn.InstanceNorm{1,2,3}d``.
 
     As ``_NormBase.reset_parameters``: when ``track_running_stats``,
     ``running_mean`` zeros, ``running_var`` ones, ``num_batches_tracked`` zeros
     (buffers); when ``affine``, weight ones and bias zeros.
     """
-    plan: Plan = {}
+    plan: Fills = {}
     if _has(module, "running_mean"):
         plan["running_mean"] = zeros()
     if _has(module, "running_var"):
@@ -170,7 +170,7 @@ def batch_norm(module: nn.Module, ctx: RuleContext) -> Plan:
     return _affine(module, plan)
 
 
-def multihead_attention(module: nn.Module, ctx: RuleContext) -> Plan:
+def multihead_attention(module: nn.Module, ctx: RuleContext) -> Fills:
     """``nn.MultiheadAttention``, as its ``_reset_parameters``.
 
     ``in_proj_weight`` (or ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``
@@ -178,7 +178,7 @@ def multihead_attention(module: nn.Module, ctx: RuleContext) -> Plan:
     zeros; ``bias_k``/``bias_v`` (``add_bias_kv``) ``xavier_normal()``.
     ``out_proj`` is a child module: see :func:`mha_out_proj`.
     """
-    plan: Plan = {}
+    plan: Fills = {}
     for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"):
         if _has(module, name):
             plan[name] = xavier_uniform()

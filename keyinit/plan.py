@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
 
-import attrs
 import torch
 
 from keyinit import layouts
@@ -45,70 +44,28 @@ from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
 from keyinit.init import Initializer
 from keyinit.keys import DEFAULT_STREAM, Key, key
+from keyinit.planned import ModelPlan, PlannedTensor
 from keyinit.deferred import record_of, seed_storage
 from keyinit.program import (
     Alloc,
-    Geometry,
-    Node,
+    StridedView,
     Random,
     Read,
     SlotProgram,
     Storage,
-    assign_keys,
     iter_nodes,
     root_of,
     writes_of,
     written_mask,
 )
 from keyinit.regions import make_region
-from keyinit.replay import Evaluator, element_local, write_target
 from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext, initializer_problem
 from keyinit.tensors import tensors as model_tensors
 
-__all__ = ["Plan", "PlannedTensor", "plan_model", "InitMethod", "Rules"]
+__all__ = ["plan_model", "InitMethod", "Rules"]
 
 InitMethod = Union[str, Callable[..., Any], None]
 Rules = Optional[Mapping[Union[str, type], Any]]
-
-@attrs.define(eq=False)
-class PlannedTensor:
-    """One tensor of the model (a tied tensor is one entry with several names) and its program."""
-
-    fqn: str
-    names: list[str]
-    key_fqn: str
-    kind: str  # "parameter", "buffer", or what init code created: "attribute", "buffer (not persistent)"
-    module: torch.nn.Module
-    module_fqn: str
-    attr: str
-    aliases: list = attrs.Factory(list)  # further (module, attr) locations of the same tensor
-    rule: Optional[tuple[str, str, Any]] = None  # (precedence class, label, initializer)
-    program: Optional[SlotProgram] = None
-    global_shape: tuple[int, ...] = ()
-    dtype: Optional[torch.dtype] = None
-    recreated: bool = False  # init code assigned a new tensor of another shape or dtype
-    origin: str = "kept"  # what the values come from: "constructor", "default", "code", "rule", "pattern" (or "kept")
-    new: bool = False  # init code created it (a new attribute or buffer): the writer creates the tensor
-    record: Optional[Node] = None  # its value when a keyinit.deferred constructor returned
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        return getattr(self.module, self.attr)
-
-    @property
-    def source(self) -> str:
-        if self.program is None:
-            return "kept"
-        return self.program.source or "kept"
-
-    def locations(self) -> list[tuple[torch.nn.Module, str]]:
-        return [(self.module, self.attr), *self.aliases]
-
-    def distinct_alias_tensors(self) -> list[tuple[torch.nn.Module, str]]:
-        """Alias locations that no longer hold the same tensor (``to_empty`` unties)."""
-        first = self.tensor
-        return [(m, a) for m, a in self.aliases if getattr(m, a) is not first]
-
 
 def _is_hf_pretrained(module: Any) -> bool:
     """An instance of transformers' ``PreTrainedModel`` (checked by class, without importing transformers)."""
@@ -144,39 +101,8 @@ def _initializer_program(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, l
     """A program that is one whole-tensor fill by ``initializer`` (keyed by the tensor's key)."""
     local = getattr(initializer, "element_local", True)
     storage = Storage(math.prod(shape), dtype, fqn)
-    storage.write(Geometry.contiguous(shape), Random(shape, dtype, label, label, initializer, element_local=local), label)
+    storage.write(StridedView.contiguous(shape), Random(shape, dtype, label, label, initializer, element_local=local), label)
     return SlotProgram.of_storage(fqn, shape, storage)
-
-
-class Plan:
-    """What :func:`plan_model` decided. ``tensors`` in model order; :meth:`write` writes one."""
-
-    def __init__(self, model: torch.nn.Module, root_key: Key, seed: int, tensors: list[PlannedTensor],
-                 shards: Mapping[str, Any], notes: Sequence[str]) -> None:
-        self.model = model
-        self.root_key = root_key
-        self.seed = seed
-        self.tensors = tensors
-        self.shards = dict(shards)
-        self.notes = tuple(notes)
-        programs = [(t.program, t.key_fqn) for t in tensors if t.program is not None]
-        self.keys = assign_keys(programs, root_key)
-        self.evaluator = Evaluator(self.keys)
-
-    def target(self, tensor: PlannedTensor, module: Optional[torch.nn.Module] = None,
-               attr: Optional[str] = None, *, allow_meta: bool = False) -> layouts.Target:
-        module, attr = (module, attr) if module is not None else (tensor.module, tensor.attr)
-        return layouts.target_for(getattr(module, attr), fqn=tensor.fqn, module=module, name=attr,
-                                  shards=self.shards, allow_meta=allow_meta)
-
-    def write(self, tensor: PlannedTensor, target: layouts.Target) -> None:
-        """Write ``tensor``'s values at ``target.region`` into ``target.out``."""
-        if tensor.program is None:
-            raise ValueError(f"{tensor.fqn}: nothing initializes this tensor")
-        write_target(self.evaluator, tensor.program, target)
-
-    def element_local(self, tensor: PlannedTensor) -> bool:
-        return tensor.program is None or element_local(tensor.program.roots())
 
 
 def _check_tie_chains(ties: Mapping[str, str]) -> None:
@@ -189,7 +115,7 @@ def _check_tie_chains(ties: Mapping[str, str]) -> None:
                             f"directly to the one FQN that keys them all", (alias, target))
 
 
-def _check_tie_shapes(ties: Mapping[str, str], by_fqn: Mapping[str, "PlannedTensor"]) -> None:
+def _check_tie_shapes(ties: Mapping[str, str], by_fqn: Mapping[str, PlannedTensor]) -> None:
     """Tied tensors that are both here must have one global shape (one key, one set of values)."""
     for alias, target in ties.items():
         a, b = by_fqn.get(alias), by_fqn.get(target)
@@ -568,7 +494,7 @@ class _Planner:
                 seed_storage(capture.storage_of(stand), t.record, "constructor")
             elif t.rule is not None and t.rule[0] == "default":  # the default is the base the code writes on
                 program = declared[id(t)]
-                capture.storage_of(stand).write(Geometry.contiguous(t.global_shape), program.writes[0].value,
+                capture.storage_of(stand).write(StridedView.contiguous(t.global_shape), program.writes[0].value,
                                                 t.rule[1])
             standins[id(t)] = stand
         failures = []
@@ -732,7 +658,7 @@ def plan_model(
     stream: str = DEFAULT_STREAM,
     registry: Registry = REGISTRY,
     materializing: bool = False,
-) -> Plan:
+) -> ModelPlan:
     """Plan every tensor of ``model`` (see the module docstring); takes :func:`keyinit.init_model`'s options.
 
     ``materializing``: every buffer must be covered too (``materialize`` has no old values to keep).
@@ -746,4 +672,4 @@ def plan_model(
     planner.capture(materializing)
     planner.check(materializing)
     warn_shared_draws(planner.tensors)
-    return Plan(model, planner.root_key, planner.seed, planner.tensors, planner.shards, planner.notes)
+    return ModelPlan(model, planner.root_key, planner.seed, planner.tensors, planner.shards, planner.notes)

@@ -33,7 +33,7 @@ import torch
 from keyinit.keys import Key, fold_in, key_for
 
 __all__ = [
-    "Geometry",
+    "StridedView",
     "Node",
     "Const",
     "Literal",
@@ -91,7 +91,7 @@ def ravel(coords: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
 
 
 @attrs.frozen
-class Geometry:
+class StridedView:
     """A strided view of a flat buffer: element ``m`` (a coordinate of ``size``) is buffer
     position ``offset + sum_k m[k] * stride[k]``, as ``torch.as_strided``."""
 
@@ -100,11 +100,11 @@ class Geometry:
     offset: int
 
     @classmethod
-    def contiguous(cls, shape: Sequence[int]) -> "Geometry":
+    def contiguous(cls, shape: Sequence[int]) -> "StridedView":
         return cls(tuple(shape), row_major_strides(shape), 0)
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "Geometry":
+    def of(cls, tensor: torch.Tensor) -> "StridedView":
         return cls(tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
 
     @property
@@ -356,7 +356,7 @@ class Write:
     """The buffer after ``prev``, with ``value`` written into the elements of ``geometry``."""
 
     prev: "Version" = attrs.field(repr=False)
-    geometry: Geometry
+    geometry: StridedView
     value: Node = attrs.field(repr=False)
     label: str
 
@@ -369,7 +369,7 @@ class Read(Node):
     """The values a view of a buffer held at one moment (``version``)."""
 
     version: Version = attrs.field(repr=False)
-    geometry: Geometry
+    geometry: StridedView
     dtype: torch.dtype
     shape: tuple[int, ...] = attrs.field(init=False)
 
@@ -394,7 +394,7 @@ class Storage:
         if self.current is None:
             self.current = Alloc(self)
 
-    def write(self, geometry: Geometry, value: Node, label: str) -> None:
+    def write(self, geometry: StridedView, value: Node, label: str) -> None:
         if value.dtype != self.dtype:
             raise TypeError(f"internal: {value.dtype} value written into a {self.dtype} buffer")
         if tuple(value.shape) != geometry.size:
@@ -552,7 +552,7 @@ def own_fill(program: SlotProgram, reachable: Sequence[Random]) -> Optional[Rand
     if program.read is not None:
         return None
     wanted = {id(node) for node in reachable}
-    whole = Geometry.contiguous(program.shape)
+    whole = StridedView.contiguous(program.shape)
     for write in reversed(program.history):
         value = write.value
         if isinstance(value, Random) and write.geometry == whole and value.shape == program.shape \

@@ -36,7 +36,7 @@ from keyinit.program import (
     Alloc,
     Cat,
     Const,
-    Geometry,
+    StridedView,
     Item,
     Literal,
     Node,
@@ -349,7 +349,7 @@ def _scatter(out: torch.Tensor, start: int, stop: int, values: torch.Tensor) -> 
 
 def _base_write(evaluator: Evaluator, write: Write, program: SlotProgram, target: Target) -> None:
     value = write.value
-    if write.geometry == Geometry.contiguous(program.shape):
+    if write.geometry == StridedView.contiguous(program.shape):
         if isinstance(value, Random) and value.shape == program.shape:
             value.fill(evaluator.key(value), target)  # the fast kernels, on the target's device
         elif isinstance(value, Const):
@@ -358,7 +358,7 @@ def _base_write(evaluator: Evaluator, write: Write, program: SlotProgram, target
             _write_chunks(evaluator, value, target)
         return
     # A full write through a permuted view (e.g. ``w.T.copy_(x)``): read it back through the buffer.
-    _write_chunks(evaluator, Read(write, Geometry.contiguous(program.shape), program.dtype), target)
+    _write_chunks(evaluator, Read(write, StridedView.contiguous(program.shape), program.dtype), target)
 
 
 def _partial_write(evaluator: Evaluator, write: Write, program: SlotProgram, target: Target) -> None:

@@ -194,16 +194,16 @@ class Recreating(nn.Module):
 
 
 def _fail_writing(monkeypatch, fqn, error=RuntimeError):
-    from keyinit.plan import Plan
+    from keyinit.planned import ModelPlan
 
-    original = Plan.write
+    original = ModelPlan.write
 
     def write(self, tensor, target):
         if tensor.fqn == fqn:
             raise error(f"simulated failure writing {fqn}")
         original(self, tensor, target)
 
-    monkeypatch.setattr(Plan, "write", write)
+    monkeypatch.setattr(ModelPlan, "write", write)
 
 
 @pytest.mark.parametrize("failing", ["a.weight", "table", "extra"])

@@ -16,7 +16,7 @@ from torch import nn
 
 import keyinit
 from keyinit.cli.verify import DEFAULT_LAYOUTS, verify
-from keyinit.plan import Plan
+from keyinit.planned import ModelPlan
 from tests import _zoo
 
 
@@ -60,13 +60,13 @@ def test_verify_cost_follows_distinct_shards_not_ranks(monkeypatch):
     from examples.models import tiny_llama
 
     calls = {"n": 0}
-    original = Plan.write
+    original = ModelPlan.write
 
     def counting(self, tensor, target):
         calls["n"] += 1
         return original(self, tensor, target)
 
-    monkeypatch.setattr(Plan, "write", counting)
+    monkeypatch.setattr(ModelPlan, "write", counting)
     tensors = len(verify(tiny_llama, ["1"], progress=False)["params"])
     calls["n"] = 0
     result = verify(tiny_llama, ["fsdp1024x8"], progress=False)  # 8192 ranks, 8 distinct shards per tensor

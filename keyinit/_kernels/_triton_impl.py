@@ -28,7 +28,7 @@ time, and the GENERAL one is rarely needed.)
 import triton
 import triton.language as tl
 
-from keyinit._kernels import triton_kernel as _host
+from keyinit._kernels._plan import BLOCK, MAX_DIMS, NB
 from keyinit._kernels._ids import DIST, DTYPE
 
 __all__ = ["fill_kernel", "NB", "BLOCK", "MAX_DIMS"]
@@ -41,12 +41,6 @@ DIST_TRUNCATED_NORMAL = tl.constexpr(DIST["truncated_normal"])
 DIST_RANDINT = tl.constexpr(DIST["randint"])
 DTYPE_BFLOAT16 = tl.constexpr(DTYPE["bfloat16"])
 DTYPE_FLOAT16 = tl.constexpr(DTYPE["float16"])
-
-#: Philox blocks per program on the RUN path, elements per program on the GENERAL path, and the
-#: dimensions a launch describes: the host side's constants (triton_kernel, importable without triton).
-NB = _host.NB
-BLOCK = _host.BLOCK
-MAX_DIMS = _host.MAX_DIMS
 
 
 @triton.jit

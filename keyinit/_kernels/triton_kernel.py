@@ -44,16 +44,10 @@ from keyinit.distributions import Bernoulli, Bits, Distribution, Normal, Randint
 from keyinit.keys import Key
 from keyinit.regions import Region
 from keyinit._kernels._ids import DIST_IDS, DTYPE_IDS
-from keyinit._kernels._plan import geometry
+from keyinit._kernels._plan import BLOCK, MAX_DIMS, NB, geometry
 
 __all__ = ["available", "fill", "MAX_DIMS", "RUN_MIN", "launch_plan"]
 
-#: Dimensions a launch describes after size-1 dims are dropped and slice dims merged; more: the reference.
-MAX_DIMS = 4
-#: Elements per program: Philox blocks per RUN program, elements per GENERAL program (defined here,
-#: where no triton is needed; _triton_impl imports them).
-NB = 256
-BLOCK = 1024
 #: Shortest row of a multi-row region that takes the RUN path (shorter rows waste most of a RUN program).
 RUN_MIN = 256
 _MAX_GRID = 2**31 - 1

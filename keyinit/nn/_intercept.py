@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -24,8 +24,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._keys import keyed_call_key
 
-if TYPE_CHECKING:
-    from keyinit.nn._keyed import Keyed
+
+
+class Keyed(Protocol):
+    """What the modes here read of the active :class:`keyinit.nn._keyed.Keyed` context (which
+    imports this module; this protocol keeps the import one-way)."""
+
+    seed: int
+    step: int
+    sample_offset: int
+    _local: threading.local
+
+    def _current_frame(self) -> Optional["_Frame"]: ...
 
 __all__ = ["_Frame", "_DropoutFunctionMode", "_SeededOpGuard", "_GuardSuspended"]
 

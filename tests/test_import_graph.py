@@ -1,0 +1,103 @@
+"""keyinit's own import graph has no cycle, counting every import: module level, under
+``TYPE_CHECKING`` and inside functions (a lazy import is still a dependency; hiding a cycle in a
+function is still a cycle). With no cycle the modules have an order in which each imports only
+modules before it: key -> region -> stream -> transform -> tensor, engine below the public face.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "keyinit"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _resolve(name: str) -> str | None:
+    """The keyinit module that importing ``name`` runs (``keyinit.x.y`` for a name inside it)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str) -> set[str]:
+    """Every keyinit module ``module`` imports, wherever in the file the import statement is."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(_resolve(a.name) for a in node.names if a.name.split(".")[0] == "keyinit")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package
+                for _ in range(node.level - 1):
+                    anchor = anchor.rpartition(".")[0]
+                base = f"{anchor}.{base}" if base else anchor
+            if base.split(".")[0] == "keyinit":
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    found.add(full if full in MODULES else _resolve(base))
+    found.discard(None)
+    found.discard(module)
+    return found  # type: ignore[return-value]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = {m: imports_of(m) for m in MODULES}
+    assert cycles(graph) == []
+
+
+def test_the_checker_sees_cycles_through_lazy_and_type_checking_imports():
+    """The checker itself: a cycle closed by a function-local or TYPE_CHECKING import is found."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    # imports_of reads function-local and TYPE_CHECKING imports of a real module of the package
+    planned = imports_of("keyinit.init_code")
+    assert "keyinit.planned" in planned  # a TYPE_CHECKING import
+    assert "keyinit.fqn" in planned  # an import inside a function
+    layouts = imports_of("keyinit.layouts")
+    assert "keyinit._megatron" in layouts
