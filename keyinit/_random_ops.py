@@ -1,4 +1,4 @@
-r"""Keyed equivalents of torch's random ops, for init code captured by :mod:`keyinit.capture`.
+r"""Keyed equivalents of torch's random ops, for init code captured by :mod:`keyinit._engine.capture`.
 
 Every aten op torch tags ``nondeterministic_seeded`` (plus ``random_``) that init
 code calls on a captured tensor becomes program nodes whose randomness is a
@@ -40,7 +40,7 @@ import torch
 from keyinit import random as keyed
 from keyinit.distributions import FLOAT_DTYPES, INT_DTYPES
 from keyinit.keys import Key
-from keyinit.program import Const, Node, Pointwise, Random, Whole
+from keyinit._engine.program import Const, Node, Pointwise, Random, Whole
 
 __all__ = ["is_random", "keyed_effects", "Effects", "bind_arguments"]
 

@@ -8,12 +8,12 @@ init code covers) the values
 for each global element ``i`` this process holds, so any layout reproduces the
 single-process values bit for bit, with no communication.
 
-It works in two phases. *Plan* (:mod:`keyinit.plan`): find every tensor, its
+It works in two phases. *Plan* (:mod:`keyinit._engine.plan`): find every tensor, its
 canonical FQN, ties and global shape; resolve rules; capture the model's own
 init code on global-shape stand-ins; fail with a list of FQNs if anything is
 uncovered, unkeyable or cannot be filled. Nothing is allocated or written
 while planning. *Write*: replay each tensor's program for the region this
-process holds (:mod:`keyinit.replay`), lowest precedence first (built-in
+process holds (:mod:`keyinit._engine.replay`), lowest precedence first (built-in
 defaults, init code, module rules, FQN patterns), so a failure part-way leaves
 an exact record of what was written.
 """
@@ -33,10 +33,10 @@ import torch
 from keyinit.errors import InitError, PlanError
 from keyinit.fqn import FqnMap
 from keyinit.init import Initializer
-from keyinit.program import Const, Random, iter_nodes
+from keyinit._engine.program import Const, Random, iter_nodes
 from keyinit.keys import DEFAULT_STREAM, Key
-from keyinit.plan import InitMethod, Rules, plan_model
-from keyinit.planned import ModelPlan, PlannedTensor
+from keyinit._engine.plan import InitMethod, Rules, plan_model
+from keyinit._engine.planned import ModelPlan, PlannedTensor
 from keyinit.rules import REGISTRY, Registry
 
 __all__ = ["init_model", "materialize", "plan_init", "Plan", "PlanEntry", "InitReport", "TensorRecord", "InitError", "PlanError"]
@@ -418,8 +418,8 @@ class PlanEntry:
 
 
 def _entry(engine: ModelPlan, t: PlannedTensor) -> PlanEntry:
-    from keyinit.deferred import record_of
-    from keyinit.program import Read, writes_of
+    from keyinit._engine.deferred import record_of
+    from keyinit._engine.program import Read, writes_of
 
     program = t.program
     writes = () if program is None else (

@@ -194,7 +194,7 @@ class Recreating(nn.Module):
 
 
 def _fail_writing(monkeypatch, fqn, error=RuntimeError):
-    from keyinit.planned import ModelPlan
+    from keyinit._engine.planned import ModelPlan
 
     original = ModelPlan.write
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import keyinit
-from keyinit.capture import LazyTensor
+from keyinit._engine.capture import LazyTensor
 
 
 class BufferCache(dict):

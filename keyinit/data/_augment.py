@@ -59,8 +59,8 @@ def _to_meta(x: Any) -> Any:
 def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) -> Any:
     from keyinit._random_ops import bind_arguments, keyed_effects
     from keyinit.errors import UnkeyedRandomnessError
-    from keyinit.program import Literal, Node, Random
-    from keyinit.replay import Evaluator
+    from keyinit._engine.program import Literal, Node, Random
+    from keyinit._engine.replay import Evaluator
 
     names = {arg.name for arg in func._schema.arguments}
     margs = tuple(_to_meta(a) for a in args)

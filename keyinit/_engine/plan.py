@@ -2,8 +2,8 @@
 
 :func:`plan_model` finds every parameter and buffer (canonical FQN, ties, global shape),
 resolves which declarative rule covers each (FQN patterns, module rules, the built-in
-torch.nn defaults), runs the model's own init code under :class:`keyinit.capture.Capture`
-on global-shape stand-ins, and gives every tensor a :class:`keyinit.program.SlotProgram`:
+torch.nn defaults), runs the model's own init code under :class:`keyinit._engine.capture.Capture`
+on global-shape stand-ins, and gives every tensor a :class:`keyinit._engine.program.SlotProgram`:
 
 1. the built-in default of its module (``keyinit.nn_defaults``), if any;
 2. then what ``reset_parameters()`` (modules no declarative rule fully covers) and the
@@ -11,7 +11,7 @@ on global-shape stand-ins, and gives every tensor a :class:`keyinit.program.Slot
 3. unless a module-type rule or, above it, an FQN pattern covers the tensor: then the
    rule's initializer alone, and whatever init code did to it is discarded.
 
-Draws are keyed by where they land (:func:`keyinit.program.assign_keys`). Every error a
+Draws are keyed by where they land (:func:`keyinit._engine.program.assign_keys`). Every error a
 plan can see is raised here, before any memory is allocated: uncovered tensors
 (:class:`PlanError` with ``.fqns``), randomness that cannot be keyed
 (:class:`UnkeyedRandomnessError`), initializers that cannot fill their tensor.
@@ -27,10 +27,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from keyinit import layouts
-from keyinit._guard import no_writes
-from keyinit._shared_draws import warn_shared_draws
-from keyinit.capture import Capture, CaptureError, LazyTensor
-from keyinit.init_code import (
+from keyinit._engine.guard import no_writes
+from keyinit._engine.shared_draws import warn_shared_draws
+from keyinit._engine.capture import Capture, CaptureError, LazyTensor
+from keyinit._engine.init_code import (
     Installed,
     PerModuleCall,
     bind_call,
@@ -44,9 +44,9 @@ from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
 from keyinit.init import Initializer
 from keyinit.keys import DEFAULT_STREAM, Key, key
-from keyinit.planned import ModelPlan, PlannedTensor
-from keyinit.deferred import record_of, seed_storage
-from keyinit.program import (
+from keyinit._engine.planned import ModelPlan, PlannedTensor
+from keyinit._engine.deferred import record_of, seed_storage
+from keyinit._engine.program import (
     Alloc,
     StridedView,
     Random,

@@ -5,7 +5,7 @@ tensor's GLOBAL shape and dtype, reporting device ``cpu``, holding no memory. In
 (``reset_parameters``, ``init_weights(**kwargs)``, HF's ``_init_weights``) runs on the
 stand-ins unchanged, so it never sees a DTensor, a shard or a meta tensor. Under the
 capture's ``TorchDispatchMode`` every aten op the code issues is recorded into
-:mod:`keyinit.program` nodes instead of being computed:
+:mod:`keyinit._engine.program` nodes instead of being computed:
 
 - views (slicing, ``select``, ``.T``, ``.data``, ``view``, ``chunk``, ...) share the
   buffer of their base; in-place ops, ``copy_`` and ``out=`` become writes into it;
@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from keyinit import init as _init
 from keyinit._random_ops import Effects, bind_arguments, is_random, keyed_effects
 from keyinit.errors import UnkeyedRandomnessError
-from keyinit.program import (
+from keyinit._engine.program import (
     Alloc,
     Cat,
     Const,
@@ -56,7 +56,7 @@ from keyinit.program import (
     Suppressed,
     Whole,
 )
-from keyinit.replay import Evaluator
+from keyinit._engine.replay import Evaluator
 
 __all__ = ["LazyTensor", "Capture", "CaptureError"]
 

@@ -1,6 +1,6 @@
 """Replay: evaluate any region of a captured program, on the CPU, bit-identically under any layout.
 
-:class:`Evaluator` computes the values of :mod:`keyinit.program` nodes at any set
+:class:`Evaluator` computes the values of :mod:`keyinit._engine.program` nodes at any set
 of elements (``at``: row-major flat positions) or whole (``full``). Every way of
 evaluating a node gives the same bits:
 
@@ -32,7 +32,7 @@ import torch
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.keys import Key
 from keyinit.layouts import Target
-from keyinit.program import (
+from keyinit._engine.program import (
     Alloc,
     Cat,
     Const,
