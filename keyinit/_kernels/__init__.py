@@ -5,7 +5,8 @@
   (``dropout_kernels.c``, :mod:`~keyinit._kernels._dropout_cpu`) and the keyed
   permutation (``permutation_kernels.c``, :mod:`~keyinit._kernels._permutation_cpu`).
   They share one Philox (``philox.h``), one set of float conversions
-  (``convert.h``) and one thread pool (``parallel.h``), and are all loaded by
+  (``convert.h``) and one thread pool (``parallel.h``); the init kernel's binary32
+  transforms (log, the normal quantile) are ``fp32math.h``. All are loaded by
   one loader (:class:`~keyinit._kernels._library.CompiledLibrary`): compiled on
   first use by ``_build`` (which refuses builds that change floating-point
   semantics and verifies cached builds), then proved against golden digests
