@@ -28,7 +28,7 @@ from typing import Any, Union
 import attrs
 import torch
 
-__all__ = ["Region", "RegionEntry", "IndexEntry", "normalize_shape", "make_region", "MAX_NUMEL"]
+__all__ = ["Region", "RegionEntry", "IndexEntry", "normalize_shape", "make_region", "row_major_strides", "MAX_NUMEL"]
 
 RegionEntry = Union[slice, range, Sequence[int], torch.Tensor]
 #: A normalized entry: a ``range`` of in-bounds indices, or an int64 CPU index tensor.
@@ -60,12 +60,15 @@ def normalize_shape(shape: Any) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major (C-order) element strides of ``shape``: element ``(i_0, ..., i_{d-1})`` has flat
+    index ``sum_k i_k * strides[k]``. A dimension of size 0 counts as 1 (no element exists then, and
+    the strides stay positive)."""
     strides = []
     running = 1
-    for size in reversed(shape):
+    for size in reversed(tuple(shape)):
         strides.append(running)
-        running *= size
+        running *= max(size, 1)
     return tuple(reversed(strides))
 
 
@@ -234,7 +237,7 @@ class Region:
     @property
     def strides(self) -> tuple[int, ...]:
         """Row-major strides of the global shape."""
-        return _row_major_strides(self.shape)
+        return row_major_strides(self.shape)
 
     def is_range(self, dim: int) -> bool:
         """True when dimension ``dim`` is a lazy ``range`` (a slice), not an index tensor."""

@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from keyinit.layouts import target_for
-from keyinit._engine.program import Alloc, Cat, Const, Read, StridedView, Write, row_major_strides
+from keyinit._engine.program import Alloc, Cat, Const, Read, StridedView, Write
+from keyinit.regions import row_major_strides
 
 
 def _copied_value(node: Any) -> Any:

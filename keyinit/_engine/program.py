@@ -31,6 +31,7 @@ import attrs
 import torch
 
 from keyinit.keys import Key, fold_in, key_for
+from keyinit.regions import row_major_strides
 
 __all__ = [
     "StridedView",
@@ -52,15 +53,6 @@ __all__ = [
     "random_nodes",
     "assign_keys",
 ]
-
-
-def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = []
-    running = 1
-    for size in reversed(tuple(shape)):
-        strides.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def unravel(flat: torch.Tensor, shape: Sequence[int]) -> list[torch.Tensor]:

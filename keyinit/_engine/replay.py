@@ -50,12 +50,11 @@ from keyinit._engine.program import (
     Write,
     iter_nodes,
     ravel,
-    row_major_strides,
     unravel,
     root_of,
     written_mask,
 )
-from keyinit.regions import make_region
+from keyinit.regions import make_region, row_major_strides
 
 __all__ = ["Evaluator", "write_target", "element_local", "BLOCK", "CALL", "CHUNK"]
 

@@ -28,7 +28,7 @@ import torch
 
 from keyinit.distributions import Bernoulli
 from keyinit.keys import DEFAULT_STREAM
-from keyinit.regions import MAX_NUMEL, Region, make_region, normalize_shape
+from keyinit.regions import MAX_NUMEL, Region, make_region, normalize_shape, row_major_strides
 
 __all__ = ["Layout", "Geometry", "layout_for", "dtensor_layout", "rows_layout", "plan", "constants"]
 
@@ -70,14 +70,6 @@ class Geometry:
     stream: str = DEFAULT_STREAM
 
 
-def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= size
-    return tuple(reversed(strides))
-
-
 def _as_range(index: torch.Tensor) -> Optional[int]:
     """The start if ``index`` is ``start, start+1, ...`` (or empty: 0), else None."""
     n = int(index.numel())
@@ -100,7 +92,7 @@ def _from_region(region: Region, row_offset: int = 0) -> Layout:
     shape = list(region.shape)
     if shape and row_offset:
         shape[0] += row_offset
-    return Layout(_row_major(shape), tuple(starts), tuple(indices))
+    return Layout(row_major_strides(shape), tuple(starts), tuple(indices))
 
 
 def _check_numel(shape: Sequence[int], what: str) -> None:
@@ -137,7 +129,7 @@ def layout_for(local_shape: Sequence[int], global_shape: Optional[Sequence[int]]
                 "of the global tensor that the input holds"
             )
         _check_numel(shape, "global_shape")
-        return Layout(_row_major(shape), (0,) * len(shape), (None,) * len(shape))
+        return Layout(row_major_strides(shape), (0,) * len(shape), (None,) * len(shape))
     fast = _slices_only(shape, region)
     if fast is not None:
         starts, sizes = fast
@@ -146,7 +138,7 @@ def layout_for(local_shape: Sequence[int], global_shape: Optional[Sequence[int]]
                 f"dropout: the region of global shape {shape} has shape {sizes}, but the input has shape {local_shape}"
             )
         _check_numel(shape, "global_shape")
-        return Layout(_row_major(shape), starts, (None,) * len(shape))
+        return Layout(row_major_strides(shape), starts, (None,) * len(shape))
     normalized = make_region(shape, region)
     if normalized.region_shape != local_shape:
         raise ValueError(
@@ -183,7 +175,7 @@ def dtensor_layout(tensor: Any, row_offset: int = 0) -> Layout:
         )
     if coordinate is None:
         shape = tuple(local.shape)
-        return Layout(_row_major(shape), (0,) * len(shape), (None,) * len(shape))
+        return Layout(row_major_strides(shape), (0,) * len(shape), (None,) * len(shape))
     if tensor.dim() and row_offset:
         _check_numel((row_offset + tensor.shape[0], *tensor.shape[1:]), "the keyed activation's global shape")
     return _from_region(region, row_offset)
@@ -195,7 +187,7 @@ def rows_layout(local_shape: Sequence[int], row_offset: int) -> Layout:
     if not shape:
         raise ValueError("a 0-d activation has no batch dimension (dim 0) to key its rows by")
     _check_numel((row_offset + shape[0], *shape[1:]), "the keyed activation's global shape")
-    return Layout(_row_major(shape), (row_offset,) + (0,) * (len(shape) - 1), (None,) * len(shape))
+    return Layout(row_major_strides(shape), (row_offset,) + (0,) * (len(shape) - 1), (None,) * len(shape))
 
 
 @functools.lru_cache(maxsize=256)
