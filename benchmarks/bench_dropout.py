@@ -6,7 +6,7 @@
 
 Sections (every ratio is torch time / keyinit time, so > 1 means keyinit is faster):
 
-1. forward: ``F.dropout(x, p, True)`` vs ``keyinit.nn.functional.dropout(x, p, key)``;
+1. forward: ``F.dropout(x, p, True)`` vs ``keyinit.nn.functional.dropout(x, p, rng_key=key)``;
 2. forward+backward: the same with ``x.requires_grad_()`` and ``y.backward(g)``;
 3. activation memory: bytes each saves for backward (measured with
    ``torch.autograd.graph.saved_tensors_hooks``), per dropout call;
@@ -45,7 +45,7 @@ import keyinit  # noqa: E402
 from keyinit.nn import dropout_key  # noqa: E402
 from keyinit.nn import functional as KF  # noqa: E402
 
-KEY = dropout_key(1234, 0, "layers.0.attention", 0)
+KEY = dropout_key(1234, step=0, fqn="layers.0.attention", ordinal=0)
 P = 0.1
 
 
@@ -102,7 +102,7 @@ def bench_ops(shape, dtypes, threads_list, repeats: int, device: str) -> list[di
                 return F.dropout(x, P, True)
 
             def fwd_keyinit():
-                return KF.dropout(x, P, KEY)
+                return KF.dropout(x, P, rng_key=KEY)
 
             def both_torch():
                 xr = x.detach().requires_grad_()
@@ -110,7 +110,7 @@ def bench_ops(shape, dtypes, threads_list, repeats: int, device: str) -> list[di
 
             def both_keyinit():
                 xr = x.detach().requires_grad_()
-                KF.dropout(xr, P, KEY).backward(grad)
+                KF.dropout(xr, P, rng_key=KEY).backward(grad)
 
             fwd = median_pair(fwd_torch, fwd_keyinit, repeats, device)
             both = median_pair(both_torch, both_keyinit, repeats, device)
@@ -122,7 +122,7 @@ def bench_ops(shape, dtypes, threads_list, repeats: int, device: str) -> list[di
                 "fwdbwd_torch_ms": both[0] * 1e3, "fwdbwd_keyinit_ms": both[1] * 1e3,
                 "fwdbwd_ratio": both[0] / both[1],
                 "saved_torch_bytes": saved_bytes(lambda t: F.dropout(t, P, True), xr),
-                "saved_keyinit_bytes": saved_bytes(lambda t: KF.dropout(t, P, KEY), xr),
+                "saved_keyinit_bytes": saved_bytes(lambda t: KF.dropout(t, P, rng_key=KEY), xr),
                 "input_bytes": x.numel() * x.element_size(),
             })
     return rows

@@ -21,7 +21,7 @@ and its presets take ``in_axis``/``out_axis``/``batch_axis`` to describe other
 layouts (``in_axis=-2, out_axis=-1`` gives JAX's convention for ``(..., in, out)``).
 
 Dtypes. The random initializers (:class:`uniform`, :class:`normal`,
-:class:`trunc_normal`, :class:`xavier_uniform`, :class:`xavier_normal`,
+:class:`truncated_normal`, :class:`xavier_uniform`, :class:`xavier_normal`,
 :class:`kaiming_uniform`, :class:`kaiming_normal`, :class:`variance_scaling`
 and its presets, :class:`orthogonal`) fill float32, float64, bfloat16 and
 float16 tensors; on any other dtype (integer, bool, complex, float8) they raise
@@ -48,6 +48,7 @@ gains and the keyed fills) is :mod:`keyinit._initializer`.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, ClassVar, Union
 
@@ -79,7 +80,7 @@ __all__ = [
     "calculate_fan_in_and_fan_out",
     "uniform",
     "normal",
-    "trunc_normal",
+    "truncated_normal",
     "constant",
     "zeros",
     "ones",
@@ -149,12 +150,13 @@ class normal(Initializer):  # noqa: N801 - named like torch.nn.init.normal_
 
 
 @attrs.frozen
-class trunc_normal(Initializer):  # noqa: N801 - named like torch.nn.init.trunc_normal_
+class truncated_normal(Initializer):  # noqa: N801 - torch.nn.init.trunc_normal_, named as the distribution
     r"""Values from :math:`\mathcal{N}(\text{mean}, \text{std}^2)` truncated to :math:`[a, b]`.
 
-    ``a`` and ``b`` are ABSOLUTE bounds, as in ``torch.nn.init.trunc_normal_``
-    (not multiples of ``std``). Drawn by inversion
-    (:func:`keyinit.random.truncated_normal`): exactly the truncated
+    ``torch.nn.init.trunc_normal_`` as an initializer, named like the distribution
+    it draws (:func:`keyinit.random.truncated_normal`, ``docs/spec.md``): one name
+    per distribution across keyinit. ``a`` and ``b`` are ABSOLUTE bounds, as in
+    torch (not multiples of ``std``). Drawn by inversion: exactly the truncated
     distribution, one stream word per element, every value in ``[a, b]``.
     """
 
@@ -165,16 +167,23 @@ class trunc_normal(Initializer):  # noqa: N801 - named like torch.nn.init.trunc_
 
     def __attrs_post_init__(self) -> None:
         if not self.a < self.b:
-            raise ValueError(f"trunc_normal: expected a < b, got a={self.a}, b={self.b}")
+            raise ValueError(f"truncated_normal: expected a < b, got a={self.a}, b={self.b}")
 
     @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
-        _require_float(target, "trunc_normal")
+        _require_float(target, "truncated_normal")
         with _named(target.fqn):
             random.truncated_normal(
                 key, target.global_shape, mean=self.mean, std=self.std, a=self.a, b=self.b,
                 region=target.region, out=target.out,
             )
+
+
+def trunc_normal(mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> truncated_normal:
+    """Deprecated: the old name of :class:`truncated_normal` (the same initializer, the same values)."""
+    warnings.warn("keyinit.init.trunc_normal is deprecated: use keyinit.init.truncated_normal (the same initializer; "
+                  "keyinit names each distribution once)", DeprecationWarning, stacklevel=2)
+    return truncated_normal(mean=mean, std=std, a=a, b=b)
 
 
 # --------------------------------------------------------------------------- deterministic

@@ -22,7 +22,7 @@ def llama_rules():
     """FQN rules every test run uses, so FQN rules are exercised under every layout too."""
     from keyinit import init
 
-    return {"layers.*.attention.w*.weight": init.trunc_normal(std=0.02, a=-0.04, b=0.04)}
+    return {"layers.*.attention.w*.weight": init.truncated_normal(std=0.02, a=-0.04, b=0.04)}
 
 
 def tp_plan(model: torch.nn.Module) -> dict:

@@ -116,7 +116,7 @@ def test_fused_qkv_draws_are_keyed_by_position_in_the_fused_weight():
     base = keyed("wqkv.weight")
     for i in range(3):
         expected = torch.empty(8, 8)
-        init.trunc_normal(std=0.02)(keyinit.fold_in(base, i),
+        init.truncated_normal(std=0.02)(keyinit.fold_in(base, i),
                                     keyinit.layouts.Target("q", keyinit.regions.make_region((8, 8), None), expected))
         assert torch.equal(full["wqkv.weight"][8 * i:8 * (i + 1)], expected)
     for region in [(slice(5, 19), slice(None)), (slice(None), slice(2, 5)), ([23, 0, 9], slice(None))]:

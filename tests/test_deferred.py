@@ -113,7 +113,7 @@ def test_constructor_patterns_follow_eager_and_are_keyed_where_they_land():
     assert same_bits(model.p.detach(), 0.5 * keyinit.random.normal(keyinit.fold_in(k("p"), 0), (6, 4)))
     # whole-tensor fills: the tensor's own key
     assert same_bits(model.cls.detach(), keyinit.random.normal(k("cls"), (1, 1, 6), std=1e-6))
-    assert same_bits(model.pos_embed.detach(), _fill(init.trunc_normal(std=0.02), k("pos_embed"), (1, 5, 6)))
+    assert same_bits(model.pos_embed.detach(), _fill(init.truncated_normal(std=0.02), k("pos_embed"), (1, 5, 6)))
     assert same_bits(model.lin.weight.detach(), _fill(init.kaiming_uniform(a=math.sqrt(5)), k("lin.weight"), (4, 6)))
     # pieces: the first half a keyed draw, the rest exactly zero
     assert same_bits(model.v.detach()[4:], torch.zeros(4, 2))

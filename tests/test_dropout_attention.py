@@ -121,7 +121,7 @@ def test_keyed_sdpa_masks_are_invariant_to_the_batch_split_and_equal_the_eager_f
     with knn.keyed(model, 7, step=3):
         whole = model(q, k, v)
     assert torch.equal(rng, torch.get_rng_state())  # the global RNG is never read or advanced
-    keep = _keep(knn.dropout_key(7, 3, "attn", 0), (B, H, L, S), 0.5)
+    keep = _keep(knn.dropout_key(7, step=3, fqn="attn", ordinal=0), (B, H, L, S), 0.5)
     assert torch.equal(whole != 0, keep)
     parts = []
     for lo, hi in ((0, 1), (1, 4)):
@@ -153,7 +153,7 @@ def test_multihead_attention_is_keyed(need_weights):
     x = torch.randn(5, 7, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
     with knn.keyed(mha, 2, step=1):
         out, weights = mha(x, x, x, need_weights=need_weights, average_attn_weights=False)
-    keep = _keep(knn.dropout_key(2, 1, "", 0), (5, 4, 7, 7), 0.4)
+    keep = _keep(knn.dropout_key(2, step=1, fqn="", ordinal=0), (5, 4, 7, 7), 0.4)
     torch.testing.assert_close(out, _mha_reference(mha, x, keep, 0.4), **TOL)
     if need_weights:
         assert torch.equal(weights != 0, keep)
@@ -261,7 +261,7 @@ def _nested(fqn: str, leaf: nn.Module) -> nn.Module:
 def test_golden_attention_masks(case):
     shape = tuple(case["global_shape"])
     region = tuple(slice(a, b) for a, b in case["region"])
-    key = knn.dropout_key(case["seed"], case["step"], case["fqn"], case["ordinal"])
+    key = knn.dropout_key(case["seed"], step=case["step"], fqn=case["fqn"], ordinal=case["ordinal"])
     assert [f"0x{w:08x}" for w in key.words] == case["key"]
     expected = torch.tensor([c == "1" for c in case["keep"]]).view(*(b - a for a, b in case["region"]))
     q, k = _qk(0, (*shape, 4))

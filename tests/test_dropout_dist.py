@@ -32,7 +32,7 @@ from tests.test_model_dist import count_collectives
 
 pytestmark = requires_gloo
 
-KEY = dropout_key(11, 4, "layers.0.feed_forward", 1)
+KEY = dropout_key(11, step=4, fqn="layers.0.feed_forward", ordinal=1)
 SHAPE = (5, 7, 9)  # uneven over 2 ranks in every dimension
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 CASES = [(dtype, 0.3) for dtype in DTYPES] + [(torch.float32, 0.05), (torch.float32, 0.9)]
@@ -62,13 +62,13 @@ def _functional_on_dtensors():
             dx = distribute_tensor(x, mesh, [placement], src_data_rank=None).requires_grad_()
             dgrad = distribute_tensor(grad, mesh, [placement], src_data_rank=None)
             with count_collectives() as counts:
-                out = KF.dropout(dx, p, KEY)
+                out = KF.dropout(dx, p, rng_key=KEY)
                 out.backward(dgrad)
             results[(name, str(dtype), p)] = (
                 out.full_tensor().detach(), dx.grad.full_tensor(), dict(counts), tuple(out.placements),
             )
     try:
-        KF.dropout(dx, 0.5, KEY, global_shape=SHAPE)
+        KF.dropout(dx, 0.5, rng_key=KEY, global_shape=SHAPE)
         results["global_shape"] = "no error"
     except TypeError as exc:
         results["global_shape"] = str(exc)
@@ -76,7 +76,7 @@ def _functional_on_dtensors():
 
     partial = DTensor.from_local(torch.ones(4), mesh, [Partial()], run_check=False)
     try:
-        KF.dropout(partial, 0.5, KEY)
+        KF.dropout(partial, 0.5, rng_key=KEY)
         results["partial"] = "no error"
     except ValueError as exc:
         results["partial"] = str(exc)
@@ -103,8 +103,8 @@ def test_functional_contract_on_dtensor_placements_2_ranks():
     for name in _placements():
         for dtype, p in CASES:
             x, grad = _inputs(dtype)
-            want = KF.dropout(x, p, KEY)
-            want_grad = KF.dropout(grad, p, KEY)
+            want = KF.dropout(x, p, rng_key=KEY)
+            want_grad = KF.dropout(grad, p, rng_key=KEY)
             for rank, results in enumerate(per_rank):
                 out, x_grad, counts, placements = results[(name, str(dtype), p)]
                 assert counts == {"c10d": 0, "comm_debug": 0}, (name, dtype, rank, counts)
@@ -225,7 +225,7 @@ def test_tensor_and_sequence_parallel_masks_equal_one_process():
             assert torch.equal(got, whole)
         assert torch.allclose(out, logits, atol=1e-5)  # row-parallel sums reassociate: not bitwise
         assert counts == {"c10d": 0, "comm_debug": 0}
-        assert torch.equal(rows, KF.dropout(torch.ones(6, 10), 0.5, dropout_key(1, 2, "", 0), global_shape=(10, 10),
+        assert torch.equal(rows, KF.dropout(torch.ones(6, 10), 0.5, rng_key=dropout_key(1, step=2, fqn="", ordinal=0), global_shape=(10, 10),
                                             region=(slice(4, 10), slice(None))))
 
 

@@ -83,23 +83,23 @@ def _mask_bits(keep: torch.Tensor) -> str:
 
 def compute() -> dict:
     keys = [
-        {"seed": s, "step": st, "fqn": f, "ordinal": n, "key": list(dropout_key(s, st, f, n).words)}
+        {"seed": s, "step": st, "fqn": f, "ordinal": n, "key": list(dropout_key(s, step=st, fqn=f, ordinal=n).words)}
         for s, st, f, n in KEY_CASES
     ]
     masks = []
     for seed, step, fqn, ordinal, p, shape, region in MASK_CASES:
-        k = dropout_key(seed, step, fqn, ordinal)
+        k = dropout_key(seed, step=step, fqn=fqn, ordinal=ordinal)
         local = [b - a for a, b in region]
         ones = torch.ones(local, dtype=torch.float32)
-        out = KF.dropout(ones, p, k, global_shape=shape, region=tuple(slice(a, b) for a, b in region))
+        out = KF.dropout(ones, p, rng_key=k, global_shape=shape, region=tuple(slice(a, b) for a, b in region))
         masks.append({"seed": seed, "step": step, "fqn": fqn, "ordinal": ordinal, "p": p, "shape": shape,
                       "region": region, "threshold": round((1.0 - p) * 2.0**32), "keep": _mask_bits(out != 0)})
     outputs = []
-    k = dropout_key(42, 1, "layers.3.feed_forward", 0)
+    k = dropout_key(42, step=1, fqn="layers.3.feed_forward", ordinal=0)
     for name, dtype in DTYPES.items():
         x = _input(24, dtype)
         for p in OUTPUT_PS:
-            y = KF.dropout(x, p, k)
+            y = KF.dropout(x, p, rng_key=k)
             outputs.append({"dtype": name, "p": p, "key": list(k.words), "input": _hex(x), "output": _hex(y)})
     return {
         "stream": "v1",
@@ -125,18 +125,18 @@ def test_dropout_domain_is_pinned(golden):
 
 def test_dropout_keys(golden):
     for case in golden["keys"]:
-        k = dropout_key(case["seed"], case["step"], case["fqn"], case["ordinal"])
+        k = dropout_key(case["seed"], step=case["step"], fqn=case["fqn"], ordinal=case["ordinal"])
         assert list(k.words) == case["key"], case
 
 
 def test_masks(golden):
     for case in golden["masks"]:
-        k = dropout_key(case["seed"], case["step"], case["fqn"], case["ordinal"])
+        k = dropout_key(case["seed"], step=case["step"], fqn=case["fqn"], ordinal=case["ordinal"])
         region = tuple(slice(a, b) for a, b in case["region"])
         keep = keyinit.random.bernoulli(k, case["shape"], p=1 - case["p"], region=region)
         assert _mask_bits(keep) == case["keep"], case["fqn"]
         ones = torch.ones(keep.shape)
-        out = KF.dropout(ones, case["p"], k, global_shape=case["shape"], region=region)
+        out = KF.dropout(ones, case["p"], rng_key=k, global_shape=case["shape"], region=region)
         assert _mask_bits(out != 0) == case["keep"]
 
 
@@ -144,7 +144,7 @@ def test_outputs_every_dtype_and_p(golden):
     for case in golden["outputs"]:
         dtype = DTYPES[case["dtype"]]
         x = _from_hex(case["input"], dtype)
-        y = KF.dropout(x, case["p"], keyinit.Key(*case["key"]))
+        y = KF.dropout(x, case["p"], rng_key=keyinit.Key(*case["key"]))
         assert _hex(y) == case["output"], (case["dtype"], case["p"])
 
 
@@ -154,7 +154,7 @@ def test_the_spec_example_key():
     spec = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "spec.md").read_text()
     match = re.search(r'`dropout_key\(key\(0\), 0, "", 0\) = \((0x[0-9a-f]{8}), (0x[0-9a-f]{8})\)`', spec)
     assert match is not None, "docs/spec.md section 14.1 lost its example"
-    assert dropout_key(0, 0, "", 0).words == (int(match.group(1), 16), int(match.group(2), 16))
+    assert dropout_key(0, step=0, fqn="", ordinal=0).words == (int(match.group(1), 16), int(match.group(2), 16))
 
 
 # ---------------------------------------------------------------- from the spec text alone

@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover
 
 pytestmark = pytest.mark.skipif(not _dropout_cpu.available(), reason="no C compiler: the CPU kernel is not built")
 
-K = dropout_key(99, 1, "x", 0)
+K = dropout_key(99, step=1, fqn="x", ordinal=0)
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 GEOMETRIES = {  # name: (global shape, region)
@@ -178,8 +178,8 @@ def test_op_falls_back_to_the_reference_without_kernels(monkeypatch):
     from keyinit.nn import functional as KF
 
     x = local_input((4, 50), None, torch.bfloat16)
-    fast = KF.dropout(x, 0.5, K)
+    fast = KF.dropout(x, 0.5, rng_key=K)
     monkeypatch.setenv("KEYINIT_DISABLE_KERNELS", "1")
     monkeypatch.setattr(_dropout_cpu, "run", lambda *args, **kwargs: pytest.fail("the kernel ran"))
-    assert torch.equal(KF.dropout(x, 0.5, K).view(torch.int16), fast.view(torch.int16))
+    assert torch.equal(KF.dropout(x, 0.5, rng_key=K).view(torch.int16), fast.view(torch.int16))
     assert np.array_equal(fast.float().numpy(), expected(x, 0.5, (4, 50), None).float().numpy())

@@ -179,11 +179,11 @@ def test_masks_follow_the_documented_keys():
     model, ids = build(), tokens(batch=4)
     _, taps = tapped(model, ids[1:], step=5, sample_offset=1)
     emb = model.tok_embeddings(ids[1:])
-    expected = KF.dropout(emb, 0.25, dropout_key(SEED, 5, "emb_dropout", 0), global_shape=(4, 7, 16),
+    expected = KF.dropout(emb, 0.25, rng_key=dropout_key(SEED, step=5, fqn="emb_dropout", ordinal=0), global_shape=(4, 7, 16),
                           region=(slice(1, 4), slice(None), slice(None)))
     assert torch.equal(taps[0], expected)
     # functional call 0 inside layers.0.attention: the attention weights (batch, heads, seq, seq)
-    keep = keyinit.random.bernoulli(dropout_key(SEED, 5, "layers.0.attention", 0), (4, 4, 7, 7), p=0.75,
+    keep = keyinit.random.bernoulli(dropout_key(SEED, step=5, fqn="layers.0.attention", ordinal=0), (4, 4, 7, 7), p=0.75,
                                     region=(slice(1, 4), slice(None), slice(None), slice(None)))
     assert torch.equal(taps[1] != 0, keep)
 
@@ -240,8 +240,8 @@ def test_calls_in_a_child_belong_to_the_child_and_ordinals_count_per_forward():
         a2, c2, _ = without(x)
     assert torch.equal(a1, a2) and torch.equal(c1, c2)  # the child's call did not shift the parent's ordinals
     assert not torch.equal(a1, c1)
-    assert torch.equal(c1, KF.dropout(x, 0.5, dropout_key(1, 0, "", 1)))
-    assert torch.equal(b1, KF.dropout(x, 0.5, dropout_key(1, 0, "child", 0)))
+    assert torch.equal(c1, KF.dropout(x, 0.5, rng_key=dropout_key(1, step=0, fqn="", ordinal=1)))
+    assert torch.equal(b1, KF.dropout(x, 0.5, rng_key=dropout_key(1, step=0, fqn="child", ordinal=0)))
     with knn.keyed(with_child, 1, step=0):  # a second forward restarts the ordinals
         again = with_child(x)
     assert torch.equal(again[0], a1)
@@ -278,13 +278,13 @@ def test_dropout_variants_are_keyed_and_split_invariant():
     scale = torch.tensor(1 / 0.7, dtype=torch.float32)
 
     def channel_dropout(ordinal):
-        keep = keyinit.random.bernoulli(dropout_key(3, 1, "", ordinal), (6, 5), p=0.7)
+        keep = keyinit.random.bernoulli(dropout_key(3, step=1, fqn="", ordinal=ordinal), (6, 5), p=0.7)
         return torch.where(keep[:, :, None, None], x * scale, torch.zeros(()))
 
     for ordinal in (1, 5, 8):
         assert torch.equal(whole[ordinal], channel_dropout(ordinal)), ordinal
     for ordinal in (6, 7):
-        assert torch.equal(whole[ordinal], KF.dropout(x, 0.3, dropout_key(3, 1, "", ordinal))), ordinal
+        assert torch.equal(whole[ordinal], KF.dropout(x, 0.3, rng_key=dropout_key(3, step=1, fqn="", ordinal=ordinal))), ordinal
 
 
 def test_activation_checkpointing_recomputes_the_same_masks():

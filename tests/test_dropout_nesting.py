@@ -33,7 +33,7 @@ def test_a_nested_keyed_on_a_submodule_keys_it_by_its_fqn_in_the_outer_model():
             nested = model(x)
             inner_only = model.d(x)  # d's forward outside the outer's: still keyed by the outer, as 'd'
     assert torch.equal(nested, alone) and torch.equal(inner_only, alone)
-    keep = keyinit.random.bernoulli(dropout_key(1, 2, "d.1", 0), (9, 4), p=0.5, region=(slice(3, 9), slice(None)))
+    keep = keyinit.random.bernoulli(dropout_key(1, step=2, fqn="d.1", ordinal=0), (9, 4), p=0.5, region=(slice(3, 9), slice(None)))
     assert torch.equal(alone != 0, keep & (model.d[0](x) != 0))
     with knn.keyed(model, 1, step=2):
         with pytest.raises(RuntimeError, match=r"module is 'd'.*Remove the inner keyed"):

@@ -49,7 +49,7 @@ def _run_case(case, run_fn, device):
     from keyinit.nn._geometry import layout_for, plan
 
     dtype, p, shape, region = case
-    key = dropout_key(5, 2**40, "layers.7.attention", 3)
+    key = dropout_key(5, step=2**40, fqn="layers.7.attention", ordinal=3)
     local = keyinit.regions.make_region(shape, region).region_shape
     g = torch.Generator().manual_seed(0)
     x = torch.randn(local, generator=g, dtype=torch.float64).to(dtype)
@@ -97,13 +97,13 @@ def test_gpu_kernel_is_bit_exact_forward_and_backward():
 
     results = {case_id: _run_case(case, triton_dropout.run, "cuda") for case_id, case in _cases().items()}
     assert {k: v for k, v in results.items() if v != "ok"} == {}
-    key = dropout_key(1, 2, "a", 0)
+    key = dropout_key(1, step=2, fqn="a", ordinal=0)
     x = torch.randn(4, 33, 65, dtype=torch.bfloat16)
     xc = x.cuda().requires_grad_()
-    out = KF.dropout(xc, 0.2, key)
+    out = KF.dropout(xc, 0.2, rng_key=key)
     out.backward(torch.ones_like(out))
-    assert torch.equal(out.cpu().view(torch.int16), KF.dropout(x, 0.2, key).view(torch.int16))
-    assert torch.equal(xc.grad.cpu().view(torch.int16), KF.dropout(torch.ones_like(x), 0.2, key).view(torch.int16))
+    assert torch.equal(out.cpu().view(torch.int16), KF.dropout(x, 0.2, rng_key=key).view(torch.int16))
+    assert torch.equal(xc.grad.cpu().view(torch.int16), KF.dropout(torch.ones_like(x), 0.2, rng_key=key).view(torch.int16))
 
 
 def test_run_declines_cpu_tensors_outside_the_interpreter():

@@ -68,7 +68,7 @@ CASES = [
     (init.uniform(-2, 3), (7, 5)),
     (init.uniform(0.25, 0.25), (4, 3)),
     (init.normal(1.0, 2.0), (7, 5)),
-    (init.trunc_normal(0.5, 1.0, -1.0, 2.0), (7, 5)),
+    (init.truncated_normal(0.5, 1.0, -1.0, 2.0), (7, 5)),
     (init.constant(2.5), (7, 5)),
     (init.zeros(), (3, 4, 5)),
     (init.ones(), (6,)),
@@ -305,7 +305,7 @@ def test_variance_scaling_normal_and_uniform():
 
 def test_trunc_normal_absolute_bounds():
     mean, std, a, b = 1.0, 2.0, -1.0, 2.0
-    values = run(init.trunc_normal(mean, std, a, b), (512, 512)).double()
+    values = run(init.truncated_normal(mean, std, a, b), (512, 512)).double()
     assert values.min() >= a and values.max() <= b
     alpha, beta = (a - mean) / std, (b - mean) / std
     pdf = lambda x: math.exp(-x * x / 2) / math.sqrt(2 * math.pi)  # noqa: E731
@@ -418,8 +418,8 @@ def test_bad_parameters():
         init.uniform(1, 0)
     with pytest.raises(ValueError, match=r"^normal: std must be >= 0, got -1$"):
         init.normal(0, -1)
-    with pytest.raises(ValueError, match=r"^trunc_normal: expected a < b, got a=2, b=2$"):
-        init.trunc_normal(a=2, b=2)
+    with pytest.raises(ValueError, match=r"^truncated_normal: expected a < b, got a=2, b=2$"):
+        init.truncated_normal(a=2, b=2)
     with pytest.raises(TypeError, match=r"^xavier_uniform: gain must be a real number, got str$"):
         init.xavier_uniform("1")
     with pytest.raises(ValueError, match=r"^orthogonal: gain must be >= 0, got -1$"):
@@ -435,7 +435,7 @@ def test_bad_parameters():
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.complex64])
 @pytest.mark.parametrize(
     "initializer",
-    [init.uniform(), init.normal(), init.trunc_normal(), init.kaiming_uniform(), init.xavier_normal(),
+    [init.uniform(), init.normal(), init.truncated_normal(), init.kaiming_uniform(), init.xavier_normal(),
      init.he_normal(), init.orthogonal(), init.with_zero_rows(init.normal(), 0)],
     ids=repr,
 )
@@ -482,4 +482,12 @@ def test_shape_errors_name_the_fqn():
 def test_sampler_errors_name_the_fqn():
     # No bfloat16 value lies in [1.001, 1.002]: the sampler's error gets the FQN in front.
     with pytest.raises(ValueError, match=r"^w: truncated_normal: no torch\.bfloat16 value lies in"):
-        run(init.trunc_normal(1.0, 1.0, 1.001, 1.002), (3,), dtype=torch.bfloat16, fqn="w")
+        run(init.truncated_normal(1.0, 1.0, 1.001, 1.002), (3,), dtype=torch.bfloat16, fqn="w")
+
+
+def test_trunc_normal_is_a_deprecated_name_of_truncated_normal():
+    # keyinit names each distribution once; torch's name still works, warns and gives the same initializer
+    with pytest.warns(DeprecationWarning, match="use keyinit.init.truncated_normal"):
+        old = init.trunc_normal(0.0, 0.02, -0.04, 0.04)
+    assert old == init.truncated_normal(0.0, 0.02, -0.04, 0.04)
+    assert "trunc_normal" not in init.__all__

@@ -194,11 +194,11 @@ def test_existing_init_code_becomes_keyed():
     before = torch.get_rng_state()
     report = keyinit.init_model(model, 11)
     assert torch.equal(before, torch.get_rng_state())
-    assert torch.equal(model.a, expected(init.trunc_normal(std=0.02, a=-0.04, b=0.04), "a", (6, 4), 11))
+    assert torch.equal(model.a, expected(init.truncated_normal(std=0.02, a=-0.04, b=0.04), "a", (6, 4), 11))
     assert torch.equal(model.b, expected(init.xavier_uniform(gain=2.0), "b", (6, 4), 11))
     assert torch.equal(model.c, expected(init.kaiming_normal(mode="fan_out", nonlinearity="relu"), "c", (6, 4), 11))
     assert torch.equal(model.e, expected(init.uniform(-1, 1), "e", (6,), 11))
-    assert torch.equal(model.f, expected(init.trunc_normal(std=1.0, a=2.0, b=3.0), "f", (6, 4), 11))
+    assert torch.equal(model.f, expected(init.truncated_normal(std=1.0, a=2.0, b=3.0), "f", (6, 4), 11))
     assert torch.equal(model.pos, torch.arange(5.0))
     assert {r.source for r in report.records} == {"reset_parameters"}
 
@@ -268,8 +268,8 @@ def test_torchtitan_style_init_weights():
 
     model = Transformer()
     report = keyinit.init_model(model, 0, init_method="init_weights")
-    assert torch.equal(model.attn.wq.weight, expected(init.trunc_normal(std=0.02), "attn.wq.weight", (8, 8)))
-    assert torch.equal(model.attn.wo.weight, expected(init.trunc_normal(std=0.01), "attn.wo.weight", (8, 8)))
+    assert torch.equal(model.attn.wq.weight, expected(init.truncated_normal(std=0.02), "attn.wq.weight", (8, 8)))
+    assert torch.equal(model.attn.wo.weight, expected(init.truncated_normal(std=0.01), "attn.wo.weight", (8, 8)))
     assert {r.source for r in report.records} == {"init_weights"}
 
 

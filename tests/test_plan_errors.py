@@ -24,7 +24,7 @@ CASES = [
      {"rules": {"*": init.normal()}}, r"1\.num_batches_tracked: normal draws floating-point values .* torch\.int64",
      ("1.num_batches_tracked",)),
     ("unmeetable bf16 trunc bounds", lambda: nn.Linear(4, 4).to(torch.bfloat16),
-     {"rules": {"weight": init.trunc_normal(a=1.001, b=1.002)}}, r"weight: truncated_normal: no torch\.bfloat16 value",
+     {"rules": {"weight": init.truncated_normal(a=1.001, b=1.002)}}, r"weight: truncated_normal: no torch\.bfloat16 value",
      ("weight",)),
     ("eye on a 1-D tensor", lambda: nn.Linear(2, 2), {"rules": {"bias": init.eye()}},
      r"bias: eye needs a 2-D tensor, got global shape \(2,\)", ("bias",)),

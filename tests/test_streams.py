@@ -82,10 +82,10 @@ def test_a_new_version_is_a_registration(toy):
 def test_dropout_keeps_the_keys_version(toy):
     _DROPOUT_CALLS.clear()
     x = torch.randn(6, 7, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    y = KF.dropout(x, 0.5, keyinit.key(1, stream="toy-test"))
+    y = KF.dropout(x, 0.5, rng_key=keyinit.key(1, stream="toy-test"))
     y.sum().backward()
     assert torch.equal(y, x) and _DROPOUT_CALLS == ["toy-test", "toy-test"]  # forward and backward
-    KF.dropout(x.detach(), 0.5, keyinit.key(1))
+    KF.dropout(x.detach(), 0.5, rng_key=keyinit.key(1))
     assert _DROPOUT_CALLS == ["toy-test", "toy-test"]  # a v1 key runs v1's kernels
 
 

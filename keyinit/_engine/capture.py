@@ -172,7 +172,7 @@ def _recognised() -> dict[types.CodeType, Callable[[dict], Any]]:
     table: dict[types.CodeType, Callable[[dict], Any]] = {}
 
     def trunc(loc: dict) -> Any:
-        return _init.trunc_normal(mean=float(loc["mean"]), std=float(loc["std"]), a=float(loc["a"]), b=float(loc["b"]))
+        return _init.truncated_normal(mean=float(loc["mean"]), std=float(loc["std"]), a=float(loc["a"]), b=float(loc["b"]))
 
     def orthogonal(loc: dict) -> Any:
         return _init.orthogonal(gain=float(loc["gain"]))

@@ -180,14 +180,14 @@ def llama_rules(args: ModelArgs) -> dict:
     depth_std = 0.02 / math.sqrt(2 * args.n_layers)
     rules = {
         "tok_embeddings.weight": init.normal(std=1.0),
-        "layers.*.attention.w[qkv].weight": init.trunc_normal(std=0.02),
-        "layers.*.attention.wo.weight": init.trunc_normal(std=depth_std),
-        "layers.*.feed_forward.w1.weight": init.trunc_normal(std=0.02),
-        "layers.*.feed_forward.w[23].weight": init.trunc_normal(std=depth_std),
+        "layers.*.attention.w[qkv].weight": init.truncated_normal(std=0.02),
+        "layers.*.attention.wo.weight": init.truncated_normal(std=depth_std),
+        "layers.*.feed_forward.w1.weight": init.truncated_normal(std=0.02),
+        "layers.*.feed_forward.w[23].weight": init.truncated_normal(std=depth_std),
     }
     if not args.tie_embeddings:
         out_std = args.dim ** -0.5
-        rules["output.weight"] = init.trunc_normal(std=out_std, a=-3 * out_std, b=3 * out_std)
+        rules["output.weight"] = init.truncated_normal(std=out_std, a=-3 * out_std, b=3 * out_std)
     return rules
 
 

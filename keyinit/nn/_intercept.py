@@ -171,7 +171,7 @@ def _handle_dropout(ctx: "Keyed", frame: _Frame, kind: str, mask: str, inplace_o
         return input
     if frame.foreign:
         _refuse_foreign(ctx, frame, f"{kind}(p={p})")
-    key = keyed_call_key(ctx.seed, ctx.step, frame.fqn, ordinal)
+    key = keyed_call_key(ctx.root, ctx.step, frame.fqn, ordinal)
     try:
         out = _keyed_masked(ctx, kind, mask, input, p, key)
     except (ValueError, TypeError, RuntimeError) as exc:
@@ -204,7 +204,7 @@ def _keyed_sdpa(ctx: "Keyed", frame: _Frame, p: float, args: tuple, kwargs: dict
         raise TypeError(f"scaled_dot_product_attention: unexpected arguments {sorted(extra)}")
     if frame.foreign:
         _refuse_foreign(ctx, frame, f"scaled_dot_product_attention(dropout_p={p})")
-    key = keyed_call_key(ctx.seed, ctx.step, frame.fqn, frame.calls)
+    key = keyed_call_key(ctx.root, ctx.step, frame.fqn, frame.calls)
     frame.calls += 1
     drop = KF._probs_drop(p, key, None, ctx.sample_offset)
     try:
@@ -227,7 +227,7 @@ def _keyed_mha(ctx: "Keyed", frame: _Frame, args: tuple, kwargs: dict) -> Any:
         return None
     if frame.foreign:
         _refuse_foreign(ctx, frame, f"multi-head attention with dropout {p}")
-    key = keyed_call_key(ctx.seed, ctx.step, frame.fqn, frame.calls)
+    key = keyed_call_key(ctx.root, ctx.step, frame.fqn, frame.calls)
     frame.calls += 1
     try:
         return mha_forward(bound, KF._probs_drop(p, key, None, ctx.sample_offset))

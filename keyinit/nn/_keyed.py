@@ -8,7 +8,7 @@ modules is running its forward in that thread:
   ``F.alpha_dropout``, ``F.feature_alpha_dropout`` (and their in-place forms)
   are answered with keyed masks. Call number ``n`` (0, 1, ...) made directly in
   the forward of the module with canonical FQN ``fqn`` uses
-  ``dropout_key(seed, step, fqn, n)``; calls inside a child module's forward
+  ``dropout_key(seed, step=step, fqn=fqn, ordinal=n)``; calls inside a child module's forward
   belong to the child. The element index is global: dimension 0 of the
   activation is the batch, and local row ``r`` is global sample
   ``sample_offset + r``. DTensor activations add the placements of their other
@@ -43,13 +43,13 @@ there); any other overlap of two active contexts is a ``RuntimeError``.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from keyinit.fqn import canonical_modules
-from keyinit.keys import _as_uint64
+from keyinit.keys import Key, _as_uint64, key
 from keyinit.nn._intercept import _DropoutFunctionMode, _Frame, _SeededOpGuard
 
 __all__ = ["keyed", "Keyed", "inside_keyed_forward"]
@@ -146,11 +146,13 @@ def _resolve_sample_offset(model: torch.nn.Module, sample_offset: Optional[int])
 class Keyed:
     """The context manager :func:`keyed` returns (single use; enter it with ``with``)."""
 
-    def __init__(self, model: torch.nn.Module, seed: int, step: int, sample_offset: Optional[int]) -> None:
+    def __init__(self, model: torch.nn.Module, seed: Union[int, Key], step: int, sample_offset: Optional[int]) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"keyed: model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
-        self.seed = _as_uint64(seed, "seed")
+        self.seed = seed if isinstance(seed, Key) else _as_uint64(seed, "seed")
+        #: The root of every dropout key (:func:`keyinit.nn.dropout_key`'s ``seed``).
+        self.root = seed if isinstance(seed, Key) else key(self.seed)
         self.step = _as_uint64(step, "step")
         self.sample_offset = _resolve_sample_offset(model, sample_offset)
         self._handles: list[Any] = []
@@ -216,7 +218,7 @@ class Keyed:
                 )
             fqn = _module_fqn(outer.model, self.model)
             if fqn is not None:
-                same = (outer.seed, outer.step, outer.sample_offset) == (self.seed, self.step, self.sample_offset)
+                same = (outer.root, outer.step, outer.sample_offset) == (self.root, self.step, self.sample_offset)
                 if not same:
                     raise RuntimeError(
                         f"keyed: {self!r} entered inside {outer!r}, where this module is '{fqn}': its dropout is "
@@ -279,7 +281,7 @@ class Keyed:
         self._state = "exited"
 
 
-def keyed(model: torch.nn.Module, seed: int, *, step: int, sample_offset: Optional[int] = None) -> Keyed:
+def keyed(model: torch.nn.Module, seed: Union[int, Key], *, step: int, sample_offset: Optional[int] = None) -> Keyed:
     """Key every dropout in ``model``'s forward by (seed, step, module FQN, call ordinal, global index).
 
     Use it around each forward (and backward, if activation checkpointing
@@ -293,7 +295,7 @@ def keyed(model: torch.nn.Module, seed: int, *, step: int, sample_offset: Option
     module with canonical FQN ``fqn`` (``keyinit.fqn.canonical_modules``: wrappers
     such as ``_orig_mod``, ``_checkpoint_wrapped_module`` and DDP's ``module`` are
     stripped) drops element ``i`` iff ``keyinit.random.bernoulli`` with key
-    ``dropout_key(seed, step, fqn, n)`` and ``p = 1 - p_drop`` is False at ``i``,
+    ``dropout_key(seed, step=step, fqn=fqn, ordinal=n)`` and ``p = 1 - p_drop`` is False at ``i``,
     the element's GLOBAL row-major index, where dimension 0 is the batch and
     local row ``r`` is global sample ``sample_offset + r``. So splitting a batch
     across data-parallel ranks, micro-batches or gradient-accumulation steps (each
@@ -303,8 +305,9 @@ def keyed(model: torch.nn.Module, seed: int, *, step: int, sample_offset: Option
     Any other random op in the forward raises
     :class:`keyinit.errors.UnkeyedRandomnessError` naming the module and the op.
     Randomness outside the model's forwards is left alone. The global RNG is
-    never read or advanced. ``seed``, ``step`` and ``sample_offset`` are ints in
-    ``[0, 2**64)``.
+    never read or advanced. ``seed`` is an int in ``[0, 2**64)`` or a
+    :class:`keyinit.Key` (the root of every dropout key, as for :func:`dropout_key`);
+    ``step`` and ``sample_offset`` are ints in ``[0, 2**64)``.
 
     ``sample_offset`` defaults to 0 in a single process. When ``torch.distributed``
     is initialized with more than one rank it must be given (a ``ValueError``

@@ -1,4 +1,4 @@
-"""Dropout keys: ``dropout_key(seed, step, fqn, ordinal)``, domain-separated from parameter keys.
+"""Dropout keys: ``dropout_key(seed, step=, fqn=, ordinal=)``, domain-separated from parameter keys.
 
 Derivation (stream v1, ``docs/spec.md`` section 14)::
 
@@ -40,24 +40,25 @@ def _check_fqn(fqn: object) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _module_key(seed: int, step: int, parts: tuple[str, ...]) -> Key:
-    """``dropout_key`` before the ordinal fold, for an int seed (memoized: a pure function; prefixes shared)."""
+def _module_key(root: Key, step: int, parts: tuple[str, ...]) -> Key:
+    """``dropout_key`` before the ordinal fold (memoized: a pure function of immutable values; prefixes shared)."""
     if not parts:
-        return fold_in(fold_in(key(seed), DROPOUT_DOMAIN), step)
-    return fold_in(_module_key(seed, step, parts[:-1]), parts[-1])
+        return fold_in(fold_in(root, DROPOUT_DOMAIN), step)
+    return fold_in(_module_key(root, step, parts[:-1]), parts[-1])
 
 
 @functools.lru_cache(maxsize=8192)
-def _call_key(seed: int, step: int, fqn: str, ordinal: int) -> Key:
-    return fold_in(_module_key(seed, step, _check_fqn(fqn)), ordinal)
+def _call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
+    return fold_in(_module_key(root, step, _check_fqn(fqn)), ordinal)
 
 
-def keyed_call_key(seed: int, step: int, fqn: str, ordinal: int) -> Key:
-    """``dropout_key(seed, step, fqn, ordinal)`` for validated ints (what ``keyed`` asks for each call), memoized."""
-    return _call_key(seed, step, fqn, ordinal)
+def keyed_call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
+    """``dropout_key(root, step=step, fqn=fqn, ordinal=ordinal)`` for a root key and validated ints (what
+    ``keyed`` asks for each call), memoized."""
+    return _call_key(root, step, fqn, ordinal)
 
 
-def dropout_key(seed: Union[int, Key], step: int, fqn: str = "", ordinal: int = 0) -> Key:
+def dropout_key(seed: Union[int, Key], *, step: int, fqn: str = "", ordinal: int = 0) -> Key:
     """The key of the dropout call number ``ordinal`` in the forward of module ``fqn`` at ``step``.
 
     ``seed`` is an int in ``[0, 2**64)`` (or a :class:`~keyinit.Key` used as the root);

@@ -77,15 +77,15 @@ def _dtensor_dropout(input: torch.Tensor, p: float, key: Key, row_offset: int) -
 def dropout(
     input: torch.Tensor,
     p: float,
-    key: Key,
     *,
+    rng_key: Key,
     training: bool = True,
     global_shape: Optional[Sequence[int]] = None,
     region: Optional[Sequence[Any]] = None,
 ) -> torch.Tensor:
     """Keyed dropout: zero each element with probability ``p`` and scale the rest by ``1 / (1 - p)``.
 
-    The keep-mask is ``keyinit.random.bernoulli(key, global_shape, p=1 - p)`` at the
+    The keep-mask is ``keyinit.random.bernoulli(rng_key, global_shape, p=1 - p)`` at the
     global elements ``input`` holds, so it does not depend on how the tensor is
     split, on the device or on the global RNG (which is never read):
 
@@ -103,7 +103,7 @@ def dropout(
     a compile-time constant; regions of step-1 slices).
     """
     p = _check_p(p)
-    key = _require_key(key)
+    key = _require_key(rng_key, "rng_key")
     _check_input(input)
     if _is_dtensor(input):
         if global_shape is not None or region is not None:
@@ -172,7 +172,7 @@ def scaled_dot_product_attention(
     from the key. DTensor inputs take their regions from their placements.
     """
     p = _check_p(dropout_p)
-    rng_key = _require_key(rng_key)
+    rng_key = _require_key(rng_key, "rng_key")
     for tensor in (query, key, value):
         _check_input(tensor)
     from keyinit.nn._attention import attend

@@ -15,7 +15,7 @@ class Dropout(torch.nn.Module):
     Like :class:`torch.nn.Dropout`, but the mask is keyed: inside
     :func:`keyinit.nn.keyed` the forward of this module is call 0 of its own
     canonical FQN, so element ``i`` (global index, dimension 0 the batch) is kept iff
-    ``keyinit.random.bernoulli(dropout_key(seed, step, fqn, 0), ..., p=1 - p)`` is
+    ``keyinit.random.bernoulli(dropout_key(seed, step=step, fqn=fqn, ordinal=0), ..., p=1 - p)`` is
     True there; an ``nn.Dropout`` at the same FQN draws the same mask. In
     training mode with ``p > 0`` outside a keyed forward it raises
     :class:`keyinit.errors.UnkeyedRandomnessError` instead of drawing from the global
