@@ -82,9 +82,9 @@ def test_kernel_and_reference_equal_the_bernoulli_mask(name, dtype):
 def test_geometry_coalesces_runs():
     x = torch.zeros(4, 6, 5)
     whole = geometry_of(x, 0.5, (10, 6, 5), (slice(3, 7), slice(None), slice(None)))
-    assert whole.sizes == (120,) and whole.starts == (90,) and whole.indices == (None,)
+    assert whole.sizes == (120,) and whole.base == 90 and whole.indices == (None,)   # rows 3..6 of 30: one run
     split = geometry_of(x, 0.5, (4, 12, 5), (slice(None), slice(6, 12), slice(None)))
-    assert split.sizes == (4, 30) and split.gstrides == (60, 1) and split.starts == (0, 30)
+    assert split.sizes == (4, 30) and split.gstrides == (60, 1) and split.base == 30
 
 
 @pytest.mark.parametrize("p", [0.0, 1e-12, 0.5, 1 - 1e-12, 1.0])

@@ -37,7 +37,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.keyinit_dropout.restype = ctypes.c_int
     lib.keyinit_dropout.argtypes = [
         ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_float, ctypes.c_double,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, _I64P, _I64P, _I64P,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, _I64P, _I64P,
         ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
     ]
     lib.keyinit_dropout_philox_stream.restype = None
@@ -94,14 +94,13 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = N
     nd = len(geometry.sizes)
     sizes = (ctypes.c_int64 * nd)(*geometry.sizes)
     gstrides = (ctypes.c_int64 * nd)(*geometry.gstrides)
-    starts = (ctypes.c_int64 * nd)(*geometry.starts)
     keep_alive = [None if i is None else i.contiguous() for i in geometry.indices]
     pointers = (ctypes.c_void_p * nd)(*(None if i is None else i.data_ptr() for i in keep_alive))
     if threads is None:
         threads = 1 if x.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
     rc = lib.keyinit_dropout(
         dtype_id, geometry.k0, geometry.k1, geometry.threshold, geometry.scale32, geometry.scale64,
-        x.data_ptr(), out.data_ptr(), nd, geometry.base, sizes, gstrides, starts, pointers, threads,
+        x.data_ptr(), out.data_ptr(), nd, geometry.base, sizes, gstrides, pointers, threads,
     )
     if rc != 0:  # pragma: no cover - arguments are validated by Geometry
         raise RuntimeError(f"keyinit_dropout failed with code {rc}")

@@ -1,6 +1,6 @@
-"""Geometry of a fill, shared by the compiled kernels: what each dimension adds to the indices.
+"""Geometry shared by every kernel family (fills, dropout): what each dimension adds to the indices.
 
-A fill writes region element ``(p_0, ..., p_{d-1})`` to ``out`` at element offset
+A kernel writes element ``(p_0, ..., p_{d-1})`` of a region or an activation to ``out`` at element offset
 ``sum_k p_k * out_stride[k]``; its global flat index is
 ``base + sum_k idx_k(p_k) * global_stride[k]``, where ``idx_k(p)`` is ``index[k][p]``
 for an index-list dim and ``p`` for a slice dim (whose start is folded into
@@ -14,13 +14,14 @@ It also holds the Triton fill's launch constants, which the host side
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Optional
 
 import torch
 
 from keyinit.regions import Region
 
-__all__ = ["Dim", "geometry", "MAX_DIMS", "NB", "BLOCK"]
+__all__ = ["Dim", "coalesce", "geometry", "MAX_DIMS", "NB", "BLOCK"]
 
 #: Dimensions a Triton launch describes after size-1 dims are dropped and slice dims merged; more: the reference.
 MAX_DIMS = 4
@@ -32,44 +33,55 @@ BLOCK = 1024
 Dim = list
 
 
+def coalesce(dims_in: Iterable[tuple[int, int, int, int, Optional[torch.Tensor]]]) -> tuple[int, list[Dim]]:
+    """``(base, dims)`` from ``(size, out_stride, global_stride, offset, index)`` per dimension, outermost first.
+
+    A dimension adds ``offset + p * global_stride`` to the global flat index of its position ``p``
+    (a progression: ``index`` is None) or ``index[p] * global_stride`` (an index list; ``offset``
+    unused). Every offset is folded into ``base``, and so is each size-1 dimension; neighbouring
+    progressions that walk both the global tensor and the output as one progression are merged.
+    The kernels of every family (fills, dropout) take this one shape of geometry. At least one
+    dim is returned.
+    """
+    base = 0
+    dims: list[Dim] = []
+    for n, ostride, gstride, offset, index in dims_in:
+        if n == 1:
+            base += int(index[0]) * gstride if index is not None else offset
+            continue
+        if index is None:
+            base += offset
+        outer = dims[-1] if dims else None
+        if (outer is not None and outer[3] is None and index is None
+                and outer[2] == n * gstride and outer[1] == n * ostride):
+            outer[0] *= n
+            outer[1], outer[2] = ostride, gstride
+        else:
+            dims.append([n, ostride, gstride, index])
+    if not dims:
+        dims.append([1, 1, 0, None])
+    return base, dims
+
+
 def geometry(out: torch.Tensor, region: Region) -> tuple[int, list[Dim]]:
     """``(base, dims)``, outermost dim first, for filling ``out`` (shaped like ``region``).
 
-    Size-1 dimensions are folded into ``base``, and neighbouring slice dims that
-    walk both the global tensor and ``out`` as one progression are merged, so a
-    full draw of any shape into a contiguous ``out`` is a single dim: one run of
-    consecutive global indices. At least one dim is returned.
+    See :func:`coalesce`: a full draw of any shape into a contiguous ``out`` is a single dim, one
+    run of consecutive global indices.
     """
     if tuple(out.shape) != region.region_shape:
         raise ValueError(f"out has shape {tuple(out.shape)} but the region has shape {region.region_shape}")
-    base = 0
-    dims: list[Dim] = []
-    for entry, size, gstride, n, ostride in zip(region.entries, region.shape, region.strides, out.shape,
-                                                out.stride()):
-        index: Optional[torch.Tensor] = None
-        if isinstance(entry, range):
-            first, step = entry.start, entry.step
-        else:
+
+    def dims_in() -> Iterator[tuple[int, int, int, int, Optional[torch.Tensor]]]:
+        for entry, size, gstride, n, ostride in zip(region.entries, region.shape, region.strides, out.shape,
+                                                    out.stride()):
+            if isinstance(entry, range):
+                yield n, ostride, entry.step * gstride, entry.start * gstride, None
+                continue
             if n and not 0 <= int(entry.min()) <= int(entry.max()) < size:
                 # Region validated its own copy: only code that wrote into region.entries gets here.
                 raise ValueError(f"a Region index tensor holds indices outside [0, {size}): it was modified "
                                  "after the Region was built")
-            first, step, index = int(entry[0]) if n else 0, 1, entry
-        if n == 1:
-            base += first * gstride
-            continue
-        if index is None:
-            base += first * gstride
-            dim = [n, ostride, step * gstride, None]
-        else:
-            dim = [n, ostride, gstride, index]
-        outer = dims[-1] if dims else None
-        if (outer is not None and outer[3] is None and dim[3] is None
-                and outer[2] == n * dim[2] and outer[1] == n * dim[1]):
-            outer[0] *= n
-            outer[1], outer[2] = dim[1], dim[2]
-        else:
-            dims.append(dim)
-    if not dims:
-        dims.append([1, 1, 0, None])
-    return base, dims
+            yield n, ostride, gstride, 0, entry
+
+    return coalesce(dims_in())

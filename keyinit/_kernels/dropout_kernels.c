@@ -10,7 +10,9 @@
  * global flat index
  *
  *     g = base + sum_d gstride[d] * idx_d(p_d),
- *     idx_d(p) = index[d][p] if index[d] != NULL, else start[d] + p.
+ *     idx_d(p) = index[d][p] if index[d] != NULL, else p
+ *
+ * (keyinit._kernels._plan.coalesce: every range's start is folded into base).
  *
  * It is kept iff word(K, g) < threshold, with word(K, j) lane j % 4 of
  * Philox4x32-10((lo32(j/4), hi32(j/4), 0, 0), K) (philox.h). That is
@@ -51,14 +53,14 @@ typedef struct {
     char *out;
     int ndim;
     int64_t base;
-    const int64_t *size, *gstride, *start;
+    const int64_t *size, *gstride;
     const int64_t *const *index;
     int64_t numel;
 } kd_plan_t;
 
 static inline int64_t kd_index(const kd_plan_t *P, int d, int64_t p)
 {
-    return P->index[d] != NULL ? P->index[d][p] : P->start[d] + p;
+    return P->index[d] != NULL ? P->index[d][p] : p;
 }
 
 /* Elements q .. q+m-1 with stream words w[0..m-1]. */
@@ -148,7 +150,7 @@ static void kd_chunk(const kd_plan_t *P, int64_t qs, int64_t qe)
             const int64_t m = count - t < KD_TILE ? count - t : KD_TILE;
             if (run) {
                 /* consecutive global indices j0 .. j0+m-1: blocks j0/4 .. (j0+m-1)/4 */
-                const uint64_t j0 = (uint64_t)(gouter + P->start[last] + p0 + t);
+                const uint64_t j0 = (uint64_t)(gouter + p0 + t);
                 const uint64_t b0 = j0 >> 2, b1 = (j0 + (uint64_t)m + 3u) >> 2;
                 ki_philox_stream(b0, (int64_t)(b1 - b0), P->k0, P->k1, words);
                 kd_apply(P, words + (j0 & 3u), q + t, m);
@@ -186,7 +188,7 @@ static void kd_chunk_body(void *ctx, int64_t c)
  */
 KD_API int keyinit_dropout(int dtype, uint32_t k0, uint32_t k1, int64_t threshold, float s32, double s64,
                            const void *in, void *out, int ndim, int64_t base, const int64_t *size,
-                           const int64_t *gstride, const int64_t *start, const int64_t *const *index,
+                           const int64_t *gstride, const int64_t *const *index,
                            int nthreads)
 {
     if (ndim < 1 || ndim > KD_MAX_DIMS) return -1;
@@ -209,7 +211,6 @@ KD_API int keyinit_dropout(int dtype, uint32_t k0, uint32_t k1, int64_t threshol
     P.base = base;
     P.size = size;
     P.gstride = gstride;
-    P.start = start;
     P.index = index;
     int64_t numel = 1;
     for (int d = 0; d < ndim; d++) {

@@ -124,7 +124,7 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = Fa
     s64_bits = struct.unpack("<q", struct.pack("<d", geometry.scale64))[0]
     run_mode = len(geometry.sizes) == 1 and geometry.indices[0] is None and geometry.gstrides[0] == 1
     if run_mode:
-        base = geometry.base + geometry.starts[0]
+        base = geometry.base
         meta = torch.zeros(3, dtype=torch.int64, device=x.device)
         index_all = torch.zeros(1, dtype=torch.int64, device=x.device)
         grid = (triton.cdiv((base & 3) + numel, BLOCK),)
@@ -132,8 +132,8 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = Fa
     else:
         base = geometry.base
         rows, pieces, offset = [], [], 0
-        for size, gstride, start, index in zip(geometry.sizes, geometry.gstrides, geometry.starts, geometry.indices):
-            vector = start + torch.arange(size, dtype=torch.int64) if index is None else index
+        for size, gstride, index in zip(geometry.sizes, geometry.gstrides, geometry.indices):
+            vector = torch.arange(size, dtype=torch.int64) if index is None else index
             rows.append([size, gstride, offset])
             pieces.append(vector)
             offset += size

@@ -20,12 +20,13 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, Optional
 
 import attrs
 import torch
 
+from keyinit._kernels._plan import coalesce
 from keyinit.distributions import Bernoulli
 from keyinit.keys import DEFAULT_STREAM
 from keyinit.regions import MAX_NUMEL, Region, make_region, normalize_shape, row_major_strides
@@ -49,8 +50,9 @@ class Layout(NamedTuple):
 class Geometry:
     """A coalesced layout of a contiguous tensor plus the per-call constants.
 
-    Element ``q`` (row-major over ``sizes``) has global index
-    ``base + sum_d gstrides[d] * idx_d(p_d)``; it is kept iff its stream word is
+    Element ``q`` (row-major over ``sizes``, at position ``(p_0, ...)``) has global index
+    ``base + sum_d gstrides[d] * idx_d(p_d)``, ``idx_d(p) = indices[d][p]`` or ``p`` (the
+    geometry :func:`keyinit._kernels._plan.coalesce` gives every kernel family); it is kept iff its stream word is
     below ``threshold``; kept values are scaled by ``scale32`` (binary32 and
     16-bit dtypes) or ``scale64`` (float64). The key is ``(k0, k1)`` of stream
     version ``stream`` (a registered name: :mod:`keyinit._dispatch` runs that
@@ -65,7 +67,6 @@ class Geometry:
     base: int
     sizes: tuple[int, ...]
     gstrides: tuple[int, ...]
-    starts: tuple[int, ...]
     indices: tuple[Optional[torch.Tensor], ...]
     stream: str = DEFAULT_STREAM
 
@@ -216,30 +217,21 @@ def plan(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Sequence[in
             f"keyinit::dropout: {len(shape)}-D input but {len(gstrides)} strides, {len(starts)} starts and "
             f"{len(indices)} index entries"
         )
-    base = 0
-    dims: list[list[Any]] = []  # [size, gstride, start, index]
-    for n, gs, st, idx in zip(shape, gstrides, starts, indices):
-        gs, st = int(gs), int(st)
-        if idx is not None:
-            if idx.dim() != 1 or int(idx.numel()) != n or idx.dtype != torch.int64:
-                raise ValueError(f"keyinit::dropout: an index entry must be a 1-D int64 tensor of {n} elements")
-            idx = idx.to("cpu")
-        if n == 1:
-            base += gs * (int(idx[0]) if idx is not None else st)
-            continue
-        if dims and idx is None and dims[-1][3] is None and dims[-1][1] == n * gs:
-            # merge: the previous (outer) range dim steps over complete runs of this one
-            outer = dims[-1]
-            outer[2] = outer[2] * n + st
-            outer[0] *= n
-            outer[1] = gs
-            continue
-        dims.append([n, gs, st, idx])
-    if not dims:
-        dims.append([1, 1, 0, None])
+
+    def dims_in() -> Iterator[tuple[int, int, int, int, Optional[torch.Tensor]]]:
+        # the output is contiguous: row-major strides of the shape
+        for n, ostride, gs, st, idx in zip(shape, row_major_strides(shape), gstrides, starts, indices):
+            gs, st = int(gs), int(st)
+            if idx is not None:
+                if idx.dim() != 1 or int(idx.numel()) != n or idx.dtype != torch.int64:
+                    raise ValueError(f"keyinit::dropout: an index entry must be a 1-D int64 tensor of {n} elements")
+                idx = idx.to("cpu")
+            yield n, ostride, gs, gs * st, idx
+
+    base, dims = coalesce(dims_in())
     threshold, scale32, scale64 = constants(p)
     return Geometry(
         k0=int(k0), k1=int(k1), threshold=threshold, scale32=scale32, scale64=scale64, base=base,
-        sizes=tuple(d[0] for d in dims), gstrides=tuple(d[1] for d in dims), starts=tuple(d[2] for d in dims),
-        indices=tuple(d[3] for d in dims), stream=stream,
+        sizes=tuple(d[0] for d in dims), gstrides=tuple(d[2] for d in dims), indices=tuple(d[3] for d in dims),
+        stream=stream,
     )

@@ -37,11 +37,9 @@ def _flat_indices(geometry: Geometry, start: int, stop: int, device: torch.devic
     """Global flat indices of elements ``start .. stop-1`` (row-major over ``geometry.sizes``)."""
     position = torch.arange(start, stop, dtype=torch.int64, device=device)
     flat = torch.full_like(position, geometry.base)
-    for size, gstride, first, index in zip(
-        reversed(geometry.sizes), reversed(geometry.gstrides), reversed(geometry.starts), reversed(geometry.indices)
-    ):
+    for size, gstride, index in zip(reversed(geometry.sizes), reversed(geometry.gstrides), reversed(geometry.indices)):
         local = position % size
-        flat += gstride * (index.to(device)[local] if index is not None else first + local)
+        flat += gstride * (index.to(device)[local] if index is not None else local)
         position = position // size
     return flat
 
