@@ -39,7 +39,7 @@ Initializers write under ``torch.no_grad()``, so ``target.out`` may be a
 parameter that requires grad. No initializer reads or changes the global torch
 RNG.
 
-This module is the catalogue: one initializer per ``torch.nn.init`` function
+One module: it is the catalogue, one initializer per ``torch.nn.init`` function
 (and the ``jax.nn.initializers`` presets), kept in one file so it reads like
 ``torch/nn/init.py``; what they share (the base class, parameter checks, fans,
 gains and the keyed fills) is :mod:`keyinit._initializer`.
