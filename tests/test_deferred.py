@@ -230,6 +230,33 @@ def test_ties_survive_and_take_the_tensor_the_constructor_left():
     assert eager_like.parameters == 1
 
 
+class ZeroHeadLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        nn.init.zeros_(self.head.weight)
+
+
+@pytest.mark.parametrize("direction", ["head takes emb", "emb takes head"])
+def test_a_tie_made_after_construction_takes_the_assigned_tensors_values(direction):
+    """Tied on the meta model after deferred: both modules recorded a value; the tensor holds the one
+    it was built with, as in eager torch, whichever name comes first in the model."""
+    model, eager = keyinit.deferred(ZeroHeadLM), ZeroHeadLM()
+    for m in (model, eager):
+        if direction == "head takes emb":
+            m.head.weight = m.emb.weight
+        else:
+            m.emb.weight = m.head.weight
+    report = keyinit.materialize(model, SEED, device="cpu")
+    assert model.head.weight is model.emb.weight and report.defaults == ()
+    if direction == "emb takes head":
+        assert torch.count_nonzero(model.emb.weight) == 0 and torch.count_nonzero(eager.emb.weight) == 0
+    else:
+        expected = keyinit.random.normal(keyinit.key_for(keyinit.key(SEED), "emb.weight"), (10, 6))
+        assert same_bits(model.emb.weight.detach(), expected)
+
+
 def test_deleting_layers_keeps_the_other_layers_values():
     full, _ = _deferred_values(Stack)
     stage = keyinit.deferred(Stack)

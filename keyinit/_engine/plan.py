@@ -45,7 +45,7 @@ from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
 from keyinit.init import Initializer
 from keyinit.keys import DEFAULT_STREAM, Key, key
 from keyinit._engine.planned import ModelPlan, PlannedTensor
-from keyinit._engine.deferred import record_of, seed_storage
+from keyinit._engine.deferred import origin_of, record_of, seed_storage
 from keyinit._engine.program import (
     Alloc,
     StridedView,
@@ -192,6 +192,7 @@ class _Planner:
         record of another shape (the tensor was replaced after construction) is not used."""
         self.constructed: set[int] = set()  # modules built by keyinit.deferred whose records hold values
         for t in self.tensors:
+            found: list[tuple[torch.nn.Module, str, Node]] = []
             for module, attr in t.locations():
                 record = record_of(module)
                 node = record.value(attr) if record is not None else None
@@ -201,9 +202,23 @@ class _Planner:
                     self.notes.append(f"{t.fqn}: its constructor record has shape {tuple(node.shape)} but the "
                                       f"tensor is {tuple(t.global_shape)} (replaced after construction); not used")
                     continue
-                t.record = node
-                self.constructed.add(id(module))
-                break
+                found.append((module, attr, node))
+            if not found:
+                continue
+            module, attr, node = found[0]
+            if any(other is not node for _, _, other in found[1:]):
+                # tied after construction (``model.emb.weight = model.head.weight``): each name's module
+                # recorded its own value; the tensor holds the one of the module it was built in, as in eager
+                origin = origin_of(t.tensor)
+                mine = [f for f in found if f[2] is origin]
+                if mine:
+                    module, attr, node = mine[0]
+                else:
+                    self.notes.append(f"{t.fqn}: tied after construction to {', '.join(n for n in t.names[1:])} "
+                                      f"whose constructors recorded other values, and the tensor no longer tells "
+                                      f"which one it was built as (replaced since); the record of {t.fqn} is used")
+            t.record = node
+            self.constructed.update(id(m) for m, _, _ in found)
 
     def _resolve_ties(self) -> None:
         for alias, target in self.ties.items():
