@@ -312,8 +312,17 @@ def test_parametrization_registered_in_the_constructor():
         def __init__(self):
             super().__init__()
             self.lin = nn.utils.parametrizations.weight_norm(nn.Linear(5, 4))
+            self.sn = nn.utils.parametrizations.spectral_norm(nn.Linear(4, 6))
 
-    model, _ = _deferred_values(Normed)
+    # u and v are computed from the weight's draw: one draw lands in three tensors, keyed by the first
+    with pytest.warns(keyinit.SharedDrawWarning, match="keyed by 'sn.parametrizations.weight.original'"):
+        model, report = _deferred_values(Normed)
+    assert report.defaults == ()  # no torch.nn default over the originals the constructor recorded
+    assert {r.source for r in report.records} == {"constructor"}
+    # spectral_norm's power iteration ran on the constructor's weight: its v follows the original
+    sn = model.sn.parametrizations.weight
+    u, v, w = sn[0]._u, sn[0]._v, sn.original.detach()
+    torch.testing.assert_close(v, nn.functional.normalize(w.T @ u, dim=0, eps=sn[0].eps))
     weight = model.lin.weight.detach()
     original = model.lin.parametrizations.weight.original1.detach()
     torch.testing.assert_close(weight, original)  # weight_norm starts with g = |v|: the weight is v

@@ -246,6 +246,13 @@ class _Planner:
             shapes[name], dtypes[name] = self._parametrized_value(module, name)
         return RuleContext(module_fqn, shapes, dtypes)
 
+    def _originals_recorded(self, module: torch.nn.Module, name: str) -> bool:
+        """Whether the originals of ``module.<name>``'s parametrizations hold a constructor's record
+        (``weight_norm``/``spectral_norm`` applied inside a :func:`keyinit.deferred` constructor)."""
+        plist = module.parametrizations[name]
+        return any(t.record is not None for t in self.tensors
+                   if any(m is plist and attr.startswith("original") for m, attr in t.locations()))
+
     def _parametrized_value(self, module: torch.nn.Module, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Global shape and dtype of a parametrized tensor (``module.weight`` under ``weight_norm``):
         its parametrizations are run on stand-ins of their originals, which computes nothing."""
@@ -350,6 +357,8 @@ class _Planner:
             if name not in own and name in parametrized_names(module):
                 if not callable(initializer):
                     raise PlanError(f"{label} for {where}.{name}: {initializer!r} is not an initializer")
+                if kind == "default" and self._originals_recorded(module, name):
+                    continue  # parametrized in the constructor: its originals' record is replayed as is
                 current = self.parametrized.get((id(module), name))
                 if current is None or current[3] == "default":
                     self.parametrized[(id(module), name)] = (module, module_fqn, name, kind, label, initializer)
