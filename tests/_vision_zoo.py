@@ -50,9 +50,9 @@ def _open_clip():
 
 
 def tv_resnet_basic() -> nn.Module:
+    _tv()
     from torchvision.models.resnet import BasicBlock, ResNet
 
-    _tv()
     return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=7, zero_init_residual=True)
 
 
@@ -68,9 +68,9 @@ def tv_mobilenet_v3() -> nn.Module:
 
 
 def tv_vit() -> nn.Module:
+    _tv()
     from torchvision.models.vision_transformer import VisionTransformer
 
-    _tv()
     return VisionTransformer(image_size=16, patch_size=8, num_layers=2, num_heads=2, hidden_dim=18, mlp_dim=37,
                              num_classes=7)
 

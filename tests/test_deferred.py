@@ -230,6 +230,33 @@ def test_ties_survive_and_take_the_tensor_the_constructor_left():
     assert eager_like.parameters == 1
 
 
+class ZeroHeadLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        nn.init.zeros_(self.head.weight)
+
+
+@pytest.mark.parametrize("direction", ["head takes emb", "emb takes head"])
+def test_a_tie_made_after_construction_takes_the_assigned_tensors_values(direction):
+    """Tied on the meta model after deferred: both modules recorded a value; the tensor holds the one
+    it was built with, as in eager torch, whichever name comes first in the model."""
+    model, eager = keyinit.deferred(ZeroHeadLM), ZeroHeadLM()
+    for m in (model, eager):
+        if direction == "head takes emb":
+            m.head.weight = m.emb.weight
+        else:
+            m.emb.weight = m.head.weight
+    report = keyinit.materialize(model, SEED, device="cpu")
+    assert model.head.weight is model.emb.weight and report.defaults == ()
+    if direction == "emb takes head":
+        assert torch.count_nonzero(model.emb.weight) == 0 and torch.count_nonzero(eager.emb.weight) == 0
+    else:
+        expected = keyinit.random.normal(keyinit.key_for(keyinit.key(SEED), "emb.weight"), (10, 6))
+        assert same_bits(model.emb.weight.detach(), expected)
+
+
 def test_deleting_layers_keeps_the_other_layers_values():
     full, _ = _deferred_values(Stack)
     stage = keyinit.deferred(Stack)
@@ -285,8 +312,17 @@ def test_parametrization_registered_in_the_constructor():
         def __init__(self):
             super().__init__()
             self.lin = nn.utils.parametrizations.weight_norm(nn.Linear(5, 4))
+            self.sn = nn.utils.parametrizations.spectral_norm(nn.Linear(4, 6))
 
-    model, _ = _deferred_values(Normed)
+    # u and v are computed from the weight's draw: one draw lands in three tensors, keyed by the first
+    with pytest.warns(keyinit.SharedDrawWarning, match="keyed by 'sn.parametrizations.weight.original'"):
+        model, report = _deferred_values(Normed)
+    assert report.defaults == ()  # no torch.nn default over the originals the constructor recorded
+    assert {r.source for r in report.records} == {"constructor"}
+    # spectral_norm's power iteration ran on the constructor's weight: its v follows the original
+    sn = model.sn.parametrizations.weight
+    u, v, w = sn[0]._u, sn[0]._v, sn.original.detach()
+    torch.testing.assert_close(v, nn.functional.normalize(w.T @ u, dim=0, eps=sn[0].eps))
     weight = model.lin.weight.detach()
     original = model.lin.parametrizations.weight.original1.detach()
     torch.testing.assert_close(weight, original)  # weight_norm starts with g = |v|: the weight is v

@@ -87,6 +87,17 @@ SOURCE = textwrap.dedent('''
     def exits():
         raise SystemExit(0)
 
+    class Seeded(nn.Module):
+        """A draw from the model's own seeded generator: the same values in every eager build, but
+        keyinit keys every draw (docs/init-code.md), so the keyed values are not eager's."""
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(3)))
+            self.proj = nn.Linear(8, 8)
+
+    def seeded():
+        return Seeded()
+
     class Titan(nn.Module):
         """torchtitan style: the constructor leaves a parameter empty; init_weights sets everything."""
         def __init__(self):
@@ -163,6 +174,15 @@ def test_a_meta_build_loses_the_constructors_init_and_fidelity_names_each_tensor
     assert "FIDELITY: 7 tensors do not follow the model's own eager init" in out
     assert "OK" not in out.split("fidelity:", 1)[1]
     assert "32/32" in out  # the layouts themselves agree: it is the init that is not the model's
+
+
+def test_a_deferred_tensor_that_does_not_follow_eager_fails_the_exit_code(capsys, models):
+    code, out, _ = run_cli(capsys, "verify", "fidelity_models:seeded", "--layouts", "fsdp2")
+    assert code == 1, out
+    rows = verdict_lines(out)
+    assert set(rows) == {"w"} and "exact" in rows["w"] and "64 of 64 elements differ" in rows["w"]
+    assert "FIDELITY: 1 tensor does not follow the model's own eager init" in out
+    assert "3/3" in out  # the layouts agree
 
 
 def test_a_rule_that_changes_a_distribution_is_listed_as_explained(capsys, models):

@@ -16,12 +16,14 @@ of ``tests/_zoo.py`` is built as ``keyinit.deferred(builder)`` and initialized w
   ``_init_weights`` never writes, comes from its constructor;
 - real gloo ranks, FSDP2 over 4 ranks and FSDP2 x TP on a 2x2 mesh (vision models and a
   varied subset of the HF zoo): every tensor bit-identical to the one-process values with 0
-  collectives during ``materialize``.
+  collectives during ``materialize``; the rest of the vision zoo on simulated ranks (every region
+  a rank of those layouts holds, replayed in one process as ``keyinit verify`` does).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import pytest
@@ -225,3 +227,19 @@ def test_deferred_bit_identical_on_real_ranks_without_collectives(layout, label)
         assert result["error"] is None, f"{label} {layout} rank {rank}: {result['error']}"
         assert result["counts"] == {"c10d": 0, "comm_debug": 0}, (label, layout, rank, result["counts"])
         assert_same_bits(result["state"], expected, f"{label} {layout} rank {rank} vs one process")
+
+
+@pytest.mark.parametrize("name", [n for n in _vision_zoo.VISION if n not in _vision_zoo.DIST])
+def test_the_rest_of_the_vision_zoo_is_bit_identical_on_simulated_ranks(name):
+    """The vision models not run on real ranks above: every region a rank of FSDP2(4) and FSDP2xTP(2x2)
+    would hold, replayed in one process from the DTensor placements (``keyinit verify``), is
+    bit-identical to the one-process values."""
+    from keyinit.cli.verify import verify
+
+    result = verify(_vision_zoo.VISION[name], ["fsdp4", "fsdp2xtp2"], SEED, progress=False, label=name,
+                    fidelity=False)
+    assert result["layouts_ok"], [(p["fqn"], p["bad"]) for p in result["params"] if p["bad"]]
+    assert {p["source"] for p in result["params"]} == {"constructor"}
+    total = sum(math.prod(p["shape"]) for p in result["params"])
+    for summary in result["layouts"]:  # each rank holds a part, not the whole model
+        assert summary["identical"] == summary["total"] and summary["max_local_elements"] < total, summary

@@ -35,10 +35,14 @@ from keyinit._engine.megatron_records import whole_node
 from keyinit._engine.capture import Capture, LazyTensor
 from keyinit._engine.program import StridedView, Literal, Node, Read, Storage, Write
 
-__all__ = ["deferred", "ConstructorRecord", "record_of", "seed_storage", "RECORD_ATTRIBUTE"]
+__all__ = ["deferred", "ConstructorRecord", "record_of", "origin_of", "seed_storage", "RECORD_ATTRIBUTE"]
 
 #: The module attribute holding its :class:`ConstructorRecord`.
 RECORD_ATTRIBUTE = "_keyinit_record"
+#: The attribute of each meta tensor :func:`deferred` returns: the record node of its value
+#: (so a tie made after construction, ``model.emb.weight = model.head.weight``, takes the
+#: value of the tensor it assigned, as in eager torch).
+ORIGIN_ATTRIBUTE = "_keyinit_origin"
 
 M = TypeVar("M", bound=torch.nn.Module)
 
@@ -64,6 +68,12 @@ def record_of(module: torch.nn.Module) -> Optional[ConstructorRecord]:
     """The constructor record of ``module`` (``None`` if it was not built by :func:`deferred`)."""
     record = vars(module).get(RECORD_ATTRIBUTE)
     return record if isinstance(record, ConstructorRecord) else None
+
+
+def origin_of(tensor: torch.Tensor) -> Optional[Node]:
+    """The record node of the value :func:`deferred` left in ``tensor`` (``None`` for any other tensor:
+    one replaced since, by ``fully_shard`` or ``to_empty``, has none)."""
+    return vars(tensor).get(ORIGIN_ATTRIBUTE) if isinstance(tensor, torch.Tensor) else None
 
 
 def _name_of(fn: Callable[..., Any]) -> str:
@@ -129,6 +139,7 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
                                                  lambda t, fqn=fqn: _value_node(t, capture, fqn))
                     values[id(tensor)] = whole if whole is not None else _value_node(tensor, capture, fqn)
                     replaced[id(tensor)] = _meta_like(tensor, is_parameter=table is module._parameters)
+                    setattr(replaced[id(tensor)], ORIGIN_ATTRIBUTE, values[id(tensor)])
                 record[name] = values[id(tensor)]
                 table[name] = replaced[id(tensor)]
         object.__setattr__(module, RECORD_ATTRIBUTE, ConstructorRecord(record, builder))

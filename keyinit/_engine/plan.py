@@ -45,7 +45,7 @@ from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
 from keyinit.init import Initializer
 from keyinit.keys import DEFAULT_STREAM, Key, key
 from keyinit._engine.planned import ModelPlan, PlannedTensor
-from keyinit._engine.deferred import record_of, seed_storage
+from keyinit._engine.deferred import origin_of, record_of, seed_storage
 from keyinit._engine.program import (
     Alloc,
     StridedView,
@@ -192,6 +192,7 @@ class _Planner:
         record of another shape (the tensor was replaced after construction) is not used."""
         self.constructed: set[int] = set()  # modules built by keyinit.deferred whose records hold values
         for t in self.tensors:
+            found: list[tuple[torch.nn.Module, str, Node]] = []
             for module, attr in t.locations():
                 record = record_of(module)
                 node = record.value(attr) if record is not None else None
@@ -201,9 +202,23 @@ class _Planner:
                     self.notes.append(f"{t.fqn}: its constructor record has shape {tuple(node.shape)} but the "
                                       f"tensor is {tuple(t.global_shape)} (replaced after construction); not used")
                     continue
-                t.record = node
-                self.constructed.add(id(module))
-                break
+                found.append((module, attr, node))
+            if not found:
+                continue
+            module, attr, node = found[0]
+            if any(other is not node for _, _, other in found[1:]):
+                # tied after construction (``model.emb.weight = model.head.weight``): each name's module
+                # recorded its own value; the tensor holds the one of the module it was built in, as in eager
+                origin = origin_of(t.tensor)
+                mine = [f for f in found if f[2] is origin]
+                if mine:
+                    module, attr, node = mine[0]
+                else:
+                    self.notes.append(f"{t.fqn}: tied after construction to {', '.join(n for n in t.names[1:])} "
+                                      f"whose constructors recorded other values, and the tensor no longer tells "
+                                      f"which one it was built as (replaced since); the record of {t.fqn} is used")
+            t.record = node
+            self.constructed.update(id(m) for m, _, _ in found)
 
     def _resolve_ties(self) -> None:
         for alias, target in self.ties.items():
@@ -230,6 +245,13 @@ class _Planner:
         for name in parametrized_names(module):
             shapes[name], dtypes[name] = self._parametrized_value(module, name)
         return RuleContext(module_fqn, shapes, dtypes)
+
+    def _originals_recorded(self, module: torch.nn.Module, name: str) -> bool:
+        """Whether the originals of ``module.<name>``'s parametrizations hold a constructor's record
+        (``weight_norm``/``spectral_norm`` applied inside a :func:`keyinit.deferred` constructor)."""
+        plist = module.parametrizations[name]
+        return any(t.record is not None for t in self.tensors
+                   if any(m is plist and attr.startswith("original") for m, attr in t.locations()))
 
     def _parametrized_value(self, module: torch.nn.Module, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Global shape and dtype of a parametrized tensor (``module.weight`` under ``weight_norm``):
@@ -335,6 +357,8 @@ class _Planner:
             if name not in own and name in parametrized_names(module):
                 if not callable(initializer):
                     raise PlanError(f"{label} for {where}.{name}: {initializer!r} is not an initializer")
+                if kind == "default" and self._originals_recorded(module, name):
+                    continue  # parametrized in the constructor: its originals' record is replayed as is
                 current = self.parametrized.get((id(module), name))
                 if current is None or current[3] == "default":
                     self.parametrized[(id(module), name)] = (module, module_fqn, name, kind, label, initializer)

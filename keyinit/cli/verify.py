@@ -327,7 +327,7 @@ def _verdict(result: dict[str, Any], faithful: Any) -> int:
         print("\nMISMATCH: some simulated ranks differ from the single-process values (see DIFF above).")
     if faithful is not None and not faithful.ok:
         n = len(faithful.with_status("DIFFERS"))
-        print(f"\nFIDELITY: {n} tensor{'s' if n != 1 else ''} do not follow the model's own eager init and no "
+        print(f"\nFIDELITY: {n} {'tensors do' if n != 1 else 'tensor does'} not follow the model's own eager init and no "
               f"rule or init_method given explains it (see DIFFERS above).")
     if not result["ok"]:
         return 1
