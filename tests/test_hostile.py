@@ -136,9 +136,10 @@ def test_a_custom_initializer_raising_in_the_dry_run_is_a_plan_error_naming_the_
 # ---------------------------------------------------------------- arguments
 
 
-def test_init_model_on_a_non_module_is_a_type_error():
-    with pytest.raises(TypeError, match="init_model expects an nn.Module, got dict"):
-        keyinit.init_model({"weight": torch.zeros(2)}, 0)
+@pytest.mark.parametrize("function", [keyinit.init_model, keyinit.materialize, keyinit.plan_init])
+def test_a_non_module_is_a_type_error_naming_the_function_called(function):
+    with pytest.raises(TypeError, match=f"^{function.__name__} expects an nn.Module, got dict"):
+        function({"weight": torch.zeros(2)}, 0)
 
 
 @pytest.mark.parametrize("seed", [torch.tensor(True), np.True_, True, 1.0, "1"])
@@ -156,6 +157,11 @@ def test_integer_scalars_key_accepts_are_accepted_everywhere():
     assert torch.equal(keyinit.random.randint(k, (16,), low=torch.tensor(-2), high=9), expected)
     with pytest.raises(ValueError, match="num must be a non-negative int"):
         keyinit.split(k, np.True_)
+    shape = (np.int64(3), np.int32(2), torch.tensor(2))  # as torch takes shapes
+    assert torch.equal(keyinit.random.normal(k, shape), keyinit.random.normal(k, (3, 2, 2)))
+    for bad in (np.True_, True, torch.tensor(True), 2.0, np.float32(2)):
+        with pytest.raises(TypeError, match="shape must be a tuple of ints"):
+            keyinit.random.normal(k, (3, bad))
 
 
 # ---------------------------------------------------------------- keyinit verify
