@@ -384,6 +384,8 @@ def materialize(
     memory is ever left behind. The other arguments are :func:`init_model`'s. ``device``
     defaults to ``"cuda"`` when available, else ``"cpu"``.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"materialize expects an nn.Module, got {type(model).__name__}")
     return plan_init(model, seed, materializing=True, rules=rules, init_method=init_method,
                      init_kwargs=init_kwargs, ties=ties, fqn_prefix=fqn_prefix, fqn_map=fqn_map, shards=shards,
                      strict=strict, stream=stream, registry=registry, progress=progress).apply(device=device)

@@ -22,6 +22,7 @@ entry per element, and a full draw of any shape needs no index memory at all.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any, Union
 
@@ -40,6 +41,19 @@ MAX_NUMEL = 1 << 62
 _CPU = torch.device("cpu")
 
 
+def _integer(value: Any) -> "int | None":
+    """An int, or an integer scalar as torch takes in a shape (a numpy int, a 0-d integer tensor),
+    as a Python int; ``None`` for anything else, bools included."""
+    if isinstance(value, int):
+        return None if isinstance(value, bool) else value
+    if isinstance(value, (float, str, bytes)) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def normalize_shape(shape: Any) -> tuple[int, ...]:
     """``shape`` as a tuple of non-negative ints, or a ``ValueError`` naming the fault."""
     if isinstance(shape, torch.Size):
@@ -50,7 +64,8 @@ def normalize_shape(shape: Any) -> tuple[int, ...]:
         raise TypeError(f"shape must be a tuple of ints, got {type(shape).__name__}")
     dims = []
     for dim in shape:
-        if isinstance(dim, bool) or not isinstance(dim, int):
+        dim = _integer(dim)
+        if dim is None:
             raise TypeError(f"shape must be a tuple of ints, got {tuple(shape)!r}")
         if dim < 0:
             raise ValueError(f"shape must have non-negative sizes, got {tuple(shape)!r}")

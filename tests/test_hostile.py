@@ -136,9 +136,10 @@ def test_a_custom_initializer_raising_in_the_dry_run_is_a_plan_error_naming_the_
 # ---------------------------------------------------------------- arguments
 
 
-def test_init_model_on_a_non_module_is_a_type_error():
-    with pytest.raises(TypeError, match="init_model expects an nn.Module, got dict"):
-        keyinit.init_model({"weight": torch.zeros(2)}, 0)
+@pytest.mark.parametrize("function", [keyinit.init_model, keyinit.materialize, keyinit.plan_init])
+def test_a_non_module_is_a_type_error_naming_the_function_called(function):
+    with pytest.raises(TypeError, match=f"^{function.__name__} expects an nn.Module, got dict"):
+        function({"weight": torch.zeros(2)}, 0)
 
 
 @pytest.mark.parametrize("seed", [torch.tensor(True), np.True_, True, 1.0, "1"])
@@ -156,6 +157,11 @@ def test_integer_scalars_key_accepts_are_accepted_everywhere():
     assert torch.equal(keyinit.random.randint(k, (16,), low=torch.tensor(-2), high=9), expected)
     with pytest.raises(ValueError, match="num must be a non-negative int"):
         keyinit.split(k, np.True_)
+    shape = (np.int64(3), np.int32(2), torch.tensor(2))  # as torch takes shapes
+    assert torch.equal(keyinit.random.normal(k, shape), keyinit.random.normal(k, (3, 2, 2)))
+    for bad in (np.True_, True, torch.tensor(True), 2.0, np.float32(2)):
+        with pytest.raises(TypeError, match="shape must be a tuple of ints"):
+            keyinit.random.normal(k, (3, bad))
 
 
 # ---------------------------------------------------------------- keyinit verify
@@ -259,25 +265,38 @@ def test_a_failed_materialize_leaves_the_models_own_tensors_on_meta(monkeypatch,
 
 
 @pytest.mark.parametrize("body, message", [
-    (lambda m: nn.init.normal_(m.weight), r"writes 0\.weight \(normal_"),
-    (lambda m: m.weight.data.zero_(), r"writes 0\.weight \(zero_"),
-    (lambda m: m.bias.copy_(torch.ones(4)) if False else m.bias.data.copy_(torch.ones(4)), r"writes 0\.bias \(copy_"),
-    (lambda m: setattr(m, "weight", nn.Parameter(torch.zeros(4, 4))), r"re-assigned \['weight'\]"),
+    (lambda m, model: nn.init.normal_(m.weight), r"writes 0\.weight \(normal_"),
+    (lambda m, model: m.weight.data.zero_(), r"writes 0\.weight \(zero_"),
+    (lambda m, model: m.bias.data.copy_(torch.ones(4)), r"writes 0\.bias \(copy_"),
+    (lambda m, model: model[1].weight.data.fill_(5.0), r"rule Linear for 0 writes 1\.weight \(fill_"),
+    (lambda m, model: setattr(m, "weight", nn.Parameter(torch.zeros(4, 4))), r"re-assigned \['weight'\]"),
+    (lambda m, model: model[1].register_buffer("late", torch.ones(1)), r"a module rule re-assigned \['late'\]"),
+    (lambda m, model: setattr(model[1].weight, "data", torch.ones(4, 4)), r"a module rule changed the data.* \['1\.weight'\]"),
+    (lambda m, model: m.add_module("extra", nn.Identity()), r"re-assigned \['extra'\]"),
+    (lambda m, model: setattr(m.weight, "data", torch.zeros(2, 4)), r"changed the data.* of \['0\.weight'\]"),
+    (lambda m, model: m.double(), r"changed the data, dtype.* of \['0\.weight', '0\.bias'\]"),
+    (lambda m, model: m.to_empty(device="cpu"), r"changed the data.* of \['0\.weight', '0\.bias'\]"),
+    (lambda m, model: m.weight.requires_grad_(False), r"requires_grad of \['0\.weight'\]"),
 ])
-def test_a_module_rule_that_writes_while_planning_is_refused_and_the_model_kept(body, message):
+@pytest.mark.parametrize("then_fails", [False, True])
+def test_a_module_rule_that_writes_while_planning_is_refused_and_the_model_kept(body, message, then_fails):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     before = snapshot(model)
     parameters = list(model.parameters())
     rng = torch.random.get_rng_state()
 
     def rule(module, ctx):
-        body(module)
+        if module is model[0]:
+            body(module, model)
+            if then_fails:  # the rule's own error, after the change: the change is put back all the same
+                raise ValueError("the rule gave up")
         return {"weight": init.zeros()}
 
-    with pytest.raises(PlanError, match=message):
+    with pytest.raises(PlanError, match=f"{message}|the rule gave up" if then_fails else message):
         keyinit.init_model(model, 0, rules={nn.Linear: rule})
     assert_unchanged(before, model)
-    assert list(model.parameters()) == parameters
+    assert list(model.parameters()) == parameters and list(model.modules()) == [model, model[0], model[1]]
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in model.parameters())
     assert torch.equal(torch.random.get_rng_state(), rng)
 
 

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from keyinit.errors import PlanError
 
-__all__ = ["no_writes"]
+__all__ = ["ModelState", "model_kept", "no_writes", "storages_of"]
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -55,22 +55,102 @@ class _RefuseWrites(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def no_writes(modules: Iterable[torch.nn.Module], named: Iterable[tuple[str, torch.Tensor]], what: str) -> Iterator[None]:
-    """Run the block refusing writes to the ``named`` tensors and re-assignments in ``modules``."""
-    storages = {}
+def _data_state(tensor: torch.Tensor) -> tuple:
+    """What ``tensor.data = x`` (``module.double()``, ``to_empty``) or ``requires_grad_`` changes."""
+    try:
+        strides = tuple(tensor.stride()) if tensor.layout == torch.strided else None
+        offset = tensor.storage_offset() if tensor.layout == torch.strided else None
+    except (RuntimeError, NotImplementedError):
+        strides = offset = None
+    return (type(tensor), tensor.dtype, tensor.device, tuple(tensor.shape), strides, offset, _storage(tensor),
+            tensor.requires_grad)
+
+
+class ModelState:
+    """The structure of ``modules`` (their parameter, buffer and child tables) and the data and
+    ``requires_grad`` of the ``named`` tensors, kept without copying a value, to check and put back."""
+
+    _TABLES = ("_parameters", "_buffers", "_modules")
+
+    def __init__(self, modules: Iterable[torch.nn.Module], named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.tables = [(m, table, dict(getattr(m, table))) for m in modules for table in self._TABLES]
+        self.tensors = [(name, t, t.data, _data_state(t)) for name, t in named]
+
+    def changes(self) -> tuple[list[str], list[str]]:
+        """(re-assigned or added or removed names, names of tensors whose data or requires_grad changed)."""
+        assigned = sorted({name for m, table, before in self.tables for name in set(before) | set(getattr(m, table))
+                           if getattr(m, table).get(name) is not before.get(name)})
+        swapped = [name for name, t, _data, state in self.tensors if _data_state(t) != state]
+        return assigned, swapped
+
+    def restore(self) -> None:
+        for m, table, before in self.tables:
+            current = getattr(m, table)
+            if len(current) != len(before) or any(current.get(k, current) is not v for k, v in before.items()):
+                current.clear()
+                current.update(before)
+        for _name, t, data, state in self.tensors:
+            if _data_state(t) != state:
+                with torch.no_grad():
+                    if _data_state(t)[:-1] != state[:-1]:
+                        t.data = data
+                    t.requires_grad_(state[-1])
+
+
+def _problem(assigned: list[str], swapped: list[str]) -> str:
+    parts = []
+    if assigned:
+        parts.append(f"re-assigned {assigned}")
+    if swapped:
+        parts.append(f"changed the data, dtype, device or requires_grad of {swapped}")
+    return " and ".join(parts)
+
+
+def storages_of(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
+    """``{storage pointer: name}`` of the ``named`` tensors (the first name of a shared storage)."""
+    storages: dict[int, str] = {}
     for name, tensor in named:
         pointer = _storage(tensor)
         if pointer:
             storages.setdefault(pointer, name)
-    tables = [(m, table, dict(getattr(m, table))) for m in modules for table in ("_parameters", "_buffers")]
-    with _RefuseWrites(storages, what) if storages else contextlib.nullcontext():
+    return storages
+
+
+@contextlib.contextmanager
+def no_writes(modules: Iterable[torch.nn.Module], named: Iterable[tuple[str, torch.Tensor]], what: str,
+              storages: "dict[int, str] | None" = None) -> Iterator[None]:
+    """Run the block refusing writes to the ``named`` tensors (or to every storage in ``storages``),
+    and any re-assignment in ``modules`` or change of a named tensor's data; what the block
+    changed is put back, also when it raises."""
+    named = list(named)
+    if storages is None:
+        storages = storages_of(named)
+    state = ModelState(modules, named)
+    try:
+        with _RefuseWrites(storages, what) if storages else contextlib.nullcontext():
+            yield
+    except BaseException:
+        state.restore()
+        raise
+    problem = _problem(*state.changes())
+    if problem:
+        state.restore()
+        raise PlanError(f"{what} {problem} while keyinit planned (put back); a module rule must only return "
+                        f"initializers")
+
+
+@contextlib.contextmanager
+def model_kept(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], what: str) -> Iterator[None]:
+    """The whole model as it was after the block (module rules reaching past their own module):
+    put back, and a :class:`PlanError` naming what changed; put back too when the block raises."""
+    state = ModelState(model.modules(), named)
+    try:
         yield
-    changed = [name for m, table, before in tables for name in set(before) | set(getattr(m, table))
-               if getattr(m, table).get(name) is not before.get(name)]
-    if changed:
-        for m, table, before in tables:
-            getattr(m, table).clear()
-            getattr(m, table).update(before)
-        raise PlanError(f"{what} re-assigned {sorted(changed)} while keyinit planned (put back); a module rule "
-                        f"must only return initializers")
+    except BaseException:
+        state.restore()
+        raise
+    problem = _problem(*state.changes())
+    if problem:
+        state.restore()
+        raise PlanError(f"{what} {problem} while keyinit planned (put back); a module rule must only return "
+                        f"initializers")

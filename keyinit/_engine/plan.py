@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from keyinit import layouts
-from keyinit._engine.guard import no_writes
+from keyinit._engine.guard import model_kept, no_writes, storages_of
 from keyinit._engine.shared_draws import warn_shared_draws
 from keyinit._engine.capture import Capture, CaptureError, LazyTensor
 from keyinit._engine.init_code import (
@@ -304,6 +304,12 @@ class _Planner:
         if unmatched and self.strict:
             raise PlanError(f"FQN rules matched no tensor of this model: {unmatched}; pass strict=False to allow")
 
+        named = [(t.fqn, t.tensor) for t in self.tensors]
+        self._storages = storages_of(named)  # module rules may write none of them
+        with model_kept(self.model, named, "a module rule"):
+            self._apply_module_rules(type_rules)
+
+    def _apply_module_rules(self, type_rules: Mapping[type, ModuleRule]) -> None:
         for module, module_fqn in self.modules.values():
             if not self._own(module):
                 continue
@@ -344,7 +350,8 @@ class _Planner:
         where = module_fqn or "<root>"
         try:
             context = self._context(module, module_fqn)
-            with no_writes([module], [(t.fqn, t.tensor) for t in own.values()], f"{label} for {where}"):
+            with no_writes([module], [(t.fqn, t.tensor) for t in own.values()], f"{label} for {where}",
+                           self._storages):
                 produced = rule(module, context)
         except PlanError:
             raise
