@@ -86,7 +86,8 @@ class _Poisson(torch.utils.data.Dataset):
 
 
 def test_unkeyable_randomness_is_an_error_and_plain_index_needs_an_epoch():
-    with pytest.raises(UnkeyedRandomnessError, match="poisson"):
+    with pytest.raises(UnkeyedRandomnessError, match=r"sample 0 of epoch 0: the dataset's __getitem__ called "
+                                                     r"poisson\(\), which keyinit cannot key"):
         keyed_samples(_Poisson(), 0)[(0, 0)]
     with pytest.raises(TypeError, match=r"does not say the epoch.*yield_epoch=True"):
         keyed_samples(_Draws(), 0)[3]
@@ -160,3 +161,15 @@ def test_torchvision_resume_and_order(vision_reference):
     epochs = {e for e, _ in vision_reference}
     assert epochs == {0, 1}  # steps 0..3 of 4 over n = 12 cover one and a third epochs
     assert not torch.equal(d[(0, 0)][0], d[(1, 0)][0])
+
+
+def test_torchvision_persistent_workers_over_two_passes(vision_reference):
+    """The same worker processes serve both passes of the loader (a sampler iteration each)."""
+    sampler = KeyedSampler(12, 0, global_batch_size=4, num_steps=2, yield_epoch=True)
+    loader = DataLoader(keyed_samples(_Vision(), 11), batch_size=4, sampler=sampler, num_workers=2,
+                        persistent_workers=True)
+    images = [torch.cat([images for images, _ in loader]) for _ in range(2)]
+    refs = list(KeyedSampler(12, 0, global_batch_size=4, num_steps=4, yield_epoch=True))
+    assert sampler.step == 4 and loader._iterator is not None  # persistent: one iterator, reused
+    for ref, image in zip(refs, torch.cat(images)):
+        assert torch.equal(image, vision_reference[(ref.epoch, ref.index)])

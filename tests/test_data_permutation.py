@@ -101,20 +101,34 @@ def test_errors():
     k = keyinit.key(0)
     with pytest.raises(TypeError, match="keyinit.Key"):
         permutation(0, 10)
-    with pytest.raises(ValueError, match=r"n must be an int in \[1, 2\*\*62\]"):
-        permutation(k, 0)
-    with pytest.raises(ValueError, match=r"n must be an int in \[1, 2\*\*62\]"):
+    with pytest.raises(ValueError, match=r"n must be an int in \[0, 2\*\*62\], got -1"):
+        permutation(k, -1)
+    with pytest.raises(ValueError, match=r"n must be an int in \[0, 2\*\*62\]"):
         permutation(k, 2**62 + 1)
     with pytest.raises(TypeError, match="n must be an int"):
         permutation(k, 10.0)
+    with pytest.raises(TypeError, match="got bool"):
+        permutation(k, True)
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 0\)"):
+        permutation(k, 0, torch.tensor([0]))
     with pytest.raises(ValueError, match=r"positions must lie in \[0, 10\), got values in \[-1, 3\]"):
         permutation(k, 10, torch.tensor([3, -1]))
     with pytest.raises(ValueError, match=r"values must lie in \[0, 10\)"):
         inverse_permutation(k, 10, torch.tensor([10]))
     with pytest.raises(ValueError, match=r"positions must lie in \[0, 10\)"):
         permutation(k, 10, range(5, 11))
-    with pytest.raises(TypeError, match="must hold integers"):
-        permutation(k, 10, torch.tensor([0.5]))
+    for floats in (torch.tensor([0.5]), [1.5], [1, 2.0], torch.tensor([True])):  # never truncated to an int
+        with pytest.raises(TypeError, match="must hold integers"):
+            permutation(k, 10, floats)
+
+
+def test_empty_and_scalar_positions():
+    k = keyinit.key(0)
+    for empty in (permutation(k, 0), inverse_permutation(k, 0), permutation(k, 0, slice(0, 5)),
+                  permutation(k, 10, []), permutation(k, 10, range(3, 3))):
+        assert empty.dtype == torch.int64 and empty.shape == (0,)
+    assert permutation(k, 10, 4).shape == () and int(permutation(k, 10, torch.tensor(4))) == int(permutation(k, 10)[4])
+    assert torch.equal(permutation(k, 10, [4, 2]), permutation(k, 10)[[4, 2]])
 
 
 def _many(n: int, keys: int) -> torch.Tensor:

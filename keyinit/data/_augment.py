@@ -74,7 +74,8 @@ def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) 
         raise UnkeyedRandomnessError(f"{site}: cannot key {func} (its output shape is unknown without "
                                      f"running it: {exc})") from exc
     outputs = [t for t in tree_flatten(meta_out)[0] if isinstance(t, torch.Tensor)]
-    effects = keyed_effects(func, args, kwargs, outputs, site, lambda t: Literal(t.detach().cpu()))
+    effects = keyed_effects(func, args, kwargs, outputs, site, lambda t: Literal(t.detach().cpu()),
+                            caller="the dataset's __getitem__")
     nodes = [n for n in effects.returns if n is not None] + [n for _, n in effects.writes]
     draws: list[Random] = []
     seen: set[int] = set()
