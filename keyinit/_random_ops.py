@@ -47,10 +47,22 @@ __all__ = ["is_random", "keyed_effects", "Effects", "bind_arguments"]
 _RANDOM_ALSO = {"aten::random_", "aten::random"}
 
 
+_IS_RANDOM: dict[Any, bool] = {}
+
+
 def is_random(func: Any) -> bool:
-    """True for every aten op that draws from a generator."""
+    """True for every aten op that draws from a generator (cached per op: a dispatch mode asks for every op)."""
+    try:
+        return _IS_RANDOM[func]
+    except (KeyError, TypeError):
+        pass
     tags = getattr(func, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags or func._schema.name in _RANDOM_ALSO
+    answer = torch.Tag.nondeterministic_seeded in tags or func._schema.name in _RANDOM_ALSO
+    try:
+        _IS_RANDOM[func] = answer
+    except TypeError:  # pragma: no cover - an unhashable op
+        pass
+    return answer
 
 
 @attrs.frozen

@@ -61,6 +61,10 @@ def test_keyed_values_are_keyinit_draws_and_depend_on_epoch_and_index():
     assert torch.equal(a["rand"], keyinit.random.uniform(keyinit.fold_in(keyinit.fold_in(sk, 0), 0), (4,)))
     assert torch.equal(a["randn_gen"], keyinit.random.normal(keyinit.fold_in(keyinit.fold_in(sk, 1), 0), (3,)))
     assert torch.equal(a["generator_state"], torch.Generator().manual_seed(1).get_state())  # and not advanced
+    # spec 16.3: random seeded with k0 + 2**32 k1, numpy with [k0, k1], of string folds of the sample key
+    kp, kn = keyinit.fold_in(sk, "python.random"), keyinit.fold_in(sk, "numpy.random")
+    assert a["py"] == random.Random(kp.k0 + (kp.k1 << 32)).random()
+    assert a["np"] == np.random.RandomState([kn.k0, kn.k1]).rand()
     assert sorted(a["randperm"].tolist()) == list(range(6))
     assert len(set(a["multinomial"].tolist())) == 3
 

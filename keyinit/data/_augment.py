@@ -18,6 +18,7 @@ Inside the wrapped ``__getitem__``:
 
 from __future__ import annotations
 
+import functools
 import random as _py_random
 from typing import Any, NamedTuple, Optional, Union
 
@@ -45,7 +46,17 @@ def sample_key(seed: Union[int, Key], epoch: int, index: int) -> Key:
     root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
     epoch = _as_uint64(epoch, "epoch")
     index = _as_uint64(index, "sample index")
-    return fold_in(fold_in(fold_in(root, AUGMENT_DOMAIN), epoch), index)
+    return fold_in(_epoch_key(_domain_key(root), epoch), index)
+
+
+@functools.lru_cache(maxsize=64)
+def _domain_key(root: Key) -> Key:
+    return fold_in(root, AUGMENT_DOMAIN)
+
+
+@functools.lru_cache(maxsize=256)
+def _epoch_key(domain: Key, epoch: int) -> Key:
+    return fold_in(domain, epoch)
 
 
 def _to_meta(x: Any) -> Any:
