@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import keyinit
 from keyinit._kernels import _permutation_cpu
@@ -173,3 +175,20 @@ def test_first_order_displacement(n):
     _assert_uniform(torch.bincount(shift * bins // n, minlength=bins), f"displacements, n={n}")
     # and the fixed points: about 1 per permutation (Poisson(1)) in expectation; here a loose bound
     assert int((p == torch.arange(n)).sum()) < 12
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.one_of(st.integers(0, 3000), st.integers(0, 2**62),
+                   st.integers(1, 61).flatmap(lambda b: st.sampled_from([2**b - 1, 2**b, 2**b + 1]))),
+       seed=st.integers(0, 2**64 - 1), data=st.data())
+def test_any_n_random_positions_kernel_equals_reference_and_inverts(n, seed, data):
+    positions = data.draw(st.lists(st.integers(0, n - 1), max_size=40)) if n else []
+    k = keyinit.key(seed)
+    pos = torch.tensor(positions, dtype=torch.int64)
+    got = permutation(k, n, pos)
+    assert got.shape == pos.shape and bool(((got >= 0) & (got < max(n, 1))).all())
+    if n:
+        assert torch.equal(got, _feistel.permute_reference(k, n, pos))
+    assert torch.equal(inverse_permutation(k, n, got), pos)
+    # distinct positions, distinct values (a bijection restricted to them)
+    assert len(set(got.tolist())) == len(set(positions))

@@ -204,6 +204,9 @@ def test_set_epoch_as_with_distributed_sampler():
     assert list(resumed) == passes[2]
     with pytest.raises(ValueError, match="epoch must be an int >= 0"):
         s.set_epoch(-1)
+    batches = KeyedSampler(n, 0, global_batch_size=B)
+    batches.batch_sampler().set_epoch(2)  # as Lightning calls it on a DataLoader's batch_sampler
+    assert sum(batches.batch_sampler(), []) == passes[2]
 
 
 def test_positions_past_int64_are_an_error_not_a_wraparound():

@@ -244,6 +244,10 @@ class _Batches(Sampler[list[Any]]):
     def __iter__(self) -> Iterator[list[Any]]:
         return self.sampler.batches()
 
+    def set_epoch(self, epoch: int) -> None:
+        """:meth:`KeyedSampler.set_epoch` (frameworks call it on a DataLoader's ``batch_sampler`` too)."""
+        self.sampler.set_epoch(epoch)
+
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
 
