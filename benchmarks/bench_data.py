@@ -16,6 +16,9 @@ Sections:
    ``KeyedSampler`` vs torch's ``RandomSampler`` (``shuffle=True``) and ``SequentialSampler``;
    and each sampler alone (``list(sampler)``), whose time over the epoch's is its share of it;
    and ``DataLoader(batch_sampler=KeyedSampler(...).batch_sampler())`` vs ``SequentialSampler``.
+4. ``keyed_samples``: the time per sample of the dataset's own randomness, unkeyed vs keyed, on
+   one thread: one ``torch.rand(4)``, and a ``torchvision.transforms.v2`` ImageNet-style pipeline
+   (RandomResizedCrop 256->224, flip, ColorJitter, RandAugment, RandomErasing) when torchvision imports.
 
 Timings alternate peer and keyinit and report the MEDIAN of the repeats. This is not a test.
 """
@@ -162,6 +165,53 @@ def section3(args) -> dict:
             "batch_sampler_added_vs_sequential_sampler": keyed3_t / seq3_t - 1}
 
 
+class _Augmented(torch.utils.data.Dataset):
+    """One 256x256 uint8 image through a transforms.v2 ImageNet-style pipeline (or one ``torch.rand``)."""
+
+    def __init__(self, transform) -> None:
+        self.transform = transform
+        self.image = (torch.arange(3 * 256 * 256) % 251).to(torch.uint8).reshape(3, 256, 256)
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, i: int):
+        return self.transform(self.image)
+
+
+def section4(args) -> dict:
+    """keyed_samples: the time per sample of a dataset's own randomness, unkeyed vs keyed (one thread)."""
+    from keyinit.data import keyed_samples
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cases = {"one_torch_rand": (lambda image: torch.rand(4), 50 if args.quick else 200)}
+    try:
+        from tests._vision import define_torchvision_schemas
+
+        define_torchvision_schemas()
+        from torchvision.transforms import v2
+    except ImportError as exc:
+        cases_note = f"torchvision pipeline skipped: {exc}"
+    else:
+        cases_note = "RandomResizedCrop(224), RandomHorizontalFlip, ColorJitter, RandAugment, ToDtype, RandomErasing"
+        cases["torchvision_v2_pipeline"] = (v2.Compose([
+            v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(), v2.ColorJitter(0.4, 0.4, 0.4, 0.1),
+            v2.RandAugment(), v2.ToDtype(torch.float32, scale=True), v2.RandomErasing(p=0.5)]), 5 if args.quick else 20)
+    out: dict = {"pipeline": cases_note, "threads": 1}
+    try:
+        for name, (transform, count) in cases.items():
+            plain = _Augmented(transform)
+            keyed = keyed_samples(plain, 0)
+            plain_t, keyed_t = median_pair(lambda: [plain[i] for i in range(count)],
+                                           lambda: [keyed[(i, 0)] for i in range(count)], args.repeats)
+            out[name] = {"plain_ms_per_sample": plain_t / count * 1e3, "keyed_ms_per_sample": keyed_t / count * 1e3,
+                         "ratio": keyed_t / plain_t}
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -176,7 +226,7 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, device {args.device}")
     results = {}
-    for number, fn in ((1, section1), (2, section2), (3, section3)):
+    for number, fn in ((1, section1), (2, section2), (3, section3), (4, section4)):
         if args.only and number not in args.only:
             continue
         if args.device != "cpu" and number != 1:

@@ -47,10 +47,22 @@ __all__ = ["is_random", "keyed_effects", "Effects", "bind_arguments"]
 _RANDOM_ALSO = {"aten::random_", "aten::random"}
 
 
+_IS_RANDOM: dict[Any, bool] = {}
+
+
 def is_random(func: Any) -> bool:
-    """True for every aten op that draws from a generator."""
+    """True for every aten op that draws from a generator (cached per op: a dispatch mode asks for every op)."""
+    try:
+        return _IS_RANDOM[func]
+    except (KeyError, TypeError):
+        pass
     tags = getattr(func, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags or func._schema.name in _RANDOM_ALSO
+    answer = torch.Tag.nondeterministic_seeded in tags or func._schema.name in _RANDOM_ALSO
+    try:
+        _IS_RANDOM[func] = answer
+    except TypeError:  # pragma: no cover - an unhashable op
+        pass
+    return answer
 
 
 @attrs.frozen
@@ -89,13 +101,13 @@ def bind_arguments(func: Any, args: tuple, kwargs: dict, *, defaults: bool = Fal
 
 class _Builder:
     def __init__(self, func: Any, shape: tuple[int, ...], dtype: torch.dtype, site: str,
-                 read: Callable[[Any], Node]) -> None:
+                 read: Callable[[Any], Node], caller: str = "init code") -> None:
         self.op = func._schema.name.replace("aten::", "") + (f".{func._overloadname}" if func._overloadname != "default" else "")
-        self.shape, self.dtype, self.site, self.read = shape, dtype, site, read
+        self.shape, self.dtype, self.site, self.read, self.caller = shape, dtype, site, read, caller
 
     def unkeyable(self, why: str, shape: Optional[tuple[int, ...]] = None, dtype: Optional[torch.dtype] = None) -> Random:
         return Random(shape or self.shape, dtype or self.dtype, self.op, self.site,
-                      unkeyable=f"init code called {self.op}(), which keyinit cannot key: {why}")
+                      unkeyable=f"{self.caller} called {self.op}(), which keyinit cannot key: {why}")
 
     def sample(self, name: str, dtype: Optional[torch.dtype] = None, shape: Optional[tuple[int, ...]] = None,
                **params: Any) -> Random:
@@ -216,11 +228,12 @@ def _multinomial(b: _Builder, probs: Any, num_samples: int, replacement: bool) -
 
 
 def keyed_effects(func: Any, args: tuple, kwargs: dict, outputs: list[torch.Tensor], site: str,
-                  read: Callable[[Any], Node]) -> Effects:
+                  read: Callable[[Any], Node], caller: str = "init code") -> Effects:
     """The keyed version of the random op ``func(*args, **kwargs)``.
 
     ``outputs`` are the op's returns run on meta tensors (their shapes and dtypes);
-    ``read(tensor)`` turns an argument into a node.
+    ``read(tensor)`` turns an argument into a node; ``caller`` names the code that
+    called the op in the error of an unkeyable draw.
     """
     name = func._schema.name.replace("aten::", "")
     inplace = name.endswith("_")
@@ -229,7 +242,7 @@ def keyed_effects(func: Any, args: tuple, kwargs: dict, outputs: list[torch.Tens
     first = outputs[0] if outputs else None
     shape = tuple(first.shape) if first is not None else ()
     dtype = first.dtype if first is not None else torch.float32
-    b = _Builder(func, shape, dtype, site, read)
+    b = _Builder(func, shape, dtype, site, read, caller)
     returns_alias = inplace or any(arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write
                                    for arg in func._schema.arguments)
     out_name = "self" if inplace else next((arg.name for arg in func._schema.arguments if arg.kwarg_only

@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import keyinit
 from keyinit._kernels import _permutation_cpu
@@ -101,20 +103,34 @@ def test_errors():
     k = keyinit.key(0)
     with pytest.raises(TypeError, match="keyinit.Key"):
         permutation(0, 10)
-    with pytest.raises(ValueError, match=r"n must be an int in \[1, 2\*\*62\]"):
-        permutation(k, 0)
-    with pytest.raises(ValueError, match=r"n must be an int in \[1, 2\*\*62\]"):
+    with pytest.raises(ValueError, match=r"n must be an int in \[0, 2\*\*62\], got -1"):
+        permutation(k, -1)
+    with pytest.raises(ValueError, match=r"n must be an int in \[0, 2\*\*62\]"):
         permutation(k, 2**62 + 1)
     with pytest.raises(TypeError, match="n must be an int"):
         permutation(k, 10.0)
+    with pytest.raises(TypeError, match="got bool"):
+        permutation(k, True)
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 0\)"):
+        permutation(k, 0, torch.tensor([0]))
     with pytest.raises(ValueError, match=r"positions must lie in \[0, 10\), got values in \[-1, 3\]"):
         permutation(k, 10, torch.tensor([3, -1]))
     with pytest.raises(ValueError, match=r"values must lie in \[0, 10\)"):
         inverse_permutation(k, 10, torch.tensor([10]))
     with pytest.raises(ValueError, match=r"positions must lie in \[0, 10\)"):
         permutation(k, 10, range(5, 11))
-    with pytest.raises(TypeError, match="must hold integers"):
-        permutation(k, 10, torch.tensor([0.5]))
+    for floats in (torch.tensor([0.5]), [1.5], [1, 2.0], torch.tensor([True])):  # never truncated to an int
+        with pytest.raises(TypeError, match="must hold integers"):
+            permutation(k, 10, floats)
+
+
+def test_empty_and_scalar_positions():
+    k = keyinit.key(0)
+    for empty in (permutation(k, 0), inverse_permutation(k, 0), permutation(k, 0, slice(0, 5)),
+                  permutation(k, 10, []), permutation(k, 10, range(3, 3))):
+        assert empty.dtype == torch.int64 and empty.shape == (0,)
+    assert permutation(k, 10, 4).shape == () and int(permutation(k, 10, torch.tensor(4))) == int(permutation(k, 10)[4])
+    assert torch.equal(permutation(k, 10, [4, 2]), permutation(k, 10)[[4, 2]])
 
 
 def _many(n: int, keys: int) -> torch.Tensor:
@@ -159,3 +175,20 @@ def test_first_order_displacement(n):
     _assert_uniform(torch.bincount(shift * bins // n, minlength=bins), f"displacements, n={n}")
     # and the fixed points: about 1 per permutation (Poisson(1)) in expectation; here a loose bound
     assert int((p == torch.arange(n)).sum()) < 12
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.one_of(st.integers(0, 3000), st.integers(0, 2**62),
+                   st.integers(1, 61).flatmap(lambda b: st.sampled_from([2**b - 1, 2**b, 2**b + 1]))),
+       seed=st.integers(0, 2**64 - 1), data=st.data())
+def test_any_n_random_positions_kernel_equals_reference_and_inverts(n, seed, data):
+    positions = data.draw(st.lists(st.integers(0, n - 1), max_size=40)) if n else []
+    k = keyinit.key(seed)
+    pos = torch.tensor(positions, dtype=torch.int64)
+    got = permutation(k, n, pos)
+    assert got.shape == pos.shape and bool(((got >= 0) & (got < max(n, 1))).all())
+    if n:
+        assert torch.equal(got, _feistel.permute_reference(k, n, pos))
+    assert torch.equal(inverse_permutation(k, n, got), pos)
+    # distinct positions, distinct values (a bijection restricted to them)
+    assert len(set(got.tolist())) == len(set(positions))

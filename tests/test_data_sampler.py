@@ -109,19 +109,27 @@ def test_dataloader(workers):
     assert got == [w[4:] for w in want]
 
 
-def test_stateful_dataloader_round_trip():
+@pytest.mark.parametrize("workers,batch_sampler", [(0, False), (2, True)])
+def test_stateful_dataloader_round_trip(workers, batch_sampler):
     torchdata = pytest.importorskip("torchdata.stateful_dataloader")
-    s = KeyedSampler(30, 9, global_batch_size=4, num_steps=6)
-    loader = torchdata.StatefulDataLoader(_Identity(30), batch_size=4, sampler=s)
-    it = iter(loader)
+
+    def loader(sampler):
+        if batch_sampler:
+            return torchdata.StatefulDataLoader(_Identity(30), batch_sampler=sampler.batch_sampler(),
+                                                num_workers=workers)
+        return torchdata.StatefulDataLoader(_Identity(30), batch_size=4, sampler=sampler, num_workers=workers)
+
+    first_loader = loader(KeyedSampler(30, 9, global_batch_size=4, num_steps=6))
+    it = iter(first_loader)
     first = [next(it).tolist() for _ in range(2)]
-    state = loader.state_dict()
+    state = first_loader.state_dict()  # mid-pass; with workers the sampler has already run ahead
     rest = [b.tolist() for b in it]
-    s2 = KeyedSampler(30, 9, global_batch_size=4, num_steps=6)
-    loader2 = torchdata.StatefulDataLoader(_Identity(30), batch_size=4, sampler=s2)
+    del it
+    loader2 = loader(KeyedSampler(30, 9, global_batch_size=4, num_steps=6))
     loader2.load_state_dict(state)
     assert [b.tolist() for b in loader2] == rest
     assert first + rest == _global_batches(30, 9, 4, 1, 6)
+    assert [b.tolist() for b in loader2] == _global_batches(30, 9, 4, 1, 12)[6:]  # the next pass follows on
 
 
 # ------------------------------------------------------------------ real gloo ranks
@@ -174,3 +182,41 @@ def test_sampler_and_permutation_leave_global_rng_alone():
     list(KeyedSampler(100, 1, global_batch_size=10, num_steps=15))
     permutation(keyinit.key(0), 10**9, range(0, 1000))
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_set_epoch_as_with_distributed_sampler():
+    n, B = 10, 4  # a pass is ceil(10 / 4) = 3 steps
+    whole = list(KeyedSampler(n, 0, global_batch_size=B, num_steps=9))
+    s = KeyedSampler(n, 0, global_batch_size=B)
+    passes = []
+    for epoch in range(3):
+        s.set_epoch(epoch)
+        passes.append(list(s))
+    assert sum(passes, []) == whole  # the same steps as without set_epoch
+    s.set_epoch(1)  # back to pass 1, as DistributedSampler.set_epoch(1) gives its order again
+    assert list(s) == passes[1]
+    skipped = KeyedSampler(n, 0, global_batch_size=B)
+    skipped.set_epoch(2)  # a pass not begun: all of it, from its first step
+    assert list(skipped) == passes[2]
+    resumed = KeyedSampler(n, 0, global_batch_size=B, start_step=4)  # step 4 lies in pass 1 (steps 3-5)
+    resumed.set_epoch(1)
+    assert list(resumed) == passes[1][B:]  # the rest of the resumed pass, not all of it again
+    assert list(resumed) == passes[2]
+    with pytest.raises(ValueError, match="epoch must be an int >= 0"):
+        s.set_epoch(-1)
+    batches = KeyedSampler(n, 0, global_batch_size=B)
+    batches.batch_sampler().set_epoch(2)  # as Lightning calls it on a DataLoader's batch_sampler
+    assert sum(batches.batch_sampler(), []) == passes[2]
+
+
+def test_positions_past_int64_are_an_error_not_a_wraparound():
+    s = KeyedSampler(2**62, 0, global_batch_size=8)
+    last = 2**60 - 1  # its last position is 2**63 - 1
+    assert torch.equal(s.global_batch(last), permutation(keyinit.fold_in(keyinit.key(0), 1), 2**62,
+                                                         range(2**62 - 8, 2**62)))
+    assert torch.equal(s.local_batch(last), s.global_batch(last))
+    for step in (2**60, 2**61):
+        with pytest.raises(OverflowError, match=r"past the last one \(2\*\*63 - 1\)"):
+            s.local_batch(step)
+        with pytest.raises(OverflowError, match=r"past the last one"):
+            s.global_batch(step)

@@ -85,11 +85,13 @@ def test_every_doc_page_has_blocks_checked():
 
 def test_api_reference_names_every_public_name():
     import keyinit
+    import keyinit.data
 
     text = (ROOT / "docs" / "api.md").read_text()
     missing = []
     for module, prefix in ((keyinit, "keyinit."), (keyinit.random, "keyinit.random."),
-                           (keyinit.init, "keyinit.init."), (keyinit.layouts, "keyinit.layouts.")):
+                           (keyinit.init, "keyinit.init."), (keyinit.layouts, "keyinit.layouts."),
+                           (keyinit.data, "keyinit.data.")):
         for name in module.__all__:
             if f"`{prefix}{name}" not in text:
                 missing.append(prefix + name)

@@ -9,7 +9,7 @@ Inside the wrapped ``__getitem__``:
   ``fold_in(sample_key(seed, epoch, index), c)``, ``c`` the op's ordinal in this call;
   the op's generator (and the global one) is neither read nor advanced;
 - Python's ``random`` and ``numpy.random`` global state are seeded from the sample key
-  and restored afterwards;
+  and restored afterwards (one global state per process: threads in keyed calls take turns);
 - an op with no keyed equivalent (``poisson``, gamma, fused dropout kernels) raises
   :class:`keyinit.UnkeyedRandomnessError`.
 
@@ -18,7 +18,9 @@ Inside the wrapped ``__getitem__``:
 
 from __future__ import annotations
 
+import functools
 import random as _py_random
+import threading
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
@@ -45,7 +47,17 @@ def sample_key(seed: Union[int, Key], epoch: int, index: int) -> Key:
     root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
     epoch = _as_uint64(epoch, "epoch")
     index = _as_uint64(index, "sample index")
-    return fold_in(fold_in(fold_in(root, AUGMENT_DOMAIN), epoch), index)
+    return fold_in(_epoch_key(_domain_key(root), epoch), index)
+
+
+@functools.lru_cache(maxsize=64)
+def _domain_key(root: Key) -> Key:
+    return fold_in(root, AUGMENT_DOMAIN)
+
+
+@functools.lru_cache(maxsize=256)
+def _epoch_key(domain: Key, epoch: int) -> Key:
+    return fold_in(domain, epoch)
 
 
 def _to_meta(x: Any) -> Any:
@@ -74,7 +86,8 @@ def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) 
         raise UnkeyedRandomnessError(f"{site}: cannot key {func} (its output shape is unknown without "
                                      f"running it: {exc})") from exc
     outputs = [t for t in tree_flatten(meta_out)[0] if isinstance(t, torch.Tensor)]
-    effects = keyed_effects(func, args, kwargs, outputs, site, lambda t: Literal(t.detach().cpu()))
+    effects = keyed_effects(func, args, kwargs, outputs, site, lambda t: Literal(t.detach().cpu()),
+                            caller="the dataset's __getitem__")
     nodes = [n for n in effects.returns if n is not None] + [n for _, n in effects.writes]
     draws: list[Random] = []
     seen: set[int] = set()
@@ -128,6 +141,13 @@ class _KeyedMode(TorchDispatchMode):
         return _keyed_call(func, args, kwargs, call_key, self.site)
 
 
+#: Held from entering a keyed sample to leaving it. Python's ``random`` and ``numpy.random`` have one
+#: global state per process, so two threads in keyed ``__getitem__`` calls at once would draw from each
+#: other's seeds (and restore each other's states): they take turns instead. Reentrant: a keyed dataset
+#: may read another keyed dataset in its ``__getitem__``.
+_GLOBAL_STATE_LOCK = threading.RLock()
+
+
 class keyed_randomness:
     """Context manager: torch, ``random`` and numpy randomness keyed by ``sample`` (a Key) inside."""
 
@@ -136,6 +156,16 @@ class keyed_randomness:
         self.site = site
 
     def __enter__(self) -> "keyed_randomness":
+        # random's and numpy.random's global state is one per process: threads take turns
+        _GLOBAL_STATE_LOCK.acquire()
+        try:
+            self._enter()
+        except BaseException:
+            _GLOBAL_STATE_LOCK.release()
+            raise
+        return self
+
+    def _enter(self) -> None:
         k = fold_in(self.sample, "python.random")
         self._py_state = _py_random.getstate()
         _py_random.seed(k.k0 | (k.k1 << 32))
@@ -149,17 +179,19 @@ class keyed_randomness:
             numpy.random.seed([kn.k0, kn.k1])
         self._mode = _KeyedMode(self.sample, self.site)
         self._mode.__enter__()
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
             self._mode.__exit__(*exc)
         finally:
-            _py_random.setstate(self._py_state)
-            if self._np_state is not None:
-                import numpy
+            try:
+                _py_random.setstate(self._py_state)
+                if self._np_state is not None:
+                    import numpy
 
-                numpy.random.set_state(self._np_state)
+                    numpy.random.set_state(self._np_state)
+            finally:
+                _GLOBAL_STATE_LOCK.release()
 
 
 class KeyedSamples(torch.utils.data.Dataset):

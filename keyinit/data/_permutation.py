@@ -25,13 +25,13 @@ DeviceLike = Union[torch.device, str, None]
 
 def _check_n(n: object) -> int:
     if isinstance(n, bool):
-        raise TypeError(f"n must be an int in [1, 2**62], got bool {n!r}")
+        raise TypeError(f"n must be an int in [0, 2**62], got bool {n!r}")
     try:
         n = operator.index(n)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"n must be an int in [1, 2**62], got {type(n).__name__} {n!r}") from None
-    if not 1 <= n <= _feistel.MAX_N:
-        raise ValueError(f"n must be an int in [1, 2**62], got {n}")
+        raise TypeError(f"n must be an int in [0, 2**62], got {type(n).__name__} {n!r}") from None
+    if not 0 <= n <= _feistel.MAX_N:
+        raise ValueError(f"n must be an int in [0, 2**62], got {n}")
     return n
 
 
@@ -56,11 +56,13 @@ def _run(key: Key, n: int, positions: Positions, device: DeviceLike, inverse: bo
         start, step = r.start, r.step
     else:
         if not isinstance(positions, torch.Tensor):
-            try:
-                positions = torch.as_tensor(positions, dtype=torch.int64)
+            try:  # no dtype=: a float in a list must be an error below, not truncated to an int
+                positions = torch.as_tensor(positions)
             except (TypeError, ValueError, RuntimeError):
                 raise TypeError(f"{what} must be a tensor of ints, a range, a slice or None, "
                                 f"got {type(positions).__name__}") from None
+            if positions.numel() == 0:  # [] is a float tensor to torch
+                positions = positions.to(torch.int64)
         if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
             raise TypeError(f"{what} must hold integers, got a {positions.dtype} tensor")
         if device is not None:
@@ -82,7 +84,7 @@ def _run(key: Key, n: int, positions: Positions, device: DeviceLike, inverse: bo
 def permutation(key: Key, n: int, positions: Positions = None, *, device: DeviceLike = None) -> torch.Tensor:
     """``perm[positions]``, where ``perm`` is the keyed random permutation of ``range(n)``.
 
-    ``n`` is an int in ``[1, 2**62]``. ``positions`` is a tensor of ints (any shape; the
+    ``n`` is an int in ``[0, 2**62]`` (``n = 0``: the empty permutation). ``positions`` is a tensor of ints (any shape; the
     result has its shape and device unless ``device`` is given), a ``range`` or a ``slice``
     of ``range(n)``, or ``None`` for the whole permutation. Only the requested positions
     are computed: time and memory are proportional to their number, never to ``n``.

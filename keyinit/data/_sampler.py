@@ -22,6 +22,8 @@ from keyinit.keys import Key, fold_in, key
 
 __all__ = ["KeyedSampler", "sample_indices"]
 
+#: The last global sample position (positions are int64).
+_MAX_POSITION = (1 << 63) - 1
 #: Positions computed per call of ``permutation`` while iterating (bounded memory, amortized calls).
 _CHUNK = 1 << 14
 
@@ -106,7 +108,15 @@ class KeyedSampler(Sampler[int]):
         self.yield_epoch = bool(yield_epoch)
 
     # ------------------------------------------------------------------ positions
+    def _check_steps(self, first_step: int, steps: int) -> None:
+        # global positions are int64: past 2**63 - 1 they would wrap around, silently
+        if (first_step + steps) * self.global_batch_size > _MAX_POSITION + 1:
+            raise OverflowError(f"step {first_step + steps - 1} with global_batch_size={self.global_batch_size} "
+                                f"reaches global sample position {(first_step + steps) * self.global_batch_size - 1}"
+                                f", past the last one (2**63 - 1)")
+
     def _positions(self, first_step: int, steps: int) -> torch.Tensor:
+        self._check_steps(first_step, steps)
         local = self.local_batch_size
         base = torch.arange(first_step, first_step + steps, dtype=torch.int64) * self.global_batch_size \
             + self.rank * local
@@ -119,8 +129,8 @@ class KeyedSampler(Sampler[int]):
     def global_batch(self, step: int) -> torch.Tensor:
         """All ``global_batch_size`` sample indices of global step ``step`` (the same for every world size)."""
         step = _int(step, "step", 0)
-        positions = torch.arange(step * self.global_batch_size, (step + 1) * self.global_batch_size,
-                                 dtype=torch.int64)
+        self._check_steps(step, 1)
+        positions = torch.arange(self.global_batch_size, dtype=torch.int64) + step * self.global_batch_size
         return sample_indices(self.root, self.n, positions, self.shuffle)[0]
 
     # ------------------------------------------------------------------ Sampler protocol
@@ -154,6 +164,22 @@ class KeyedSampler(Sampler[int]):
                     yield from map(SampleRef, index_list[row], epoch_list[row])
                     self.step += 1
                     yield SampleRef(index_list[last], epoch_list[last])
+
+    def set_epoch(self, epoch: int) -> None:
+        """``DistributedSampler.set_epoch`` compatibility: the next iteration is pass ``epoch``.
+
+        Pass ``e`` is steps ``[e * S, (e + 1) * S)``, ``S = num_steps`` (by default ``ceil(n / B)``,
+        so pass ``e`` is about epoch ``e`` of the data). If the current step already lies in pass
+        ``epoch`` (its start, or a resume there by ``start_step`` or ``load_state_dict``), the next
+        iteration goes on from it to the end of the pass; otherwise it runs the whole pass. So the
+        usual ``for epoch in ...: sampler.set_epoch(epoch); for batch in loader: ...`` loop gives the
+        same steps with or without the call, and after a resume it finishes the resumed pass.
+        """
+        epoch = _int(epoch, "epoch", 0)
+        first, stop = epoch * self.num_steps, (epoch + 1) * self.num_steps
+        if not first <= self.step < stop:
+            self.step = first
+        self._stop = stop
 
     def batches(self) -> Iterator[list[Any]]:
         """Like iterating, but one list per step (this rank's ``B / W`` entries); advances the same state."""
@@ -217,6 +243,10 @@ class _Batches(Sampler[list[Any]]):
 
     def __iter__(self) -> Iterator[list[Any]]:
         return self.sampler.batches()
+
+    def set_epoch(self, epoch: int) -> None:
+        """:meth:`KeyedSampler.set_epoch` (frameworks call it on a DataLoader's ``batch_sampler`` too)."""
+        self.sampler.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
