@@ -115,6 +115,7 @@ class InitReport:
             lines.append(
                 f"{r.fqn:<{width}}  {r.source:<{source_width}} {r.local_numel:>10}/{r.global_numel:<10}  {r.layout}{tied}{flag}"
             )
+        lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
 

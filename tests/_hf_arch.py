@@ -43,6 +43,14 @@ def _shrink(config: Any, transformers: Any) -> Any:
                 setattr(config, name, value)
             except Exception:  # noqa: BLE001 - a config that validates its fields
                 pass
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int):  # a padding id of the full vocabulary (ModernBERT's 50283) into the tiny one
+        for name, value in list(vars(config).items()):
+            if name.endswith("pad_token_id") and isinstance(value, int) and value >= vocab:
+                try:
+                    setattr(config, name, value % vocab)
+                except Exception:  # noqa: BLE001 - a config that validates its fields
+                    pass
     for sub in ("text_config", "vision_config", "audio_config", "encoder", "decoder"):
         inner = getattr(config, sub, None)
         if isinstance(inner, transformers.PretrainedConfig):

@@ -15,7 +15,7 @@ a missing optional dependency) is skipped with the reason: that is transformers'
 What runs (``KEYINIT_HF_SWEEP``): by default (CI) the architectures in shard 0 of 8 (by CRC-32 of
 the model type, so the choice is stable) whose tiny build has at most 2 million elements (counted
 on the meta device first); ``KEYINIT_HF_SWEEP=all`` runs every architecture up to 50 million
-elements; ``KEYINIT_HF_SWEEP=3/8`` runs shard 3 of 8. The full sweep's result is in ``docs/benchmarks.md`` with its command.
+elements (hours on 2 cores: run it by hand, or by shards); ``KEYINIT_HF_SWEEP=3/8`` runs shard 3 of 8.
 """
 
 from __future__ import annotations

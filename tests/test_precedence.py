@@ -157,3 +157,30 @@ def test_the_missing_tensor_error_points_an_hf_style_model_to_its_init_weights()
         model = WithInitWeights()
     with pytest.raises(keyinit.PlanError, match="pass init_method=model._init_weights"):
         keyinit.materialize(model, 0, device="cpu")
+
+
+class InitsInItsConstructor(nn.Module):
+    """The newcomer's model: ``self.apply(self._init_weights)`` in ``__init__``, built on meta."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+
+def test_defaults_on_a_meta_model_with_unused_init_code_are_named_in_the_notes():
+    with torch.device("meta"):
+        model = InitsInItsConstructor()
+    report = keyinit.materialize(model, 0, device="cpu")
+    assert report.defaults == ("emb.weight",)
+    (note,) = report.notes
+    assert "InitsInItsConstructor._init_weights" in note and "keyinit.deferred" in note and "emb.weight" in note
+    assert f"note: {note}" in str(report)
+    # the model's own init through either way in: no defaults, no note
+    for report in (keyinit.materialize(keyinit.deferred(InitsInItsConstructor), 0, device="cpu"),
+                   keyinit.init_model(InitsInItsConstructor(), 0, init_method="_init_weights")):
+        assert report.defaults == () and report.notes == ()

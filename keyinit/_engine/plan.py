@@ -619,6 +619,25 @@ class _Planner:
             if t.program is not None:
                 self._dry_run(t)
 
+    def note_unused_init_code(self) -> None:
+        """A model built without ``deferred`` whose tensors got torch.nn's defaults, while it has init
+        code of its own that nothing ran (``self.apply(self._init_weights)`` in ``__init__`` on meta):
+        say so in the report's notes, naming the method and what to do."""
+        if self.init_method is not None or any(t.record is not None for t in self.tensors):
+            return
+        defaults = [t.fqn for t in self.tensors if t.origin == "default"]
+        if not defaults:
+            return
+        methods = sorted({f"{type(module).__name__}.{name}" for module in self.model.modules()
+                          for name in _INIT_METHOD_NAMES if callable(getattr(module, name, None))})
+        if methods:
+            self.notes.append(
+                f"{len(defaults)} tensors got torch.nn's defaults ({', '.join(defaults[:3])}"
+                f"{', ...' if len(defaults) > 3 else ''}), but the model has init code that did not run: "
+                f"{', '.join(methods)}. If its constructor calls it, build the model with "
+                f"keyinit.deferred(ModelClass, ...) (its own init is then replayed, keyed); otherwise pass "
+                f"init_method= (docs/init-code.md#which-init-does-my-model-get)")
+
     def _missing_advice(self) -> str:
         """What to do about tensors nothing covers, for this model."""
         advice = []
@@ -651,6 +670,9 @@ class _Planner:
                 message = str(exc) if t.fqn in str(exc) else f"{t.fqn}: {type(exc).__name__}: {exc}"
                 raise PlanError(f"{message} (planned by {node.what})", (t.fqn,)) from exc
 
+
+#: Method names of init code a model may have that nothing runs unless asked (HF, torchtitan, OLMo-core).
+_INIT_METHOD_NAMES = ("_init_weights", "init_weights")
 
 #: Buffers up to this many elements get an exact check that init code reads only written elements.
 _READ_CHECK_LIMIT = 1 << 24
@@ -702,5 +724,6 @@ def plan_model(
     planner.resolve_rules()
     planner.capture(materializing)
     planner.check(materializing)
+    planner.note_unused_init_code()
     warn_shared_draws(planner.tensors)
     return ModelPlan(model, planner.root_key, planner.seed, planner.tensors, planner.shards, planner.notes)
