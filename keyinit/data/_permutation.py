@@ -86,8 +86,8 @@ def permutation(key: Key, n: int, positions: Positions = None, *, device: Device
 
     ``n`` is an int in ``[0, 2**62]`` (``n = 0``: the empty permutation). ``positions`` is a
     tensor of ints (any shape; the result has its shape and device unless ``device`` is given),
-    a ``range`` or a ``slice`` of ``range(n)``, or ``None`` for the whole permutation. Only the requested positions
-    are computed: time and memory are proportional to their number, never to ``n``.
+    a ``range`` or a ``slice`` of ``range(n)``, or ``None`` for the whole permutation. Only the
+    requested positions are computed: time and memory are proportional to their number, never to ``n``.
     The values are a pure function of ``(key, n, position)`` (``docs/spec.md`` section 16).
     """
     return _run(key, n, positions, device, False, "positions")
