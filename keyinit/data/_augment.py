@@ -19,6 +19,7 @@ Inside the wrapped ``__getitem__``:
 from __future__ import annotations
 
 import functools
+import os
 import random as _py_random
 import threading
 from typing import Any, NamedTuple, Optional, Union
@@ -146,6 +147,16 @@ class _KeyedMode(TorchDispatchMode):
 #: other's seeds (and restore each other's states): they take turns instead. Reentrant: a keyed dataset
 #: may read another keyed dataset in its ``__getitem__``.
 _GLOBAL_STATE_LOCK = threading.RLock()
+
+
+def _new_lock_after_fork() -> None:
+    # a DataLoader worker forked while another thread held the lock starts with a free one
+    global _GLOBAL_STATE_LOCK
+    _GLOBAL_STATE_LOCK = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 class keyed_randomness:

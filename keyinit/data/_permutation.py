@@ -84,10 +84,10 @@ def _run(key: Key, n: int, positions: Positions, device: DeviceLike, inverse: bo
 def permutation(key: Key, n: int, positions: Positions = None, *, device: DeviceLike = None) -> torch.Tensor:
     """``perm[positions]``, where ``perm`` is the keyed random permutation of ``range(n)``.
 
-    ``n`` is an int in ``[0, 2**62]`` (``n = 0``: the empty permutation). ``positions`` is a tensor of ints (any shape; the
-    result has its shape and device unless ``device`` is given), a ``range`` or a ``slice``
-    of ``range(n)``, or ``None`` for the whole permutation. Only the requested positions
-    are computed: time and memory are proportional to their number, never to ``n``.
+    ``n`` is an int in ``[0, 2**62]`` (``n = 0``: the empty permutation). ``positions`` is a
+    tensor of ints (any shape; the result has its shape and device unless ``device`` is given),
+    a ``range`` or a ``slice`` of ``range(n)``, or ``None`` for the whole permutation. Only the
+    requested positions are computed: time and memory are proportional to their number, never to ``n``.
     The values are a pure function of ``(key, n, position)`` (``docs/spec.md`` section 16).
     """
     return _run(key, n, positions, device, False, "positions")
