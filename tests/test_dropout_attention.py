@@ -183,6 +183,32 @@ def test_transformer_encoder_is_keyed_and_invariant_to_the_batch_split():
         assert not torch.allclose(model(x), whole)
 
 
+@pytest.mark.parametrize("layer_type", [nn.TransformerEncoderLayer, nn.TransformerDecoderLayer])
+def test_a_sequence_first_layer_drops_as_its_batch_first_twin(layer_type):
+    """torch's default ``batch_first=False``: the layer's activations are (sequence, batch, features), so
+    its own dropouts read dimension 1 as the batch: the same masks as the batch-first layer, and so
+    invariant to the batch split (they were keyed as if the sequence were the batch)."""
+    twins = [layer_type(16, 4, 32, batch_first=first) for first in (True, False)]
+    for layer in twins:
+        keyinit.init_model(layer, 0)
+    g = torch.Generator().manual_seed(2)
+    x, memory = torch.randn(6, 5, 16, generator=g), torch.randn(6, 3, 16, generator=g)
+
+    def run(layer, rows, sample_offset, first):
+        args = (x[rows], memory[rows]) if layer_type is nn.TransformerDecoderLayer else (x[rows],)
+        if not first:
+            args = tuple(a.transpose(0, 1) for a in args)
+        with knn.keyed(layer, 4, step=1, sample_offset=sample_offset):
+            out = layer(*args)
+        return out if first else out.transpose(0, 1)
+
+    batch_first = run(twins[0], slice(None), 0, True)
+    sequence_first = run(twins[1], slice(None), 0, False)
+    torch.testing.assert_close(sequence_first, batch_first, **TOL)
+    parts = [run(twins[1], slice(lo, hi), lo, False) for lo, hi in ((0, 2), (2, 6))]
+    torch.testing.assert_close(torch.cat(parts), sequence_first, **TOL)
+
+
 def test_unsupported_multihead_attention_options_are_named():
     mha = nn.MultiheadAttention(8, 2, dropout=0.1, add_bias_kv=True)
     with knn.keyed(mha, 0, step=0), pytest.raises(TypeError, match=r"root module.*bias_k"):

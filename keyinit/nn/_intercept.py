@@ -34,6 +34,7 @@ class Keyed(Protocol):
     step: int
     sample_offset: int
     _local: threading.local
+    _sequence_first: frozenset[int]  # ids of modules whose activations are (sequence, batch, ...)
 
     def _current_frame(self) -> Optional["_Frame"]: ...
 
@@ -172,8 +173,14 @@ def _handle_dropout(ctx: "Keyed", frame: _Frame, kind: str, mask: str, inplace_o
     if frame.foreign:
         _refuse_foreign(ctx, frame, f"{kind}(p={p})")
     key = keyed_call_key(ctx.root, ctx.step, frame.fqn, ordinal)
+    # A sequence-first transformer layer's own dropouts see (sequence, batch, ...): dimension 1 is the
+    # batch, so the mask is drawn as for the batch-first activation and transposed back.
+    sequence_first = (mask == "element" and id(frame.module) in ctx._sequence_first and input.dim() >= 2)
     try:
-        out = _keyed_masked(ctx, kind, mask, input, p, key)
+        if sequence_first:
+            out = _keyed_masked(ctx, kind, mask, input.transpose(0, 1), p, key).transpose(0, 1)
+        else:
+            out = _keyed_masked(ctx, kind, mask, input, p, key)
     except (ValueError, TypeError, RuntimeError) as exc:
         if type(exc) not in (ValueError, TypeError, RuntimeError):
             raise

@@ -143,6 +143,18 @@ def _resolve_sample_offset(model: torch.nn.Module, sample_offset: Optional[int])
     return offset
 
 
+def _sequence_first_dropouts(model: torch.nn.Module) -> frozenset[int]:
+    """The dropout modules of torch's sequence-first (``batch_first=False``, torch's default)
+    ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``: their activations are
+    ``(sequence, batch, features)``, so dimension 1, not 0, is the batch."""
+    layers = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
+    found = set()
+    for module in model.modules():
+        if isinstance(module, layers) and not getattr(module.self_attn, "batch_first", True):
+            found.update(id(child) for child in module.children() if isinstance(child, torch.nn.Dropout))
+    return frozenset(found)
+
+
 class Keyed:
     """The context manager :func:`keyed` returns (single use; enter it with ``with``)."""
 
@@ -160,6 +172,7 @@ class Keyed:
         self._local = threading.local()
         self._owner: Optional[_ThreadState] = None
         self._covered_by: Optional["Keyed"] = None  # an outer context that keys this model already
+        self._sequence_first: frozenset[int] = frozenset()  # see _sequence_first_dropouts
         self._state = "new"
 
     def __repr__(self) -> str:
@@ -251,6 +264,7 @@ class Keyed:
                 seen.add(id(module))
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn)))
                 self._handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
+            self._sequence_first = _sequence_first_dropouts(self.model)
             _active().append(self)
             with _entered_lock:
                 _entered.append(self)
