@@ -536,3 +536,30 @@ def test_tensor_built_from_zero_d_tensors_has_eagers_bits():
 
     with pytest.raises(keyinit.UnkeyedRandomnessError, match="FromDraws.*__float__"):
         keyinit.deferred(FromDraws)
+
+
+def test_ops_whose_result_depends_on_values_run_on_deterministic_values_and_refuse_draws():
+    """``allclose``/``nonzero``/``unique`` (data-dependent results) are computed on real values when the
+    values are deterministic, as eager; on a draw they are an UnkeyedRandomnessError naming the op
+    (not an internal capture failure): ``parametrizations.orthogonal`` checks its draw with allclose."""
+    class Deterministic(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("idx", torch.nonzero(torch.arange(6) % 2 == 1).flatten() * 2)
+            self.register_buffer("u", torch.unique(torch.tensor([3, 1, 3, 2])))
+            self.w = nn.Parameter(torch.ones(3))
+            if torch.allclose(torch.arange(3.0), torch.arange(3.0)):
+                self.w.data.mul_(2)
+
+    model, _ = _deferred_values(Deterministic)
+    eager = Deterministic()
+    for name in ("idx", "u", "w"):
+        assert same_bits(getattr(model, name).detach(), getattr(eager, name).detach()), name
+
+    class Orthogonal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
+
+    with pytest.raises(keyinit.UnkeyedRandomnessError, match=r"Orthogonal.*\(allclose\)"):
+        keyinit.deferred(Orthogonal)
