@@ -381,6 +381,13 @@ def test_init_model_on_a_deferred_model_points_to_materialize():
     model = keyinit.deferred(Stack)
     with pytest.raises(keyinit.PlanError, match="materialize"):
         keyinit.init_model(model, SEED)
+    # allocated by the user (to_empty replaces every tensor, and unties head from emb as in eager torch):
+    # init_model replays the record, the tied draw copied into both
+    model.to_empty(device="cpu")
+    with pytest.warns(keyinit.SharedDrawWarning, match=r"lands in \['emb.weight', 'head.weight'\]"):
+        report = keyinit.init_model(model, SEED)
+    assert report.defaults == () and {r.source for r in report.records} == {"constructor"}
+    assert_same_bits(full_state(model), full_state(_deferred_values(Stack)[0]), "to_empty + init_model")
 
 
 def test_parametrization_registered_after_deferred_starts_from_the_record():
