@@ -381,6 +381,13 @@ def test_init_model_on_a_deferred_model_points_to_materialize():
     model = keyinit.deferred(Stack)
     with pytest.raises(keyinit.PlanError, match="materialize"):
         keyinit.init_model(model, SEED)
+    # allocated by the user (to_empty replaces every tensor, and unties head from emb as in eager torch):
+    # init_model replays the record, the tied draw copied into both
+    model.to_empty(device="cpu")
+    with pytest.warns(keyinit.SharedDrawWarning, match=r"lands in \['emb.weight', 'head.weight'\]"):
+        report = keyinit.init_model(model, SEED)
+    assert report.defaults == () and {r.source for r in report.records} == {"constructor"}
+    assert_same_bits(full_state(model), full_state(_deferred_values(Stack)[0]), "to_empty + init_model")
 
 
 def test_parametrization_registered_after_deferred_starts_from_the_record():
@@ -536,3 +543,30 @@ def test_tensor_built_from_zero_d_tensors_has_eagers_bits():
 
     with pytest.raises(keyinit.UnkeyedRandomnessError, match="FromDraws.*__float__"):
         keyinit.deferred(FromDraws)
+
+
+def test_ops_whose_result_depends_on_values_run_on_deterministic_values_and_refuse_draws():
+    """``allclose``/``nonzero``/``unique`` (data-dependent results) are computed on real values when the
+    values are deterministic, as eager; on a draw they are an UnkeyedRandomnessError naming the op
+    (not an internal capture failure): ``parametrizations.orthogonal`` checks its draw with allclose."""
+    class Deterministic(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("idx", torch.nonzero(torch.arange(6) % 2 == 1).flatten() * 2)
+            self.register_buffer("u", torch.unique(torch.tensor([3, 1, 3, 2])))
+            self.w = nn.Parameter(torch.ones(3))
+            if torch.allclose(torch.arange(3.0), torch.arange(3.0)):
+                self.w.data.mul_(2)
+
+    model, _ = _deferred_values(Deterministic)
+    eager = Deterministic()
+    for name in ("idx", "u", "w"):
+        assert same_bits(getattr(model, name).detach(), getattr(eager, name).detach()), name
+
+    class Orthogonal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
+
+    with pytest.raises(keyinit.UnkeyedRandomnessError, match=r"Orthogonal.*\(allclose\)"):
+        keyinit.deferred(Orthogonal)

@@ -209,6 +209,8 @@ _IDENTITY = {aten.clone.default, aten._to_copy.default, aten.copy.default, aten.
 _CAT = {aten.cat.default: False, aten.stack.default: True}
 #: Ops whose results are Python values (no tensors): computed on real values.
 _VALUE_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
+#: Ops whose results (values or shapes) depend on their inputs' values: computed on real values too.
+_DATA_DEPENDENT = {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape}
 
 
 def _mutated_args(func: Any) -> list[str]:
@@ -450,6 +452,12 @@ class Capture:
                 return self._run_suppressed(func, args, kwargs)
             return self._record(func, args, kwargs, random=True)
         flat = _leaves((args, kwargs))
+        if _DATA_DEPENDENT & set(getattr(func, "tags", ())) and any(isinstance(x, LazyTensor) for x in flat):
+            # allclose, nonzero, unique: what they return depends on the values, so they are computed
+            # on real values (deterministic ones; a draw's values cannot be known: UnkeyedRandomnessError)
+            concrete = tree_map(lambda x: self.concrete(x, _op_name(func)) if isinstance(x, LazyTensor) else x,
+                                (args, kwargs))
+            return func(*concrete[0], **concrete[1])
         if not any(isinstance(x, LazyTensor) for x in flat) and any(isinstance(x, torch.Tensor) for x in flat) \
                 and func not in _IDENTITY:
             return func(*args, **kwargs)  # real tensors only: run it for real
