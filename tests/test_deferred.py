@@ -412,7 +412,8 @@ def test_parametrization_registered_after_deferred_starts_from_the_record():
 
 def test_planning_pieces_of_a_huge_tensor_costs_the_program_not_the_tensor(monkeypatch):
     """2**31 elements written in pieces: coverage is decided on the pieces' grid, never with a per-element mask."""
-    from keyinit._engine import program
+    from keyinit._engine import plan as plan_module
+    from keyinit._engine import program, replay
     from keyinit._engine.plan import plan_model
 
     real_mask = program.written_mask
@@ -421,7 +422,8 @@ def test_planning_pieces_of_a_huge_tensor_costs_the_program_not_the_tensor(monke
         assert numel <= program.MASK_LIMIT, f"a {numel}-element mask was allocated while planning"
         return real_mask(writes, numel)
 
-    monkeypatch.setattr(program, "written_mask", small_masks_only)
+    for module in (program, plan_module, replay):  # each holds its own name for it
+        monkeypatch.setattr(module, "written_mask", small_masks_only)
 
     class Huge(nn.Module):
         def __init__(self):
@@ -438,6 +440,23 @@ def test_planning_pieces_of_a_huge_tensor_costs_the_program_not_the_tensor(monke
     gap = keyinit.deferred(lambda: _with_gap(Huge()))
     with pytest.raises(keyinit.PlanError, match="only part"):
         plan_model(gap, SEED, materializing=True)
+
+    class HugeCode(nn.Module):  # a meta model whose init code writes the pieces (issue 14)
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(1 << 16, 1 << 15, device="meta"))
+
+        def init_weights(self):
+            with torch.no_grad():
+                self.w[: 1 << 15].normal_(std=0.02)
+                self.w[1 << 15:, :100].zero_()
+                self.w[1 << 15:, 100:].fill_(1.0)
+
+    plan = keyinit.plan_init(HugeCode(), SEED, init_method="init_weights")
+    assert plan.entry("w").origin == "code"
+    assert torch.equal(plan.values("w", (slice((1 << 15) - 1, (1 << 15) + 1), slice(99, 101))),
+                       torch.cat([plan.values("w", (slice((1 << 15) - 1, 1 << 15), slice(99, 101))),
+                                  torch.tensor([[0.0, 1.0]])]))
 
 
 def _with_gap(model):

@@ -11,6 +11,7 @@ Philox, and the float16 conversions.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import pytest
@@ -27,7 +28,22 @@ try:
 except ImportError:  # pragma: no cover
     from conftest import assert_bits_equal
 
-pytestmark = pytest.mark.skipif(not _dropout_cpu.available(), reason="no C compiler: the CPU kernel is not built")
+# The kernel is compared with the reference case by case, so these tests use the library whether or
+# not it passed its load-time golden self-test: a kernel bug fails the tests that describe it, never
+# turns them into skips. Only a missing compiler skips, and under CI=true not even that.
+_ON_CI = os.environ.get("CI", "").lower() == "true"
+_KERNEL = _dropout_cpu.unchecked_library()
+pytestmark = pytest.mark.skipif(
+    _KERNEL is None and not _ON_CI, reason=f"compiled dropout kernel unavailable: {_dropout_cpu.UNCHECKED.failure}"
+)
+
+
+@pytest.fixture(autouse=True)
+def _unchecked_kernel(monkeypatch):
+    if _KERNEL is None:
+        pytest.fail(f"CI=true and the compiled dropout kernel cannot be built: {_dropout_cpu.UNCHECKED.failure}")
+    monkeypatch.setattr(_dropout_cpu, "library", lambda: _KERNEL)
+
 
 K = dropout_key(99, step=1, fqn="x", ordinal=0)
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
