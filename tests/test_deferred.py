@@ -412,8 +412,7 @@ def test_parametrization_registered_after_deferred_starts_from_the_record():
 
 def test_planning_pieces_of_a_huge_tensor_costs_the_program_not_the_tensor(monkeypatch):
     """2**31 elements written in pieces: coverage is decided on the pieces' grid, never with a per-element mask."""
-    from keyinit._engine import plan as plan_module
-    from keyinit._engine import program, replay
+    from keyinit._engine import plan_checks, program, replay
     from keyinit._engine.plan import plan_model
 
     real_mask = program.written_mask
@@ -422,7 +421,7 @@ def test_planning_pieces_of_a_huge_tensor_costs_the_program_not_the_tensor(monke
         assert numel <= program.MASK_LIMIT, f"a {numel}-element mask was allocated while planning"
         return real_mask(writes, numel)
 
-    for module in (program, plan_module, replay):  # each holds its own name for it
+    for module in (program, plan_checks, replay):  # each holds its own name for it
         monkeypatch.setattr(module, "written_mask", small_masks_only)
 
     class Huge(nn.Module):

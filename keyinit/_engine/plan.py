@@ -12,7 +12,8 @@ on global-shape stand-ins, and gives every tensor a :class:`keyinit._engine.prog
    rule's initializer alone, and whatever init code did to it is discarded.
 
 Draws are keyed by where they land (:func:`keyinit._engine.program.assign_keys`). Every error a
-plan can see is raised here, before any memory is allocated: uncovered tensors
+plan can see is raised before any memory is allocated (the checks of the finished plan are
+:mod:`keyinit._engine.plan_checks`): uncovered tensors
 (:class:`PlanError` with ``.fqns``), randomness that cannot be keyed
 (:class:`UnkeyedRandomnessError`), initializers that cannot fill their tensor.
 """
@@ -42,23 +43,11 @@ from keyinit._engine.init_code import (
 )
 from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
-from keyinit.init import Initializer
 from keyinit.keys import DEFAULT_STREAM, Key, key
+from keyinit._engine.plan_checks import check_plan, unused_init_code_note
 from keyinit._engine.planned import ModelPlan, PlannedTensor
 from keyinit._engine.deferred import origin_of, record_of, seed_storage
-from keyinit._engine.program import (
-    Alloc,
-    StridedView,
-    Random,
-    Read,
-    SlotProgram,
-    Storage,
-    iter_nodes,
-    root_of,
-    writes_of,
-    written_mask,
-)
-from keyinit.regions import make_region
+from keyinit._engine.program import Alloc, Node, Random, Read, SlotProgram, Storage, StridedView
 from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext, initializer_problem
 from keyinit.tensors import tensors as model_tensors
 
@@ -589,111 +578,14 @@ class _Planner:
 
     # ------------------------------------------------------------------ checks
     def check(self, materializing: bool) -> None:
-        missing = [t.fqn for t in self.tensors if t.program is None and (materializing or t.kind == "parameter")
-                   and math.prod(t.global_shape) > 0]  # a tensor of no elements has nothing to initialize
-        emptied = [fqn for fqn in missing if fqn in self.emptied]
-        if emptied:
-            raise PlanError(
-                f"{self.emptied[emptied[0]]}: init code's to_empty left these tensors uninitialized and nothing "
-                "wrote them afterwards (eager torch would leave uninitialized memory there): " + ", ".join(emptied)
-                + ". Initialize them in the init code after to_empty, or give them a rule.", tuple(emptied))
-        if missing:
-            raise PlanError(
-                "no rule or init method covers these tensors: " + ", ".join(missing) + ". " + self._missing_advice(),
-                tuple(missing)
-            )
-        partial = [t.fqn for t in self.tensors if t.program is not None and not t.program.complete]
-        if partial and materializing:
-            raise PlanError("init code writes only part of these tensors (the rest would be uninitialized memory): "
-                            + ", ".join(partial), tuple(partial))
-        for t in self.tensors:
-            if t.program is None:
-                continue
-            for node in iter_nodes(t.program.roots()):
-                if isinstance(node, Random) and node.unkeyable is not None:
-                    raise UnkeyedRandomnessError(f"{node.site}: {node.unkeyable} (it feeds {t.fqn})")
-                if isinstance(node, Read) and not _reads_written(node):
-                    raise PlanError(f"init code reads elements of {_buffer_label(node)} that nothing wrote "
-                                    f"(uninitialized memory) to compute {t.fqn}", (t.fqn,))
-        for t in self.tensors:
-            if t.program is not None:
-                self._dry_run(t)
+        """Every error the finished plan can show (:func:`keyinit._engine.plan_checks.check_plan`)."""
+        check_plan(self.tensors, materializing=materializing, emptied=self.emptied, model=self.model,
+                   init_method=self.init_method, stream=self.root_key.stream)
 
     def note_unused_init_code(self) -> None:
-        """A model built without ``deferred`` whose tensors got torch.nn's defaults, while it has init
-        code of its own that nothing ran (``self.apply(self._init_weights)`` in ``__init__`` on meta):
-        say so in the report's notes, naming the method and what to do."""
-        if self.init_method is not None or any(t.record is not None for t in self.tensors):
-            return
-        defaults = [t.fqn for t in self.tensors if t.origin == "default"]
-        if not defaults:
-            return
-        methods = sorted({f"{type(module).__name__}.{name}" for module in self.model.modules()
-                          for name in _INIT_METHOD_NAMES if callable(getattr(module, name, None))})
-        if methods:
-            self.notes.append(
-                f"{len(defaults)} tensors got torch.nn's defaults ({', '.join(defaults[:3])}"
-                f"{', ...' if len(defaults) > 3 else ''}), but the model has init code that did not run: "
-                f"{', '.join(methods)}. If its constructor calls it, build the model with "
-                f"keyinit.deferred(ModelClass, ...) (its own init is then replayed, keyed); otherwise pass "
-                f"init_method= (docs/init-code.md#which-init-does-my-model-get)")
-
-    def _missing_advice(self) -> str:
-        """What to do about tensors nothing covers, for this model."""
-        advice = []
-        if not any(t.record is not None for t in self.tensors):
-            advice.append("If the model's constructor initializes them (most models do: torchvision, timm, HF "
-                          "post_init, megatron), build it with keyinit.deferred(ModelClass, ...) instead of on "
-                          "meta and its own init is replayed, keyed (docs/init-code.md)")
-        own = getattr(self.model, "_init_weights", None)
-        if self.init_method is None and callable(own):
-            advice.append("this model has _init_weights: pass init_method=model._init_weights")
-        advice.append("or register a rule (@keyinit.register(ModuleType) or rules={'fqn glob': initializer}), "
-                      "give the module reset_parameters(), or pass init_method=")
-        return "; ".join(advice) + "."
-
-    def _dry_run(self, t: PlannedTensor) -> None:
-        """Run every keyinit initializer of the program on an empty region: dtype, shape and bound
-        errors surface now, naming the tensor, instead of part-way through writing."""
-        for node in iter_nodes(t.program.roots()):
-            if not isinstance(node, Random) or node.by_index or not isinstance(node.fill, Initializer):
-                continue
-            shape = node.shape
-            if shape and math.prod(shape) > 0:
-                region = make_region(shape, (slice(0, 0),) + tuple(slice(None) for _ in shape[1:]))
-            else:
-                region = make_region(shape, None)
-            out = torch.empty(region.region_shape, dtype=node.dtype, device="cpu")
-            try:
-                node.fill(Key(0, 0, self.root_key.stream), layouts.Target(t.fqn, region, out))
-            except Exception as exc:  # any error of a dry run is a plan error naming the tensor
-                message = str(exc) if t.fqn in str(exc) else f"{t.fqn}: {type(exc).__name__}: {exc}"
-                raise PlanError(f"{message} (planned by {node.what})", (t.fqn,)) from exc
-
-
-#: Method names of init code a model may have that nothing runs unless asked (HF, torchtitan, OLMo-core).
-_INIT_METHOD_NAMES = ("_init_weights", "init_weights")
-
-#: Buffers up to this many elements get an exact check that init code reads only written elements.
-_READ_CHECK_LIMIT = 1 << 24
-
-
-def _reads_written(read: Read) -> bool:
-    """Whether every element a read sees was written before it (exact for buffers up to the limit)."""
-    chain = writes_of(read.version)
-    numel = root_of(read.version).storage.numel
-    if any(write.geometry.covers_buffer(numel) for write in chain):
-        return True
-    if numel > _READ_CHECK_LIMIT:
-        return True  # replay still raises if an unwritten element is read
-    written = written_mask(chain, numel)
-    g = read.geometry
-    return bool(written.as_strided(g.size, g.stride, g.offset).all())
-
-
-def _buffer_label(read: Read) -> str:
-    label = root_of(read.version).storage.label
-    return "a temporary tensor" if label == "temporary" else label
+        note = unused_init_code_note(self.model, self.tensors, self.init_method)
+        if note is not None:
+            self.notes.append(note)
 
 
 def plan_model(

@@ -1,0 +1,141 @@
+"""The checks of a finished plan: every error planning can show, raised before anything is allocated.
+
+:func:`check_plan` looks at each planned tensor's program: tensors nothing covers (with advice for
+this model), tensors init code writes only in part or left uninitialized after its own ``to_empty``,
+randomness keyinit cannot key, reads of memory nothing wrote, and every keyinit initializer of a
+program run once on an empty region, so dtype, shape and bound errors name their tensor now instead
+of part-way through writing. :func:`unused_init_code_note` is the report's note for a meta-built
+model whose own init code nothing ran.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+
+from keyinit import layouts
+from keyinit._engine.planned import PlannedTensor
+from keyinit._engine.program import Random, Read, iter_nodes, root_of, writes_of, written_mask
+from keyinit.errors import PlanError, UnkeyedRandomnessError
+from keyinit.init import Initializer
+from keyinit.keys import Key
+from keyinit.regions import make_region
+
+__all__ = ["check_plan", "unused_init_code_note"]
+
+#: Method names of init code a model may have that nothing runs unless asked (HF, torchtitan, OLMo-core).
+_INIT_METHOD_NAMES = ("_init_weights", "init_weights")
+
+#: Buffers up to this many elements get an exact check that init code reads only written elements.
+_READ_CHECK_LIMIT = 1 << 24
+
+
+def check_plan(tensors: Sequence[PlannedTensor], *, materializing: bool, emptied: Mapping[str, str],
+               model: torch.nn.Module, init_method: Any, stream: str) -> None:
+    """Raise the first problem of the plan (``PlanError`` naming the tensors, or
+    ``UnkeyedRandomnessError``). ``materializing``: buffers must be covered too; ``emptied``: tensors
+    init code's own ``to_empty`` left uninitialized, to the call that did it."""
+    missing = [t.fqn for t in tensors if t.program is None and (materializing or t.kind == "parameter")
+               and math.prod(t.global_shape) > 0]  # a tensor of no elements has nothing to initialize
+    left_empty = [fqn for fqn in missing if fqn in emptied]
+    if left_empty:
+        raise PlanError(
+            f"{emptied[left_empty[0]]}: init code's to_empty left these tensors uninitialized and nothing "
+            "wrote them afterwards (eager torch would leave uninitialized memory there): " + ", ".join(left_empty)
+            + ". Initialize them in the init code after to_empty, or give them a rule.", tuple(left_empty))
+    if missing:
+        raise PlanError(
+            "no rule or init method covers these tensors: " + ", ".join(missing) + ". "
+            + _missing_advice(model, tensors, init_method), tuple(missing)
+        )
+    partial = [t.fqn for t in tensors if t.program is not None and not t.program.complete]
+    if partial and materializing:
+        raise PlanError("init code writes only part of these tensors (the rest would be uninitialized memory): "
+                        + ", ".join(partial), tuple(partial))
+    for t in tensors:
+        if t.program is None:
+            continue
+        for node in iter_nodes(t.program.roots()):
+            if isinstance(node, Random) and node.unkeyable is not None:
+                raise UnkeyedRandomnessError(f"{node.site}: {node.unkeyable} (it feeds {t.fqn})")
+            if isinstance(node, Read) and not _reads_written(node):
+                raise PlanError(f"init code reads elements of {_buffer_label(node)} that nothing wrote "
+                                f"(uninitialized memory) to compute {t.fqn}", (t.fqn,))
+    for t in tensors:
+        if t.program is not None:
+            _dry_run(t, stream)
+
+
+def unused_init_code_note(model: torch.nn.Module, tensors: Sequence[PlannedTensor], init_method: Any) -> Optional[str]:
+    """A model built without ``deferred`` whose tensors got torch.nn's defaults, while it has init
+    code of its own that nothing ran (``self.apply(self._init_weights)`` in ``__init__`` on meta):
+    the note naming the method and what to do, else None."""
+    if init_method is not None or any(t.record is not None for t in tensors):
+        return None
+    defaults = [t.fqn for t in tensors if t.origin == "default"]
+    if not defaults:
+        return None
+    methods = sorted({f"{type(module).__name__}.{name}" for module in model.modules()
+                      for name in _INIT_METHOD_NAMES if callable(getattr(module, name, None))})
+    if not methods:
+        return None
+    return (f"{len(defaults)} tensors got torch.nn's defaults ({', '.join(defaults[:3])}"
+            f"{', ...' if len(defaults) > 3 else ''}), but the model has init code that did not run: "
+            f"{', '.join(methods)}. If its constructor calls it, build the model with "
+            f"keyinit.deferred(ModelClass, ...) (its own init is then replayed, keyed); otherwise pass "
+            f"init_method= (docs/init-code.md#which-init-does-my-model-get)")
+
+
+def _missing_advice(model: torch.nn.Module, tensors: Sequence[PlannedTensor], init_method: Any) -> str:
+    """What to do about tensors nothing covers, for this model."""
+    advice = []
+    if not any(t.record is not None for t in tensors):
+        advice.append("If the model's constructor initializes them (most models do: torchvision, timm, HF "
+                      "post_init, megatron), build it with keyinit.deferred(ModelClass, ...) instead of on "
+                      "meta and its own init is replayed, keyed (docs/init-code.md)")
+    own = getattr(model, "_init_weights", None)
+    if init_method is None and callable(own):
+        advice.append("this model has _init_weights: pass init_method=model._init_weights")
+    advice.append("or register a rule (@keyinit.register(ModuleType) or rules={'fqn glob': initializer}), "
+                  "give the module reset_parameters(), or pass init_method=")
+    return "; ".join(advice) + "."
+
+
+def _dry_run(t: PlannedTensor, stream: str) -> None:
+    """Run every keyinit initializer of the program on an empty region: dtype, shape and bound
+    errors surface now, naming the tensor, instead of part-way through writing."""
+    for node in iter_nodes(t.program.roots()):
+        if not isinstance(node, Random) or node.by_index or not isinstance(node.fill, Initializer):
+            continue
+        shape = node.shape
+        if shape and math.prod(shape) > 0:
+            region = make_region(shape, (slice(0, 0),) + tuple(slice(None) for _ in shape[1:]))
+        else:
+            region = make_region(shape, None)
+        out = torch.empty(region.region_shape, dtype=node.dtype, device="cpu")
+        try:
+            node.fill(Key(0, 0, stream), layouts.Target(t.fqn, region, out))
+        except Exception as exc:  # any error of a dry run is a plan error naming the tensor
+            message = str(exc) if t.fqn in str(exc) else f"{t.fqn}: {type(exc).__name__}: {exc}"
+            raise PlanError(f"{message} (planned by {node.what})", (t.fqn,)) from exc
+
+
+def _reads_written(read: Read) -> bool:
+    """Whether every element a read sees was written before it (exact for buffers up to the limit)."""
+    chain = writes_of(read.version)
+    numel = root_of(read.version).storage.numel
+    if any(write.geometry.covers_buffer(numel) for write in chain):
+        return True
+    if numel > _READ_CHECK_LIMIT:
+        return True  # replay still raises if an unwritten element is read
+    written = written_mask(chain, numel)
+    g = read.geometry
+    return bool(written.as_strided(g.size, g.stride, g.offset).all())
+
+
+def _buffer_label(read: Read) -> str:
+    label = root_of(read.version).storage.label
+    return "a temporary tensor" if label == "temporary" else label
