@@ -22,15 +22,17 @@ Python that needs a value (``.item()``, ``bool(t)``, ``.tolist()``, ``torch.tens
 list of 0-d tensors) gets it computed on the spot when it depends on no random draw;
 depending on one is an :class:`keyinit.UnkeyedRandomnessError`, because a draw is keyed
 by where it lands. The global torch RNG is never read or advanced.
+
+The stand-in tensor itself is :mod:`keyinit._engine.standin`; giving real values to stand-ins
+that code stored outside parameters and buffers is :mod:`keyinit._engine.escape`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 import types
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -57,113 +59,11 @@ from keyinit._engine.program import (
     Whole,
 )
 from keyinit._engine.replay import Evaluator
+from keyinit._engine.standin import CaptureError, LazyTensor, _leaves, tree_map
 
 __all__ = ["LazyTensor", "Capture", "CaptureError"]
 
 aten = torch.ops.aten
-
-
-class CaptureError(RuntimeError):
-    """Init code did something keyinit cannot record."""
-
-
-class LazyTensor(torch.Tensor):
-    """A tensor of a captured program: shape, strides and dtype, no data (see :class:`Capture`)."""
-
-    _meta: torch.Tensor
-    _capture: "Capture"
-
-    @staticmethod
-    def __new__(cls, meta: torch.Tensor, capture: "Capture", requires_grad: bool = False) -> "LazyTensor":
-        tensor = torch.Tensor._make_wrapper_subclass(
-            cls, meta.size(), strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
-            device="cpu", requires_grad=requires_grad,
-        )
-        tensor._meta = meta
-        tensor._capture = capture
-        return tensor
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
-        return f"LazyTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> "LazyTensor":
-        """``copy.deepcopy`` of a module built from stand-ins (torchtune's ``_get_clones`` repeats one
-        layer ``num_layers`` times): a recorded ``clone``, so each copy starts with the values the
-        original holds now, as in eager torch. Its Python attributes (``_is_param``, markers) are
-        deep-copied; the stand-in's own bookkeeping (its meta twin, the capture) is not."""
-        if id(self) in memo:
-            return memo[id(self)]
-        with torch.no_grad():
-            twin = self.clone(memory_format=torch.preserve_format)  # recorded by the running capture
-        twin.requires_grad_(self.requires_grad)
-        memo[id(self)] = twin
-        for name, value in vars(self).items():
-            if name not in ("_meta", "_capture"):
-                setattr(twin, name, copy.deepcopy(value, memo))
-        return twin
-
-    @classmethod
-    def __torch_function__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        if func in _NEEDS_VALUES or (func in _SCALAR_CONVERSIONS and _python_dispatch_excluded()):
-            capture = next(a._capture for a in _leaves((args, kwargs)) if isinstance(a, LazyTensor))
-            concrete = tree_map(lambda x: capture.concrete(x, getattr(func, "__name__", "value"))
-                                if isinstance(x, LazyTensor) else x, (args, kwargs))
-            return func(*concrete[0], **concrete[1])
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        running = next((a._capture for a in _leaves((args, kwargs or {})) if isinstance(a, LazyTensor)), None)
-        site = running.site if running is not None and running.site != "<init code>" else None
-        raise CaptureError(
-            (f"{site}: " if site else "") + f"a keyinit stand-in tensor was used outside keyinit's capture ({func})"
-            + ("; the op ran beneath the capture's dispatch mode, e.g. inside another tensor subclass's "
-               "__torch_dispatch__ (torchao's NF4Tensor: torchtune's QLoRA), whose ops on the stand-ins it wraps "
-               "keyinit cannot record"
-               if site else ""))
-
-
-def _leaves(tree: Any) -> list[Any]:
-    """The leaves of aten arguments (tuples, lists, dicts of tensors and scalars): a fast
-    ``tree_flatten(...)[0]`` for the structures aten ops take and return."""
-    out: list[Any] = []
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (tuple, list)):
-            stack.extend(reversed(node))
-        elif isinstance(node, dict):
-            stack.extend(reversed(list(node.values())))
-        else:
-            out.append(node)
-    return out
-
-
-def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """``fn`` over the leaves of aten arguments, keeping tuples (named ones too), lists and dicts."""
-    if isinstance(tree, list):
-        return [tree_map(fn, x) for x in tree]
-    if isinstance(tree, tuple):
-        items = [tree_map(fn, x) for x in tree]
-        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
-    if isinstance(tree, dict):
-        return {k: tree_map(fn, v) for k, v in tree.items()}
-    return fn(tree)
-
-
-_NEEDS_VALUES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
-#: Scalar conversions reach the capture's dispatch mode as ``_local_scalar_dense``, except where torch
-#: runs them with Python dispatch excluded: ``torch.tensor([...])`` of tensor elements converts each
-#: element that way (Llama 3.1's RoPE scaling builds ``torch.tensor(new_freqs)`` from 0-d tensors).
-_SCALAR_CONVERSIONS = {torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
-                       torch.Tensor.__bool__, torch.Tensor.__complex__}
-
-
-def _python_dispatch_excluded() -> bool:
-    """Dispatch modes cannot see the aten ops issued now (inside ``torch.tensor``'s data conversion)."""
-    return torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python)
 
 
 #: Init functions whose torch algorithm draws in a loop; recorded as keyinit's initializer.
@@ -183,16 +83,6 @@ def _recognised() -> dict[types.CodeType, Callable[[dict], Any]]:
             table[fn.__code__] = make
     return table
 
-
-#: nn.Module's own bookkeeping attributes (its parameter, buffer, module and hook tables).
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
-#: Values stand-ins are never looked for inside: other tensors, modules (each module of a model is
-#: walked on its own), classes, functions, Python modules and scalars.
-_LEAVES = (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-           types.MethodType, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
-#: How deep containers and plain objects are walked from a module attribute (a cache class holding a
-#: dict of dicts of tensors is 4 levels down).
-_WALK_DEPTH = 8
 
 _FILL_VALUE = {aten.fill_.Scalar, aten.fill.Scalar, aten.fill_.Tensor, aten.fill.Tensor}
 _ZERO = {aten.zero_.default, aten.zero.default}
@@ -323,83 +213,6 @@ class Capture:
         with _disable_current_modes():
             evaluator = Evaluator({}, why_unkeyed=f"uses the values of a tensor in Python ({why})")
             return evaluator.full(self.node(value))
-
-    def concretize_attributes(self, module: torch.nn.Module, module_fqn: str,
-                              replaced: Optional[Mapping[int, torch.Tensor]] = None,
-                              seen: Optional[dict[int, Any]] = None) -> None:
-        """Give stand-ins that code stored outside parameters and buffers their real values, as
-        eager torch would have them, so no stand-in escapes the capture: plain attributes, tensors
-        inside lists, tuples and dicts there, and inside the attributes of plain objects and
-        mappings held there (OLMo-core's RoPE ``BufferCache``, a mapping over a dict of dicts).
-
-        Their values must not depend on a draw: a draw is keyed by the parameter or buffer it
-        lands in, and a plain attribute is neither (:class:`UnkeyedRandomnessError`, naming it).
-        A stand-in that IS a model tensor (nn.LSTM's ``_flat_weights`` list) becomes its
-        replacement in ``replaced`` (``id(stand-in) -> tensor``) instead. ``seen`` (``id -> (object,
-        what it became)`` of what was walked; the object is kept so its id stays its own) is shared across the modules of one model, so an object many
-        modules hold (a cache shared by every block) is walked once, and a stand-in or tuple held in
-        two places becomes one real value."""
-        seen = {} if seen is None else seen
-        for name, value in list(vars(module).items()):
-            if name in _MODULE_INTERNALS:
-                continue
-            where = f"{module_fqn}.{name}" if module_fqn else name
-            converted = self._concrete_tree(value, where, replaced or {}, seen, _WALK_DEPTH)
-            if converted is not value:
-                object.__setattr__(module, name, converted)
-
-    def _concrete_tree(self, value: Any, where: str, replaced: Mapping[int, torch.Tensor], seen: dict[int, Any],
-                       depth: int) -> Any:
-        """``value`` with every stand-in inside it replaced by its real value (containers in place)."""
-        if id(value) in seen:
-            return seen[id(value)][1]
-        if isinstance(value, LazyTensor):
-            if id(value) in replaced:
-                return replaced[id(value)]
-            try:
-                seen[id(value)] = (value, self.concrete(value, f"attribute {where}"))
-            except UnkeyedRandomnessError as exc:
-                raise UnkeyedRandomnessError(
-                    f"{where}: code stored a tensor computed from random draws outside the model's parameters "
-                    f"and buffers; keyinit keys a draw by the parameter or buffer it lands in: register it as a "
-                    f"buffer (register_buffer) or a parameter") from exc
-            return seen[id(value)][1]
-        if depth <= 0 or isinstance(value, _LEAVES):
-            return value
-        seen[id(value)] = (value, value)
-
-        def inner(item: Any, suffix: str) -> Any:
-            return self._concrete_tree(item, where + suffix, replaced, seen, depth - 1)
-
-        if isinstance(value, (list, tuple)):
-            items = [inner(v, f"[{i}]") for i, v in enumerate(value)]
-            if all(new is old for new, old in zip(items, value)):
-                return value
-            if isinstance(value, list):
-                value[:] = items  # in place: other references to the list see real values too
-                return value
-            seen[id(value)] = (value, type(value)(*items) if hasattr(value, "_fields") else type(value)(items))
-            return seen[id(value)][1]
-        if isinstance(value, dict):
-            changed = {k: new for k, v in list(value.items()) if (new := inner(v, f"[{k!r}]")) is not v}
-            value.update(changed)
-            return value
-        if isinstance(value, MutableMapping):  # a mapping class of its own: through its items
-            try:
-                items = list(value.items())
-            except Exception:  # noqa: BLE001 - a mapping that cannot list itself: its attributes below
-                items = []
-            for k, v in items:
-                new = inner(v, f"[{k!r}]")
-                if new is not v:
-                    value[k] = new
-        attributes = getattr(value, "__dict__", None)
-        if isinstance(attributes, dict):  # a plain object (a cache class): through its attributes
-            for name, v in list(attributes.items()):
-                new = inner(v, f".{name}")
-                if new is not v:
-                    attributes[name] = new
-        return value
 
     # ------------------------------------------------------------------ frames
     def _stack(self) -> list[types.FrameType]:

@@ -33,6 +33,7 @@ import torch
 
 from keyinit._engine.megatron_records import whole_node
 from keyinit._engine.capture import Capture, LazyTensor
+from keyinit._engine.escape import concretize_attributes
 from keyinit._engine.program import StridedView, Literal, Node, Read, Storage, Write
 
 __all__ = ["deferred", "ConstructorRecord", "record_of", "origin_of", "seed_storage", "RECORD_ATTRIBUTE"]
@@ -146,7 +147,7 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
     # Plain attributes last: one that refers to a parameter or buffer (nn.LSTM's _flat_weights)
     # gets its meta replacement; any other stand-in its real value.
     for module_fqn, module in model.named_modules(remove_duplicate=True):
-        capture.concretize_attributes(module, module_fqn, replaced)
+        concretize_attributes(capture, module, module_fqn, replaced)
 
 
 def _value_node(tensor: torch.Tensor, capture: Capture, fqn: str) -> Node:

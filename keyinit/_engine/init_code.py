@@ -25,6 +25,7 @@ import torch
 from keyinit._engine.capture import Capture, CaptureError, LazyTensor
 from keyinit.errors import PlanError
 from keyinit._engine.deferred import seed_storage
+from keyinit._engine.escape import concretize_attributes
 from keyinit._engine.program import Alloc, StridedView, Node, Random
 
 if TYPE_CHECKING:
@@ -248,7 +249,7 @@ class Installed:
             table[attr] = original
         seen: dict[int, Any] = {}  # a cache many modules share (OLMo-core's BufferCache) is walked once
         for module, fqn in self.modules:  # caches init code filled in place (a dict of RoPE tables)
-            self.capture.concretize_attributes(module, fqn, seen=seen)
+            concretize_attributes(self.capture, module, fqn, seen=seen)
 
     @contextlib.contextmanager
     def untied(self, module: Optional[torch.nn.Module], capture: Capture,

@@ -16,6 +16,11 @@ plan can see is raised before any memory is allocated (the checks of the finishe
 :mod:`keyinit._engine.plan_checks`): uncovered tensors
 (:class:`PlanError` with ``.fqns``), randomness that cannot be keyed
 (:class:`UnkeyedRandomnessError`), initializers that cannot fill their tensor.
+
+One module: the planner's steps (collect, resolve rules, build the init calls, capture) run in one
+order over one shared state (the tensors by FQN, their records, the rules that cover them), and
+each step's result is the next one's input; the checks that read only the finished plan are
+:mod:`keyinit._engine.plan_checks`.
 """
 
 from __future__ import annotations
