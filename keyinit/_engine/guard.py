@@ -142,15 +142,7 @@ def no_writes(modules: Iterable[torch.nn.Module], named: Iterable[tuple[str, tor
 @contextlib.contextmanager
 def model_kept(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], what: str) -> Iterator[None]:
     """The whole model as it was after the block (module rules reaching past their own module):
-    put back, and a :class:`PlanError` naming what changed; put back too when the block raises."""
-    state = ModelState(model.modules(), named)
-    try:
+    put back, and a :class:`PlanError` naming what changed; put back too when the block raises.
+    Writes are not refused here (``storages={}``): only what changed afterwards counts."""
+    with no_writes(model.modules(), named, what, storages={}):
         yield
-    except BaseException:
-        state.restore()
-        raise
-    problem = _problem(*state.changes())
-    if problem:
-        state.restore()
-        raise PlanError(f"{what} {problem} while keyinit planned (put back); a module rule must only return "
-                        f"initializers")
