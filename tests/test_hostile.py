@@ -439,3 +439,48 @@ def test_a_keyinit_initializer_stopped_part_way_is_named_as_possibly_partly_writ
     _fail_writing(monkeypatch, "1.weight", torch.OutOfMemoryError)
     with pytest.raises(keyinit.InitError, match=r"1\.weight may be partly written; every other tensor is unchanged"):
         keyinit.init_model(model, 0)
+
+
+def test_an_initializer_of_the_users_own_that_draws_from_torchs_rng_is_refused_before_any_write():
+    """An Initializer calling torch.randn would give unkeyed values (different per layout) and advance
+    the global RNG: refused by its plan-time dry run, naming the tensor, model and RNG untouched."""
+
+    class Noisy(keyinit.init.Initializer):
+        def __call__(self, key, target):
+            target.out.copy_(torch.randn(target.out.shape) * 0.02)
+
+    class NoisyInPlace(keyinit.init.Initializer):
+        def __call__(self, key, target):
+            target.out.normal_(0.0, 0.02)
+
+    for rule in (Noisy(), NoisyInPlace()):
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        rng = torch.get_rng_state()
+        with pytest.raises(keyinit.UnkeyedRandomnessError, match=r"^1\.weight: the initializer .* aten\.(randn|normal)"):
+            keyinit.init_model(model, 0, rules={"1.weight": rule})
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_rule_function_that_draws_from_torchs_rng_is_refused_when_it_writes():
+    """A plain fn(key, target) runs once, when writing (it may keep state, so it gets no dry run): a
+    draw from torch's RNG there is refused before it runs, naming the tensor; the failing tensor is
+    put back, InitError.written says what was written, the RNG is untouched."""
+
+    def late(key, target):
+        if target.out.numel():
+            target.out.uniform_()
+        else:
+            target.out.zero_()
+
+    model = nn.Sequential(nn.Linear(4, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    with pytest.raises(keyinit.InitError) as raised:
+        keyinit.init_model(model, 0, rules={"0.weight": late})
+    assert isinstance(raised.value.__cause__, keyinit.UnkeyedRandomnessError)
+    assert "0.weight: the initializer" in str(raised.value) and "aten.uniform_" in str(raised.value)
+    assert raised.value.written == ("0.bias",)  # written before it, as InitError.written says
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(model.state_dict()["0.weight"], before["0.weight"])

@@ -1,10 +1,17 @@
-"""A guard for user code that must not write the model (module rules while planning).
+"""Guards for user code keyinit runs: module rules must not write the model while planning, and
+initializers of the user's own must not draw from torch's RNG.
 
 :func:`no_writes` runs a block under a :class:`~torch.utils._python_dispatch.TorchDispatchMode`
 that refuses, BEFORE it runs, any aten op that mutates a tensor sharing storage with a
 protected tensor (``weight.zero_()``, ``nn.init.normal_(weight)``, ``weight.data.copy_(x)``),
 and afterwards puts back any parameter or buffer the block re-assigned. Either is a
 :class:`keyinit.errors.PlanError`: planning must leave the model exactly as it was.
+
+:func:`run_fill` runs an initializer ``fill(key, target)``; one that is not keyinit's own runs
+under a mode that refuses, before it runs, every aten op that draws from a torch generator
+(``torch.randn`` inside a rule ``fn(key, target)``): its values would not be keyed, would differ
+between layouts and would advance the global RNG. The refusal is an
+:class:`keyinit.errors.UnkeyedRandomnessError` naming the tensor.
 """
 
 from __future__ import annotations
@@ -17,9 +24,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from keyinit.errors import PlanError
+from keyinit._random_ops import is_random
+from keyinit.errors import PlanError, UnkeyedRandomnessError
 
-__all__ = ["ModelState", "model_kept", "no_writes", "storages_of"]
+__all__ = ["ModelState", "model_kept", "no_writes", "run_fill", "storages_of"]
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -146,3 +154,27 @@ def model_kept(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]
     Writes are not refused here (``storages={}``): only what changed afterwards counts."""
     with no_writes(model.modules(), named, what, storages={}):
         yield
+
+
+class _RefuseDraws(TorchDispatchMode):
+    def __init__(self, what: str, fill: Any) -> None:
+        super().__init__()
+        self.what, self.fill = what, fill
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if is_random(func):
+            raise UnkeyedRandomnessError(
+                f"{self.what}: the initializer {self.fill!r} called {func}, which draws from torch's random number "
+                "generator: its values would not be keyed (they would depend on the RNG state and on the layout). "
+                "Draw with keyinit.random.* and the key the initializer is given (key, target.global_shape, "
+                "region=target.region, out=target.out)")
+        return func(*args, **(kwargs or {}))
+
+
+def run_fill(fill: Any, key: Any, target: Any) -> None:
+    """``fill(key, target)``; an initializer that is not keyinit's own may not draw from torch's RNG."""
+    if type(fill).__module__.startswith("keyinit."):
+        fill(key, target)
+        return
+    with _RefuseDraws(target.fqn, fill):
+        fill(key, target)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from keyinit import layouts
+from keyinit._engine.guard import run_fill
 from keyinit._engine.planned import PlannedTensor
 from keyinit._engine.program import Random, Read, iter_nodes, root_of, writes_of, written_mask
 from keyinit.errors import PlanError, UnkeyedRandomnessError
@@ -105,11 +106,12 @@ def _missing_advice(model: torch.nn.Module, tensors: Sequence[PlannedTensor], in
 
 
 def _dry_run(t: PlannedTensor, stream: str) -> None:
-    """Run every keyinit initializer of the program on an empty region: dtype, shape and bound
-    errors surface now, naming the tensor, instead of part-way through writing."""
+    """Run every :class:`Initializer` of the program on an empty region: dtype, shape and bound
+    errors surface now, naming the tensor, instead of part-way through writing; so does a draw
+    from torch's RNG in an Initializer of the user's own (:func:`keyinit._engine.guard.run_fill`)."""
     for node in iter_nodes(t.program.roots()):
         if not isinstance(node, Random) or node.by_index or not isinstance(node.fill, Initializer):
-            continue
+            continue  # a plain fn(key, target) may keep state: it runs once, when writing
         shape = node.shape
         if shape and math.prod(shape) > 0:
             region = make_region(shape, (slice(0, 0),) + tuple(slice(None) for _ in shape[1:]))
@@ -117,7 +119,9 @@ def _dry_run(t: PlannedTensor, stream: str) -> None:
             region = make_region(shape, None)
         out = torch.empty(region.region_shape, dtype=node.dtype, device="cpu")
         try:
-            node.fill(Key(0, 0, stream), layouts.Target(t.fqn, region, out))
+            run_fill(node.fill, Key(0, 0, stream), layouts.Target(t.fqn, region, out))
+        except UnkeyedRandomnessError:
+            raise
         except Exception as exc:  # any error of a dry run is a plan error naming the tensor
             message = str(exc) if t.fqn in str(exc) else f"{t.fqn}: {type(exc).__name__}: {exc}"
             raise PlanError(f"{message} (planned by {node.what})", (t.fqn,)) from exc

@@ -31,6 +31,7 @@ import torch
 
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.keys import Key
+from keyinit._engine.guard import run_fill
 from keyinit.layouts import Target
 from keyinit._engine.program import (
     Alloc,
@@ -150,7 +151,7 @@ class Evaluator:
         n = int(pos.numel())
         if node.by_index:
             out = torch.empty(n, dtype=node.dtype, device=_CPU)
-            node.fill(key, Target(node.what, make_region((max(node.numel, 1),), (pos,)), out))
+            run_fill(node.fill, key, Target(node.what, make_region((max(node.numel, 1),), (pos,)), out))
             return out
         if not node.element_local or not node.shape:
             return self.full(node).reshape(-1)[pos]
@@ -165,7 +166,7 @@ class Evaluator:
             return self.full(node).reshape(-1)[pos]
         region = make_region(node.shape, tuple(uniques))
         out = torch.empty(region.region_shape, dtype=node.dtype, device=_CPU)
-        node.fill(key, Target(node.what, region, out))
+        run_fill(node.fill, key, Target(node.what, region, out))
         return out.reshape(-1)[ravel(inverses, region.region_shape)]
 
     def _pointwise_at(self, node: Pointwise, pos: torch.Tensor) -> torch.Tensor:
@@ -273,7 +274,7 @@ class Evaluator:
             return result[node.index]
         if isinstance(node, Random):
             out = torch.empty(node.shape, dtype=node.dtype, device=_CPU)
-            node.fill(self.key(node), Target(node.what, make_region(node.shape, None), out))
+            run_fill(node.fill, self.key(node), Target(node.what, make_region(node.shape, None), out))
             return out
         if isinstance(node, Literal):
             return node.tensor.contiguous()
@@ -350,7 +351,7 @@ def _base_write(evaluator: Evaluator, write: Write, program: SlotProgram, target
     value = write.value
     if write.geometry == StridedView.contiguous(program.shape):
         if isinstance(value, Random) and value.shape == program.shape:
-            value.fill(evaluator.key(value), target)  # the fast kernels, on the target's device
+            run_fill(value.fill, evaluator.key(value), target)  # the fast kernels, on the target's device
         elif isinstance(value, Const):
             target.out.fill_(value.value)
         else:
