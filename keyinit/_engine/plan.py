@@ -582,16 +582,6 @@ class _Planner:
                             f"{type(exc).__name__}: {exc}", tuple(exposed)) from exc
 
     # ------------------------------------------------------------------ checks
-    def check(self, materializing: bool) -> None:
-        """Every error the finished plan can show (:func:`keyinit._engine.plan_checks.check_plan`)."""
-        check_plan(self.tensors, materializing=materializing, emptied=self.emptied, model=self.model,
-                   init_method=self.init_method, stream=self.root_key.stream)
-
-    def note_unused_init_code(self) -> None:
-        note = unused_init_code_note(self.model, self.tensors, self.init_method)
-        if note is not None:
-            self.notes.append(note)
-
 
 def plan_model(
     model: torch.nn.Module,
@@ -620,7 +610,10 @@ def plan_model(
     planner.collect()
     planner.resolve_rules()
     planner.capture(materializing)
-    planner.check(materializing)
-    planner.note_unused_init_code()
+    check_plan(planner.tensors, materializing=materializing, emptied=planner.emptied, model=model,
+               init_method=init_method, stream=planner.root_key.stream)
+    note = unused_init_code_note(model, planner.tensors, init_method)
+    if note is not None:
+        planner.notes.append(note)
     warn_shared_draws(planner.tensors)
     return ModelPlan(model, planner.root_key, planner.seed, planner.tensors, planner.shards, planner.notes)

@@ -162,9 +162,9 @@ class Keyed:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"keyed: model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
-        self.seed = seed if isinstance(seed, Key) else _as_uint64(seed, "seed")
-        #: The root of every dropout key (:func:`keyinit.nn.dropout_key`'s ``seed``).
-        self.root = seed if isinstance(seed, Key) else key(self.seed)
+        #: The root of every dropout key (:func:`keyinit.nn.dropout_key`'s ``seed``); ``key`` checks an int.
+        self.root = seed if isinstance(seed, Key) else key(seed)
+        self.seed = seed  # as given, for the repr
         self.step = _as_uint64(step, "step")
         self.sample_offset = _resolve_sample_offset(model, sample_offset)
         self._handles: list[Any] = []
