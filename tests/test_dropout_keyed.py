@@ -161,6 +161,7 @@ def test_gradient_accumulation_split_gives_the_same_input_gradients():
         out = []
         for lo, hi in pieces:
             emb = model.tok_embeddings(ids[lo:hi]).detach().requires_grad_()
+            knn.batch_dim(emb, 0)  # it enters the forward through a hook, not as an input: declared
             handle = model.tok_embeddings.register_forward_hook(lambda m, a, o, emb=emb: emb)
             try:
                 with knn.keyed(model, SEED, step=9, sample_offset=lo):
@@ -348,7 +349,7 @@ def test_unkeyable_randomness_names_module_and_op():
             self.inner = nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.inner(x) + torch.rand_like(x)
+            return self.inner(x) + torch.rand_like(x[torch.tensor([1, 0])])  # rows picked by index: unknown
 
     class Root(nn.Module):
         def __init__(self) -> None:
@@ -440,13 +441,17 @@ def test_keyed_arguments_and_single_use():
     assert not model._forward_hooks and not model._forward_pre_hooks  # hooks removed on exit
 
 
-def test_a_0d_activation_is_refused_with_the_module_named():
+def test_a_0d_activation_is_replicated_keyed_by_its_call_alone():
     class Scalar(nn.Module):
         def forward(self, x):
-            return F.dropout(x.sum(), 0.5)
+            return F.dropout(x.sum() + 1.0, 0.5)
 
-    with knn.keyed(model := Scalar(), 0, step=0), pytest.raises(ValueError, match=r"root module.*batch dimension"):
-        model(torch.ones(3))
+    x = torch.ones(3)
+    expected = knn.functional.dropout(x.sum() + 1.0, 0.5, rng_key=knn.dropout_key(0, step=0, fqn="", ordinal=0))
+    for rows in (slice(0, 3), slice(0, 1)):  # a reduced batch is the same draw for every split
+        with knn.keyed(model := Scalar(), 0, step=0):
+            out = model(x[rows])
+        assert (out == 0) == (expected == 0)
 
 
 # ----------------------------------------------------------------------------- HF Llama

@@ -1,14 +1,14 @@
-"""What ``keyinit.nn.keyed`` puts around a model's forward: the frames, the dropout family and the two modes.
+"""What ``keyinit.nn.keyed`` does at a dropout or attention call: frames, keyed masks, each activation's batch.
 
-- :class:`_Frame`: one execution of one module's forward (its FQN and its call counter);
+- :class:`_Frame`: one execution of one module's forward (its FQN, its call counter
+  and the root forward it belongs to);
 - the dropout family (``F.dropout``, ``torch.dropout``, the channel-wise and alpha
-  forms) answered with keyed masks, and attention (SDPA with ``dropout_p > 0``,
-  ``F.multi_head_attention_forward``) computed by :mod:`keyinit.nn._attention`;
-- :class:`_DropoutFunctionMode`, the ``TorchFunctionMode`` that routes those calls,
-  and :class:`_SeededOpGuard`, the ``TorchDispatchMode`` that refuses every other
-  random ATen op.
+  forms) answered with keyed masks over the activation's tracked batch
+  (:mod:`keyinit.nn._batch`), and attention (SDPA with ``dropout_p > 0``,
+  ``F.multi_head_attention_forward``) computed by :mod:`keyinit.nn._attention`.
 
-The context itself (hooks, threads, nesting) is :mod:`keyinit.nn._keyed`.
+The modes that route these calls are :mod:`keyinit.nn._modes`; the context itself
+(hooks, threads, nesting, micro-batches) is :mod:`keyinit.nn._keyed`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ import threading
 from typing import Any, Callable, Optional, Protocol
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit.errors import UnkeyedRandomnessError
-from keyinit.nn._keys import keyed_call_key
+from keyinit.nn._batch import Batch, Foreign, Unknown, annotate, canonical, record
 
 
 
@@ -33,23 +31,34 @@ class Keyed(Protocol):
     seed: int
     step: int
     sample_offset: int
+    index: str  # "tracked" (the model of the batch) or "dim0" (stream v1's first rule)
     _local: threading.local
     _sequence_first: frozenset[int]  # ids of modules whose activations are (sequence, batch, ...)
 
     def _current_frame(self) -> Optional["_Frame"]: ...
 
-__all__ = ["_Frame", "_DropoutFunctionMode", "_SeededOpGuard", "_GuardSuspended"]
+    def _thread_state(self) -> Any: ...
+
+
+__all__ = ["_Frame", "activation_batch"]
 
 
 class _Frame:
-    __slots__ = ("module", "fqn", "calls", "pushed", "foreign")
+    __slots__ = ("module", "fqn", "calls", "pushed", "foreign", "forward")
 
-    def __init__(self, module: torch.nn.Module, fqn: str, foreign: bool) -> None:
+    def __init__(self, module: torch.nn.Module, fqn: str, foreign: bool, forward: Any) -> None:
         self.module = module
         self.fqn = fqn
         self.calls = 0
         self.pushed: list[Any] = []  # the modes this forward entered (exited by its post-hook)
         self.foreign = foreign  # a forward in a thread other than the one that entered the context
+        self.forward = forward  # the root forward (keyinit.nn._keyed._Forward) this execution belongs to
+
+    def key(self, ctx: "Keyed") -> Any:
+        """The key of this frame's next random call (its ordinal counted)."""
+        ordinal = self.calls
+        self.calls += 1
+        return self.forward.call_key(ctx, self.fqn, ordinal)
 
     def describe(self) -> str:
         name = f"module '{self.fqn}'" if self.fqn else "the root module"
@@ -111,14 +120,40 @@ _FUNCTIONAL_DEFAULT_TRAINING = {"alpha_dropout": False, "feature_alpha_dropout":
 _ALPHA = 1.7580993408473766  # SELU's -alpha * scale, as in torch's alpha_dropout
 
 
-def _keyed_masked(ctx: "Keyed", kind: str, mask: str, input: torch.Tensor, p: float, key) -> torch.Tensor:
+def _element_dropout(input: torch.Tensor, p: float, key, rec: Optional[Batch]) -> torch.Tensor:
+    """Element-wise keyed dropout of ``input`` whose batch is ``rec`` (None: replicated)."""
+    from keyinit.nn import functional as KF
+    from keyinit.nn._geometry import Layout
+    from keyinit.regions import row_major_strides
+
+    if rec is None:
+        return KF.dropout(input, p, rng_key=key)
+    if rec.dim == 0 and rec.inner == 1 and (input.dim() == 0 or int(input.shape[0]) == rec.count):
+        return KF._dropout_rows(input, p, key, rec.start)  # stream v1's rows (docs/spec.md 14.4)
+    if KF._is_dtensor(input):
+        raise TypeError(f"keyinit.nn.keyed: dropout of a DTensor whose batch is {rec} (not its dimension 0) is not "
+                        "supported; keep the batch in dimension 0 of DTensor activations")
+    KF._check_input(input)
+    split, order, sample_shape = canonical(tuple(input.shape), rec)
+    strides = row_major_strides((rec.start + rec.count,) + sample_shape)
+    # the split dims (before..., outer, count, inner, after...) in the canonical (sample, before..., outer,
+    # inner, after...) tensor: sample is canonical dim 0, the others follow in order
+    gstrides = tuple(strides[order.index(i)] for i in range(len(split)))
+    starts = tuple(rec.start if order.index(i) == 0 else 0 for i in range(len(split)))
+    layout = Layout(gstrides, starts, (None,) * len(split))
+    out = KF._run(input.reshape(split).contiguous(), p, key, layout)
+    return out.reshape(input.shape)
+
+
+def _keyed_masked(ctx: "Keyed", kind: str, mask: str, input: torch.Tensor, p: float, key,
+                  rec: Optional[Batch]) -> torch.Tensor:
     from keyinit.nn import functional as KF
     from keyinit.nn._geometry import constants
     from keyinit.nn._reference import apply_mask
     from keyinit.random import bernoulli
 
     if mask == "element":
-        return KF._dropout_rows(input, p, key, ctx.sample_offset)
+        return _element_dropout(input, p, key, rec)
     if KF._is_dtensor(input):
         raise TypeError(
             f"keyinit.nn.keyed: {kind} of a DTensor is not supported (only element-wise dropout of DTensors is); "
@@ -129,12 +164,19 @@ def _keyed_masked(ctx: "Keyed", kind: str, mask: str, input: torch.Tensor, p: fl
     if x.dim() < 1 or (mask in ("feature", "feature_alpha") and x.dim() < 2):
         raise RuntimeError(f"{kind}: feature dropout needs at least 2 dimensions (batch, channel), got {x.dim()}")
     rows = x.shape[0]
-    if mask in ("feature", "feature_alpha"):
-        shape = (ctx.sample_offset + rows, x.shape[1])
-        region = (slice(ctx.sample_offset, None), slice(None))
+    if rec is None:
+        first = 0
+    elif rec.dim == 0 and rec.inner == 1 and rows == rec.count:
+        first = rec.start
     else:
-        shape = (ctx.sample_offset + rows, *x.shape[1:])
-        region = (slice(ctx.sample_offset, None),) + (slice(None),) * (x.dim() - 1)
+        raise TypeError(f"{kind} of an activation whose batch is {rec}: channel-wise and alpha dropout key rows "
+                        "of dimension 0, so keep the batch there (or declare it: keyinit.nn.batch_dim)")
+    if mask in ("feature", "feature_alpha"):
+        shape = (first + rows, x.shape[1])
+        region = (slice(first, None), slice(None))
+    else:
+        shape = (first + rows, *x.shape[1:])
+        region = (slice(first, None),) + (slice(None),) * (x.dim() - 1)
     keep = bernoulli(key, shape, p=1.0 - p, region=region, device=x.device)
     if mask in ("feature", "feature_alpha"):
         keep = keep.view(*keep.shape, *([1] * (x.dim() - 2)))
@@ -172,15 +214,10 @@ def _handle_dropout(ctx: "Keyed", frame: _Frame, kind: str, mask: str, inplace_o
         return input
     if frame.foreign:
         _refuse_foreign(ctx, frame, f"{kind}(p={p})")
-    key = keyed_call_key(ctx.root, ctx.step, frame.fqn, ordinal)
-    # A sequence-first transformer layer's own dropouts see (sequence, batch, ...): dimension 1 is the
-    # batch, so the mask is drawn as for the batch-first activation and transposed back.
-    sequence_first = (mask == "element" and id(frame.module) in ctx._sequence_first and input.dim() >= 2)
+    key = frame.forward.call_key(ctx, frame.fqn, ordinal)
+    rec = activation_batch(ctx, frame, input, kind)
     try:
-        if sequence_first:
-            out = _keyed_masked(ctx, kind, mask, input.transpose(0, 1), p, key).transpose(0, 1)
-        else:
-            out = _keyed_masked(ctx, kind, mask, input, p, key)
+        out = _keyed_masked(ctx, kind, mask, input, p, key, rec)
     except (ValueError, TypeError, RuntimeError) as exc:
         if type(exc) not in (ValueError, TypeError, RuntimeError):
             raise
@@ -188,7 +225,33 @@ def _handle_dropout(ctx: "Keyed", frame: _Frame, kind: str, mask: str, inplace_o
     if inplace:
         input.copy_(out)
         return input
+    annotate(out, frame.forward, rec)
     return out
+
+
+def activation_batch(ctx: "Keyed", frame: _Frame, tensor: torch.Tensor, what: str) -> Optional[Batch]:
+    """The batch of ``tensor`` (None: replicated), or an UnkeyedRandomnessError when it is unknown.
+
+    With ``index="dim0"`` (stream v1's first rule, kept selectable) dimension 0 is read as the batch
+    (dimension 1 in the dropouts of torch's sequence-first transformer layers).
+    """
+    if ctx.index == "dim0":
+        if tensor.dim() == 0:
+            return None
+        dim = 1 if id(frame.module) in ctx._sequence_first and tensor.dim() >= 2 else 0
+        return Batch(dim, int(tensor.shape[dim]), frame.forward.start)
+    rec = record(tensor, frame.forward)
+    if isinstance(rec, Foreign):
+        rec = Unknown("it entered the forward from outside: not one of the model's inputs, parameters or buffers, "
+                      "nor computed in the forward from them (e.g. a forward hook's replacement output)")
+    if isinstance(rec, Unknown):
+        raise UnkeyedRandomnessError(
+            f"{frame.describe()}: {what} on a {tuple(tensor.shape)} tensor whose samples keyinit cannot place: "
+            f"{rec.why}. keyinit keys a draw by the sample of each element and does not guess it from shapes; "
+            "declare where the batch is with keyinit.nn.batch_dim(tensor, dim) (or batch_dim(tensor, None) for "
+            "a tensor that is the same for every sample) before the draw"
+        )
+    return rec
 
 
 # ----------------------------------------------------------------------------- modes
@@ -196,6 +259,20 @@ def _handle_dropout(ctx: "Keyed", frame: _Frame, kind: str, mask: str, inplace_o
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def _probs_start(ctx: "Keyed", frame: _Frame, query: torch.Tensor, batch_dim: int, what: str) -> tuple[int, Optional[Batch]]:
+    """The global sample of the attention probabilities' row 0, from the query's batch."""
+    rec = activation_batch(ctx, frame, query, what)
+    if rec is None:
+        return 0, None
+    if ctx.index != "dim0" and not (rec.dim == batch_dim and rec.inner == 1 and query.dim() > batch_dim
+                                    and int(query.shape[batch_dim]) == rec.count):
+        raise UnkeyedRandomnessError(
+            f"{frame.describe()}: {what}: the query's batch is {rec}, but attention dropout keys the probabilities "
+            f"by dimension {batch_dim} of the query; declare the batch with keyinit.nn.batch_dim"
+        )
+    return rec.start, rec
 
 
 def _keyed_sdpa(ctx: "Keyed", frame: _Frame, p: float, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -211,14 +288,16 @@ def _keyed_sdpa(ctx: "Keyed", frame: _Frame, p: float, args: tuple, kwargs: dict
         raise TypeError(f"scaled_dot_product_attention: unexpected arguments {sorted(extra)}")
     if frame.foreign:
         _refuse_foreign(ctx, frame, f"scaled_dot_product_attention(dropout_p={p})")
-    key = keyed_call_key(ctx.root, ctx.step, frame.fqn, frame.calls)
-    frame.calls += 1
-    drop = KF._probs_drop(p, key, None, ctx.sample_offset)
+    key = frame.key(ctx)
+    start, rec = _probs_start(ctx, frame, bound["query"], 0, "scaled_dot_product_attention")
+    drop = KF._probs_drop(p, key, None, start)
     try:
         for name in ("query", "key", "value"):
             KF._check_input(bound[name])
-        return attend(bound["query"], bound["key"], bound["value"], bound["attn_mask"], bool(bound["is_causal"]),
-                      bound["scale"], bool(bound["enable_gqa"]), drop)[0]
+        out = attend(bound["query"], bound["key"], bound["value"], bound["attn_mask"], bool(bound["is_causal"]),
+                     bound["scale"], bool(bound["enable_gqa"]), drop)[0]
+        annotate(out, frame.forward, rec)
+        return out
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"{frame.describe()}: scaled_dot_product_attention under keyinit.nn.keyed: {exc}") from exc
 
@@ -234,124 +313,18 @@ def _keyed_mha(ctx: "Keyed", frame: _Frame, args: tuple, kwargs: dict) -> Any:
         return None
     if frame.foreign:
         _refuse_foreign(ctx, frame, f"multi-head attention with dropout {p}")
-    key = keyed_call_key(ctx.root, ctx.step, frame.fqn, frame.calls)
-    frame.calls += 1
+    key = frame.key(ctx)
+    query = bound["query"]
+    # F.multi_head_attention_forward takes (L, B, E): nn.MultiheadAttention(batch_first=True) transposes first
+    start, rec = _probs_start(ctx, frame, query, 1 if query.dim() == 3 else -1, "multi-head attention")
     try:
-        return mha_forward(bound, KF._probs_drop(p, key, None, ctx.sample_offset))
+        out = mha_forward(bound, KF._probs_drop(p, key, None, start))
+        if isinstance(out, tuple):
+            annotate(out[0], frame.forward, rec)
+            if rec is not None and out[1] is not None:
+                annotate(out[1], frame.forward, Batch(0, rec.count, rec.start))
+        return out
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"{frame.describe()}: multi-head attention under keyinit.nn.keyed: {exc}") from exc
 
 
-class _DropoutFunctionMode(TorchFunctionMode):
-    """Answers the dropout family, SDPA with ``dropout_p > 0`` and multi-head attention with keyed masks."""
-
-    def __init__(self, ctx: "Keyed") -> None:
-        super().__init__()
-        self.ctx = ctx
-        self.family = _dropout_family()
-        self.sdpa = torch.nn.functional.scaled_dot_product_attention
-        self.mha = torch.nn.functional.multi_head_attention_forward
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        entry = self.family.get(func)
-        if entry is not None:
-            frame = self.ctx._current_frame()
-            if frame is not None:
-                with _GuardSuspended(self.ctx):
-                    return _handle_dropout(self.ctx, frame, *entry, args, kwargs)
-        elif func is self.sdpa:
-            dropout_p = _arg(args, kwargs, 4, "dropout_p", 0.0)
-            frame = self.ctx._current_frame()
-            if frame is not None and dropout_p:
-                from keyinit.nn.functional import _check_p
-
-                with _GuardSuspended(self.ctx):
-                    return _keyed_sdpa(self.ctx, frame, _check_p(dropout_p), args, kwargs)
-        elif func is self.mha:
-            frame = self.ctx._current_frame()
-            if frame is not None:
-                with _GuardSuspended(self.ctx):
-                    out = _keyed_mha(self.ctx, frame, args, kwargs)
-                if out is not None:
-                    return out
-        return func(*args, **kwargs)
-
-
-class _GuardSuspended:
-    """Leaves this thread's seeded-op guard while keyinit's own code (which draws nothing unkeyed) runs.
-
-    Every ATen op under a Python dispatch mode costs a trip through Python, and the
-    ``keyinit::dropout`` custom op takes torch's slow path there; keyinit's handlers
-    only run keyed ops, torch's matmul/softmax and projections. Only when the guard is
-    the innermost dispatch mode (so no other mode's order changes).
-    """
-
-    __slots__ = ("guard",)
-
-    def __init__(self, ctx: "Keyed") -> None:
-        state = getattr(ctx._local, "state", None)
-        guard = state.modes[-1] if state is not None and state.modes else None
-        self.guard = guard if guard is not None and _current_dispatch_mode() is guard else None
-
-    def __enter__(self) -> None:
-        if self.guard is not None:
-            self.guard.__exit__(None, None, None)
-
-    def __exit__(self, *exc_info: Any) -> None:
-        if self.guard is not None:
-            self.guard.__enter__()
-
-
-def _current_dispatch_mode() -> Any:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return _get_current_dispatch_mode()
-
-
-def _draws_nothing(func, args: tuple, kwargs: dict) -> bool:
-    """A seeded op that provably draws nothing: ``dropout_p``/``p`` equal to 0, or ``train``/``training`` False."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return False
-    for position, argument in enumerate(schema.arguments):
-        if argument.name not in ("dropout_p", "p", "train", "training"):
-            continue
-        if position < len(args):
-            value = args[position]
-        elif argument.name in kwargs:
-            value = kwargs[argument.name]
-        elif argument.has_default_value():
-            value = argument.default_value
-        else:
-            continue
-        if argument.name in ("train", "training"):
-            if value is False:
-                return True
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-            return True
-    return False
-
-
-class _SeededOpGuard(TorchDispatchMode):
-    """Raises on every ATen op tagged ``nondeterministic_seeded`` run inside one of the model's forwards."""
-
-    def __init__(self, ctx: "Keyed") -> None:
-        super().__init__()
-        self.ctx = ctx
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            frame = self.ctx._current_frame()
-            if frame is not None and not _draws_nothing(func, args, kwargs):
-                if frame.foreign:
-                    _refuse_foreign(self.ctx, frame, str(func))
-                raise UnkeyedRandomnessError(
-                    f"{frame.describe()}: {func} inside a keyinit.nn.keyed forward draws from torch's random "
-                    "number generator, which keyinit cannot key (the values would depend on the RNG state and "
-                    "on the layout). Only dropout (F.dropout, torch.dropout, nn.Dropout*, keyinit.nn.Dropout) and "
-                    "attention dropout (F.scaled_dot_product_attention, nn.MultiheadAttention, nn.Transformer*Layer) "
-                    "are keyed; for other noise use keyinit.random with a key from keyinit.nn.dropout_key."
-                )
-        return func(*args, **kwargs)

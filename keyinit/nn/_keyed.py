@@ -43,20 +43,30 @@ there); any other overlap of two active contexts is a ``RuntimeError``.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from keyinit.fqn import canonical_modules
-from keyinit.keys import Key, _as_uint64, key
-from keyinit.nn._intercept import _DropoutFunctionMode, _Frame, _SeededOpGuard
+from keyinit.keys import Key, _as_uint64, fold_in, key
+from keyinit.nn._batch import Batch, annotate, declared, record
+from keyinit.nn._intercept import _Frame
+from keyinit.nn._keys import keyed_call_key
+from keyinit.nn._modes import _BatchMode, _FunctionMode
 
-__all__ = ["keyed", "Keyed", "inside_keyed_forward"]
+__all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward"]
+
+INDEX_RULES = ("tracked", "dim0")
 
 _state = threading.local()  # .active: list of Keyed entered in this thread, innermost last
 _entered_lock = threading.Lock()
 _entered: list = []  # every Keyed entered and not yet exited, in any thread
+# Contexts left while tensors of their forwards were alive: their hooks key the recomputes that activation
+# checkpointing runs in a backward() after the block, until the next keyed() is entered (see Keyed.__exit__).
+_lingering: list = []
 
 def _active() -> list:
     active = getattr(_state, "active", None)
@@ -92,12 +102,83 @@ def _mode_is_active(mode: Any) -> bool:
 class _ThreadState:
     """One thread's forwards of a keyed model: its frame stack and its own mode objects."""
 
-    __slots__ = ("frames", "modes", "foreign")
+    __slots__ = ("frames", "modes", "foreign", "pending")
 
     def __init__(self, ctx: "Keyed", foreign: bool) -> None:
         self.frames: list[_Frame] = []
-        self.modes: list[Any] = [_DropoutFunctionMode(ctx), _SeededOpGuard(ctx)]
+        self.modes: list[Any] = [_FunctionMode(ctx), _BatchMode(ctx)]
         self.foreign = foreign
+        self.pending: Any = None  # the batch of the factory the function mode is running
+
+
+class _Forward:
+    """One root forward: an outermost module execution in a keyed block, and the rows it holds.
+
+    ``start`` is the global sample of its inputs' row 0 (``sample_offset`` plus the
+    micro-batch's offset); ``repeat`` counts the earlier root forwards of the same
+    module in the block whose rows overlap these (a double forward, R-Drop), and
+    is folded into every key of this forward when it is not 0.
+    """
+
+    __slots__ = ("start", "count", "repeat", "fqn", "constants", "owner", "grad", "drew", "records", "__weakref__")
+
+    def __init__(self, ctx: "Keyed", fqn: str, start: int, count: int, repeat: int) -> None:
+        self.fqn, self.start, self.count, self.repeat = fqn, start, count, repeat
+        self.constants = ctx._constants  # ids of the model's buffers: replicated unless computed otherwise
+        self.owner = weakref.ref(ctx)
+        self.grad = torch.is_grad_enabled()  # autograd on at the start (off inside: reentrant checkpointing)
+        self.drew = False  # a keyed draw was made: later forwards of these rows are repeats
+        self.records = WeakIdKeyDictionary()  # tensor -> its batch record (keyinit.nn._batch)
+
+    def call_key(self, ctx: "Keyed", fqn: str, ordinal: int) -> Key:
+        if not self.drew:
+            self.drew = True
+            ctx._history.setdefault(self.fqn, []).append((self.start, self.start + self.count))
+        k = keyed_call_key(ctx.root, ctx.step, fqn, ordinal)
+        if self.repeat:
+            k = fold_in(fold_in(k, "repeat"), self.repeat)
+        return k
+
+
+def current_forward() -> Optional[_Forward]:
+    """The root forward running in this thread inside an active ``keyed``, or None."""
+    for ctx in reversed(_active()):
+        frame = ctx._current_frame()
+        if frame is not None:
+            return frame.forward
+    return None
+
+
+def _sequence_first_module(module: torch.nn.Module) -> bool:
+    """torch's transformer modules built sequence-first (``batch_first=False``, torch's default)."""
+    nn = torch.nn
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return not module.self_attn.batch_first
+    if isinstance(module, nn.MultiheadAttention):
+        return not module.batch_first
+    if isinstance(module, nn.Transformer):
+        return not module.batch_first
+    if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and len(module.layers):
+        return _sequence_first_module(module.layers[0])
+    return False
+
+
+def _input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif depth < 2 and isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v, depth + 1)
+        elif depth < 2 and isinstance(value, dict):
+            for v in value.values():
+                visit(v, depth + 1)
+
+    visit(args, 0)
+    visit(kwargs, 0)
+    return found
 
 
 def _module_fqn(root: torch.nn.Module, module: torch.nn.Module) -> Optional[str]:
@@ -158,9 +239,13 @@ def _sequence_first_dropouts(model: torch.nn.Module) -> frozenset[int]:
 class Keyed:
     """The context manager :func:`keyed` returns (single use; enter it with ``with``)."""
 
-    def __init__(self, model: torch.nn.Module, seed: Union[int, Key], step: int, sample_offset: Optional[int]) -> None:
+    def __init__(self, model: torch.nn.Module, seed: Union[int, Key], step: int, sample_offset: Optional[int],
+                 index: str = "tracked") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"keyed: model must be a torch.nn.Module, got {type(model).__name__}")
+        if index not in INDEX_RULES:
+            raise ValueError(f"keyed: index must be one of {INDEX_RULES}, got {index!r}")
+        self.index = index
         self.model = model
         #: The root of every dropout key (:func:`keyinit.nn.dropout_key`'s ``seed``); ``key`` checks an int.
         self.root = seed if isinstance(seed, Key) else key(seed)
@@ -174,6 +259,11 @@ class Keyed:
         self._covered_by: Optional["Keyed"] = None  # an outer context that keys this model already
         self._sequence_first: frozenset[int] = frozenset()  # see _sequence_first_dropouts
         self._state = "new"
+        self._rows = 0  # the running micro-batch's first sample, relative to sample_offset (micro_batch)
+        self._history: dict[str, list[tuple[int, int]]] = {}  # root module FQN -> rows of its root forwards
+        self._replays: dict[tuple, tuple[Any, "_Forward"]] = {}  # see _remember
+        self._forwards: list[_Forward] = []  # the root forwards of the block (for recomputes in backward)
+        self._constants: frozenset[int] = frozenset()
 
     def __repr__(self) -> str:
         return (f"keyed({type(self.model).__name__}, seed={self.seed}, step={self.step}, "
@@ -191,10 +281,95 @@ class Keyed:
             return state.frames[-1]
         return None
 
+    def _root_forward(self, module: torch.nn.Module, fqn: str, args: tuple, kwargs: dict) -> "_Forward":
+        """A new root forward: its rows, its repeat count, and its inputs' batch records."""
+        start = self.sample_offset + self._rows
+        tensors = _input_tensors(args, kwargs)
+        default_dim = 1 if _sequence_first_module(module) else 0
+        count = None
+        dims: list[Optional[int]] = []
+        for t in tensors:
+            mark = declared(t)
+            dim = mark[1] if mark is not None else (default_dim if t.dim() > default_dim else None)
+            dims.append(dim)
+            if count is None and dim is not None:
+                count = int(t.shape[dim])
+        count = count or 0
+        rows = self._history.get(fqn, [])
+        repeat = sum(1 for a, b in rows if a < start + count and start < b) if count else len(rows)
+        forward = _Forward(self, fqn, start, count, repeat)
+        self._forwards.append(forward)
+        if self.index == "tracked":
+            for t, dim in zip(tensors, dims):
+                explicit = declared(t) is not None
+                if dim is not None and (explicit or int(t.shape[dim]) == count):
+                    annotate(t, forward, Batch(dim, int(t.shape[dim]), start))
+        return forward
+
+    def _check_sequence_first(self, module: torch.nn.Module, frame: _Frame, args: tuple, kwargs: dict) -> None:
+        """A sequence-first torch layer inside the model whose input's batch is its dimension 0: the model's
+        inputs were read batch-first, which this layer contradicts."""
+        tensors = _input_tensors(args, kwargs)
+        if not tensors:
+            return
+        rec = record(tensors[0], frame.forward)
+        if isinstance(rec, Batch) and rec.dim == 0 and tensors[0].dim() == 3:
+            from keyinit.errors import UnkeyedRandomnessError
+
+            raise UnkeyedRandomnessError(
+                f"{frame.describe()} is sequence-first (batch_first=False: its input is (sequence, batch, "
+                f"features)), but keyinit tracked its {tuple(tensors[0].shape)} input's batch in dimension 0 (the "
+                "model's inputs are read batch-first unless declared). Declare the model input's batch dimension "
+                "with keyinit.nn.batch_dim(x, 1) before the forward, or build the layer with batch_first=True"
+            )
+
+    def _replay_key(self, fqn: str, t: torch.Tensor) -> tuple:
+        return (fqn, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+    def _remember(self, fqn: str, forward: "_Forward", args: tuple, kwargs: dict) -> None:
+        """A module run with autograd off inside a forward that had it on (reentrant activation
+        checkpointing): its first input is remembered, for the recompute in backward to find this forward."""
+        tensors = _input_tensors(args, kwargs)
+        if tensors:
+            self._replays[self._replay_key(fqn, tensors[0])] = (weakref.ref(tensors[0]), forward)
+
+    def _recomputed(self, fqn: str, args: tuple, kwargs: dict) -> Optional["_Forward"]:
+        """The forward whose execution of module ``fqn`` a forward run in backward recomputes, or None."""
+        tensors = _input_tensors(args, kwargs)
+        for t in tensors:  # non-reentrant checkpointing: the very input tensors of the first execution
+            holders = [forward for forward in self._forwards if t in forward.records]
+            if holders:  # the root forward of this module itself, else the one it ran inside
+                return next((f for f in holders if f.fqn == fqn), holders[0])
+        if tensors:  # reentrant checkpointing: detached inputs, the same memory
+            found = self._replays.get(self._replay_key(fqn, tensors[0]))
+            if found is not None and found[0]() is not None:
+                forward = found[1]
+                for t in tensors:
+                    original = record(t, forward)
+                    annotate(t, forward, original)
+                return forward
+        return None
+
     def _pre_hook(self, fqn: str) -> Callable:
-        def hook(module: torch.nn.Module, args: Any) -> None:
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             state = self._thread_state()
-            frame = _Frame(module, fqn, state.foreign)
+            foreign = state.foreign
+            if state.frames:
+                forward = state.frames[-1].forward
+                if forward.grad and not torch.is_grad_enabled():
+                    self._remember(fqn, forward, args, kwargs)
+            else:
+                in_backward = torch._C._current_graph_task_id() != -1
+                forward = self._recomputed(fqn, args, kwargs) if in_backward else None
+                if forward is not None:
+                    foreign = False  # a recompute runs in autograd's thread, with the first execution's keys
+                elif self._state != "entered":
+                    return  # left: only recomputes of its own forwards are keyed
+                else:
+                    forward = self._root_forward(module, fqn, args, kwargs)
+                    if not torch.is_grad_enabled():
+                        self._remember(fqn, forward, args, kwargs)
+            frame = _Frame(module, fqn, foreign, forward)
             # The modes are active only while one of the model's forwards runs: entered by the outermost
             # forward (and again by a forward that activation checkpointing recomputes in backward, where
             # the autograd engine does not carry torch-function modes), exited by its post-hook.
@@ -203,6 +378,12 @@ class Keyed:
                     mode.__enter__()
                     frame.pushed.append(mode)
             state.frames.append(frame)
+            if self.index == "tracked" and len(state.frames) > 1 and _sequence_first_module(module):
+                try:
+                    self._check_sequence_first(module, frame, args, kwargs)
+                except BaseException:
+                    self._post_hook()(module, args, None)
+                    raise
 
         return hook
 
@@ -212,6 +393,8 @@ class Keyed:
             if state is None:
                 return
             frames = state.frames
+            if not any(frame.module is module for frame in frames):
+                return  # a forward this context did not key (after the context was left)
             while frames:  # robust to a forward that raised inside a child
                 frame = frames.pop()
                 for mode in reversed(frame.pushed):
@@ -254,15 +437,20 @@ class Keyed:
         self._state = "entered"
         if not self._check_nesting():
             return self  # keyed by the outer context, with this module's FQN there
+        with _entered_lock:
+            lingering = list(_lingering)
+        for old in lingering:  # contexts left with recomputes pending: done once another keyed() begins
+            old._teardown()
         self._thread = threading.get_ident()
         self._owner = self._thread_state()
+        self._constants = frozenset(id(b) for b in self.model.buffers())
         seen: set[int] = set()
         try:
             for _, fqn, module in canonical_modules(self.model):
                 if id(module) in seen:
                     continue
                 seen.add(id(module))
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn)))
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
             self._sequence_first = _sequence_first_dropouts(self.model)
             _active().append(self)
@@ -274,28 +462,76 @@ class Keyed:
             raise
         return self
 
-    def _teardown(self) -> None:
+    def micro_batch(self, offset: int) -> "_MicroBatch":
+        """Context manager: root forwards inside hold the rows from ``sample_offset + offset`` on.
+
+        For several forwards of one keyed block over different rows of the step's batch
+        (gradient accumulation, pipeline micro-batches): each micro-batch's first sample
+        is ``offset`` rows after this context's ``sample_offset``. Its masks are then the
+        ones the whole batch's forward draws for those rows.
+        """
+        return _MicroBatch(self, _as_uint64(offset, "offset"))
+
+    def _leave_frames(self) -> None:
         owner = self._owner
         if owner is not None:
             for frame in reversed(owner.frames):  # a forward left without its post-hook (e.g. an exception)
                 for mode in reversed(frame.pushed):
                     mode.__exit__(None, None, None)
             owner.frames.clear()
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+
+    def _forget(self) -> None:
         if self in _active():
             _active().remove(self)
         with _entered_lock:
             if self in _entered:
                 _entered.remove(self)
 
+    def _teardown(self) -> None:
+        self._leave_frames()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._forget()
+        self._forwards, self._replays = [], {}
+        with _entered_lock:
+            if self in _lingering:
+                _lingering.remove(self)
+        self._state = "exited"
+
     def __exit__(self, *exc_info: Any) -> None:
+        if self._handles and exc_info[0] is None and any(len(f.records) for f in self._forwards):
+            # Tensors of its forwards are alive (saved for a backward outside the block): the hooks stay, and
+            # key only the recomputes of those forwards that activation checkpointing runs in backward()
+            # (see _pre_hook), until the next keyed() is entered.
+            self._leave_frames()
+            self._forget()
+            self._replays = {k: v for k, v in self._replays.items() if v[0]() is not None}
+            self._state = "lingering"
+            with _entered_lock:
+                _lingering.append(self)
+            return
         self._teardown()
         self._state = "exited"
 
 
-def keyed(model: torch.nn.Module, seed: Union[int, Key], *, step: int, sample_offset: Optional[int] = None) -> Keyed:
+class _MicroBatch:
+    __slots__ = ("ctx", "offset", "saved")
+
+    def __init__(self, ctx: Keyed, offset: int) -> None:
+        self.ctx, self.offset, self.saved = ctx, offset, 0
+
+    def __enter__(self) -> Keyed:
+        self.saved = self.ctx._rows
+        self.ctx._rows = self.offset
+        return self.ctx
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.ctx._rows = self.saved
+
+
+def keyed(model: torch.nn.Module, seed: Union[int, Key], *, step: int, sample_offset: Optional[int] = None,
+          index: str = "tracked") -> Keyed:
     """Key every dropout in ``model``'s forward by (seed, step, module FQN, call ordinal, global index).
 
     Use it around each forward (and backward, if activation checkpointing
@@ -331,4 +567,4 @@ def keyed(model: torch.nn.Module, seed: Union[int, Key], *, step: int, sample_of
     ``sample_offset=0``. Batch-sharded DTensor activations place their rows
     themselves (their placements add to ``sample_offset``).
     """
-    return Keyed(model, seed, step, sample_offset)
+    return Keyed(model, seed, step, sample_offset, index)

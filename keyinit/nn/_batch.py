@@ -1,0 +1,258 @@
+"""The model of the batch: which sample each element of an activation belongs to, tracked op by op.
+
+:func:`keyinit.nn.keyed` keys a random op's output per sample. It does not guess
+the batch from a shape: the model's inputs say where their batch is (dimension
+0, or what :func:`batch_dim` declares), and every ATen op run in the keyed
+forward carries that fact from its inputs to its outputs by a rule of the op
+(views and reshapes, transposes, slicing, ``cat``/``split``, broadcasting
+pointwise ops, matmuls, convolutions, norms, reductions, embeddings, ...).
+
+:class:`Batch` describes one tensor: its dimension ``dim`` has size
+``outer * count * inner``, and index ``i`` of that dimension belongs to local
+sample ``(i // inner) % count``, global sample ``start + (i // inner) % count``.
+So ``(B*H, L, S)`` attention scores are ``Batch(dim=0, count=B, inner=H)`` and
+``(L*B, D)`` flattened sequence-first rows ``Batch(dim=0, count=B, inner=1)``
+with ``outer = L``. ``dim = None`` means every element belongs to sample
+``start`` (a selected row).
+
+A tensor's record is kept by the root forward that made it (a weak map: it dies
+with the tensor, and another forward does not see it). A tensor without a record
+(a parameter, a buffer, a constant) holds no batch: it is *replicated*. An op
+without a rule whose inputs hold a batch gives outputs whose batch is
+*unknown*; a random op on such a tensor raises
+:class:`~keyinit.errors.UnkeyedRandomnessError` rather than guess.
+
+Sizes carry the fact too: inside a keyed forward, ``x.shape``/``x.size()`` of a
+tensor whose batch dimension is exactly the batch (``outer = inner = 1``) give a
+:class:`BatchSize` (an ``int``) there, so ``torch.rand(x.shape[0], L)`` and
+``x.new_empty((x.shape[0], 1, 1))`` know their dimension 0 is the batch.
+Arithmetic on a ``BatchSize`` gives a :class:`DerivedSize`: a factory sized by
+it holds an unknown batch (``B * H`` does not say whether ``B`` is outer).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence, Union
+
+import attrs
+import torch
+
+__all__ = ["Batch", "Unknown", "Foreign", "FOREIGN", "BatchSize", "DerivedSize", "batch_dim", "record", "annotate", "canonical"]
+
+
+@attrs.frozen
+class Batch:
+    """Where the samples are in one tensor (see the module docstring)."""
+
+    dim: Optional[int]
+    count: int
+    start: int
+    inner: int = 1
+
+    def moved(self, dim: Optional[int]) -> "Batch":
+        return attrs.evolve(self, dim=dim)
+
+
+@attrs.frozen
+class Unknown:
+    """A tensor computed from batch-holding inputs by an op keyinit has no rule for."""
+
+    why: str
+
+
+@attrs.frozen
+class Foreign:
+    """A tensor that entered the forward from outside: not an input, a parameter, a buffer or a tensor the
+    forward computed (a forward hook's replacement output, a tensor held in a Python attribute)."""
+
+
+FOREIGN = Foreign()
+Record = Union[Batch, Unknown, Foreign, None]  # None: replicated (no batch)
+_MISSING = object()
+_DECLARED = "_keyinit_batch_dim"
+
+
+class BatchSize(int):
+    """The size of a batch dimension (an ``int``), as ``x.shape`` gives it inside a keyed forward."""
+
+    batch: Batch
+
+    def __new__(cls, value: int, batch: Batch) -> "BatchSize":
+        self = super().__new__(cls, value)
+        self.batch = batch
+        return self
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+    def _derived(self, value: Any) -> Any:
+        return DerivedSize(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    def __add__(self, other: Any) -> Any: return self._derived(int(self) + other) if isinstance(other, int) else NotImplemented
+    def __radd__(self, other: Any) -> Any: return self.__add__(other)
+    def __sub__(self, other: Any) -> Any: return self._derived(int(self) - other) if isinstance(other, int) else NotImplemented
+    def __rsub__(self, other: Any) -> Any: return self._derived(other - int(self)) if isinstance(other, int) else NotImplemented
+    def __mul__(self, other: Any) -> Any: return self._derived(int(self) * other) if isinstance(other, int) else NotImplemented
+    def __rmul__(self, other: Any) -> Any: return self.__mul__(other)
+    def __floordiv__(self, other: Any) -> Any: return self._derived(int(self) // other) if isinstance(other, int) else NotImplemented
+
+
+class DerivedSize(BatchSize):
+    """An ``int`` computed from a batch size: a factory sized by it holds an unknown batch."""
+
+    def __new__(cls, value: int) -> "DerivedSize":  # type: ignore[override]
+        self = int.__new__(cls, value)
+        self.batch = None  # type: ignore[assignment]
+        return self
+
+
+def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+    """Declare where ``tensor``'s batch is for :func:`keyinit.nn.keyed`; returns ``tensor``.
+
+    Before the forward (a model input): ``dim`` is the dimension that indexes the
+    samples (``0`` is the default for every input whose dimension 0 has the batch's
+    size), or ``None`` for an input that holds no batch (replicated: the same for
+    every sample, e.g. a position table). Inside a keyed forward: the tensor's
+    dimension ``dim`` holds the samples of the running forward, in order.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"batch_dim: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if dim is not None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(f"batch_dim: dim must be None or a dimension of the {tensor.dim()}-D tensor, got {dim!r}")
+        dim %= tensor.dim()
+    setattr(tensor, _DECLARED, ("declared", dim))
+    from keyinit.nn._keyed import current_forward
+
+    forward = current_forward()
+    if forward is not None:
+        record = None if dim is None else Batch(dim, int(tensor.shape[dim]), forward.start)
+        annotate(tensor, forward, record)
+    return tensor
+
+
+def declared(tensor: torch.Tensor) -> Any:
+    """``("declared", dim)`` if :func:`batch_dim` was called on ``tensor``, else None."""
+    return getattr(tensor, _DECLARED, None)
+
+
+def record(tensor: Any, forward: Any) -> Record:
+    """The batch record of ``tensor`` in ``forward`` (None: replicated)."""
+    found = forward.records.get(tensor, _MISSING)
+    if found is not _MISSING:
+        return found
+    mark = getattr(tensor, _DECLARED, None)
+    if mark is not None:  # declared with batch_dim before the forward: its rows are the forward's
+        dim = mark[1]
+        return None if dim is None else Batch(dim, int(tensor.shape[dim]), forward.start)
+    local = getattr(tensor, "_local_tensor", None)
+    if local is not None and local is not tensor:
+        found = _dtensor_record(tensor, record(local, forward))
+        if isinstance(found, Foreign) and tensor.dim():
+            # a DTensor built outside the ops keyinit sees (tensor-parallel hooks, redistribute): its
+            # GLOBAL dimension 0 is the batch, as docs/spec.md 14.4 states for DTensor activations
+            return Batch(0, int(tensor.shape[0]), forward.start)
+        return found
+    if tensor.dim() == 0 or isinstance(tensor, torch.nn.Parameter) or id(tensor) in forward.constants:
+        return None
+    return FOREIGN
+
+
+def _dtensor_record(tensor: Any, local: Record) -> Record:
+    """A DTensor made from a local tensor (``DTensor.from_local``, tensor-parallel hooks): its local
+    tensor's batch, when no placement shards the batch dimension (else the DTensor's rows are another
+    rank's too)."""
+    if not isinstance(local, Batch) or local.dim is None:
+        return local
+    from torch.distributed.tensor import Replicate
+
+    for placement in tensor.placements:
+        if not isinstance(placement, Replicate) and getattr(placement, "dim", None) == local.dim:
+            return Unknown(f"a DTensor whose placements {tuple(tensor.placements)} shard its batch dimension "
+                           f"{local.dim}")
+    return local
+
+
+def annotate(tensor: Any, forward: Any, value: Record) -> None:
+    if isinstance(tensor, torch.Tensor):
+        forward.records[tensor] = value
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what: str) -> Record:
+    """The record of a broadcast result of ``ndim`` dims from ``(record, input ndim, size at its batch dim)``."""
+    found: Record = None
+    foreign = False
+    for rec, in_ndim, size in records:
+        if rec is None:
+            continue
+        if isinstance(rec, Unknown):
+            return rec
+        if isinstance(rec, Foreign):
+            foreign = True
+            continue
+        if rec.dim is None:
+            aligned: Batch = rec
+        else:
+            if size == 1 and rec.count == 1 and rec.inner == 1:
+                # a batch of one broadcast against the others: the same values for every sample
+                continue
+            aligned = rec.moved(rec.dim + ndim - in_ndim)
+        if found is None:
+            found = aligned
+        elif found != aligned:
+            return Unknown(f"{what} combines tensors whose batches are laid out differently ({found} and {aligned})")
+    return FOREIGN if found is None and foreign else found
+
+
+def reshape(rec: Batch, old: Sequence[int], new: Sequence[int], what: str) -> Record:
+    """The record after a row-major reshape from ``old`` to ``new``."""
+    if rec.dim is None:
+        return rec
+    if rec.count == 0 or math.prod(new) == 0:
+        return Batch(None, rec.count, rec.start)
+    period = rec.inner * math.prod(old[rec.dim + 1:])  # flat elements from one sample to the next
+    block = period * rec.count  # one run through every local sample
+    suffix = 1  # elements of the new dimensions after d
+    for d in range(len(new) - 1, -1, -1):
+        if suffix > period:
+            break
+        # dimension d holds the batch iff its stride divides the period and it spans whole runs
+        if period % suffix == 0 and (new[d] * suffix) % block == 0:
+            return Batch(d, rec.count, rec.start, period // suffix)
+        suffix *= new[d]
+    return Unknown(f"{what} splits the batch dimension across dimensions ({tuple(old)} -> {tuple(new)})")
+
+
+def sliced(rec: Batch, dim: int, size: int, start: int, end: int, step: int, what: str) -> Record:
+    if rec.dim != dim:
+        return rec
+    outer = size // (rec.count * rec.inner)
+    start, end = max(0, min(start, size)), max(0, min(end, size))
+    if outer == 1 and step == 1 and start % rec.inner == 0 and end % rec.inner == 0:
+        return Batch(dim, max(0, end - start) // rec.inner, rec.start + start // rec.inner, rec.inner)
+    if start == 0 and end >= size and step == 1:
+        return rec
+    return Unknown(f"{what} slices the batch dimension {dim} ([{start}:{end}:{step}] of {size})")
+
+
+def canonical(shape: Sequence[int], rec: Batch) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(split, order, sample_shape)`` for a tensor of ``shape`` with batch ``rec``.
+
+    ``tensor.reshape(split)`` separates the batch dimension into ``(outer, count,
+    inner)``; ``permute(order)`` of that puts the samples first, followed by the
+    element's index within its sample in row-major order of ``sample_shape``:
+    the dimensions before the batch, ``outer``, ``inner``, the dimensions after.
+    """
+    shape = tuple(int(n) for n in shape)
+    if rec.dim is None:
+        return (1,) + shape, tuple(range(len(shape) + 1)), shape
+    d = rec.dim
+    outer = shape[d] // (rec.count * rec.inner)
+    split = shape[:d] + (outer, rec.count, rec.inner) + shape[d + 1:]
+    order = (d + 1,) + tuple(range(d + 1)) + tuple(range(d + 2, len(split)))
+    sample_shape = shape[:d] + (outer, rec.inner) + shape[d + 1:]
+    return split, order, sample_shape

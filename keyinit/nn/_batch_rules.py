@@ -1,0 +1,457 @@
+"""How each ATen op carries the batch from its inputs to its outputs (:mod:`keyinit.nn._batch`).
+
+:func:`propagate` is called by the keyed forward's dispatch mode after every op
+whose inputs hold a batch. Rules are by op family:
+
+- views and copies that keep the shape (``clone``, ``_to_copy``, ``detach``, ...),
+  pointwise ops (``torch.Tag.pointwise``) and the ``*_like`` factories: the
+  inputs' batch, broadcast-aligned;
+- reshapes (``view``, ``_unsafe_view``, ``reshape``): :func:`keyinit.nn._batch.reshape`;
+- ``transpose``/``t``/``permute``, ``unsqueeze``/``squeeze``, ``expand``,
+  ``select``/``slice``/``split``/``chunk``/``unbind``, ``cat``, ``index_select``,
+  ``gather``, ``embedding``, ``constant_pad_nd``, ``flip``/``roll``;
+- ``mm``/``addmm``/``bmm``/``baddbmm``, ``convolution``, the norms and softmaxes,
+  fused attention (its output is the query's), reductions (a reduced batch
+  dimension leaves a replicated result).
+
+Any other op whose inputs hold a batch gives outputs of unknown batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from keyinit.nn._batch import FOREIGN, Batch, Foreign, Record, Unknown, merge, reshape, sliced
+
+__all__ = ["propagate"]
+
+
+def _dims(dims: Any, ndim: int) -> list[int]:
+    if dims is None:
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted({int(d) % ndim for d in dims}) if ndim else []
+
+
+def _same(rec: Record, *_: Any) -> Record:
+    return rec
+
+
+def _pointwise(func: Any, args: tuple, kwargs: dict, outs: list, records: list) -> list[Record]:
+    """Every output broadcast from every tensor input."""
+    inputs = [(rec, t.dim(), (int(t.shape[rec.dim]) if isinstance(rec, Batch) and rec.dim is not None else None))
+              for t, rec in records]
+    return [merge(inputs, o.dim(), str(func)) if isinstance(o, torch.Tensor) else None for o in outs]
+
+
+def _first(records: list) -> tuple[torch.Tensor, Record]:
+    return records[0]
+
+
+def _permuted(rec: Record, order: Sequence[int]) -> Record:
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return rec
+    return rec.moved(list(order).index(rec.dim))
+
+
+def _removed(rec: Record, removed: Sequence[int], keepdim: bool) -> Record:
+    """After a reduction over ``removed`` dims."""
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return rec
+    if rec.dim in removed:
+        return None  # the batch is reduced: the result is the same for every sample
+    if keepdim:
+        return rec
+    return rec.moved(rec.dim - sum(1 for d in removed if d < rec.dim))
+
+
+def _arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            if i < len(args) and not a.kwarg_only:
+                return args[i]
+            return kwargs.get(name, a.default_value if a.has_default_value() else default)
+    return default
+
+
+def _rule_view(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    if isinstance(rec, Unknown) or rec is None:
+        return [rec]
+    return [reshape(rec, tuple(t.shape), tuple(outs[0].shape), str(func))]
+
+
+def _rule_transpose(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    n = t.dim()
+    name = func._schema.name
+    if name in ("aten::t", "aten::numpy_T"):
+        order = list(range(n))[::-1]
+    elif name == "aten::permute":
+        order = [int(d) % n for d in args[1]]
+    else:
+        d0, d1 = int(args[1]) % max(n, 1), int(args[2]) % max(n, 1)
+        order = list(range(n))
+        order[d0], order[d1] = order[d1], order[d0]
+    return [_permuted(rec, order)]
+
+
+def _rule_unsqueeze(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return [rec]
+    d = int(args[1]) % (t.dim() + 1)
+    return [rec.moved(rec.dim + 1 if d <= rec.dim else rec.dim)]
+
+
+def _rule_squeeze(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return [rec]
+    dims = [d for d in _dims(args[1] if len(args) > 1 else None, t.dim()) if t.shape[d] == 1]
+    if rec.dim in dims:
+        return [rec.moved(None)]  # one element along the batch: all of it one sample
+    return [rec.moved(rec.dim - sum(1 for d in dims if d < rec.dim))]
+
+
+def _rule_expand(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return [rec]
+    return [rec.moved(rec.dim + outs[0].dim() - t.dim())]
+
+
+def _rule_select(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return [rec]
+    dim = int(args[1]) % t.dim()
+    if dim != rec.dim:
+        return [rec.moved(rec.dim - (1 if dim < rec.dim else 0))]
+    size = int(t.shape[dim])
+    if size == rec.count and rec.inner == 1:
+        index = int(args[2]) % size
+        return [Batch(None, 1, rec.start + index)]
+    return [Unknown(f"{func} selects one index of the merged batch dimension {dim}")]
+
+
+def _rule_slice(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return [rec]
+    dim = int(_arg(func, args, kwargs, "dim", 0)) % t.dim()
+    size = int(t.shape[dim])
+    start = _arg(func, args, kwargs, "start", None)
+    end = _arg(func, args, kwargs, "end", None)
+    step = int(_arg(func, args, kwargs, "step", 1))
+    start = 0 if start is None else int(start)
+    end = size if end is None else int(end)
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    return [sliced(rec, dim, size, start, end, step, str(func))]
+
+
+def _rule_split(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    pieces = outs
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return [rec] * len(pieces)
+    name = func._schema.name
+    dim = int(_arg(func, args, kwargs, "dim", 0)) % t.dim()
+    if name == "aten::unbind":
+        if dim != rec.dim:
+            return [rec.moved(rec.dim - (1 if dim < rec.dim else 0))] * len(pieces)
+        if rec.inner == 1 and int(t.shape[dim]) == rec.count:
+            return [Batch(None, 1, rec.start + i) for i in range(len(pieces))]
+        return [Unknown(f"{func} of the merged batch dimension")] * len(pieces)
+    result, offset, size = [], 0, int(t.shape[dim])
+    for piece in pieces:
+        n = int(piece.shape[dim])
+        result.append(sliced(rec, dim, size, offset, offset + n, 1, str(func)))
+        offset += n
+    return result
+
+
+def _rule_cat(func, args, kwargs, outs, records):
+    tensors = args[0]
+    dim = int(_arg(func, args, kwargs, "dim", 0))
+    recs = []
+    for t in tensors:
+        rec = next((r for tt, r in records if tt is t), None)
+        recs.append((t, rec))
+    nd = outs[0].dim()
+    dim %= max(nd, 1)
+    live = [(t, r) for t, r in recs if not (t.dim() == 1 and t.numel() == 0)]
+    if any(isinstance(r, Unknown) for _, r in live):
+        return [next(r for _, r in live if isinstance(r, Unknown))]
+    batches = [r for _, r in live if isinstance(r, Batch)]
+    if not batches:
+        return [None]
+    if all(isinstance(r, Batch) and r.dim is not None and r.dim != dim for _, r in live):
+        first = batches[0]
+        if all(r == first for r in batches):
+            return [first]
+    if all(isinstance(r, Batch) and r.dim == dim and r.inner == 1 for _, r in live):
+        # samples concatenated in order: one run of consecutive samples
+        start, expect, ok = live[0][1].start, live[0][1].start, True
+        for t, r in live:
+            ok = ok and r.start == expect and int(t.shape[dim]) == r.count
+            expect += r.count
+        if ok:
+            return [Batch(dim, expect - start, start)]
+    return [Unknown(f"{func} joins tensors along dimension {dim} whose batches do not line up")]
+
+
+def _rule_index_select(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return [rec]
+    dim = int(args[1]) % t.dim()
+    if dim == rec.dim:
+        return [Unknown(f"{func} picks rows of the batch dimension by index")]
+    return [rec]
+
+
+def _rule_gather(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    index = args[2]
+    irec = next((r for tt, r in records if tt is index), None)
+    dim = int(args[1]) % max(t.dim(), 1)
+    if isinstance(rec, Batch) and rec.dim == dim:
+        return [Unknown(f"{func} gathers along the batch dimension")]
+    return [merge([(rec, t.dim(), None if not isinstance(rec, Batch) or rec.dim is None else int(t.shape[rec.dim])),
+                   (irec, index.dim(), None)], outs[0].dim(), str(func))]
+
+
+def _rule_embedding(func, args, kwargs, outs, records):
+    indices = args[1]
+    rec = next((r for tt, r in records if tt is indices), None)
+    return [rec]  # (*indices.shape, D): the indices' dimensions first
+
+
+def _rule_mm(func, args, kwargs, outs, records):
+    name = func._schema.name
+    if name in ("aten::addmm", "aten::baddbmm", "aten::addbmm"):
+        bias, a, b = args[0], args[1], args[2]
+    else:
+        bias, a, b = None, args[0], args[1]
+    rec = {id(t): r for t, r in records}
+    ra, rb = rec.get(id(a)), rec.get(id(b))
+    nd = outs[0].dim()
+    cands: list[tuple[Record, int, Optional[int]]] = []
+    if isinstance(ra, Unknown) or isinstance(rb, Unknown):
+        return [ra if isinstance(ra, Unknown) else rb]
+    if isinstance(ra, Batch):
+        if ra.dim is None or ra.dim == a.dim() - 1:
+            return [Unknown(f"{func} contracts the batch dimension of its first operand")]
+        cands.append((ra, nd, None))  # a's leading dims (and rows) are the output's
+    if isinstance(rb, Batch):
+        if rb.dim is None or rb.dim == b.dim() - 2:
+            return [Unknown(f"{func} contracts the batch dimension of its second operand")]
+        cands.append((rb, nd, None))
+    if bias is not None:
+        rbias = rec.get(id(bias))
+        cands.append((rbias, bias.dim(), None if not isinstance(rbias, Batch) or rbias.dim is None
+                      else int(bias.shape[rbias.dim])))
+    return [merge(cands, nd, str(func))]
+
+
+def _rule_first_input(func, args, kwargs, outs, records):
+    """Outputs laid out like the first tensor input's leading dims (conv, norms, fused attention, pooling)."""
+    t = args[0]
+    rec = next((r for tt, r in records if tt is t), None)
+    result = []
+    for o in outs:
+        if not isinstance(o, torch.Tensor):
+            result.append(None)
+        elif isinstance(rec, Batch) and rec.dim is not None and o.dim() > rec.dim and (
+                rec.inner == 1 and int(o.shape[rec.dim]) == int(t.shape[rec.dim])):
+            result.append(rec)
+        elif isinstance(rec, Batch) and rec.dim is not None:
+            result.append(Unknown(f"{func} changes the batch dimension"))
+        else:
+            result.append(rec)
+    return result
+
+
+def _rule_reduce(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    nd = t.dim()
+    dims = _arg(func, args, kwargs, "dim", None)
+    keepdim = bool(_arg(func, args, kwargs, "keepdim", False))
+    if dims is None and func._schema.name in ("aten::sum", "aten::mean", "aten::amax", "aten::amin", "aten::prod",
+                                              "aten::any", "aten::all", "aten::max", "aten::min", "aten::std",
+                                              "aten::var", "aten::norm", "aten::linalg_vector_norm", "aten::argmax",
+                                              "aten::argmin", "aten::count_nonzero", "aten::logsumexp"):
+        removed = list(range(nd))
+    else:
+        removed = _dims(dims, nd) if dims is not None and (not isinstance(dims, (list, tuple)) or len(dims)) else list(range(nd))
+    out = _removed(rec, removed, keepdim)
+    return [out if isinstance(o, torch.Tensor) else None for o in outs]
+
+
+def _rule_along(func, args, kwargs, outs, records):
+    """Ops along one dim that keep the shape (softmax, cumsum, sort, topk, ...): positions kept unless
+    the op reorders the batch dimension."""
+    t, rec = records[0]
+    dim = _arg(func, args, kwargs, "dim", -1)
+    if isinstance(rec, Batch) and rec.dim is not None and t.dim() and int(dim) % t.dim() == rec.dim and \
+            func._schema.name in ("aten::sort", "aten::topk", "aten::argsort", "aten::kthvalue"):
+        return [Unknown(f"{func} reorders the batch dimension")] * len(outs)
+    return [rec if isinstance(o, torch.Tensor) else None for o in outs]
+
+
+def _rule_pad(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return [rec]
+    pad = list(args[1])
+    padded = {t.dim() - 1 - i // 2 for i, v in enumerate(pad) if v}
+    if rec.dim in padded:
+        return [Unknown(f"{func} pads the batch dimension")]
+    return [rec]
+
+
+def _rule_flip(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return [rec]
+    dims = _dims(args[1] if len(args) > 1 else kwargs.get("dims"), t.dim())
+    if func._schema.name == "aten::roll" and len(args) < 3 and "dims" not in kwargs:
+        dims = list(range(t.dim()))  # roll without dims flattens
+    if rec.dim in dims:
+        return [Unknown(f"{func} moves elements along the batch dimension")]
+    return [rec]
+
+
+def _rule_repeat(func, args, kwargs, outs, records):
+    t, rec = records[0]
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return [rec]
+    repeats = list(args[1])
+    extra = len(repeats) - t.dim()
+    if repeats[extra + rec.dim] != 1:
+        return [Unknown(f"{func} repeats the batch dimension")]
+    return [rec.moved(rec.dim + extra)]
+
+
+def _rule_collective_dim0(func, args, kwargs, outs, records):
+    """all_gather / reduce_scatter along dimension 0: other ranks' rows join or leave dimension 0."""
+    t, rec = records[0]
+    if isinstance(rec, Batch) and rec.dim == 0:
+        return [Unknown(f"{func} exchanges rows of the batch dimension with other ranks")]
+    return [rec]
+
+
+_SAME = {
+    "_c10d_functional::all_reduce", "_c10d_functional::wait_tensor", "_c10d_functional::broadcast",
+    "_c10d_functional::all_reduce_", "_c10d_functional::broadcast_", "_c10d_functional::_wrap_tensor_autograd",
+    "aten::clone", "aten::_to_copy", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::contiguous",
+    "aten::_softmax", "aten::_log_softmax", "aten::softmax", "aten::log_softmax", "aten::native_dropout",
+    "aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::rand_like",
+    "aten::randn_like", "aten::randint_like", "aten::fill", "aten::fill_", "aten::zero_", "aten::masked_fill",
+    "aten::masked_fill_", "aten::_conj", "aten::resolve_conj", "aten::resolve_neg", "aten::copy",
+    "aten::dropout", "aten::feature_dropout", "aten::alpha_dropout", "aten::_masked_softmax",
+    "aten::tril", "aten::triu", "aten::tril_", "aten::triu_", "aten::_softmax_backward_data",
+    "aten::index_put", "aten::index_put_", "aten::scatter", "aten::scatter_", "aten::scatter_add",
+    "aten::scatter_add_", "aten::masked_scatter", "aten::masked_scatter_", "aten::index_fill",
+    "aten::index_fill_", "aten::nan_to_num", "aten::uniform_", "aten::normal_", "aten::bernoulli_",
+    "aten::exponential_", "aten::geometric_", "aten::cauchy_", "aten::log_normal_", "aten::random_",
+    "aten::view_as_real", "aten::view_as_complex", "aten::_reshape_alias", "aten::set_",
+}
+
+_RULES: dict[str, Callable] = {
+    "aten::view": _rule_view, "aten::_unsafe_view": _rule_view, "aten::reshape": _rule_view,
+    "aten::view_copy": _rule_view, "aten::_reshape_copy": _rule_view, "aten::flatten": _rule_view,
+    "aten::unflatten": _rule_view,
+    "aten::t": _rule_transpose, "aten::transpose": _rule_transpose, "aten::permute": _rule_transpose,
+    "aten::numpy_T": _rule_transpose, "aten::swapaxes": _rule_transpose, "aten::transpose_": _rule_transpose,
+    "aten::unsqueeze": _rule_unsqueeze, "aten::unsqueeze_": _rule_unsqueeze,
+    "aten::squeeze": _rule_squeeze, "aten::squeeze_": _rule_squeeze,
+    "aten::expand": _rule_expand, "aten::expand_copy": _rule_expand,
+    "aten::select": _rule_select, "aten::slice": _rule_slice, "aten::narrow": _rule_slice,
+    "aten::split": _rule_split, "aten::split_with_sizes": _rule_split, "aten::unbind": _rule_split,
+    "aten::chunk": _rule_split, "aten::tensor_split": _rule_split, "aten::unsafe_split": _rule_split,
+    "aten::unsafe_split_with_sizes": _rule_split, "aten::split_copy": _rule_split,
+    "aten::cat": _rule_cat, "aten::index_select": _rule_index_select, "aten::gather": _rule_gather,
+    "aten::embedding": _rule_embedding,
+    "aten::mm": _rule_mm, "aten::addmm": _rule_mm, "aten::bmm": _rule_mm, "aten::baddbmm": _rule_mm,
+    "aten::convolution": _rule_first_input, "aten::_convolution": _rule_first_input,
+    "aten::native_layer_norm": _rule_first_input, "aten::native_group_norm": _rule_first_input,
+    "aten::native_batch_norm": _rule_first_input, "aten::_native_batch_norm_legit": _rule_first_input,
+    "aten::_native_batch_norm_legit_no_training": _rule_first_input,
+    "aten::_native_batch_norm_legit_functional": _rule_first_input,
+    "aten::_batch_norm_with_update": _rule_first_input, "aten::_batch_norm_no_update": _rule_first_input,
+    "aten::_fused_rms_norm": _rule_first_input, "aten::rms_norm": _rule_first_input,
+    "aten::_scaled_dot_product_flash_attention_for_cpu": _rule_first_input,
+    "aten::_scaled_dot_product_flash_attention": _rule_first_input,
+    "aten::_scaled_dot_product_efficient_attention": _rule_first_input,
+    "aten::_scaled_dot_product_cudnn_attention": _rule_first_input,
+    "aten::_scaled_dot_product_attention_math": _rule_first_input,
+    "aten::max_pool2d_with_indices": _rule_first_input, "aten::max_pool1d": _rule_first_input,
+    "aten::max_pool2d": _rule_first_input, "aten::avg_pool2d": _rule_first_input,
+    "aten::avg_pool1d": _rule_first_input, "aten::adaptive_avg_pool2d": _rule_first_input,
+    "aten::_adaptive_avg_pool2d": _rule_first_input, "aten::adaptive_avg_pool1d": _rule_first_input,
+    "aten::max_pool3d_with_indices": _rule_first_input, "aten::avg_pool3d": _rule_first_input,
+    "aten::_adaptive_avg_pool3d": _rule_first_input, "aten::upsample_nearest2d": _rule_first_input,
+    "aten::upsample_bilinear2d": _rule_first_input, "aten::upsample_bicubic2d": _rule_first_input,
+    "aten::_upsample_bilinear2d_aa": _rule_first_input, "aten::im2col": _rule_first_input,
+    "aten::pixel_shuffle": _rule_first_input, "aten::pixel_unshuffle": _rule_first_input,
+    "aten::sum": _rule_reduce, "aten::mean": _rule_reduce, "aten::amax": _rule_reduce, "aten::amin": _rule_reduce,
+    "aten::prod": _rule_reduce, "aten::any": _rule_reduce, "aten::all": _rule_reduce, "aten::max": _rule_reduce,
+    "aten::min": _rule_reduce, "aten::std": _rule_reduce, "aten::var": _rule_reduce, "aten::var_mean": _rule_reduce,
+    "aten::std_mean": _rule_reduce, "aten::norm": _rule_reduce, "aten::linalg_vector_norm": _rule_reduce,
+    "aten::argmax": _rule_reduce, "aten::argmin": _rule_reduce, "aten::logsumexp": _rule_reduce,
+    "aten::count_nonzero": _rule_reduce,
+    "aten::cumsum": _rule_along, "aten::cumprod": _rule_along, "aten::sort": _rule_along, "aten::topk": _rule_along,
+    "aten::argsort": _rule_along, "aten::kthvalue": _rule_along, "aten::cummax": _rule_along,
+    "aten::cummin": _rule_along, "aten::logcumsumexp": _rule_along,
+    "aten::constant_pad_nd": _rule_pad, "aten::flip": _rule_flip, "aten::roll": _rule_flip,
+    "aten::repeat": _rule_repeat,
+    "_c10d_functional::all_gather_into_tensor": _rule_collective_dim0,
+    "_c10d_functional::reduce_scatter_tensor": _rule_collective_dim0,
+}
+
+
+def _rule_for(func: Any) -> Optional[Callable]:
+    name = func._schema.name
+    rule = _RULES.get(name)
+    if rule is not None:
+        return rule
+    if name in _SAME:
+        return _pointwise
+    if torch.Tag.pointwise in func.tags:
+        return _pointwise
+    return None
+
+
+_CACHE: dict[Any, Optional[Callable]] = {}
+
+
+def propagate(func: Any, args: tuple, kwargs: dict, out: Any, records: list[tuple[torch.Tensor, Record]]) -> list:
+    """The records of ``out``'s tensors, flattened as :func:`torch.utils._pytree.tree_leaves` gives them.
+
+    ``records`` are the ``(tensor, record)`` pairs of the op's tensor inputs, in order, at least one
+    of them not replicated.
+    """
+    try:
+        rule = _CACHE[func]
+    except KeyError:
+        rule = _CACHE[func] = _rule_for(func)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    if rule is None:
+        first = next((r for _, r in records if isinstance(r, Unknown)), None)
+        return [first or Unknown(f"{func} (keyinit has no rule for where this op puts the batch)")] * len(outs)
+    try:
+        result = rule(func, args, kwargs, outs, records)
+    except (IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
+        result = [Unknown(f"{func}: {exc}")] * len(outs)
+    if len(result) < len(outs):
+        result = result + [result[-1]] * (len(outs) - len(result))
+    if any(isinstance(r, Foreign) for _, r in records):
+        # a result computed from a tensor of unknown origin and no batch-holding tensor: of unknown origin too
+        result = [FOREIGN if r is None else r for r in result]
+    return result

@@ -1,0 +1,319 @@
+"""The two modes of a keyed forward: torch-function routing and ATen-level batch tracking and draws.
+
+- :class:`_FunctionMode` (a ``TorchFunctionMode``) answers the dropout family, SDPA
+  with ``dropout_p > 0`` and multi-head attention with keyed masks
+  (:mod:`keyinit.nn._intercept`), gives ``x.shape``/``x.size()`` of batch-holding
+  tensors as :class:`keyinit.nn._batch.BatchSize`, and tells the dispatch mode the
+  batch of a factory sized by one;
+- :class:`_BatchMode` (a ``TorchDispatchMode``) carries each op's batch from its
+  inputs to its outputs (:mod:`keyinit.nn._batch_rules`) and answers every random
+  ATen op (``torch.Tag.nondeterministic_seeded``: ``rand``, ``bernoulli_``,
+  ``normal_``, ``exponential_``, ``randperm``, ...) with keyed values
+  (:mod:`keyinit.nn._draws`), per sample or replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from keyinit.errors import UnkeyedRandomnessError
+from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, record
+from keyinit.nn._batch_rules import propagate
+from keyinit.nn._intercept import (
+    Keyed,
+    _arg,
+    _dropout_family,
+    _Frame,
+    _handle_dropout,
+    _keyed_mha,
+    _keyed_sdpa,
+    _refuse_foreign,
+    activation_batch,
+)
+
+__all__ = ["_FunctionMode", "_BatchMode", "_GuardSuspended"]
+
+_SHAPE = torch.Tensor.shape
+_SIZE = torch.Tensor.size
+_FACTORIES = {
+    torch.rand, torch.randn, torch.randint, torch.empty, torch.zeros, torch.ones, torch.full, torch.normal,
+    torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_full, torch.arange,
+    torch.randperm, torch.empty_strided, torch.Tensor.new_tensor,
+}
+
+
+def _sizes(args: tuple, kwargs: dict) -> list:
+    """The ints that size a factory call (its ``size`` sequence, or its int varargs)."""
+    size = kwargs.get("size")
+    if size is None:
+        for a in args:
+            if isinstance(a, (tuple, list)) and all(isinstance(v, int) for v in a):
+                size = a
+                break
+    if size is None:
+        size = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+    return list(size)
+
+
+def _factory_record(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The batch of a factory's output from the sizes it was given (None: replicated)."""
+    sizes = _sizes(args, kwargs)
+    tagged = [(d, v) for d, v in enumerate(sizes) if isinstance(v, BatchSize)]
+    if not tagged:
+        return None
+    exact = [(d, v) for d, v in tagged if not isinstance(v, DerivedSize)]
+    if len(exact) == 1 and len(tagged) == 1:
+        d, v = exact[0]
+        return Batch(d, int(v), v.batch.start)
+    return Unknown(f"{getattr(func, '__name__', func)} is sized by arithmetic on the batch size ({sizes}), which "
+                   "does not say where the samples are")
+
+
+def _shape_of(t: torch.Tensor, sizes: Any, forward: Any) -> Any:
+    """``t.shape``/``t.size()`` with the batch dimension's size as a :class:`BatchSize`."""
+    rec = record(t, forward)
+    if not isinstance(rec, Batch) or rec.dim is None:
+        return sizes
+    d = rec.dim
+    if isinstance(sizes, int):
+        return sizes
+    if d >= len(sizes):
+        return sizes
+    n = int(sizes[d])
+    value = BatchSize(n, rec) if rec.inner == 1 and n == rec.count else DerivedSize(n)
+    return torch.Size(tuple(sizes[:d]) + (value,) + tuple(sizes[d + 1:]))
+
+class _FunctionMode(TorchFunctionMode):
+    """Keyed dropout and attention, batch sizes that carry the batch, and the batch of sized factories."""
+
+    def __init__(self, ctx: "Keyed") -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.family = _dropout_family()
+        self.sdpa = torch.nn.functional.scaled_dot_product_attention
+        self.mha = torch.nn.functional.multi_head_attention_forward
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _SHAPE or func is _SIZE:
+            out = func(*args, **kwargs)
+            frame = self.ctx._current_frame()
+            if frame is None or self.ctx.index == "dim0":
+                return out
+            if func is _SIZE and isinstance(out, int):
+                if not args or len(args) < 2:
+                    return out
+                full = _shape_of(args[0], tuple(args[0].shape), frame.forward)
+                return full[int(args[1])] if isinstance(full, torch.Size) else out
+            return _shape_of(args[0], out, frame.forward)
+        if func in _FACTORIES:
+            frame = self.ctx._current_frame()
+            if frame is not None and self.ctx.index != "dim0":
+                rec = _factory_record(func, args, kwargs)
+                if rec is not None:
+                    state = self.ctx._thread_state()
+                    state.pending = rec
+                    try:
+                        out = func(*args, **kwargs)
+                    finally:
+                        state.pending = None
+                    annotate(out, frame.forward, rec)
+                    return out
+            return func(*args, **kwargs)
+        entry = self.family.get(func)
+        if entry is not None:
+            frame = self.ctx._current_frame()
+            if frame is not None:
+                with _GuardSuspended(self.ctx):
+                    return _handle_dropout(self.ctx, frame, *entry, args, kwargs)
+        elif func is self.sdpa:
+            dropout_p = _arg(args, kwargs, 4, "dropout_p", 0.0)
+            frame = self.ctx._current_frame()
+            if frame is not None and dropout_p:
+                from keyinit.nn.functional import _check_p
+
+                with _GuardSuspended(self.ctx):
+                    return _keyed_sdpa(self.ctx, frame, _check_p(dropout_p), args, kwargs)
+        elif func is self.mha:
+            frame = self.ctx._current_frame()
+            if frame is not None:
+                with _GuardSuspended(self.ctx):
+                    out = _keyed_mha(self.ctx, frame, args, kwargs)
+                if out is not None:
+                    return out
+        return func(*args, **kwargs)
+
+
+class _GuardSuspended:
+    """Leaves this thread's seeded-op guard while keyinit's own code (which draws nothing unkeyed) runs.
+
+    Every ATen op under a Python dispatch mode costs a trip through Python, and the
+    ``keyinit::dropout`` custom op takes torch's slow path there; keyinit's handlers
+    only run keyed ops, torch's matmul/softmax and projections. Only when the guard is
+    the innermost dispatch mode (so no other mode's order changes).
+    """
+
+    __slots__ = ("guard",)
+
+    def __init__(self, ctx: "Keyed") -> None:
+        state = getattr(ctx._local, "state", None)
+        guard = state.modes[-1] if state is not None and state.modes else None
+        self.guard = guard if guard is not None and _current_dispatch_mode() is guard else None
+
+    def __enter__(self) -> None:
+        if self.guard is not None:
+            self.guard.__exit__(None, None, None)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.guard is not None:
+            self.guard.__enter__()
+
+
+def _current_dispatch_mode() -> Any:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+def _draws_nothing(func, args: tuple, kwargs: dict) -> bool:
+    """A seeded op that provably draws nothing: ``dropout_p``/``p`` equal to 0, or ``train``/``training`` False."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    for position, argument in enumerate(schema.arguments):
+        if argument.name not in ("dropout_p", "p", "train", "training"):
+            continue
+        if position < len(args):
+            value = args[position]
+        elif argument.name in kwargs:
+            value = kwargs[argument.name]
+        elif argument.has_default_value():
+            value = argument.default_value
+        else:
+            continue
+        if argument.name in ("train", "training"):
+            if value is False:
+                return True
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+            return True
+    return False
+
+
+
+
+_LIKE = {"aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::empty_like", "aten::zeros_like",
+         "aten::ones_like", "aten::full_like"}
+
+
+def _tensor_inputs(args: tuple, kwargs: dict) -> list:
+    found = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, torch.Tensor))
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+    return found
+
+
+class _BatchMode(TorchDispatchMode):
+    """Tracks each tensor's batch through the forward's ATen ops, and keys every random op."""
+
+    def __init__(self, ctx: Keyed) -> None:
+        super().__init__()
+        self.ctx = ctx
+
+    def _output_record(self, func: Any, frame: _Frame, args: tuple, kwargs: dict, records: list) -> Any:
+        """The batch of a random op's output: the sized factory's, the input's (``*_like``, in place), or the
+        inputs' broadcast (``bernoulli(p)``, ``normal(mean, std)``, ``multinomial``)."""
+        name = func._schema.name
+        state = self.ctx._thread_state()
+        if not records:
+            return state.pending
+        if name.endswith("_") or name in _LIKE or name == "aten::native_dropout":
+            return records[0][1]
+        live = [r for _, r in records if r is not None]
+        if not live:
+            return None
+        return _merged(func, records)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from keyinit._random_ops import is_random
+
+        kwargs = kwargs or {}
+        frame = self.ctx._current_frame()
+        if frame is None:
+            return func(*args, **kwargs)
+        forward = frame.forward
+        tensors = _tensor_inputs(args, kwargs)
+        records = [(t, record(t, forward)) for t in tensors]
+        if is_random(func):
+            return self._draw(func, frame, args, kwargs, records)
+        out = func(*args, **kwargs)
+        state = self.ctx._thread_state()
+        if not tensors:
+            annotate(out, forward, state.pending)
+            return out
+        leaves = list(out) if isinstance(out, (tuple, list)) else [out]
+        if not any(r is not None for _, r in records):
+            for leaf in leaves:  # computed in this forward from replicated tensors: replicated
+                annotate(leaf, forward, None)
+            return out
+        leaves = list(out) if isinstance(out, (tuple, list)) else [out]
+        for leaf, rec in zip(leaves, propagate(func, args, kwargs, out, records)):
+            annotate(leaf, forward, rec)
+        return out
+
+    def _draw(self, func: Any, frame: _Frame, args: tuple, kwargs: dict, records: list) -> Any:
+        from keyinit.nn._draws import keyed_draw
+        from keyinit.nn._keys import DROPOUT_DOMAIN
+        from keyinit.keys import key as make_key
+
+        ctx = self.ctx
+        if frame.foreign:
+            _refuse_foreign(ctx, frame, str(func))
+        name = func._schema.name
+        nothing = _draws_nothing(func, args, kwargs)
+        if nothing and name not in ("aten::bernoulli", "aten::bernoulli_", "aten::native_dropout"):
+            return func(*args, **kwargs)  # e.g. fused attention with dropout_p = 0: no generator is touched
+        if ctx.index == "dim0":
+            raise UnkeyedRandomnessError(
+                f"{frame.describe()}: {func} inside a keyinit.nn.keyed(index='dim0') forward: that rule keys only "
+                "the dropout family and attention dropout; use the default index='tracked' to key every random op"
+            )
+        rec = self._output_record(func, frame, args, kwargs, records)
+        if isinstance(rec, Foreign):
+            rec = Unknown("it is computed from a tensor that entered the forward from outside (not one of the "
+                          "model's inputs, parameters or buffers, nor computed in the forward: e.g. a forward hook's "
+                          "replacement output)")
+        if isinstance(rec, Unknown):
+            shape = tuple(records[0][0].shape) if records else ()
+            raise UnkeyedRandomnessError(
+                f"{frame.describe()}: {func} draws a {shape or 'sized'} tensor whose samples keyinit cannot place: "
+                f"{rec.why}. keyinit keys a draw by the sample of each element and does not guess it from shapes; "
+                "declare where the batch is with keyinit.nn.batch_dim(tensor, dim), or batch_dim(tensor, None) "
+                "for a tensor that is the same for every sample"
+            )
+        # a draw of p = 0 (no randomness) takes no call ordinal: any key gives its values
+        key = make_key(DROPOUT_DOMAIN) if nothing else frame.key(ctx)
+        site = f"{frame.describe()}: {func}"
+        out = keyed_draw(func, args, kwargs, key, rec if isinstance(rec, Batch) else None, site)
+        leaves = list(out) if isinstance(out, (tuple, list)) else [out]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.dim():
+                annotate(leaf, frame.forward, rec)
+        return out
+
+
+def _merged(func: Any, records: list) -> Any:
+    from keyinit.nn._batch import merge
+
+    out_ndim = max(t.dim() for t, _ in records)
+    return merge([(r, t.dim(), int(t.shape[r.dim]) if isinstance(r, Batch) and r.dim is not None else None)
+                  for t, r in records], out_ndim, str(func))
