@@ -379,12 +379,16 @@ def test_unkeyable_randomness_names_module_and_op():
 
     class AtenDropout(nn.Module):
         def forward(self, x):
-            return torch.ops.aten.native_dropout(x, 0.1, True)[0]  # below F.dropout: not keyable
+            return torch.ops.aten.native_dropout(x, 0.5, True)[0]  # below F.dropout: keyed per sample too
 
-    x = torch.ones(1, 2, 3, 4)
+    x = torch.ones(4, 2, 3, 4)
     with knn.keyed(model := AtenDropout(), 0, step=0):
-        with pytest.raises(UnkeyedRandomnessError, match=r"root module \(AtenDropout\).*native_dropout"):
-            model(x)
+        whole = model(x)
+    halves = []
+    for lo in (0, 2):
+        with knn.keyed(model, 0, step=0, sample_offset=lo):
+            halves.append(model(x[lo:lo + 2]))
+    assert torch.equal(whole, torch.cat(halves)) and 0 < int((whole == 0).sum()) < whole.numel()
     with knn.keyed(sdpa := Sdpa(0.1), 0, step=0):
         sdpa(x)  # keyed (tests/test_dropout_attention.py)
         Sdpa(0.1)(x)  # not a module of the keyed model: left to torch
@@ -395,8 +399,13 @@ def test_unkeyable_randomness_names_module_and_op():
         def forward(self, x):
             return torch.bernoulli(x, generator=torch.Generator().manual_seed(0))
 
-    with knn.keyed(model := Bernoulli(), 0, step=0), pytest.raises(UnkeyedRandomnessError, match="bernoulli"):
-        model(torch.full((3,), 0.5))
+    probs = torch.full((6, 3), 0.5)
+    with knn.keyed(model := Bernoulli(), 0, step=0):
+        whole = model(probs)  # keyed per sample; the generator is not used
+    with knn.keyed(model, 0, step=0, sample_offset=3):
+        assert torch.equal(model(probs[3:]), whole[3:])
+    with knn.keyed(model, 0, step=1):
+        assert not torch.equal(model(probs), whole)
 
 
 def test_randomness_outside_the_models_forward_is_left_alone():
