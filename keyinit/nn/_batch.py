@@ -56,9 +56,15 @@ class Batch:
 
 @attrs.frozen
 class Unknown:
-    """A tensor computed from batch-holding inputs by an op keyinit has no rule for."""
+    """A tensor computed from batch-holding inputs by an op keyinit has no rule for.
+
+    ``constant``: a tensor of constant values (``torch.zeros(B * H, L)``) sized by arithmetic on the batch
+    size: which of its elements are which sample's is unknown, but its values are the same for every
+    sample, so combined with a batch-holding tensor it takes that tensor's layout (:func:`merge`).
+    """
 
     why: str
+    constant: bool = False
 
 
 @attrs.frozen
@@ -186,11 +192,15 @@ def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what:
     """The record of a broadcast result of ``ndim`` dims from ``(record, input ndim, size at its batch dim)``."""
     found: Record = None
     foreign = False
+    constant: Optional[Unknown] = None
     for rec, in_ndim, size in records:
         if rec is None:
             continue
         if isinstance(rec, Unknown):
-            return rec
+            if not rec.constant:
+                return rec
+            constant = constant or rec
+            continue
         if isinstance(rec, Foreign):
             foreign = True
             continue
@@ -205,7 +215,9 @@ def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what:
             found = aligned
         elif found != aligned:
             return Unknown(f"{what} combines tensors whose batches are laid out differently ({found} and {aligned})")
-    return FOREIGN if found is None and foreign else found
+    if found is None:
+        return constant or (FOREIGN if foreign else None)
+    return found
 
 
 def reshape(rec: Batch, old: Sequence[int], new: Sequence[int], what: str) -> Record:

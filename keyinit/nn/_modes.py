@@ -70,7 +70,7 @@ def _factory_record(func: Any, args: tuple, kwargs: dict) -> Any:
         d, v = exact[0]
         return Batch(d, int(v), v.batch.start)
     return Unknown(f"{getattr(func, '__name__', func)} is sized by arithmetic on the batch size ({sizes}), which "
-                   "does not say where the samples are")
+                   "does not say where the samples are", constant=True)  # (a random factory's draw refuses it)
 
 
 def _shape_of(t: torch.Tensor, sizes: Any, forward: Any) -> Any:
