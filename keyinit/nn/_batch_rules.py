@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from keyinit.nn._batch import FOREIGN, Batch, Foreign, Record, Unknown, merge, reshape, sliced
+from keyinit.nn._batch_rules_nn import NN_RULES
+from keyinit.nn._batch_rules_nn import arg as _arg
 
 __all__ = ["propagate"]
 
@@ -66,15 +68,6 @@ def _removed(rec: Record, removed: Sequence[int], keepdim: bool) -> Record:
     if keepdim:
         return rec
     return rec.moved(rec.dim - sum(1 for d in removed if d < rec.dim))
-
-
-def _arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == name:
-            if i < len(args) and not a.kwarg_only:
-                return args[i]
-            return kwargs.get(name, a.default_value if a.has_default_value() else default)
-    return default
 
 
 def _rule_view(func, args, kwargs, outs, records):
@@ -190,7 +183,9 @@ def _rule_cat(func, args, kwargs, outs, records):
     batches = [r for _, r in live if isinstance(r, Batch)]
     if not batches:
         return [None]
-    if all(isinstance(r, Batch) and r.dim is not None and r.dim != dim for _, r in live):
+    if all(r is None or (isinstance(r, Batch) and r.dim != dim) for _, r in live):
+        # joined along another dimension: index i of the batch dimension is the same sample in every piece
+        # (a replicated piece, e.g. an expanded class token, is the same for every sample)
         first = batches[0]
         if all(r == first for r in batches):
             return [first]
@@ -245,11 +240,11 @@ def _rule_mm(func, args, kwargs, outs, records):
     if isinstance(ra, Unknown) or isinstance(rb, Unknown):
         return [ra if isinstance(ra, Unknown) else rb]
     if isinstance(ra, Batch):
-        if ra.dim is None or ra.dim == a.dim() - 1:
+        if ra.dim is not None and ra.dim == a.dim() - 1:
             return [Unknown(f"{func} contracts the batch dimension of its first operand")]
         cands.append((ra, nd, None))  # a's leading dims (and rows) are the output's
     if isinstance(rb, Batch):
-        if rb.dim is None or rb.dim == b.dim() - 2:
+        if rb.dim is not None and rb.dim == b.dim() - 2:
             return [Unknown(f"{func} contracts the batch dimension of its second operand")]
         cands.append((rb, nd, None))
     if bias is not None:
@@ -257,24 +252,6 @@ def _rule_mm(func, args, kwargs, outs, records):
         cands.append((rbias, bias.dim(), None if not isinstance(rbias, Batch) or rbias.dim is None
                       else int(bias.shape[rbias.dim])))
     return [merge(cands, nd, str(func))]
-
-
-def _rule_first_input(func, args, kwargs, outs, records):
-    """Outputs laid out like the first tensor input's leading dims (conv, norms, fused attention, pooling)."""
-    t = args[0]
-    rec = next((r for tt, r in records if tt is t), None)
-    result = []
-    for o in outs:
-        if not isinstance(o, torch.Tensor):
-            result.append(None)
-        elif isinstance(rec, Batch) and rec.dim is not None and o.dim() > rec.dim and (
-                rec.inner == 1 and int(o.shape[rec.dim]) == int(t.shape[rec.dim])):
-            result.append(rec)
-        elif isinstance(rec, Batch) and rec.dim is not None:
-            result.append(Unknown(f"{func} changes the batch dimension"))
-        else:
-            result.append(rec)
-    return result
 
 
 def _rule_reduce(func, args, kwargs, outs, records):
@@ -331,11 +308,20 @@ def _rule_repeat(func, args, kwargs, outs, records):
     t, rec = records[0]
     if not isinstance(rec, Batch) or rec.dim is None:
         return [rec]
-    repeats = list(args[1])
-    extra = len(repeats) - t.dim()
-    if repeats[extra + rec.dim] != 1:
-        return [Unknown(f"{func} repeats the batch dimension")]
+    # repeat tiles: index i of the batch dimension (size outer*count*inner) holds the element at
+    # i % size, whose sample (i // inner) % count is unchanged; only outer grows
+    extra = len(list(args[1])) - t.dim()
     return [rec.moved(rec.dim + extra)]
+
+
+def _rule_complex_view(func, args, kwargs, outs, records):
+    """``view_as_real`` adds a trailing dimension of 2 (real, imaginary); ``view_as_complex`` removes it:
+    the other dimensions keep their places."""
+    t, rec = records[0]
+    if isinstance(rec, Batch) and rec.dim is not None and rec.dim == t.dim() - 1 and \
+            func._schema.name == "aten::view_as_complex":
+        return [Unknown(f"{func} joins pairs of the batch dimension")]
+    return [rec]
 
 
 def _rule_collective_dim0(func, args, kwargs, outs, records):
@@ -356,17 +342,15 @@ _SAME = {
     "aten::masked_fill_", "aten::_conj", "aten::resolve_conj", "aten::resolve_neg", "aten::copy",
     "aten::dropout", "aten::feature_dropout", "aten::alpha_dropout", "aten::_masked_softmax",
     "aten::tril", "aten::triu", "aten::tril_", "aten::triu_", "aten::_softmax_backward_data",
-    "aten::index_put", "aten::index_put_", "aten::scatter", "aten::scatter_", "aten::scatter_add",
-    "aten::scatter_add_", "aten::masked_scatter", "aten::masked_scatter_", "aten::index_fill",
-    "aten::index_fill_", "aten::nan_to_num", "aten::uniform_", "aten::normal_", "aten::bernoulli_",
+    "aten::nan_to_num", "aten::uniform_", "aten::normal_", "aten::bernoulli_",
     "aten::exponential_", "aten::geometric_", "aten::cauchy_", "aten::log_normal_", "aten::random_",
-    "aten::view_as_real", "aten::view_as_complex", "aten::_reshape_alias", "aten::set_",
+    "aten::set_",
 }
 
 _RULES: dict[str, Callable] = {
     "aten::view": _rule_view, "aten::_unsafe_view": _rule_view, "aten::reshape": _rule_view,
     "aten::view_copy": _rule_view, "aten::_reshape_copy": _rule_view, "aten::flatten": _rule_view,
-    "aten::unflatten": _rule_view,
+    "aten::unflatten": _rule_view, "aten::_reshape_alias": _rule_view,
     "aten::t": _rule_transpose, "aten::transpose": _rule_transpose, "aten::permute": _rule_transpose,
     "aten::numpy_T": _rule_transpose, "aten::swapaxes": _rule_transpose, "aten::transpose_": _rule_transpose,
     "aten::unsqueeze": _rule_unsqueeze, "aten::unsqueeze_": _rule_unsqueeze,
@@ -379,27 +363,6 @@ _RULES: dict[str, Callable] = {
     "aten::cat": _rule_cat, "aten::index_select": _rule_index_select, "aten::gather": _rule_gather,
     "aten::embedding": _rule_embedding,
     "aten::mm": _rule_mm, "aten::addmm": _rule_mm, "aten::bmm": _rule_mm, "aten::baddbmm": _rule_mm,
-    "aten::convolution": _rule_first_input, "aten::_convolution": _rule_first_input,
-    "aten::native_layer_norm": _rule_first_input, "aten::native_group_norm": _rule_first_input,
-    "aten::native_batch_norm": _rule_first_input, "aten::_native_batch_norm_legit": _rule_first_input,
-    "aten::_native_batch_norm_legit_no_training": _rule_first_input,
-    "aten::_native_batch_norm_legit_functional": _rule_first_input,
-    "aten::_batch_norm_with_update": _rule_first_input, "aten::_batch_norm_no_update": _rule_first_input,
-    "aten::_fused_rms_norm": _rule_first_input, "aten::rms_norm": _rule_first_input,
-    "aten::_scaled_dot_product_flash_attention_for_cpu": _rule_first_input,
-    "aten::_scaled_dot_product_flash_attention": _rule_first_input,
-    "aten::_scaled_dot_product_efficient_attention": _rule_first_input,
-    "aten::_scaled_dot_product_cudnn_attention": _rule_first_input,
-    "aten::_scaled_dot_product_attention_math": _rule_first_input,
-    "aten::max_pool2d_with_indices": _rule_first_input, "aten::max_pool1d": _rule_first_input,
-    "aten::max_pool2d": _rule_first_input, "aten::avg_pool2d": _rule_first_input,
-    "aten::avg_pool1d": _rule_first_input, "aten::adaptive_avg_pool2d": _rule_first_input,
-    "aten::_adaptive_avg_pool2d": _rule_first_input, "aten::adaptive_avg_pool1d": _rule_first_input,
-    "aten::max_pool3d_with_indices": _rule_first_input, "aten::avg_pool3d": _rule_first_input,
-    "aten::_adaptive_avg_pool3d": _rule_first_input, "aten::upsample_nearest2d": _rule_first_input,
-    "aten::upsample_bilinear2d": _rule_first_input, "aten::upsample_bicubic2d": _rule_first_input,
-    "aten::_upsample_bilinear2d_aa": _rule_first_input, "aten::im2col": _rule_first_input,
-    "aten::pixel_shuffle": _rule_first_input, "aten::pixel_unshuffle": _rule_first_input,
     "aten::sum": _rule_reduce, "aten::mean": _rule_reduce, "aten::amax": _rule_reduce, "aten::amin": _rule_reduce,
     "aten::prod": _rule_reduce, "aten::any": _rule_reduce, "aten::all": _rule_reduce, "aten::max": _rule_reduce,
     "aten::min": _rule_reduce, "aten::std": _rule_reduce, "aten::var": _rule_reduce, "aten::var_mean": _rule_reduce,
@@ -407,12 +370,17 @@ _RULES: dict[str, Callable] = {
     "aten::argmax": _rule_reduce, "aten::argmin": _rule_reduce, "aten::logsumexp": _rule_reduce,
     "aten::count_nonzero": _rule_reduce,
     "aten::cumsum": _rule_along, "aten::cumprod": _rule_along, "aten::sort": _rule_along, "aten::topk": _rule_along,
-    "aten::argsort": _rule_along, "aten::kthvalue": _rule_along, "aten::cummax": _rule_along,
+    "aten::argsort": _rule_along, "aten::cummax": _rule_along,
     "aten::cummin": _rule_along, "aten::logcumsumexp": _rule_along,
     "aten::constant_pad_nd": _rule_pad, "aten::flip": _rule_flip, "aten::roll": _rule_flip,
     "aten::repeat": _rule_repeat,
     "_c10d_functional::all_gather_into_tensor": _rule_collective_dim0,
     "_c10d_functional::reduce_scatter_tensor": _rule_collective_dim0,
+    "aten::_safe_softmax": _rule_along, "aten::median": _rule_reduce, "aten::nanmedian": _rule_reduce,
+    "aten::mode": _rule_reduce, "aten::nansum": _rule_reduce, "aten::nanmean": _rule_reduce,
+    "aten::kthvalue": _rule_reduce, "aten::view_as_real": _rule_complex_view,
+    "aten::view_as_complex": _rule_complex_view,
+    **NN_RULES,
 }
 
 
@@ -423,6 +391,9 @@ def _rule_for(func: Any) -> Optional[Callable]:
         return rule
     if name in _SAME:
         return _pointwise
+    if name == "aten::where" and func._overloadname != "default":
+        return _pointwise  # where(condition, self, other) with a Scalar: the pointwise forms not tagged so
+
     if torch.Tag.pointwise in func.tags:
         return _pointwise
     return None
@@ -442,6 +413,13 @@ def propagate(func: Any, args: tuple, kwargs: dict, out: Any, records: list[tupl
     except KeyError:
         rule = _CACHE[func] = _rule_for(func)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    foreign = any(isinstance(r, Foreign) for _, r in records)
+    if foreign:
+        # a tensor of unknown origin holds no batch the rules can place: they see it as replicated, and a
+        # result that holds no batch is then of unknown origin too (below)
+        records = [(t, None if isinstance(r, Foreign) else r) for t, r in records]
+        if all(r is None for _, r in records):
+            return [FOREIGN] * len(outs)
     if rule is None:
         first = next((r for _, r in records if isinstance(r, Unknown)), None)
         return [first or Unknown(f"{func} (keyinit has no rule for where this op puts the batch)")] * len(outs)
@@ -451,7 +429,7 @@ def propagate(func: Any, args: tuple, kwargs: dict, out: Any, records: list[tupl
         result = [Unknown(f"{func}: {exc}")] * len(outs)
     if len(result) < len(outs):
         result = result + [result[-1]] * (len(outs) - len(result))
-    if any(isinstance(r, Foreign) for _, r in records):
+    if foreign:
         # a result computed from a tensor of unknown origin and no batch-holding tensor: of unknown origin too
         result = [FOREIGN if r is None else r for r in result]
     return result
