@@ -255,6 +255,10 @@ class _BatchMode(TorchDispatchMode):
         records = [(t, record(t, forward)) for t in tensors]
         if is_random(func):
             return self._draw(func, frame, args, kwargs, records)
+        return self._tracked(func, forward, args, kwargs, tensors, records)
+
+    def _tracked(self, func: Any, forward: Any, args: tuple, kwargs: dict, tensors: list, records: list) -> Any:
+        """``func`` run as torch runs it, its outputs given their batch records."""
         out = func(*args, **kwargs)
         state = self.ctx._thread_state()
         if not tensors:
@@ -265,7 +269,6 @@ class _BatchMode(TorchDispatchMode):
             for leaf in leaves:  # computed in this forward from replicated tensors: replicated
                 annotate(leaf, forward, None)
             return out
-        leaves = list(out) if isinstance(out, (tuple, list)) else [out]
         for leaf, rec in zip(leaves, propagate(func, args, kwargs, out, records)):
             annotate(leaf, forward, rec)
         return out
@@ -281,7 +284,8 @@ class _BatchMode(TorchDispatchMode):
         name = func._schema.name
         nothing = _draws_nothing(func, args, kwargs)
         if nothing and name not in ("aten::bernoulli", "aten::bernoulli_", "aten::native_dropout"):
-            return func(*args, **kwargs)  # e.g. fused attention with dropout_p = 0: no generator is touched
+            # e.g. fused attention with dropout_p = 0: no generator is touched; its outputs carry the batch
+            return self._tracked(func, frame.forward, args, kwargs, _tensor_inputs(args, kwargs), records)
         if ctx.index == "dim0":
             raise UnkeyedRandomnessError(
                 f"{frame.describe()}: {func} inside a keyinit.nn.keyed(index='dim0') forward: that rule keys only "
