@@ -73,6 +73,21 @@ def _factory_record(func: Any, args: tuple, kwargs: dict) -> Any:
                    "does not say where the samples are", constant=True)  # (a random factory's draw refuses it)
 
 
+_EXPANDS = {torch.Tensor.expand, torch.Tensor.repeat}
+
+
+def _expanded_record(func: Any, t: torch.Tensor, out: torch.Tensor, rec: Any) -> Any:
+    """The batch of a replicated tensor expanded or repeated to a batch size (``pos.expand(L, x.shape[1], D)``):
+    copies of the same values, one per sample, in the dimension sized by the ``BatchSize``; None if that
+    dimension was not broadcast (a no-op expand)."""
+    if not isinstance(rec, Batch):
+        return rec  # None (no batch size among the sizes) or unknown (arithmetic on it)
+    padded = (1,) * (out.dim() - t.dim()) + tuple(t.shape)
+    if func is torch.Tensor.repeat:
+        return Batch(rec.dim, rec.count, rec.start, int(padded[rec.dim]))  # tile i of the dimension: sample i
+    return Batch(rec.dim, rec.count, rec.start) if padded[rec.dim] == 1 else None
+
+
 def _shape_of(t: torch.Tensor, sizes: Any, forward: Any) -> Any:
     """``t.shape``/``t.size()`` with the batch dimension's size as a :class:`BatchSize`."""
     rec = record(t, forward)
@@ -110,6 +125,15 @@ class _FunctionMode(TorchFunctionMode):
                 full = _shape_of(args[0], tuple(args[0].shape), frame.forward)
                 return full[int(args[1])] if isinstance(full, torch.Size) else out
             return _shape_of(args[0], out, frame.forward)
+        if func in _EXPANDS:
+            out = func(*args, **kwargs)
+            frame = self.ctx._current_frame()
+            if frame is not None and self.ctx.index != "dim0" and isinstance(out, torch.Tensor) and \
+                    record(out, frame.forward) is None:
+                rec = _expanded_record(func, args[0], out, _factory_record(func, args[1:], kwargs))
+                if rec is not None:
+                    annotate(out, frame.forward, rec)
+            return out
         if func in _FACTORIES:
             frame = self.ctx._current_frame()
             if frame is not None and self.ctx.index != "dim0":
