@@ -339,7 +339,7 @@ _SAME = {
     "aten::_softmax", "aten::_log_softmax", "aten::softmax", "aten::log_softmax", "aten::native_dropout",
     "aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::rand_like",
     "aten::randn_like", "aten::randint_like", "aten::fill", "aten::fill_", "aten::zero_", "aten::masked_fill",
-    "aten::masked_fill_", "aten::_conj", "aten::resolve_conj", "aten::resolve_neg", "aten::copy",
+    "aten::masked_fill_", "aten::_conj", "aten::resolve_conj", "aten::resolve_neg", "aten::copy", "aten::copy_",
     "aten::dropout", "aten::feature_dropout", "aten::alpha_dropout", "aten::_masked_softmax",
     "aten::tril", "aten::triu", "aten::tril_", "aten::triu_", "aten::_softmax_backward_data",
     "aten::nan_to_num", "aten::uniform_", "aten::normal_", "aten::bernoulli_",
