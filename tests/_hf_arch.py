@@ -6,6 +6,10 @@ ties and aliases live). ``tiny_factory(model_type, class_name)`` gives a factory
 from the architecture's default config shrunk field by field (:data:`SMALL`, sub-configs too), or
 raises ``ValueError`` when the shrunk config cannot be made. Used by ``tests/test_hf_sweep.py``
 and ``benchmarks/sweep_deferred.py``.
+
+``lm_architectures()`` lists the causal-LM and masked-LM classes (one per ``model_type``, causal
+first) and ``tiny_config(model_type, dropout=p)`` gives the shrunk config with every dropout-like
+probability set to ``p``: used by ``tests/test_keyed_sweep.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,47 @@ def architectures() -> list[tuple[str, str]]:
                 class_name = class_name[0]
             chosen.setdefault(model_type, class_name)
     return sorted(chosen.items())
+
+
+def lm_architectures() -> list[tuple[str, str]]:
+    """``(model_type, class name)`` of every causal-LM and masked-LM head (causal first per model_type)."""
+    from transformers.models.auto import modeling_auto
+
+    chosen: dict[str, str] = {}
+    for mapping in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"):
+        for model_type, class_name in getattr(modeling_auto, mapping).items():
+            chosen.setdefault(model_type, class_name[0] if isinstance(class_name, (tuple, list)) else class_name)
+    return sorted(chosen.items())
+
+
+def is_dropout_field(name: str) -> bool:
+    """A config field that is a dropout-like probability: ``*dropout*``, ``*_pdrop``, ``*layerdrop``."""
+    return "dropout" in name or name.endswith("_pdrop") or name.endswith("layerdrop")
+
+
+def set_dropout(config: Any, p: float, transformers: Any) -> list[str]:
+    """Set every numeric dropout-like field of ``config`` and its sub-configs to ``p``; the names set."""
+    done: list[str] = []
+    for name, value in list(vars(config).items()):
+        if isinstance(value, transformers.PretrainedConfig):
+            done += [f"{name}.{n}" for n in set_dropout(value, p, transformers)]
+        elif is_dropout_field(name) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                setattr(config, name, p)
+                done.append(name)
+            except Exception:  # noqa: BLE001 - a config that validates its fields
+                pass
+    return done
+
+
+def tiny_config(model_type: str, dropout: float | None = None) -> Any:
+    """The shrunk default config of ``model_type`` (every dropout-like probability ``dropout`` if given)."""
+    import transformers
+
+    config = _shrink(transformers.AutoConfig.for_model(model_type), transformers)
+    if dropout is not None:
+        set_dropout(config, dropout, transformers)
+    return config
 
 
 def _shrink(config: Any, transformers: Any) -> Any:
