@@ -76,6 +76,12 @@ def tiny_config(model_type: str, dropout: float | None = None) -> Any:
     import transformers
 
     config = _shrink(transformers.AutoConfig.for_model(model_type), transformers)
+    for inner in (config, getattr(config, "text_config", None)):
+        # a router picks at most the 2 experts SMALL leaves (the default top-k of 4 to 8 cannot run)
+        if isinstance(getattr(inner, "num_experts_per_tok", None), int) and inner.num_experts_per_tok > 2:
+            inner.num_experts_per_tok = 2
+        if isinstance(getattr(inner, "shared_expert_intermediate_size", None), int):
+            inner.shared_expert_intermediate_size = 24
     if dropout is not None:
         set_dropout(config, dropout, transformers)
     return config
