@@ -82,6 +82,8 @@ def tiny_config(model_type: str, dropout: float | None = None) -> Any:
             inner.num_experts_per_tok = 2
         if isinstance(getattr(inner, "shared_expert_intermediate_size", None), int):
             inner.shared_expert_intermediate_size = 24
+        if isinstance(getattr(inner, "rotary_dim", None), int):  # GPT-J, CodeGen: 64 of SMALL's head_dim of 8
+            inner.rotary_dim = 4
     if dropout is not None:
         set_dropout(config, dropout, transformers)
     return config
