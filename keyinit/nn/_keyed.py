@@ -120,7 +120,8 @@ class _Forward:
     is folded into every key of this forward when it is not 0.
     """
 
-    __slots__ = ("start", "count", "repeat", "fqn", "constants", "owner", "grad", "drew", "records", "__weakref__")
+    __slots__ = ("start", "count", "repeat", "fqn", "constants", "owner", "grad", "drew", "records", "probe",
+                 "__weakref__")
 
     def __init__(self, ctx: "Keyed", fqn: str, start: int, count: int, repeat: int) -> None:
         self.fqn, self.start, self.count, self.repeat = fqn, start, count, repeat
@@ -129,9 +130,11 @@ class _Forward:
         self.grad = torch.is_grad_enabled()  # autograd on at the start (off inside: reentrant checkpointing)
         self.drew = False  # a keyed draw was made: later forwards of these rows are repeats
         self.records = WeakIdKeyDictionary()  # tensor -> its batch record (keyinit.nn._batch)
+        # a shape probe (meta tensors, a pipeline stage's shape inference): later forwards do not repeat it
+        self.probe = False
 
     def call_key(self, ctx: "Keyed", fqn: str, ordinal: int) -> Key:
-        if not self.drew:
+        if not self.drew and not self.probe:
             self.drew = True
             ctx._history.setdefault(self.fqn, []).append((self.start, self.start + self.count))
         k = keyed_call_key(ctx.root, ctx.step, fqn, ordinal)
@@ -260,6 +263,7 @@ class Keyed:
         self._sequence_first: frozenset[int] = frozenset()  # see _sequence_first_dropouts
         self._state = "new"
         self._rows = 0  # the running micro-batch's first sample, relative to sample_offset (micro_batch)
+        self._probing = False  # root forwards now are shape probes (keyinit.nn.micro_batches between chunks)
         self._history: dict[str, list[tuple[int, int]]] = {}  # root module FQN -> rows of its root forwards
         self._replays: dict[tuple, tuple[Any, "_Forward"]] = {}  # see _remember
         self._forwards: list[_Forward] = []  # the root forwards of the block (for recomputes in backward)
@@ -298,6 +302,7 @@ class Keyed:
         rows = self._history.get(fqn, [])
         repeat = sum(1 for a, b in rows if a < start + count and start < b) if count else len(rows)
         forward = _Forward(self, fqn, start, count, repeat)
+        forward.probe = self._probing or any(t.device.type == "meta" for t in tensors)
         self._forwards.append(forward)
         if self.index == "tracked":
             for t, dim in zip(tensors, dims):
