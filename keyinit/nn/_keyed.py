@@ -333,10 +333,10 @@ class Keyed:
 
     def _remember(self, fqn: str, forward: "_Forward", args: tuple, kwargs: dict) -> None:
         """A module run with autograd off inside a forward that had it on (reentrant activation
-        checkpointing): its first input is remembered, for the recompute in backward to find this forward."""
-        tensors = _input_tensors(args, kwargs)
-        if tensors:
-            self._replays[self._replay_key(fqn, tensors[0])] = (weakref.ref(tensors[0]), forward)
+        checkpointing): its input tensors are remembered, for the recompute in backward to find this
+        forward and their batch records."""
+        for t in _input_tensors(args, kwargs):
+            self._replays[self._replay_key(fqn, t)] = (weakref.ref(t), forward)
 
     def _recomputed(self, fqn: str, args: tuple, kwargs: dict) -> Optional["_Forward"]:
         """The forward whose execution of module ``fqn`` a forward run in backward recomputes, or None."""
@@ -345,15 +345,14 @@ class Keyed:
             holders = [forward for forward in self._forwards if t in forward.records]
             if holders:  # the root forward of this module itself, else the one it ran inside
                 return next((f for f in holders if f.fqn == fqn), holders[0])
-        if tensors:  # reentrant checkpointing: detached inputs, the same memory
-            found = self._replays.get(self._replay_key(fqn, tensors[0]))
-            if found is not None and found[0]() is not None:
-                forward = found[1]
-                for t in tensors:
-                    original = record(t, forward)
-                    annotate(t, forward, original)
-                return forward
-        return None
+        found_forward = None
+        for t in tensors:  # reentrant checkpointing: detached copies of the inputs, the same memory
+            found = self._replays.get(self._replay_key(fqn, t))
+            original = None if found is None else found[0]()
+            if original is not None:
+                found_forward = found[1]
+                annotate(t, found_forward, record(original, found_forward))
+        return found_forward
 
     def _pre_hook(self, fqn: str) -> Callable:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:

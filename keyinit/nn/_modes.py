@@ -76,6 +76,10 @@ def _factory_record(func: Any, args: tuple, kwargs: dict) -> Any:
 def _shape_of(t: torch.Tensor, sizes: Any, forward: Any) -> Any:
     """``t.shape``/``t.size()`` with the batch dimension's size as a :class:`BatchSize`."""
     rec = record(t, forward)
+    if isinstance(rec, Foreign) and not isinstance(sizes, int):
+        # a tensor of unknown origin: its sizes say nothing of where samples are (a factory sized by
+        # them holds an unknown batch)
+        return torch.Size(tuple(DerivedSize(int(n)) for n in sizes))
     if not isinstance(rec, Batch) or rec.dim is None:
         return sizes
     d = rec.dim
@@ -205,6 +209,7 @@ def _draws_nothing(func, args: tuple, kwargs: dict) -> bool:
 
 
 
+_NEW = {"aten::new_empty", "aten::new_zeros", "aten::new_ones", "aten::new_full", "aten::new_empty_strided"}
 _LIKE = {"aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::empty_like", "aten::zeros_like",
          "aten::ones_like", "aten::full_like"}
 
@@ -234,7 +239,7 @@ class _BatchMode(TorchDispatchMode):
         inputs' broadcast (``bernoulli(p)``, ``normal(mean, std)``, ``multinomial``)."""
         name = func._schema.name
         state = self.ctx._thread_state()
-        if not records:
+        if not records or name in _NEW:
             return state.pending
         if name.endswith("_") or name in _LIKE or name == "aten::native_dropout":
             return records[0][1]
@@ -257,7 +262,8 @@ class _BatchMode(TorchDispatchMode):
             return self._draw(func, frame, args, kwargs, records)
         out = func(*args, **kwargs)
         state = self.ctx._thread_state()
-        if not tensors:
+        if not tensors or func._schema.name in _NEW:
+            # a factory: laid out by its sizes (a BatchSize among them: the function mode's pending batch)
             annotate(out, forward, state.pending)
             return out
         leaves = list(out) if isinstance(out, (tuple, list)) else [out]
