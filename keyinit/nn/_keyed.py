@@ -54,7 +54,8 @@ from keyinit.fqn import canonical_modules
 from keyinit.keys import Key, _as_uint64, fold_in, key
 from keyinit.nn._batch import Batch, annotate, declared, record
 from keyinit.nn._intercept import _Frame
-from keyinit.nn._keys import keyed_call_key
+from keyinit.nn._hostrandom import HostRandom
+from keyinit.nn._keys import keyed_call_key, keyed_module_key
 from keyinit.nn._modes import _BatchMode, _FunctionMode
 
 __all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward"]
@@ -132,6 +133,11 @@ class _Forward:
         self.records = WeakIdKeyDictionary()  # tensor -> its batch record (keyinit.nn._batch)
         # a shape probe (meta tensors, a pipeline stage's shape inference): later forwards do not repeat it
         self.probe = False
+
+    def host_key(self, ctx: "Keyed") -> Key:
+        """The key that seeds Python's and numpy's generators in this forward (docs/spec.md 14.7)."""
+        k = fold_in(keyed_module_key(ctx.root, ctx.step, self.fqn), "host")
+        return fold_in(k, self.repeat) if self.repeat else k
 
     def call_key(self, ctx: "Keyed", fqn: str, ordinal: int) -> Key:
         if not self.drew and not self.probe:
@@ -374,6 +380,10 @@ class Keyed:
                     if not torch.is_grad_enabled():
                         self._remember(fqn, forward, args, kwargs)
             frame = _Frame(module, fqn, foreign, forward)
+            if not state.frames and self.index == "tracked" and not foreign:
+                host = HostRandom(forward.host_key(self))
+                host.__enter__()
+                frame.pushed.append(host)  # left by the post-hook, after the modes
             # The modes are active only while one of the model's forwards runs: entered by the outermost
             # forward (and again by a forward that activation checkpointing recomputes in backward, where
             # the autograd engine does not carry torch-function modes), exited by its post-hook.

@@ -58,6 +58,11 @@ def keyed_call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
     return _call_key(root, step, fqn, ordinal)
 
 
+def keyed_module_key(root: Key, step: int, fqn: str) -> Key:
+    """``dropout_key`` before its ordinal fold: ``fold_in(fold_in(R, DROPOUT_DOMAIN), step)`` then fqn's parts."""
+    return _module_key(root, step, _check_fqn(fqn))
+
+
 def dropout_key(seed: Union[int, Key], *, step: int, fqn: str = "", ordinal: int = 0) -> Key:
     """The key of the dropout call number ``ordinal`` in the forward of module ``fqn`` at ``step``.
 
