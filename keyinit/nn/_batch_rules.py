@@ -79,7 +79,7 @@ def _arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -
 
 def _rule_view(func, args, kwargs, outs, records):
     t, rec = records[0]
-    if isinstance(rec, Unknown) or rec is None:
+    if not isinstance(rec, Batch):
         return [rec]
     return [reshape(rec, tuple(t.shape), tuple(outs[0].shape), str(func))]
 
