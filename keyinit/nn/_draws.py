@@ -91,6 +91,13 @@ def keyed_draw(func: Any, args: tuple, kwargs: dict, key: Key, batch: Optional[B
                                                     for k, v in kwargs.items()})
     outputs = [t for t in tree_flatten(meta_out)[0] if isinstance(t, torch.Tensor)]
     shape = tuple(outputs[0].shape) if outputs else ()
+    if batch is not None and func._schema.name == "aten::randperm":
+        raise UnkeyedRandomnessError(
+            f"{site}: randperm({shape[0] if shape else 0}) sized by the batch is one joint draw over the whole "
+            "local batch (a pairing or shuffle of its rows), so its values would depend on how the batch is split; "
+            "keyinit keys only draws made per sample or replicated ones (draw per-sample keys, e.g. "
+            "torch.rand(x.shape[0]), and argsort them, or shuffle outside the keyed forward)"
+        )
     if batch is not None:
         split, order, sample_shape = canonical(shape, batch)
         local = (batch.count,) + sample_shape
