@@ -33,6 +33,7 @@ it holds an unknown batch (``B * H`` does not say whether ``B`` is outer).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 import attrs
@@ -51,7 +52,7 @@ class Batch:
     inner: int = 1
 
     def moved(self, dim: Optional[int]) -> "Batch":
-        return attrs.evolve(self, dim=dim)
+        return self if dim == self.dim else Batch(dim, self.count, self.start, self.inner)
 
 
 @attrs.frozen
@@ -69,7 +70,6 @@ class Foreign:
 
 FOREIGN = Foreign()
 Record = Union[Batch, Unknown, Foreign, None]  # None: replicated (no batch)
-_MISSING = object()
 _DECLARED = "_keyinit_batch_dim"
 
 
@@ -77,11 +77,19 @@ class BatchSize(int):
     """The size of a batch dimension (an ``int``), as ``x.shape`` gives it inside a keyed forward."""
 
     batch: Batch
+    escaped: Optional[set]
 
-    def __new__(cls, value: int, batch: Batch) -> "BatchSize":
+    def __new__(cls, value: int, batch: Batch, escaped: Optional[set] = None) -> "BatchSize":
         self = super().__new__(cls, value)
         self.batch = batch
+        self.escaped = escaped  # the forward's sizes that lost their tag (int(), len()): see keyinit.nn._modes
         return self
+
+    def __int__(self) -> int:
+        value = int.__int__(self)
+        if self.escaped is not None:  # int(x.shape[0]) drops the tag: a factory sized by it is refused
+            self.escaped.add(value)
+        return value
 
     def __repr__(self) -> str:
         return int.__repr__(self)
@@ -104,6 +112,7 @@ class DerivedSize(BatchSize):
     def __new__(cls, value: int) -> "DerivedSize":  # type: ignore[override]
         self = int.__new__(cls, value)
         self.batch = None  # type: ignore[assignment]
+        self.escaped = None
         return self
 
 
@@ -139,9 +148,9 @@ def declared(tensor: torch.Tensor) -> Any:
 
 def record(tensor: Any, forward: Any) -> Record:
     """The batch record of ``tensor`` in ``forward`` (None: replicated)."""
-    found = forward.records.get(tensor, _MISSING)
-    if found is not _MISSING:
-        return found
+    entry = forward.records.get(id(tensor))
+    if entry is not None and entry[0]() is tensor:
+        return entry[1]
     mark = getattr(tensor, _DECLARED, None)
     if mark is not None:  # declared with batch_dim before the forward: its rows are the forward's
         dim = mark[1]
@@ -176,13 +185,13 @@ def _dtensor_record(tensor: Any, local: Record) -> Record:
 
 def annotate(tensor: Any, forward: Any, value: Record) -> None:
     if isinstance(tensor, torch.Tensor):
-        forward.records[tensor] = value
+        forward.records[id(tensor)] = (weakref.ref(tensor), value)
 
 
 # ----------------------------------------------------------------------------- rules
 
 
-def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what: str) -> Record:
+def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what: Any) -> Record:
     """The record of a broadcast result of ``ndim`` dims from ``(record, input ndim, size at its batch dim)``."""
     found: Record = None
     foreign = False
@@ -208,7 +217,7 @@ def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what:
     return FOREIGN if found is None and foreign else found
 
 
-def reshape(rec: Batch, old: Sequence[int], new: Sequence[int], what: str) -> Record:
+def reshape(rec: Batch, old: Sequence[int], new: Sequence[int], what: Any) -> Record:
     """The record after a row-major reshape from ``old`` to ``new``."""
     if rec.dim is None:
         return rec
@@ -227,7 +236,7 @@ def reshape(rec: Batch, old: Sequence[int], new: Sequence[int], what: str) -> Re
     return Unknown(f"{what} splits the batch dimension across dimensions ({tuple(old)} -> {tuple(new)})")
 
 
-def sliced(rec: Batch, dim: int, size: int, start: int, end: int, step: int, what: str) -> Record:
+def sliced(rec: Batch, dim: int, size: int, start: int, end: int, step: int, what: Any) -> Record:
     if rec.dim != dim:
         return rec
     outer = size // (rec.count * rec.inner)

@@ -44,7 +44,7 @@ def _pointwise(func: Any, args: tuple, kwargs: dict, outs: list, records: list) 
     """Every output broadcast from every tensor input."""
     inputs = [(rec, t.dim(), (int(t.shape[rec.dim]) if isinstance(rec, Batch) and rec.dim is not None else None))
               for t, rec in records]
-    return [merge(inputs, o.dim(), str(func)) if isinstance(o, torch.Tensor) else None for o in outs]
+    return [merge(inputs, o.dim(), func) if isinstance(o, torch.Tensor) else None for o in outs]
 
 
 def _first(records: list) -> tuple[torch.Tensor, Record]:
@@ -81,7 +81,7 @@ def _rule_view(func, args, kwargs, outs, records):
     t, rec = records[0]
     if not isinstance(rec, Batch):
         return [rec]
-    return [reshape(rec, tuple(t.shape), tuple(outs[0].shape), str(func))]
+    return [reshape(rec, tuple(t.shape), tuple(outs[0].shape), func)]
 
 
 def _rule_transpose(func, args, kwargs, outs, records):
@@ -151,7 +151,7 @@ def _rule_slice(func, args, kwargs, outs, records):
     end = size if end is None else int(end)
     start = start + size if start < 0 else start
     end = end + size if end < 0 else end
-    return [sliced(rec, dim, size, start, end, step, str(func))]
+    return [sliced(rec, dim, size, start, end, step, func)]
 
 
 def _rule_split(func, args, kwargs, outs, records):
@@ -170,7 +170,7 @@ def _rule_split(func, args, kwargs, outs, records):
     result, offset, size = [], 0, int(t.shape[dim])
     for piece in pieces:
         n = int(piece.shape[dim])
-        result.append(sliced(rec, dim, size, offset, offset + n, 1, str(func)))
+        result.append(sliced(rec, dim, size, offset, offset + n, 1, func))
         offset += n
     return result
 
@@ -223,7 +223,7 @@ def _rule_gather(func, args, kwargs, outs, records):
     if isinstance(rec, Batch) and rec.dim == dim:
         return [Unknown(f"{func} gathers along the batch dimension")]
     return [merge([(rec, t.dim(), None if not isinstance(rec, Batch) or rec.dim is None else int(t.shape[rec.dim])),
-                   (irec, index.dim(), None)], outs[0].dim(), str(func))]
+                   (irec, index.dim(), None)], outs[0].dim(), func)]
 
 
 def _rule_embedding(func, args, kwargs, outs, records):
@@ -256,7 +256,7 @@ def _rule_mm(func, args, kwargs, outs, records):
         rbias = rec.get(id(bias))
         cands.append((rbias, bias.dim(), None if not isinstance(rbias, Batch) or rbias.dim is None
                       else int(bias.shape[rbias.dim])))
-    return [merge(cands, nd, str(func))]
+    return [merge(cands, nd, func)]
 
 
 def _rule_first_input(func, args, kwargs, outs, records):

@@ -48,7 +48,6 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from keyinit.fqn import canonical_modules
 from keyinit.keys import Key, _as_uint64, fold_in, key
@@ -121,7 +120,7 @@ class _Forward:
     is folded into every key of this forward when it is not 0.
     """
 
-    __slots__ = ("start", "count", "repeat", "fqn", "constants", "owner", "grad", "drew", "records", "probe",
+    __slots__ = ("start", "count", "repeat", "fqn", "constants", "owner", "grad", "drew", "records", "probe", "escaped",
                  "__weakref__")
 
     def __init__(self, ctx: "Keyed", fqn: str, start: int, count: int, repeat: int) -> None:
@@ -130,9 +129,10 @@ class _Forward:
         self.owner = weakref.ref(ctx)
         self.grad = torch.is_grad_enabled()  # autograd on at the start (off inside: reentrant checkpointing)
         self.drew = False  # a keyed draw was made: later forwards of these rows are repeats
-        self.records = WeakIdKeyDictionary()  # tensor -> its batch record (keyinit.nn._batch)
+        self.records: dict[int, tuple[Any, Any]] = {}  # id(tensor) -> (weakref, its batch record): _batch.py
         # a shape probe (meta tensors, a pipeline stage's shape inference): later forwards do not repeat it
         self.probe = False
+        self.escaped: set[int] = set()  # batch sizes len() turned into plain ints (keyinit.nn._modes)
 
     def host_key(self, ctx: "Keyed") -> Key:
         """The key that seeds Python's and numpy's generators in this forward (docs/spec.md 14.7)."""
@@ -348,7 +348,8 @@ class Keyed:
         """The forward whose execution of module ``fqn`` a forward run in backward recomputes, or None."""
         tensors = _input_tensors(args, kwargs)
         for t in tensors:  # non-reentrant checkpointing: the very input tensors of the first execution
-            holders = [forward for forward in self._forwards if t in forward.records]
+            holders = [forward for forward in self._forwards
+                       if (entry := forward.records.get(id(t))) is not None and entry[0]() is t]
             if holders:  # the root forward of this module itself, else the one it ran inside
                 return next((f for f in holders if f.fqn == fqn), holders[0])
         found_forward = None
@@ -514,7 +515,8 @@ class Keyed:
         self._state = "exited"
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self._handles and exc_info[0] is None and any(len(f.records) for f in self._forwards):
+        if self._handles and exc_info[0] is None and any(ref() is not None for f in self._forwards
+                                                                 for ref, _ in f.records.values()):
             # Tensors of its forwards are alive (saved for a backward outside the block): the hooks stay, and
             # key only the recomputes of those forwards that activation checkpointing runs in backward()
             # (see _pre_hook), until the next keyed() is entered.

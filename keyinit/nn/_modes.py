@@ -39,6 +39,8 @@ __all__ = ["_FunctionMode", "_BatchMode", "_GuardSuspended"]
 
 _SHAPE = torch.Tensor.shape
 _SIZE = torch.Tensor.size
+_LEN = torch.Tensor.__len__
+_NUMEL = torch.Tensor.numel
 _FACTORIES = {
     torch.rand, torch.randn, torch.randint, torch.empty, torch.zeros, torch.ones, torch.full, torch.normal,
     torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_full, torch.arange,
@@ -59,11 +61,15 @@ def _sizes(args: tuple, kwargs: dict) -> list:
     return list(size)
 
 
-def _factory_record(func: Any, args: tuple, kwargs: dict) -> Any:
+def _factory_record(func: Any, args: tuple, kwargs: dict, escaped: set) -> Any:
     """The batch of a factory's output from the sizes it was given (None: replicated)."""
     sizes = _sizes(args, kwargs)
     tagged = [(d, v) for d, v in enumerate(sizes) if isinstance(v, BatchSize)]
     if not tagged:
+        if any(isinstance(v, int) and v in escaped for v in sizes):
+            return Unknown(f"{getattr(func, '__name__', func)} is sized {sizes}, and the batch size of a tensor in this "
+                           "forward became one of these as a plain int (len(x) and int(x.shape[0]) drop the fact that "
+                           "it is the batch size); size it by x.shape[0] or x.size(0)")
         return None
     exact = [(d, v) for d, v in tagged if not isinstance(v, DerivedSize)]
     if len(exact) == 1 and len(tagged) == 1:
@@ -88,7 +94,7 @@ def _shape_of(t: torch.Tensor, sizes: Any, forward: Any) -> Any:
     if d >= len(sizes):
         return sizes
     n = int(sizes[d])
-    value = BatchSize(n, rec) if rec.inner == 1 and n == rec.count else DerivedSize(n)
+    value = BatchSize(n, rec, forward.escaped) if rec.inner == 1 and n == rec.count else DerivedSize(n)
     return torch.Size(tuple(sizes[:d]) + (value,) + tuple(sizes[d + 1:]))
 
 class _FunctionMode(TorchFunctionMode):
@@ -103,6 +109,19 @@ class _FunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _LEN or func is _NUMEL:
+            out = func(*args, **kwargs)
+            frame = self.ctx._current_frame()
+            if frame is None or self.ctx.index == "dim0" or not args:
+                return out
+            rec = record(args[0], frame.forward)
+            if func is _LEN:
+                # len() hands Python a plain int whatever __len__ returns: remember the size, so that a
+                # factory sized by it is refused rather than drawn as replicated
+                if rec is not None:
+                    frame.forward.escaped.add(int(out))
+                return out
+            return out if rec is None else DerivedSize(out)  # sized by the batch, in a way that says not where
         if getattr(func, "__self__", None) is _SHAPE or func is _SIZE:
             out = func(*args, **kwargs)
             frame = self.ctx._current_frame()
@@ -117,7 +136,7 @@ class _FunctionMode(TorchFunctionMode):
         if func in _FACTORIES:
             frame = self.ctx._current_frame()
             if frame is not None and self.ctx.index != "dim0":
-                rec = _factory_record(func, args, kwargs)
+                rec = _factory_record(func, args, kwargs, frame.forward.escaped)
                 if rec is not None:
                     state = self.ctx._thread_state()
                     state.pending = rec
@@ -229,6 +248,12 @@ def _tensor_inputs(args: tuple, kwargs: dict) -> list:
 
 class _BatchMode(TorchDispatchMode):
     """Tracks each tensor's batch through the forward's ATen ops, and keys every random op."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says no: a Python
+        # frame more per ATen op. Under keyed, compiled code runs eagerly anyway (docs/dropout.md).
+        return False
 
     def __init__(self, ctx: Keyed) -> None:
         super().__init__()
