@@ -61,6 +61,8 @@ class _Frame:
         return self.forward.call_key(ctx, self.fqn, ordinal)
 
     def describe(self) -> str:
+        if getattr(self.module, "_keyinit_block", False):
+            return f"keyed block '{self.fqn}'"
         name = f"module '{self.fqn}'" if self.fqn else "the root module"
         return f"{name} ({type(self.module).__name__})"
 

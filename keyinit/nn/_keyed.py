@@ -1,40 +1,16 @@
-"""``keyed(model, seed, step=..., sample_offset=...)``: every dropout in ``model``'s forward, keyed.
+"""``keyed(model, seed, step=..., sample_offset=...)``: every random op in ``model``'s forward, keyed.
 
-While the context is active in a thread, and only while one of ``model``'s
-modules is running its forward in that thread:
-
-* ``F.dropout``, ``torch.dropout`` (``nn.Dropout``, ``keyinit.nn.Dropout``, HF's
-  eager attention), ``F.dropout1d/2d/3d``, ``torch.feature_dropout``,
-  ``F.alpha_dropout``, ``F.feature_alpha_dropout`` (and their in-place forms)
-  are answered with keyed masks. Call number ``n`` (0, 1, ...) made directly in
-  the forward of the module with canonical FQN ``fqn`` uses
-  ``dropout_key(seed, step=step, fqn=fqn, ordinal=n)``; calls inside a child module's forward
-  belong to the child. The element index is global: dimension 0 of the
-  activation is the batch, and local row ``r`` is global sample
-  ``sample_offset + r``. DTensor activations add the placements of their other
-  dimensions (sequence parallelism).
-* ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` and
-  ``F.multi_head_attention_forward`` in training with dropout (``nn.MultiheadAttention``,
-  the ``nn.Transformer*Layer`` family) are computed by :mod:`keyinit.nn._attention`
-  with their attention probabilities dropped as the module's next call
-  (``docs/spec.md`` section 14.5): the same mask as an ``F.dropout`` of the
-  probabilities.
-* Any other random op raises :class:`~keyinit.errors.UnkeyedRandomnessError`
-  naming the module and the op: a ``TorchDispatchMode`` checks every ATen op for
-  ``torch.Tag.nondeterministic_seeded`` (``rand_like``, ``bernoulli_``,
-  ``randperm``, ``native_dropout`` called directly, ...). Ops whose
-  ``dropout_p``/``p`` is 0 or whose ``train`` flag is False draw nothing and pass.
-
-Module boundaries come from forward pre-hooks and ``always_call`` forward hooks
-registered on every module of ``model`` for the duration of the context. The two
-modes are entered by the outermost forward and left when it returns, so code
-outside the model's forwards (the loss, the backward pass, the optimizer) runs
-without them; a forward that activation checkpointing recomputes during
-backward enters them again. The global torch RNG is never read or advanced.
+The context: module hooks that open a frame per module execution (its FQN and
+call counter), the root forwards (:class:`_Forward`: the rows a forward holds,
+its repeat count, its tensors' batch records), the two modes entered by the
+outermost forward (:mod:`keyinit.nn._modes`), micro-batches, named blocks, and
+the recomputes of activation checkpointing, found again in backward (also after
+the block: its hooks stay for them until the next ``keyed()``).
 
 A forward of the model in a thread other than the one that entered the context
 gets its own frames and modes, and refuses every draw there
-(:class:`~keyinit.errors.UnkeyedRandomnessError` naming the thread). A
+(:class:`~keyinit.errors.UnkeyedRandomnessError` naming the thread), except a
+recompute of one of its forwards (autograd's worker thread on CUDA). A
 ``keyed`` on a submodule entered inside a ``keyed`` on its model with the same
 values keys nothing more (the outer context keys the submodule by its FQN
 there); any other overlap of two active contexts is a ``RuntimeError``.
@@ -248,10 +224,24 @@ def _sequence_first_dropouts(model: torch.nn.Module) -> frozenset[int]:
 class Keyed:
     """The context manager :func:`keyed` returns (single use; enter it with ``with``)."""
 
-    def __init__(self, model: torch.nn.Module, seed: Union[int, Key], step: int, sample_offset: Optional[int],
-                 index: str = "tracked") -> None:
+    def __init__(self, model: Union[torch.nn.Module, str], seed: Union[int, Key], step: int,
+                 sample_offset: Optional[int], index: str = "tracked", inputs: Any = ()) -> None:
+        self._inputs: tuple = ()
+        if isinstance(model, str):
+            from keyinit.nn._keys import _check_fqn
+
+            if model == "":
+                raise ValueError("keyed: a named block needs a non-empty name (dot-separated, like an FQN)")
+            _check_fqn(model)
+            self._inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+            if not all(isinstance(t, torch.Tensor) for t in self._inputs):
+                raise TypeError("keyed: inputs must be tensors (the block's batch-holding tensors)")
+            model = _Named(model)
+        elif inputs != ():
+            raise TypeError("keyed: inputs= is for a named block (keyed('name', ...)); a model's inputs are its "
+                            "forward's arguments")
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"keyed: model must be a torch.nn.Module, got {type(model).__name__}")
+            raise TypeError(f"keyed: model must be a torch.nn.Module or a block name, got {type(model).__name__}")
         if index not in INDEX_RULES:
             raise ValueError(f"keyed: index must be one of {INDEX_RULES}, got {index!r}")
         self.index = index
@@ -459,6 +449,16 @@ class Keyed:
         self._thread = threading.get_ident()
         self._owner = self._thread_state()
         self._constants = frozenset(id(b) for b in self.model.buffers())
+        if isinstance(self.model, _Named):  # one root forward for the whole block, its inputs as given
+            _active().append(self)
+            with _entered_lock:
+                _entered.append(self)
+            try:
+                self._pre_hook(self.model.name)(self.model, self._inputs, {})
+            except BaseException:
+                self._teardown()
+                raise
+            return self
         seen: set[int] = set()
         try:
             for _, fqn, module in canonical_modules(self.model):
@@ -515,6 +515,8 @@ class Keyed:
         self._state = "exited"
 
     def __exit__(self, *exc_info: Any) -> None:
+        if isinstance(self.model, _Named):
+            self._post_hook()(self.model, (), None)
         if self._handles and exc_info[0] is None and any(ref() is not None for f in self._forwards
                                                                  for ref, _ in f.records.values()):
             # Tensors of its forwards are alive (saved for a backward outside the block): the hooks stay, and
@@ -529,6 +531,16 @@ class Keyed:
             return
         self._teardown()
         self._state = "exited"
+
+
+class _Named(torch.nn.Module):
+    """The stand-in module of a named block (``keyed("name", ...)``): its FQN is the name."""
+
+    _keyinit_block = True
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
 
 
 class _MicroBatch:
@@ -546,41 +558,51 @@ class _MicroBatch:
         self.ctx._rows = self.saved
 
 
-def keyed(model: torch.nn.Module, seed: Union[int, Key], *, step: int, sample_offset: Optional[int] = None,
-          index: str = "tracked") -> Keyed:
-    """Key every dropout in ``model``'s forward by (seed, step, module FQN, call ordinal, global index).
+def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: int,
+          sample_offset: Optional[int] = None, index: str = "tracked", inputs: Any = ()) -> Keyed:
+    """Key every random op in ``model``'s forward by (seed, step, module FQN, call ordinal, sample, place).
 
-    Use it around each forward (and backward, if activation checkpointing
-    recomputes the forward there)::
+    Use it around each forward (and backward)::
 
         with keyinit.nn.keyed(model, seed, step=step, sample_offset=first_sample):
             loss = loss_fn(model(batch), target)
             loss.backward()
 
-    Inside, the ``n``-th dropout-family call made directly in the forward of the
-    module with canonical FQN ``fqn`` (``keyinit.fqn.canonical_modules``: wrappers
-    such as ``_orig_mod``, ``_checkpoint_wrapped_module`` and DDP's ``module`` are
-    stripped) drops element ``i`` iff ``keyinit.random.bernoulli`` with key
-    ``dropout_key(seed, step=step, fqn=fqn, ordinal=n)`` and ``p = 1 - p_drop`` is False at ``i``,
-    the element's GLOBAL row-major index, where dimension 0 is the batch and
-    local row ``r`` is global sample ``sample_offset + r``. So splitting a batch
-    across data-parallel ranks, micro-batches or gradient-accumulation steps (each
-    with its ``sample_offset``) never changes a mask; DTensor activations also
-    add their placements (sequence/tensor parallelism).
+    Inside, the ``n``-th random call made directly in the forward of the module
+    with canonical FQN ``fqn`` (``keyinit.fqn.canonical_modules``: wrappers such as
+    ``_orig_mod``, ``_checkpoint_wrapped_module`` and DDP's ``module`` are stripped)
+    uses ``dropout_key(seed, step=step, fqn=fqn, ordinal=n)``: the dropout family
+    (``nn.Dropout``, ``F.dropout*``, alpha dropout), attention dropout (SDPA,
+    ``nn.MultiheadAttention``) and every other random ATen op (``rand``,
+    ``bernoulli_``, ``normal_``, ``exponential_``, ...; ``docs/spec.md`` 14.7).
+    Each element is indexed by its global sample and its place within that
+    sample, tracked from the model's inputs through every op
+    (:mod:`keyinit.nn._batch`; ``docs/spec.md`` 14.6): the inputs' dimension 0 is
+    the batch, local row ``r`` global sample ``sample_offset + r``. So splitting a
+    batch across data-parallel ranks, micro-batches (``ctx.micro_batch(offset)``,
+    :func:`micro_batches` for pipelining schedules) or gradient-accumulation steps
+    never changes a value, nor does flattening the batch with heads or tokens.
+    A draw whose samples cannot be placed raises
+    :class:`keyinit.errors.UnkeyedRandomnessError` naming the module, the op and
+    why; :func:`batch_dim` declares a tensor's batch. Python's ``random`` and
+    ``numpy.random`` are seeded per root forward and restored after it.
+    Randomness outside the model's forwards is left alone; the global RNGs are
+    never read or advanced. ``index="dim0"`` keeps stream v1's first rule
+    (dimension 0 of each dropout input is the batch; other draws refused).
 
-    Any other random op in the forward raises
-    :class:`keyinit.errors.UnkeyedRandomnessError` naming the module and the op.
-    Randomness outside the model's forwards is left alone. The global RNG is
-    never read or advanced. ``seed`` is an int in ``[0, 2**64)`` or a
-    :class:`keyinit.Key` (the root of every dropout key, as for :func:`dropout_key`);
-    ``step`` and ``sample_offset`` are ints in ``[0, 2**64)``.
+    ``model`` may also be a name (``"diffusion.noise"``): the whole block is then
+    one root forward under that FQN, whose batch-holding tensors are ``inputs``
+    (randomness of a training loop: ``torch.randn_like(latents)``,
+    ``torch.randint(0, T, (latents.shape[0],))``).
 
-    ``sample_offset`` defaults to 0 in a single process. When ``torch.distributed``
-    is initialized with more than one rank it must be given (a ``ValueError``
-    otherwise): keyinit cannot tell data-parallel ranks (each with its own rows)
-    from tensor-parallel ones (all with the whole batch). A model wrapped in
-    ``DistributedDataParallel`` on a group rank other than 0 refuses
-    ``sample_offset=0``. Batch-sharded DTensor activations place their rows
-    themselves (their placements add to ``sample_offset``).
+    ``seed`` is an int in ``[0, 2**64)`` or a :class:`keyinit.Key` (the root of
+    every key, as for :func:`dropout_key`); ``step`` and ``sample_offset`` are ints
+    in ``[0, 2**64)``. ``sample_offset`` defaults to 0 in a single process. When
+    ``torch.distributed`` is initialized with more than one rank it must be given
+    (a ``ValueError`` otherwise): keyinit cannot tell data-parallel ranks (each
+    with its own rows) from tensor-parallel ones (all with the whole batch). A
+    model wrapped in ``DistributedDataParallel`` on a group rank other than 0
+    refuses ``sample_offset=0``. DTensor activations place their rows themselves
+    (their placements add to ``sample_offset``).
     """
-    return Keyed(model, seed, step, sample_offset, index)
+    return Keyed(model, seed, step, sample_offset, index, inputs)
