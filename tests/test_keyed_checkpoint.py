@@ -84,3 +84,30 @@ def test_after_the_block_only_recomputes_are_keyed():
     with knn.keyed(net, 3, step=2):
         net(x).sum().backward()
     assert not net.layers[0]._forward_pre_hooks or len(net.layers[0]._forward_pre_hooks) == 1
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_recompute_in_another_thread_is_keyed_as_its_first_execution(reentrant):
+    """On CUDA the recompute runs in autograd's worker thread: here backward() runs in another thread."""
+    import threading
+
+    expected = _grads(None, True)
+    net = Net(reentrant)
+    keyinit.init_model(net, 0)
+    x = torch.linspace(-1, 1, 6 * 8).reshape(6, 8).requires_grad_()
+    with knn.keyed(net.train(), 3, step=1):
+        loss = net(x).square().sum()
+    errors: list = []
+
+    def backward() -> None:
+        try:
+            loss.backward()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=backward)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    for a, b in zip([x.grad] + [p.grad for p in net.parameters()], expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

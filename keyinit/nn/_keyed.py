@@ -357,6 +357,7 @@ class Keyed:
             foreign = state.foreign
             if state.frames:
                 forward = state.frames[-1].forward
+                foreign = state.frames[-1].foreign  # a recompute's children are keyed as it is
                 if forward.grad and not torch.is_grad_enabled():
                     self._remember(fqn, forward, args, kwargs)
             else:
