@@ -260,20 +260,20 @@ def _rule_mm(func, args, kwargs, outs, records):
 
 
 def _rule_first_input(func, args, kwargs, outs, records):
-    """Outputs laid out like the first tensor input's leading dims (conv, norms, fused attention, pooling)."""
+    """Outputs that keep the first input's leading dimensions up to its batch dimension (conv, norms, fused
+    attention, pooling): the input's record wherever those dimensions are unchanged."""
     t = args[0]
     rec = next((r for tt, r in records if tt is t), None)
     result = []
     for o in outs:
         if not isinstance(o, torch.Tensor):
             result.append(None)
-        elif isinstance(rec, Batch) and rec.dim is not None and o.dim() > rec.dim and (
-                rec.inner == 1 and int(o.shape[rec.dim]) == int(t.shape[rec.dim])):
+        elif not isinstance(rec, Batch) or rec.dim is None:
             result.append(rec)
-        elif isinstance(rec, Batch) and rec.dim is not None:
-            result.append(Unknown(f"{func} changes the batch dimension"))
+        elif o.dim() > rec.dim and tuple(o.shape[:rec.dim + 1]) == tuple(t.shape[:rec.dim + 1]):
+            result.append(rec)
         else:
-            result.append(rec)
+            result.append(Unknown(f"{func} changes the dimensions up to the batch dimension {rec.dim}"))
     return result
 
 
