@@ -25,7 +25,7 @@ import torch
 
 from keyinit.nn._batch import FOREIGN, Batch, Foreign, Record, Unknown, merge, reshape, sliced
 
-__all__ = ["propagate"]
+__all__ = ["propagate", "restride_keeps_elements"]
 
 
 def _dims(dims: Any, ndim: int) -> list[int]:
@@ -190,7 +190,9 @@ def _rule_cat(func, args, kwargs, outs, records):
     batches = [r for _, r in live if isinstance(r, Batch)]
     if not batches:
         return [None]
-    if all(isinstance(r, Batch) and r.dim is not None and r.dim != dim for _, r in live):
+    if all(r.dim is not None and r.dim != dim for r in batches):
+        # joined along another dimension: position b of the batch dimension is sample b in every piece
+        # (a replicated piece, such as an expanded class token, holds the same values for each sample)
         first = batches[0]
         if all(r == first for r in batches):
             return [first]
@@ -346,6 +348,23 @@ def _rule_collective_dim0(func, args, kwargs, outs, records):
     return [rec]
 
 
+def restride_keeps_elements(t: torch.Tensor, args: tuple) -> bool:
+    """True when ``as_strided(t, size, stride[, offset])`` views the same elements at the same positions."""
+    size, stride = list(args[1]), list(args[2])
+    offset = args[3] if len(args) > 3 and args[3] is not None else t.storage_offset()
+    return (list(t.shape) == size and offset == t.storage_offset()
+            and all(n == 1 or a == b for n, a, b in zip(size, t.stride(), stride)))
+
+
+def _rule_restride(func, args, kwargs, outs, records):
+    """``as_strided``/``as_strided_`` that keeps the size, the storage offset and the stride of every
+    dimension of size > 1 (a memory-format fix-up, as adaptive pooling does): the same elements."""
+    t, rec = records[0]
+    if restride_keeps_elements(t, args) or not isinstance(rec, Batch):
+        return [rec]
+    return [Unknown(f"{func} reinterprets the memory of a batch-holding tensor")]
+
+
 _SAME = {
     "_c10d_functional::all_reduce", "_c10d_functional::wait_tensor", "_c10d_functional::broadcast",
     "_c10d_functional::all_reduce_", "_c10d_functional::broadcast_", "_c10d_functional::_wrap_tensor_autograd",
@@ -410,7 +429,7 @@ _RULES: dict[str, Callable] = {
     "aten::argsort": _rule_along, "aten::kthvalue": _rule_along, "aten::cummax": _rule_along,
     "aten::cummin": _rule_along, "aten::logcumsumexp": _rule_along,
     "aten::constant_pad_nd": _rule_pad, "aten::flip": _rule_flip, "aten::roll": _rule_flip,
-    "aten::repeat": _rule_repeat,
+    "aten::repeat": _rule_repeat, "aten::as_strided": _rule_restride,
     "_c10d_functional::all_gather_into_tensor": _rule_collective_dim0,
     "_c10d_functional::reduce_scatter_tensor": _rule_collective_dim0,
 }

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, record
-from keyinit.nn._batch_rules import propagate
+from keyinit.nn._batch_rules import propagate, restride_keeps_elements
 from keyinit.nn._intercept import (
     Keyed,
     _arg,
@@ -228,6 +228,10 @@ def _draws_nothing(func, args: tuple, kwargs: dict) -> bool:
 
 
 
+# ops that draw nothing at p = 0 but whose torch kernels still advance the generator: answered by keyinit
+# (ops such as fused attention with dropout_p = 0 touch no generator and run as they are)
+_AS_STRIDED_ = torch.ops.aten.as_strided_.default
+_ANSWERED = {"aten::bernoulli", "aten::bernoulli_", "aten::native_dropout"}
 _NEW = {"aten::new_empty", "aten::new_zeros", "aten::new_ones", "aten::new_full", "aten::new_empty_strided"}
 _LIKE = {"aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::empty_like", "aten::zeros_like",
          "aten::ones_like", "aten::full_like"}
@@ -283,8 +287,15 @@ class _BatchMode(TorchDispatchMode):
         forward = frame.forward
         tensors = _tensor_inputs(args, kwargs)
         records = [(t, record(t, forward)) for t in tensors]
-        if is_random(func):
+        if is_random(func) and not (_draws_nothing(func, args, kwargs) and func._schema.name not in _ANSWERED):
             return self._draw(func, frame, args, kwargs, records)
+        if func is _AS_STRIDED_ and records and records[0][1] is not None:
+            # in place: whether it keeps the elements is known only before it runs
+            keeps = restride_keeps_elements(args[0], args)
+            out = func(*args, **kwargs)
+            annotate(out, forward, records[0][1] if keeps else Unknown(f"{func} reinterprets the memory of a "
+                                                                        "batch-holding tensor"))
+            return out
         out = func(*args, **kwargs)
         state = self.ctx._thread_state()
         if not tensors or func._schema.name in _NEW:
@@ -309,10 +320,7 @@ class _BatchMode(TorchDispatchMode):
         ctx = self.ctx
         if frame.foreign:
             _refuse_foreign(ctx, frame, str(func))
-        name = func._schema.name
         nothing = _draws_nothing(func, args, kwargs)
-        if nothing and name not in ("aten::bernoulli", "aten::bernoulli_", "aten::native_dropout"):
-            return func(*args, **kwargs)  # e.g. fused attention with dropout_p = 0: no generator is touched
         if ctx.index == "dim0":
             raise UnkeyedRandomnessError(
                 f"{frame.describe()}: {func} inside a keyinit.nn.keyed(index='dim0') forward: that rule keys only "
