@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit.errors import UnkeyedRandomnessError
-from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, record
+from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
 from keyinit.nn._batch_rules import propagate, restride_keeps_elements
 from keyinit.nn._intercept import (
     Keyed,
@@ -272,10 +272,9 @@ class _BatchMode(TorchDispatchMode):
             return state.pending
         if name.endswith("_") or name in _LIKE or name == "aten::native_dropout":
             return records[0][1]
-        live = [r for _, r in records if r is not None]
-        if not live:
-            return None
-        return _merged(func, records)
+        out_ndim = max(t.dim() for t, _ in records)
+        return merge([(r, t.dim(), int(t.shape[r.dim]) if isinstance(r, Batch) and r.dim is not None else None)
+                      for t, r in records], out_ndim, func)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from keyinit._random_ops import is_random
@@ -307,7 +306,6 @@ class _BatchMode(TorchDispatchMode):
             for leaf in leaves:  # computed in this forward from replicated tensors: replicated
                 annotate(leaf, forward, None)
             return out
-        leaves = list(out) if isinstance(out, (tuple, list)) else [out]
         for leaf, rec in zip(leaves, propagate(func, args, kwargs, out, records)):
             annotate(leaf, forward, rec)
         return out
@@ -321,7 +319,7 @@ class _BatchMode(TorchDispatchMode):
         if frame.foreign:
             _refuse_foreign(ctx, frame, str(func))
         nothing = _draws_nothing(func, args, kwargs)
-        if ctx.index == "dim0":
+        if ctx.index == "dim0" and not nothing:
             raise UnkeyedRandomnessError(
                 f"{frame.describe()}: {func} inside a keyinit.nn.keyed(index='dim0') forward: that rule keys only "
                 "the dropout family and attention dropout; use the default index='tracked' to key every random op"
@@ -349,10 +347,3 @@ class _BatchMode(TorchDispatchMode):
                 annotate(leaf, frame.forward, rec)
         return out
 
-
-def _merged(func: Any, records: list) -> Any:
-    from keyinit.nn._batch import merge
-
-    out_ndim = max(t.dim() for t, _ in records)
-    return merge([(r, t.dim(), int(t.shape[r.dim]) if isinstance(r, Batch) and r.dim is not None else None)
-                  for t, r in records], out_ndim, str(func))
