@@ -28,9 +28,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from keyinit.data._index import SampleIndex
 from keyinit.keys import Key, _as_uint64, fold_in, key
 
-__all__ = ["AUGMENT_DOMAIN", "SampleRef", "sample_key", "keyed_samples", "KeyedSamples", "keyed_randomness"]
+__all__ = ["AUGMENT_DOMAIN", "SampleRef", "KeyedBatch", "sample_key", "keyed_samples", "KeyedSamples", "keyed_randomness"]
 
 #: The int folded into the root key first: the ASCII bytes of "augment", big-endian.
 AUGMENT_DOMAIN = int.from_bytes(b"augment", "big")
@@ -216,25 +217,56 @@ class KeyedSamples(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, ref: Any) -> Any:
+    def _ref(self, ref: Any) -> tuple[int, int]:
+        """``(index, epoch)`` of an item: a :class:`SampleIndex`, an ``(index, epoch)`` pair, or a plain
+        index with the wrapper's ``epoch``."""
+        if isinstance(ref, SampleIndex):
+            return int(ref), ref.epoch
         if isinstance(ref, tuple) and len(ref) == 2:
-            index, epoch = ref
-        else:
-            index, epoch = ref, self.epoch
-            if epoch is None:
-                raise TypeError(
-                    f"keyed_samples got the plain index {ref!r}, which does not say the epoch; use "
-                    f"keyinit.data.KeyedSampler(..., yield_epoch=True) (it yields (index, epoch) pairs) "
-                    f"or keyed_samples(dataset, seed, epoch=...)")
-        index, epoch = int(index), int(epoch)
+            return int(ref[0]), int(ref[1])
+        if self.epoch is None:
+            raise TypeError(
+                f"keyed_samples got the plain index {ref!r}, which does not say the epoch; use the indices "
+                f"keyinit.data.KeyedSampler yields (ints that carry their epoch; with yield_epoch=True, "
+                f"(index, epoch) pairs) or keyed_samples(dataset, seed, epoch=...)")
+        return int(ref), int(self.epoch)
+
+    def __getitem__(self, ref: Any) -> Any:
+        index, epoch = self._ref(ref)
         with keyed_randomness(sample_key(self.root, epoch, index), f"sample {index} of epoch {epoch}"):
             return self.dataset[index]
+
+    def __getitems__(self, refs: list) -> "KeyedBatch":
+        """The items of a DataLoader batch (torch's fetcher calls this), as a list that also says each
+        item's ``(epoch, index)`` (``.refs``) for :func:`keyinit.data.keyed_collate`."""
+        pairs = [self._ref(ref) for ref in refs]
+        items = []
+        for index, epoch in pairs:
+            with keyed_randomness(sample_key(self.root, epoch, index), f"sample {index} of epoch {epoch}"):
+                items.append(self.dataset[index])
+        return KeyedBatch(items, tuple((epoch, index) for index, epoch in pairs))
+
+
+class KeyedBatch(list):
+    """A list of dataset items that knows each one's ``(epoch, index)`` (``.refs``, in order).
+
+    ``KeyedSamples.__getitems__`` returns it, so a DataLoader hands it to its ``collate_fn``; to any
+    other code it is a plain list.
+    """
+
+    def __init__(self, items: Any, refs: tuple[tuple[int, int], ...]) -> None:
+        super().__init__(items)
+        self.refs = refs
+
+    def __reduce__(self) -> tuple:
+        return (KeyedBatch, (list(self), self.refs))
 
 
 def keyed_samples(dataset: Any, seed: Union[int, Key], *, epoch: Optional[int] = None) -> KeyedSamples:
     """Wrap a map-style ``dataset`` so each item's randomness is keyed by (seed, epoch, index, call).
 
-    Index it with ``(index, epoch)`` pairs (:class:`SampleRef`, as
-    ``KeyedSampler(..., yield_epoch=True)`` yields), or with plain indices when ``epoch`` is given.
+    Index it with what :class:`KeyedSampler` yields (:class:`SampleIndex` ints that carry their epoch),
+    with ``(index, epoch)`` pairs (:class:`SampleRef`, what ``yield_epoch=True`` yields), or with plain
+    indices when ``epoch`` is given (an index that carries its epoch uses its own).
     """
     return KeyedSamples(dataset, seed, epoch)

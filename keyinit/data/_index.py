@@ -1,0 +1,70 @@
+"""``SampleIndex``: an ``int`` that carries its epoch, what :class:`KeyedSampler` yields by default.
+
+It is an ``int`` everywhere an int is expected (``list[i]``, ``tensor[i]``, ``range`` checks, equality,
+hashing, arithmetic, which gives plain ints), so a plain dataset and ``DataLoader`` code written for
+``SequentialSampler`` work unchanged; :func:`keyinit.data.keyed_samples` and
+:func:`keyinit.data.keyed_collate` read ``index.epoch``.
+
+Each epoch has its own subclass (made once per process and kept in a bounded cache), whose ``epoch``
+is a class attribute: building an index is then ``int.__new__`` in C, which keeps the sampler's
+per-sample cost (``map(cls, indices)``) what it was with plain ints. Pickling (DataLoader worker
+queues) goes through :func:`_sample_index`, so another process rebuilds the same value.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import ClassVar
+
+__all__ = ["SampleIndex", "sample_index", "epoch_of"]
+
+
+class SampleIndex(int):
+    """Sample ``int(self)`` of epoch ``self.epoch``. Make one with :func:`sample_index`."""
+
+    __slots__ = ()
+    epoch: ClassVar[int]
+
+    def __reduce__(self) -> tuple:
+        return (_sample_index, (int(self), self.epoch))
+
+    def __repr__(self) -> str:
+        return f"sample_index({int(self)}, epoch={self.epoch})"
+
+
+@functools.lru_cache(maxsize=1024)
+def _epoch_class(epoch: int) -> type:
+    return type("SampleIndex", (SampleIndex,), {"__slots__": (), "epoch": epoch, "__module__": __name__,
+                                                "__qualname__": "SampleIndex"})
+
+
+def _sample_index(index: int, epoch: int) -> SampleIndex:
+    return _epoch_class(epoch)(index)
+
+
+def sample_index(index: int, epoch: int) -> SampleIndex:
+    """Sample ``index`` of epoch ``epoch`` as an int that carries the epoch (both ints >= 0)."""
+    values = []
+    for value, what in ((index, "index"), (epoch, "epoch")):
+        if isinstance(value, bool):
+            raise TypeError(f"sample_index: {what} must be an int >= 0, got bool {value!r}")
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"sample_index: {what} must be an int >= 0, got {type(value).__name__} "
+                            f"{value!r}") from None
+        if value < 0:
+            raise ValueError(f"sample_index: {what} must be an int >= 0, got {value}")
+        values.append(int(value))
+    return _sample_index(values[0], values[1])
+
+
+def epoch_class(epoch: int) -> type:
+    """The :class:`SampleIndex` subclass of ``epoch`` (``cls(i)`` is ``sample_index(i, epoch)``)."""
+    return _epoch_class(int(epoch))
+
+
+def epoch_of(index: object) -> "int | None":
+    """The epoch an index carries (:class:`SampleIndex`), else None."""
+    return index.epoch if isinstance(index, SampleIndex) else None
