@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from keyinit.data import _fast, _intercept
 from keyinit.data._index import SampleIndex
 from keyinit.keys import Key, _as_uint64, fold_in, key
 
@@ -49,7 +50,7 @@ def sample_key(seed: Union[int, Key], epoch: int, index: int) -> Key:
     root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
     epoch = _as_uint64(epoch, "epoch")
     index = _as_uint64(index, "sample index")
-    return fold_in(_epoch_key(_domain_key(root), epoch), index)
+    return _fast.fold(_epoch_key(_domain_key(root), epoch), index)
 
 
 @functools.lru_cache(maxsize=64)
@@ -125,12 +126,41 @@ def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) 
     return tuple(results)
 
 
-class _KeyedMode(TorchDispatchMode):
+class _Keyer:
+    """Replaces the random ops of one keyed call: the ``c``-th under ``fold_in(sample, c)``."""
+
     def __init__(self, sample: Key, site: str) -> None:
-        super().__init__()
         self.sample = sample
         self.site = site
         self.ordinal = 0
+        self.lib = _fast.kernel_library()
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        call_key = _fast.fold(self.sample, self.ordinal)
+        self.ordinal += 1
+        recipe = _fast.plan(func, args, kwargs)
+        if recipe is None:
+            return _keyed_call(func, args, kwargs, call_key, self.site)
+        values: list = []
+        j = 0
+        for draw in recipe.draws:  # the draws _keyed_call would number j = 0, 1, ...
+            if draw is None:
+                values.append(None)
+                continue
+            dist, dtype, shape = draw
+            out = torch.empty(shape, dtype=dtype)
+            _fast.fill(self.lib, out, dist, _fast.fold(call_key, j))
+            values.append(out)
+            j += 1
+        return recipe.result(values)
+
+
+class _KeyedMode(TorchDispatchMode):
+    """The keyer as a dispatch mode (every op through Python): where :mod:`._intercept` is unavailable."""
+
+    def __init__(self, keyer: Any) -> None:
+        super().__init__()
+        self.keyer = keyer
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         from keyinit._random_ops import is_random
@@ -138,9 +168,29 @@ class _KeyedMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if not is_random(func):
             return func(*args, **kwargs)
-        call_key = fold_in(self.sample, self.ordinal)
-        self.ordinal += 1
-        return _keyed_call(func, args, kwargs, call_key, self.site)
+        return self.keyer(func, args, kwargs)
+
+
+class _Interception:
+    """Random ops to ``keyer`` while active: the dispatch-key kernels of :mod:`._intercept` where this
+    torch has them (only the random ops reach Python), else a dispatch mode (the same values)."""
+
+    def __init__(self, keyer: Any) -> None:
+        self.keyer = keyer
+
+    def __enter__(self) -> None:
+        if _intercept.available():
+            self._mode: Optional[_KeyedMode] = None
+            self._saved = _intercept.enter(self.keyer)
+        else:
+            self._mode = _KeyedMode(self.keyer)
+            self._mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._mode is None:
+            _intercept.leave(self._saved)
+        else:
+            self._mode.__exit__(*exc)
 
 
 #: Held from entering a keyed sample to leaving it. Python's ``random`` and ``numpy.random`` have one
@@ -178,7 +228,7 @@ class keyed_randomness:
         return self
 
     def _enter(self) -> None:
-        k = fold_in(self.sample, "python.random")
+        k = _fast.fold_str(self.sample, "python.random")
         self._py_state = _py_random.getstate()
         _py_random.seed(k.k0 | (k.k1 << 32))
         try:
@@ -187,9 +237,9 @@ class keyed_randomness:
             self._np_state = None
         else:
             self._np_state = numpy.random.get_state()
-            kn = fold_in(self.sample, "numpy.random")
+            kn = _fast.fold_str(self.sample, "numpy.random")
             numpy.random.seed([kn.k0, kn.k1])
-        self._mode = _KeyedMode(self.sample, self.site)
+        self._mode = _Interception(_Keyer(self.sample, self.site))
         self._mode.__enter__()
 
     def __exit__(self, *exc: Any) -> None:

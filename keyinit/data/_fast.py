@@ -1,0 +1,319 @@
+"""The common random ops of data pipelines, keyed without building a program.
+
+:func:`plan` recognizes ``uniform_``, ``normal_``, ``rand``, ``randn``, ``rand_like``, ``randn_like``,
+``randint``, ``random_``, ``bernoulli``/``bernoulli_`` (scalar or tensor ``p``) and ``randperm`` with
+arguments the table of :mod:`keyinit._random_ops` maps to plain samplers, and returns a
+:class:`Recipe`: the draws the keyed equivalent makes (sampler, dtype, shape, in the order
+:func:`keyinit.data._augment._keyed_call` numbers them) and how the result is made from them. The
+values are those of the table, bit for bit: the same samplers, the same arithmetic; only the
+meta run, the program nodes and the evaluator are skipped. Anything else (other ops, other
+overloads, ``out=``, arguments the table refuses) is None, and callers take the general path.
+
+:func:`fold` is ``keyinit.fold_in`` of an int for stream v1 keys in plain Python integers
+(about 5x faster than the general derivation); other streams use ``fold_in``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+from typing import Any, Callable, Optional
+
+import torch
+
+from keyinit.distributions import FLOAT_DTYPES, INT_DTYPES, Bernoulli, Bits, Normal, Randint, Uniform
+from keyinit.keys import Key, fold_in
+from keyinit.regions import make_region
+
+__all__ = ["fold", "fold_str", "plan", "Recipe"]
+
+_M0, _M1, _W0, _W1, _MASK = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
+
+
+def _philox_key(k0: int, k1: int, c0: int, c1: int, c2: int, c3: int) -> Key:
+    """``Key(*Philox4x32-10((c0, c1, c2, c3), (k0, k1))[:2])`` in Python ints (spec sections 1 and 3)."""
+    for r in range(10):
+        if r:
+            k0 = (k0 + _W0) & _MASK
+            k1 = (k1 + _W1) & _MASK
+        p0 = _M0 * c0
+        p1 = _M1 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & _MASK, (p0 >> 32) ^ c3 ^ k1, p0 & _MASK
+    return Key(c0, c1, "v1")
+
+
+def fold(parent: Key, data: int) -> Key:
+    """``fold_in(parent, data)`` for an int ``data`` in ``[0, 2**64)`` (spec section 3, tag 2)."""
+    if parent.stream != "v1" or not 0 <= data < 1 << 64:
+        return fold_in(parent, data)
+    return _philox_key(parent.k0, parent.k1, data & _MASK, data >> 32, 2, 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _string_words(data: str) -> tuple[int, int, int]:
+    digest = hashlib.sha256(data.encode("utf-8")).digest()
+    return tuple(int.from_bytes(digest[4 * i: 4 * i + 4], "little") for i in range(3))  # type: ignore[return-value]
+
+
+def fold_str(parent: Key, data: str) -> Key:
+    """``fold_in(parent, data)`` for a str ``data`` (spec section 3, tag 3; the hash cached per string)."""
+    if parent.stream != "v1":
+        return fold_in(parent, data)
+    h0, h1, h2 = _string_words(data)
+    return _philox_key(parent.k0, parent.k1, h0, h1, 3, h2)
+
+
+def kernel_library() -> Any:
+    """The CPU fill kernel's library, or None where kernels are disabled or unavailable (resolve once per
+    keyed call: the checks cost microseconds)."""
+    from keyinit._kernels import kernels_disabled
+    from keyinit._kernels._cpu import library
+
+    return None if kernels_disabled() else library()
+
+
+def fill(lib: Any, out: torch.Tensor, dist: Any, key: Key, rows: Optional[torch.Tensor] = None,
+         row_stride: int = 0) -> None:
+    """Write ``dist``'s values into ``out`` (a new contiguous CPU tensor): element ``e`` of the flat
+    ``out`` is global flat index ``e`` of ``key``'s stream; with ``rows`` (``out`` shaped ``(B, R)``),
+    element ``(b, e)`` is global flat index ``rows[b] * row_stride + e``.
+
+    The values of ``keyinit._dispatch.fill`` with the matching region (the kernel called directly,
+    without building the region and its checks); the reference where ``lib`` is None.
+    """
+    if out.numel() == 0:
+        return
+    from keyinit._kernels._cpu import DIST_IDS, DTYPE_IDS, MIN_PARALLEL_ELEMENTS, _params
+    from keyinit._kernels._plan import coalesce
+
+    dist_id, dtype_id = DIST_IDS.get(type(dist)), DTYPE_IDS.get(out.dtype)
+    if lib is None or key.stream != "v1" or dist_id is None or dtype_id is None:
+        from keyinit import _dispatch
+
+        if rows is None:
+            region = make_region(tuple(out.shape), None)
+        else:
+            region = make_region((rows_bound(rows), row_stride), (rows, range(out.shape[1])))
+        _dispatch.fill(out, dist, key, region)
+        return
+    if rows is None:
+        base, dims = 0, [[out.numel(), 1, 1, None]]
+    else:
+        base, dims = coalesce([(out.shape[0], out.shape[1], row_stride, 0, rows), (out.shape[1], 1, 1, 0, None)])
+    nd = len(dims)
+    f, i = _params(dist)
+    threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
+    rc = lib.keyinit_fill(
+        dist_id, dtype_id, key.k0, key.k1, (ctypes.c_double * 6)(*f), (ctypes.c_int64 * 4)(*i), nd, base,
+        (ctypes.c_int64 * nd)(*(d[0] for d in dims)), (ctypes.c_int64 * nd)(*(d[1] for d in dims)),
+        (ctypes.c_int64 * nd)(*(d[2] for d in dims)),
+        (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims)),
+        out.data_ptr(), threads)
+    if rc != 0:  # pragma: no cover - the arguments are the ones _dispatch.fill would pass
+        raise RuntimeError(f"keyinit_fill failed with code {rc}")
+
+
+def rows_bound(rows: torch.Tensor) -> int:
+    """The global shape's row count for ``rows``: any bound above the largest (values do not depend on it)."""
+    return 1 << 38
+
+
+class Recipe:
+    """What a recognized random op draws and how its result is made.
+
+    ``draws``: ``(distribution, dtype, shape)`` per keyed draw ``j`` (None: a constant, no draw);
+    ``finish(values)``: the op's value (CPU) from the drawn tensors; ``write``: the tensor an
+    in-place op writes (None: the op returns a new tensor on ``device``).
+    """
+
+    __slots__ = ("shape", "draws", "finish", "write", "device")
+
+    def __init__(self, shape: tuple[int, ...], draws: list, finish: Callable[[list], torch.Tensor],
+                 write: Optional[torch.Tensor], device: Any) -> None:
+        self.shape, self.draws, self.finish, self.write, self.device = shape, draws, finish, write, device
+
+    def result(self, values: list) -> Any:
+        value = self.finish(values)
+        if self.write is not None:
+            with torch.no_grad():
+                self.write.copy_(value.to(self.write.device))
+            return self.write
+        return value.to(self.device) if self.device is not None else value
+
+
+def _sampler(dist: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> Optional[list]:
+    if dtype not in dist.dtypes:
+        return None
+    return [(dist, dtype, shape)]
+
+
+def _first(values: list) -> torch.Tensor:
+    return values[0]
+
+
+def _args(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+    return bound
+
+
+def _shape(size: Any) -> Optional[tuple[int, ...]]:
+    try:
+        return tuple(int(s) for s in size)
+    except TypeError:
+        return None
+
+
+def _randint_draw(low: int, high: int, dtype: torch.dtype, shape: tuple[int, ...]) -> Optional[tuple[list, Callable]]:
+    if high - low > 2**32 or high <= low:
+        return None  # the table refuses: the general path says why
+    draw_dtype = dtype if dtype in INT_DTYPES else torch.int64
+    try:
+        dist = Randint.create(low, high, draw_dtype)
+    except (TypeError, ValueError):
+        return None
+    draws = _sampler(dist, draw_dtype, shape)
+    if draws is None:
+        return None
+    if draw_dtype == dtype:
+        return draws, _first
+    return draws, lambda values: values[0].to(dtype)
+
+
+def _tensor_bernoulli(p: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[list, Callable]:
+    probabilities = p.detach().cpu()
+
+    def finish(values: list) -> torch.Tensor:
+        return (values[0] < torch.round(probabilities.double() * 2.0**32)).to(dtype)
+
+    return [(Bits(), torch.int64, shape)], finish
+
+
+def _randperm(n: int, dtype: torch.dtype) -> tuple[list, Callable]:
+    def permutation(values: list) -> torch.Tensor:
+        hi, lo = values
+        order = torch.argsort(lo, stable=True)
+        return order[torch.argsort(hi[order], stable=True)].to(dtype)
+
+    return [(Bits(), torch.int64, (n,)), (Randint.create(0, 2**32, torch.int64), torch.int64, (n,))], permutation
+
+
+def plan(func: Any, args: tuple, kwargs: dict, *, randperm: bool = True) -> Optional[Recipe]:
+    """The :class:`Recipe` of ``func(*args, **kwargs)``, or None where the general path must run."""
+    name = func._schema.name
+    if not name.startswith("aten::"):
+        return None
+    name = name[6:]
+    overload = func._overloadname
+    if overload.endswith("out") or overload == "names":
+        return None
+    a = _args(func, args, kwargs)
+    made: Optional[tuple[list, Callable]] = None
+    write: Optional[torch.Tensor] = None
+    device: Any = None
+    if name.endswith("_"):  # in place on self
+        self = a.get("self")
+        if not isinstance(self, torch.Tensor) or self.layout != torch.strided:
+            return None
+        write, shape, dtype = self, tuple(self.shape), self.dtype
+        if name == "uniform_":
+            low, high = float(a.get("from", 0.0)), float(a.get("to", 1.0))
+            if dtype not in FLOAT_DTYPES:
+                return None
+            if low == high:
+                made = [None], (lambda values, low=low: torch.full(shape, low, dtype=dtype))
+            else:
+                made = _made(lambda: _sampler(Uniform.create(low, high), dtype, shape))
+        elif name == "normal_":
+            mean, std = a.get("mean", 0.0), a.get("std", 1.0)
+            if dtype not in FLOAT_DTYPES or isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
+                return None
+            made = _made(lambda: _sampler(Normal.create(float(mean), float(std)), dtype, shape))
+        elif name == "random_":
+            low, high = a.get("from"), a.get("to")
+            if high is None:
+                if dtype == torch.bool:
+                    high = 2
+                elif dtype.is_floating_point:
+                    high = 2 ** (1 - int(round(math.log2(torch.finfo(dtype).eps)))) + 1
+                else:
+                    high = torch.iinfo(dtype).max + 1
+            made = _randint_draw(0 if low is None else int(low), int(high), dtype, shape)
+        elif name == "bernoulli_":
+            p = a.get("p", 0.5)
+            if isinstance(p, torch.Tensor):
+                made = _tensor_bernoulli(p, dtype, shape)
+            else:
+                made = _made(lambda: _sampler(Bernoulli.create(float(p)), dtype, shape))
+        else:
+            return None
+    else:
+        if name in ("rand", "randn"):
+            shape_ = _shape(a.get("size"))
+            if shape_ is None:
+                return None
+            shape = shape_
+            dtype = a.get("dtype") or torch.get_default_dtype()
+            device = a.get("device") or torch.device("cpu")
+        elif name in ("rand_like", "randn_like", "randint_like"):
+            self = a.get("self")
+            if not isinstance(self, torch.Tensor) or self.layout != torch.strided:
+                return None
+            shape, dtype = tuple(self.shape), a.get("dtype") or self.dtype
+            device = a.get("device") or self.device
+        elif name == "randint":
+            shape_ = _shape(a.get("size"))
+            if shape_ is None:
+                return None
+            shape, dtype = shape_, a.get("dtype") or torch.int64
+            device = a.get("device") or torch.device("cpu")
+        elif name == "bernoulli":
+            self = a.get("self")
+            if not isinstance(self, torch.Tensor) or self.layout != torch.strided:
+                return None
+            shape, dtype, device = tuple(self.shape), self.dtype, self.device
+        elif name == "randperm" and randperm:
+            n = int(a["n"])
+            dtype = a.get("dtype") or torch.int64
+            device = a.get("device") or torch.device("cpu")
+            draws, finish = _randperm(n, dtype)
+            return Recipe((n,), draws, finish, None, device)
+        else:
+            return None
+        if name in ("rand", "rand_like"):
+            if dtype not in FLOAT_DTYPES:
+                return None
+            made = _made(lambda: _sampler(Uniform.create(0.0, 1.0), dtype, shape))
+        elif name in ("randn", "randn_like"):
+            if dtype not in FLOAT_DTYPES:
+                return None
+            made = _made(lambda: _sampler(Normal.create(0.0, 1.0), dtype, shape))
+        elif name in ("randint", "randint_like"):
+            high = a.get("high")
+            if isinstance(high, torch.Tensor) or high is None:
+                return None
+            made = _randint_draw(int(a.get("low") or 0), int(high), dtype, shape)
+        elif name == "bernoulli":
+            p = a.get("p")
+            if overload == "p":
+                made = _made(lambda: _sampler(Bernoulli.create(float(p)), dtype, shape))
+            elif overload == "default":
+                made = _tensor_bernoulli(a["self"], dtype, shape)
+    if made is None or made[0] is None:
+        return None
+    draws, finish = made
+    return Recipe(shape, draws, finish, write, device)
+
+
+def _made(make: Callable[[], Optional[list]]) -> Optional[tuple[list, Callable]]:
+    try:
+        draws = make()
+    except (TypeError, ValueError):
+        return None  # parameters the samplers refuse: the general path says why
+    return None if draws is None else (draws, _first)
