@@ -74,50 +74,65 @@ def kernel_library() -> Any:
     return None if kernels_disabled() else library()
 
 
-def fill(lib: Any, out: torch.Tensor, dist: Any, key: Key, rows: Optional[torch.Tensor] = None,
-         row_stride: int = 0) -> None:
-    """Write ``dist``'s values into ``out`` (a new contiguous CPU tensor): element ``e`` of the flat
-    ``out`` is global flat index ``e`` of ``key``'s stream; with ``rows`` (``out`` shaped ``(B, R)``),
-    element ``(b, e)`` is global flat index ``rows[b] * row_stride + e``.
+class Geometry:
+    """Where a fill's elements lie in the stream: all of a contiguous ``out`` from flat index 0
+    (``rows`` None), or row ``b`` of an ``(B, R)`` ``out`` from flat index ``rows[b] * row_stride``;
+    the kernel's arguments are built once and reused for every draw of that geometry."""
+
+    __slots__ = ("rows", "row_stride", "numel", "args")
+
+    def __init__(self, shape: tuple[int, ...], rows: Optional[torch.Tensor] = None, row_stride: int = 0) -> None:
+        from keyinit._kernels._plan import coalesce
+
+        self.rows, self.row_stride, self.numel = rows, row_stride, math.prod(shape)
+        if rows is None:
+            base, dims = 0, [[self.numel, 1, 1, None]]
+        else:
+            base, dims = coalesce([(shape[0], shape[1], row_stride, 0, rows), (shape[1], 1, 1, 0, None)])
+        nd = len(dims)
+        self.args = (nd, base, (ctypes.c_int64 * nd)(*(d[0] for d in dims)),
+                     (ctypes.c_int64 * nd)(*(d[1] for d in dims)), (ctypes.c_int64 * nd)(*(d[2] for d in dims)),
+                     (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims)))
+
+
+@functools.lru_cache(maxsize=64)
+def _params(dist: Any) -> tuple:
+    from keyinit._kernels._cpu import _params as params
+
+    f, i = params(dist)
+    return (ctypes.c_double * 6)(*f), (ctypes.c_int64 * 4)(*i)
+
+
+def fill(lib: Any, out: torch.Tensor, dist: Any, key: Key, geometry: Optional[Geometry] = None) -> None:
+    """Write ``dist``'s values into ``out`` (a new contiguous CPU tensor) at ``geometry`` (default: all
+    of ``out`` from flat index 0) of ``key``'s stream.
 
     The values of ``keyinit._dispatch.fill`` with the matching region (the kernel called directly,
     without building the region and its checks); the reference where ``lib`` is None.
     """
     if out.numel() == 0:
         return
-    from keyinit._kernels._cpu import DIST_IDS, DTYPE_IDS, MIN_PARALLEL_ELEMENTS, _params
-    from keyinit._kernels._plan import coalesce
+    from keyinit._kernels._cpu import DIST_IDS, DTYPE_IDS, MIN_PARALLEL_ELEMENTS
 
     dist_id, dtype_id = DIST_IDS.get(type(dist)), DTYPE_IDS.get(out.dtype)
     if lib is None or key.stream != "v1" or dist_id is None or dtype_id is None:
         from keyinit import _dispatch
 
-        if rows is None:
+        if geometry is None or geometry.rows is None:
             region = make_region(tuple(out.shape), None)
         else:
-            region = make_region((rows_bound(rows), row_stride), (rows, range(out.shape[1])))
+            region = make_region(((1 << 62) // geometry.row_stride, geometry.row_stride),
+                                 (geometry.rows, range(out.shape[1])))
         _dispatch.fill(out, dist, key, region)
         return
-    if rows is None:
-        base, dims = 0, [[out.numel(), 1, 1, None]]
-    else:
-        base, dims = coalesce([(out.shape[0], out.shape[1], row_stride, 0, rows), (out.shape[1], 1, 1, 0, None)])
-    nd = len(dims)
-    f, i = _params(dist)
+    if geometry is None:
+        geometry = Geometry(tuple(out.shape))
+    fparams, iparams = _params(dist)
     threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
-    rc = lib.keyinit_fill(
-        dist_id, dtype_id, key.k0, key.k1, (ctypes.c_double * 6)(*f), (ctypes.c_int64 * 4)(*i), nd, base,
-        (ctypes.c_int64 * nd)(*(d[0] for d in dims)), (ctypes.c_int64 * nd)(*(d[1] for d in dims)),
-        (ctypes.c_int64 * nd)(*(d[2] for d in dims)),
-        (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims)),
-        out.data_ptr(), threads)
+    rc = lib.keyinit_fill(dist_id, dtype_id, key.k0, key.k1, fparams, iparams, *geometry.args, out.data_ptr(),
+                          threads)
     if rc != 0:  # pragma: no cover - the arguments are the ones _dispatch.fill would pass
         raise RuntimeError(f"keyinit_fill failed with code {rc}")
-
-
-def rows_bound(rows: torch.Tensor) -> int:
-    """The global shape's row count for ``rows``: any bound above the largest (values do not depend on it)."""
-    return 1 << 38
 
 
 class Recipe:
@@ -190,7 +205,9 @@ def _tensor_bernoulli(p: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
     probabilities = p.detach().cpu()
 
     def finish(values: list) -> torch.Tensor:
-        return (values[0] < torch.round(probabilities.double() * 2.0**32)).to(dtype)
+        # round(p * 2**32) is an integer below 2**33: exact in binary64 and in int64
+        threshold = probabilities.double().mul_(2.0**32).round_().to(torch.int64)
+        return torch.lt(values[0], threshold).to(dtype)
 
     return [(Bits(), torch.int64, shape)], finish
 
