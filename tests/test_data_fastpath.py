@@ -85,3 +85,31 @@ def test_torchvision_pipeline_fast_equals_general(monkeypatch):
         _general(m)
         general = [keyed_samples(_Vision(), 11)[(i, 1)][0] for i in range(4)]
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(fast, general))
+
+
+class _NumpyDraws(torch.utils.data.Dataset):
+    def __init__(self, draw):
+        self.draw = draw
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return self.draw()
+
+
+@pytest.mark.parametrize("draw", [lambda: torch.rand(1), lambda: np.random.rand(), lambda: np.random.randn(),
+                                  lambda: (np.random.randn(), np.random.randn())])
+def test_numpy_state_is_put_back_exactly_whatever_it_held(draw):
+    """The state is put back by copying its bytes where that is exact, else by set_state: either way the
+    caller's state (a cached Gaussian included) is unchanged, and the sample's values do not depend on it."""
+    values = []
+    for prepare in (lambda: None, np.random.randn, lambda: np.random.seed(9), lambda: np.random.rand(700)):
+        prepare()
+        before = np.random.get_state(legacy=False)
+        values.append(keyed_samples(_NumpyDraws(draw), 0)[(1, 0)])
+        after = np.random.get_state(legacy=False)
+        assert after["has_gauss"] == before["has_gauss"] and after["gauss"] == before["gauss"]
+        assert after["state"]["pos"] == before["state"]["pos"]
+        assert np.array_equal(after["state"]["key"], before["state"]["key"])
+    assert all(repr(v) == repr(values[0]) for v in values)

@@ -236,9 +236,13 @@ class keyed_randomness:
         except ImportError:  # pragma: no cover - numpy is a torch dependency in practice
             self._np_state = None
         else:
-            self._np_state = numpy.random.get_state()
+            from keyinit.data._numpy_state import numpy_watch
+
+            self._watch = numpy_watch()
+            self._np_state = self._watch.look()
             kn = _fast.fold_str(self.sample, "numpy.random")
             numpy.random.seed([kn.k0, kn.k1])
+            self._np_seeded = self._watch.snapshot()
         self._mode = _Interception(_Keyer(self.sample, self.site))
         self._mode.__enter__()
 
@@ -249,9 +253,7 @@ class keyed_randomness:
             try:
                 _py_random.setstate(self._py_state)
                 if self._np_state is not None:
-                    import numpy
-
-                    numpy.random.set_state(self._np_state)
+                    self._watch.reseeded(self._np_state, self._np_seeded)
             finally:
                 _GLOBAL_STATE_LOCK.release()
 

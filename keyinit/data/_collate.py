@@ -27,7 +27,6 @@ per sample in the dataset's ``__getitem__`` (keyed by ``keyed_samples``), or key
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import random as _py_random
@@ -37,6 +36,7 @@ import torch
 
 from keyinit.data import _augment, _fast
 from keyinit.data._augment import _Interception
+from keyinit.data._numpy_state import numpy_watch
 from keyinit.keys import Key, _as_uint64, fold_in, key
 
 __all__ = ["COLLATE_DOMAIN", "collate_key", "keyed_collate", "KeyedCollate"]
@@ -165,92 +165,11 @@ class KeyedCollate:
         return _call_refusing_global_draws(self.collate_fn, batch, _RowKeyer(self.root, refs, site), site)
 
 
-class _NumpyWatch:
-    """Whether code drew from ``numpy.random``'s global state, cheaply.
-
-    The legacy global generator's state is MT19937's 624 words and position (read as bytes at the
-    bit generator's state address, a copy of 2.5 KB) plus a cached Gaussian (``has_gauss``), which only
-    ``get_state`` tells (about 30 us). Every draw changes the bytes, except one that takes a cached
-    Gaussian (``has_gauss`` 1 to 0); and ``has_gauss`` goes 0 to 1 only with a draw that changes the
-    bytes. So with the bytes of the last full look remembered (``_known``): equal bytes and no cached
-    Gaussian then mean none now, and ``get_state`` is needed only when the bytes moved or a Gaussian
-    was cached. Where the state address is not MT19937's layout, every look is a ``get_state``.
-    """
-
-    _KEY_BYTES = 624 * 4
-
-    def __init__(self) -> None:
-        import numpy
-
-        self.numpy = numpy
-        self.address: Optional[int] = None
-        self.known: Optional[tuple[bytes, int]] = None  # (bytes, has_gauss) at the last full look
-        try:
-            bitgen = numpy.random.mtrand._rand._bit_generator
-            address = int(bitgen.ctypes.state_address)
-            state = numpy.random.get_state(legacy=False)
-            raw = ctypes.string_at(address, self._KEY_BYTES + 4)
-            if bitgen.state["bit_generator"] == "MT19937" and raw == self._bytes(state):
-                self.address = address
-        except (AttributeError, KeyError, TypeError, ValueError):  # pragma: no cover - another numpy
-            self.address = None
-
-    def _bytes(self, state: dict) -> bytes:
-        inner = state["state"]
-        return self.numpy.asarray(inner["key"], dtype="<u4").tobytes() + int(inner["pos"]).to_bytes(4, "little")
-
-    def look(self) -> tuple[Optional[bytes], Optional[dict]]:
-        """``(bytes, full state or None)``: the full state when the bytes alone do not settle it."""
-        if self.address is None or self.numpy.random.mtrand._rand._bit_generator.ctypes.state_address != \
-                self.address:
-            return None, self.numpy.random.get_state(legacy=False)
-        raw = ctypes.string_at(self.address, self._KEY_BYTES + 4)
-        if self.known is not None and self.known == (raw, 0):
-            return raw, None
-        state = self.numpy.random.get_state(legacy=False)
-        self.known = (raw, int(state["has_gauss"]))
-        return raw, state
-
-    def drew(self, before: tuple[Optional[bytes], Optional[dict]]) -> bool:
-        raw, state = before
-        if raw is not None:
-            after = ctypes.string_at(self.address, self._KEY_BYTES + 4)
-            if after != raw:
-                return True
-            if state is None or not state["has_gauss"]:
-                return False  # no cached Gaussian to take: the bytes settle it
-        now = self.numpy.random.get_state(legacy=False)
-        if raw is not None:
-            self.known = (raw, int(now["has_gauss"]))
-        return not _same_numpy_state(now, state)
-
-    def restore(self, before: tuple[Optional[bytes], Optional[dict]]) -> None:
-        raw, state = before
-        if state is None:  # known: those bytes and no cached Gaussian
-            words = self.numpy.frombuffer(raw[:self._KEY_BYTES], dtype="<u4").copy()
-            state = {"bit_generator": "MT19937", "state": {"key": words, "pos": int.from_bytes(raw[-4:], "little")},
-                     "has_gauss": 0, "gauss": 0.0}
-        self.numpy.random.set_state(state)
-        self.known = None
-
-
-def _same_numpy_state(a: dict, b: Optional[dict]) -> bool:
-    import numpy
-
-    return b is not None and a["state"]["pos"] == b["state"]["pos"] and a["has_gauss"] == b["has_gauss"] and \
-        a["gauss"] == b["gauss"] and numpy.array_equal(a["state"]["key"], b["state"]["key"])
-
-
-_WATCH: list = []  # one _NumpyWatch per process, made on first use (after a fork: the parent's, still valid)
-
-
 def _call_refusing_global_draws(fn: Callable[[Any], Any], batch: Any, keyer: _RowKeyer, site: str) -> Any:
     """``fn(batch)`` with torch's random ops sent to ``keyer``; a draw from ``random``/``numpy.random``
     is refused (detected by comparing their states before and after; the states are restored)."""
     with _augment._GLOBAL_STATE_LOCK:
-        if not _WATCH:
-            _WATCH.append(_NumpyWatch())
-        watch = _WATCH[0]
+        watch = numpy_watch()
         py_state = _py_random.getstate()
         np_before = watch.look()
         try:
