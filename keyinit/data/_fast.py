@@ -168,14 +168,31 @@ def _first(values: list) -> torch.Tensor:
     return values[0]
 
 
+@functools.lru_cache(maxsize=512)
+def _schema(func: Any) -> tuple[tuple[str, bool], ...]:
+    return tuple((arg.name, arg.kwarg_only) for arg in func._schema.arguments)
+
+
 def _args(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     bound: dict[str, Any] = {}
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args) and not arg.kwarg_only:
-            bound[arg.name] = args[i]
-        elif arg.name in kwargs:
-            bound[arg.name] = kwargs[arg.name]
+    for i, (name, kwarg_only) in enumerate(_schema(func)):
+        if i < len(args) and not kwarg_only:
+            bound[name] = args[i]
+        elif name in kwargs:
+            bound[name] = kwargs[name]
     return bound
+
+
+def _dist(kind: type, *params: Any) -> Any:
+    """``kind.create(*params)``, made once per parameters (distributions are immutable). The cache key
+    holds each float's sign, since ``-0.0 == 0.0`` (and so hashes alike) but may round differently."""
+    signs = tuple(math.copysign(1.0, p) if isinstance(p, float) else 0.0 for p in params)
+    return _dist_cached(kind, params, signs)
+
+
+@functools.lru_cache(maxsize=256)
+def _dist_cached(kind: type, params: tuple, signs: tuple) -> Any:
+    return kind.create(*params)
 
 
 def _shape(size: Any) -> Optional[tuple[int, ...]]:
@@ -190,7 +207,7 @@ def _randint_draw(low: int, high: int, dtype: torch.dtype, shape: tuple[int, ...
         return None  # the table refuses: the general path says why
     draw_dtype = dtype if dtype in INT_DTYPES else torch.int64
     try:
-        dist = Randint.create(low, high, draw_dtype)
+        dist = _dist(Randint, low, high, draw_dtype)
     except (TypeError, ValueError):
         return None
     draws = _sampler(dist, draw_dtype, shape)
@@ -218,7 +235,7 @@ def _randperm(n: int, dtype: torch.dtype) -> tuple[list, Callable]:
         order = torch.argsort(lo, stable=True)
         return order[torch.argsort(hi[order], stable=True)].to(dtype)
 
-    return [(Bits(), torch.int64, (n,)), (Randint.create(0, 2**32, torch.int64), torch.int64, (n,))], permutation
+    return [(Bits(), torch.int64, (n,)), (_dist(Randint, 0, 2**32, torch.int64), torch.int64, (n,))], permutation
 
 
 def plan(func: Any, args: tuple, kwargs: dict, *, randperm: bool = True) -> Optional[Recipe]:
@@ -246,12 +263,12 @@ def plan(func: Any, args: tuple, kwargs: dict, *, randperm: bool = True) -> Opti
             if low == high:
                 made = [None], (lambda values, low=low: torch.full(shape, low, dtype=dtype))
             else:
-                made = _made(lambda: _sampler(Uniform.create(low, high), dtype, shape))
+                made = _made(lambda: _sampler(_dist(Uniform, low, high), dtype, shape))
         elif name == "normal_":
             mean, std = a.get("mean", 0.0), a.get("std", 1.0)
             if dtype not in FLOAT_DTYPES or isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
                 return None
-            made = _made(lambda: _sampler(Normal.create(float(mean), float(std)), dtype, shape))
+            made = _made(lambda: _sampler(_dist(Normal, float(mean), float(std)), dtype, shape))
         elif name == "random_":
             low, high = a.get("from"), a.get("to")
             if high is None:
@@ -267,7 +284,7 @@ def plan(func: Any, args: tuple, kwargs: dict, *, randperm: bool = True) -> Opti
             if isinstance(p, torch.Tensor):
                 made = _tensor_bernoulli(p, dtype, shape)
             else:
-                made = _made(lambda: _sampler(Bernoulli.create(float(p)), dtype, shape))
+                made = _made(lambda: _sampler(_dist(Bernoulli, float(p)), dtype, shape))
         else:
             return None
     else:
@@ -306,11 +323,11 @@ def plan(func: Any, args: tuple, kwargs: dict, *, randperm: bool = True) -> Opti
         if name in ("rand", "rand_like"):
             if dtype not in FLOAT_DTYPES:
                 return None
-            made = _made(lambda: _sampler(Uniform.create(0.0, 1.0), dtype, shape))
+            made = _made(lambda: _sampler(_dist(Uniform, 0.0, 1.0), dtype, shape))
         elif name in ("randn", "randn_like"):
             if dtype not in FLOAT_DTYPES:
                 return None
-            made = _made(lambda: _sampler(Normal.create(0.0, 1.0), dtype, shape))
+            made = _made(lambda: _sampler(_dist(Normal, 0.0, 1.0), dtype, shape))
         elif name in ("randint", "randint_like"):
             high = a.get("high")
             if isinstance(high, torch.Tensor) or high is None:
@@ -319,7 +336,7 @@ def plan(func: Any, args: tuple, kwargs: dict, *, randperm: bool = True) -> Opti
         elif name == "bernoulli":
             p = a.get("p")
             if overload == "p":
-                made = _made(lambda: _sampler(Bernoulli.create(float(p)), dtype, shape))
+                made = _made(lambda: _sampler(_dist(Bernoulli, float(p)), dtype, shape))
             elif overload == "default":
                 made = _tensor_bernoulli(a["self"], dtype, shape)
     if made is None or made[0] is None:
