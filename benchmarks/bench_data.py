@@ -162,8 +162,12 @@ def section3(args) -> dict:
                                    lambda: batch_epoch(KeyedSampler(n, 0, global_batch_size=batch)), args.repeats)
     alone_random, alone_keyed = median_pair(lambda: list(torch.utils.data.RandomSampler(data, generator=g)),
                                             lambda: list(KeyedSampler(n, 0, global_batch_size=batch)), args.repeats)
+    alone_random2, alone_plain = median_pair(
+        lambda: list(torch.utils.data.RandomSampler(data, generator=g)),
+        lambda: list(KeyedSampler(n, 0, global_batch_size=batch, yield_epoch=False)), args.repeats)
     return {"n": n, "batch": batch, "random_sampler_s": random_t, "keyed_sampler_s": keyed_t,
             "sampler_alone_random_s": alone_random, "sampler_alone_keyed_s": alone_keyed,
+            "sampler_alone_random_s_2": alone_random2, "sampler_alone_keyed_plain_ints_s": alone_plain,
             "keyed_sampler_share_of_epoch": alone_keyed / keyed_t,
             "added_vs_random_sampler": keyed_t / random_t - 1, "sequential_sampler_s": seq_t,
             "keyed_sampler_s_2": keyed2_t, "added_vs_sequential_sampler": keyed2_t / seq_t - 1,

@@ -32,6 +32,8 @@ def test_default_items_carry_the_epoch_and_are_plain_ints():
     assert torch.equal(torch.utils.data.default_collate(items), torch.tensor([r.index for r in refs]))
     batches = list(KeyedSampler(10, 0, global_batch_size=4, num_steps=3).batch_sampler())
     assert sum(batches, []) == items and [x.epoch for x in sum(batches, [])] == [x.epoch for x in items]
+    plain = list(KeyedSampler(10, 0, global_batch_size=4, num_steps=3, yield_epoch=False))
+    assert plain == items and all(type(x) is int for x in plain)
     assert repr(sample_index(3, 2)) == "sample_index(3, epoch=2)"
     with pytest.raises(ValueError, match=r"sample_index: epoch must be an int >= 0, got -1"):
         sample_index(3, -1)

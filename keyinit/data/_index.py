@@ -6,9 +6,10 @@ hashing, arithmetic, which gives plain ints), so a plain dataset and ``DataLoade
 :func:`keyinit.data.keyed_collate` read ``index.epoch``.
 
 Each epoch has its own subclass (made once per process and kept in a bounded cache), whose ``epoch``
-is a class attribute: building an index is then ``int.__new__`` in C, which keeps the sampler's
-per-sample cost (``map(cls, indices)``) what it was with plain ints. Pickling (DataLoader worker
-queues) goes through :func:`_sample_index`, so another process rebuilds the same value.
+is a class attribute: building an index (``map(cls, indices)``) runs no Python code, though an int
+subclass still costs several times a plain int to allocate (``KeyedSampler(yield_epoch=False)``
+yields plain ints for plain datasets). Pickling (DataLoader worker queues) goes through
+:func:`_sample_index`, so another process rebuilds the same value.
 """
 
 from __future__ import annotations

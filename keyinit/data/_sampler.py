@@ -62,11 +62,14 @@ def sample_indices(root: Key, n: int, positions: torch.Tensor, shuffle: bool = T
     return out, epochs
 
 
-def _items(index_list: list[int], epochs: torch.Tensor, yield_epoch: bool) -> list[Any]:
-    """The yielded items of ``index_list``: :class:`SampleIndex` ints (``SampleRef`` with ``yield_epoch``)."""
+def _items(index_list: list[int], epochs: torch.Tensor, yield_epoch: Optional[bool]) -> list[Any]:
+    """The yielded items of ``index_list``: :class:`SampleIndex` ints (``yield_epoch`` None),
+    ``SampleRef`` pairs (True) or plain ints (False)."""
     first, last = int(epochs[0]), int(epochs[-1])
     if yield_epoch:
         return list(map(SampleRef, index_list, epochs.tolist()))
+    if yield_epoch is False:
+        return index_list
     if first == last:  # one epoch: ints of that epoch's class, built in C
         return list(map(epoch_class(first), index_list))
     return [epoch_class(e)(i) for i, e in zip(index_list, epochs.tolist())]
@@ -84,14 +87,15 @@ class KeyedSampler(Sampler[int]):
     iteration finishes it. The indices are plain ints to a plain dataset and tell
     :func:`keyinit.data.keyed_samples` and :func:`keyinit.data.keyed_collate` their epoch;
     ``yield_epoch=True`` (kept for compatibility) yields :class:`SampleRef` ``(index, epoch)``
-    pairs instead. ``shuffle=False`` gives the order ``p % n``.
+    pairs instead, and ``yield_epoch=False`` plain ints (for plain datasets only; cheaper to make,
+    see docs/benchmarks.md). ``shuffle=False`` gives the order ``p % n``.
 
     ``rank``/``world_size`` default to torch.distributed's when it is initialized, else 0 and 1.
     """
 
     def __init__(self, n: int, seed: Union[int, Key], *, global_batch_size: int, rank: Optional[int] = None,
                  world_size: Optional[int] = None, start_step: int = 0, shuffle: bool = True,
-                 num_steps: Optional[int] = None, yield_epoch: bool = False) -> None:
+                 num_steps: Optional[int] = None, yield_epoch: Optional[bool] = None) -> None:
         self.n = _int(n, "n", 1)
         if self.n > 1 << 62:
             raise ValueError(f"n must be at most 2**62, got {self.n}")
@@ -117,7 +121,7 @@ class KeyedSampler(Sampler[int]):
         self.shuffle = bool(shuffle)
         self.num_steps = math.ceil(self.n / self.global_batch_size) if num_steps is None \
             else _int(num_steps, "num_steps", 0)
-        self.yield_epoch = bool(yield_epoch)
+        self.yield_epoch = None if yield_epoch is None else bool(yield_epoch)
 
     # ------------------------------------------------------------------ positions
     def _check_steps(self, first_step: int, steps: int) -> None:
