@@ -13,6 +13,10 @@ Inside the wrapped ``__getitem__``:
 - an op with no keyed equivalent (``poisson``, gamma, fused dropout kernels) raises
   :class:`keyinit.UnkeyedRandomnessError`.
 
+Only the random ops reach Python (:mod:`keyinit.data._intercept`: kernels under a dispatch key
+turned on for the calling thread; a dispatch mode where a torch build lacks the hooks), and the
+common ones are keyed without a program (:mod:`keyinit.data._fast`, the same values).
+
 ``sample_key(seed, epoch, index) = fold_in(fold_in(fold_in(key(seed), AUGMENT_DOMAIN), epoch), index)``.
 """
 
