@@ -129,7 +129,7 @@ class _RowKeyer:
             dist, dtype, _ = draw
             out = torch.empty((self.rows, row_size), dtype=dtype)
             for epoch_key, rows, indices in self.groups:
-                draw_key = _fast.fold(_fast.fold(epoch_key, c), j)
+                draw_key = _fast.draw_key(epoch_key, c, j)
                 geometry = self._geometry(len(indices), row_size, indices)
                 if rows is None:
                     _fast.fill(self.lib, out, dist, draw_key, geometry)

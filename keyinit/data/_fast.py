@@ -65,13 +65,30 @@ def fold_str(parent: Key, data: str) -> Key:
     return _philox_key(parent.k0, parent.k1, h0, h1, 3, h2)
 
 
-def kernel_library() -> Any:
-    """The CPU fill kernel's library, or None where kernels are disabled or unavailable (resolve once per
-    keyed call: the checks cost microseconds)."""
-    from keyinit._kernels import kernels_disabled
-    from keyinit._kernels._cpu import library
+_LIBRARY: list = []  # the CPU kernel library once loaded (loading it checks it: milliseconds)
 
-    return None if kernels_disabled() else library()
+
+def kernel_library() -> Any:
+    """The CPU fill kernel's library, or None where kernels are disabled (``KEYINIT_DISABLE_KERNELS``,
+    read on every call) or unavailable (resolve once per keyed call)."""
+    from keyinit._kernels import kernels_disabled
+
+    if kernels_disabled():
+        return None
+    if not _LIBRARY:
+        from keyinit._kernels._cpu import library
+
+        lib = library()
+        if lib is None:
+            return None
+        _LIBRARY.append(lib)
+    return _LIBRARY[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def draw_key(parent: Key, call: int, draw: int) -> Key:
+    """``fold(fold(parent, call), draw)``, remembered: collate keys repeat for every batch of an epoch."""
+    return fold(fold(parent, call), draw)
 
 
 class Geometry:
@@ -222,9 +239,8 @@ def _tensor_bernoulli(p: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
     probabilities = p.detach().cpu()
 
     def finish(values: list) -> torch.Tensor:
-        # round(p * 2**32) is an integer below 2**33: exact in binary64 and in int64
-        threshold = probabilities.double().mul_(2.0**32).round_().to(torch.int64)
-        return torch.lt(values[0], threshold).to(dtype)
+        # the table's x < round(p * 2**32) (int64 words against binary64: both exact)
+        return torch.lt(values[0], probabilities.double().mul_(2.0**32).round_()).to(dtype)
 
     return [(Bits(), torch.int64, shape)], finish
 
