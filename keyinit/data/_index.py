@@ -8,8 +8,9 @@ hashing, arithmetic, which gives plain ints), so a plain dataset and ``DataLoade
 Each epoch has its own subclass (made once per process and kept in a bounded cache), whose ``epoch``
 is a class attribute: building an index (``map(cls, indices)``) runs no Python code, though an int
 subclass still costs several times a plain int to allocate (``KeyedSampler(yield_epoch=False)``
-yields plain ints for plain datasets). Pickling (DataLoader worker queues) goes through
-:func:`_sample_index`, so another process rebuilds the same value.
+yields plain ints for plain datasets). Pickling (DataLoader worker queues) refers to the epoch's
+class by name (``keyinit.data._index._SampleIndex_<epoch>``, which the module makes on demand), so
+another process rebuilds the same value.
 """
 
 from __future__ import annotations
@@ -27,17 +28,29 @@ class SampleIndex(int):
     __slots__ = ()
     epoch: ClassVar[int]
 
-    def __reduce__(self) -> tuple:
-        return (_sample_index, (int(self), self.epoch))
+    # Pickled by the default protocol-2 reduction (in C): the epoch's class by reference (module
+    # attribute _SampleIndex_<epoch>, made on demand by the module's __getattr__ where it is unpickled)
+    # and int's own __getnewargs__.
 
     def __repr__(self) -> str:
         return f"sample_index({int(self)}, epoch={self.epoch})"
 
 
+_PREFIX = "_SampleIndex_"
+
+
 @functools.lru_cache(maxsize=1024)
 def _epoch_class(epoch: int) -> type:
-    return type("SampleIndex", (SampleIndex,), {"__slots__": (), "epoch": epoch, "__module__": __name__,
-                                                "__qualname__": "SampleIndex"})
+    name = f"{_PREFIX}{epoch}"
+    return type(name, (SampleIndex,), {"__slots__": (), "epoch": epoch, "__module__": __name__,
+                                       "__qualname__": name})
+
+
+def __getattr__(name: str) -> type:
+    """``_SampleIndex_<epoch>``: the epoch's class, for unpickling (PEP 562; made on demand)."""
+    if name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit():
+        return _epoch_class(int(name[len(_PREFIX):]))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _sample_index(index: int, epoch: int) -> SampleIndex:
