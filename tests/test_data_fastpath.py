@@ -113,3 +113,15 @@ def test_numpy_state_is_put_back_exactly_whatever_it_held(draw):
         assert after["state"]["pos"] == before["state"]["pos"]
         assert np.array_equal(after["state"]["key"], before["state"]["key"])
     assert all(repr(v) == repr(values[0]) for v in values)
+
+
+def test_a_cached_gaussian_set_without_a_draw_is_kept():
+    """set_state may change only the cached Gaussian (same words and position): nothing may assume it."""
+    np.random.seed(1)
+    data = keyed_samples(_NumpyDraws(lambda: torch.rand(1)), 0)
+    data[(0, 0)]
+    state = np.random.get_state(legacy=False)
+    np.random.set_state({**state, "has_gauss": 1, "gauss": 0.5})
+    data[(1, 0)]
+    after = np.random.get_state(legacy=False)
+    assert after["has_gauss"] == 1 and after["gauss"] == 0.5

@@ -1,8 +1,7 @@
 """``numpy.random``'s global state, looked at and restored cheaply (keyed_samples, keyed_collate).
 
-``get_state``/``set_state`` cost about 30 us each (a dict and a copy of 624 words): more than the
-rest of a keyed sample's fixed cost. :class:`NumpyWatch` reads the state's bytes in place instead
-and needs ``get_state`` only when the bytes alone do not settle a question.
+``get_state``/``set_state`` cost about 30 us each (a dict and a copy of 624 words). :class:`NumpyWatch`
+takes one ``get_state`` before a keyed call and otherwise reads and writes the state's bytes in place.
 """
 
 from __future__ import annotations
@@ -14,15 +13,16 @@ __all__ = ["NumpyWatch", "numpy_watch"]
 
 
 class NumpyWatch:
-    """Whether code drew from ``numpy.random``'s global state, cheaply.
+    """Whether code drew from ``numpy.random``'s global state, and putting it back, cheaply.
 
-    The legacy global generator's state is MT19937's 624 words and position (read as bytes at the
-    bit generator's state address, a copy of 2.5 KB) plus a cached Gaussian (``has_gauss``), which only
-    ``get_state`` tells (about 30 us). Every draw changes the bytes, except one that takes a cached
-    Gaussian (``has_gauss`` 1 to 0); and ``has_gauss`` goes 0 to 1 only with a draw that changes the
-    bytes. So with the bytes of the last full look remembered (``_known``): equal bytes and no cached
-    Gaussian then mean none now, and ``get_state`` is needed only when the bytes moved or a Gaussian
-    was cached. Where the state address is not MT19937's layout, every look is a ``get_state``.
+    The legacy global generator's state is MT19937's 624 words and position (read here as bytes at
+    the bit generator's state address: a 2.5 KB copy) plus a cached Gaussian (``has_gauss``, which only
+    ``get_state`` tells). :meth:`look` takes one ``get_state`` (about 30 us) and the bytes. After the
+    call, every draw has changed the bytes except one that took a cached Gaussian, so the bytes settle
+    "did it draw" unless a Gaussian was cached before (then a second ``get_state``); and the state is
+    put back by copying the bytes where nothing drew after seeding and no Gaussian was cached before
+    (else ``set_state``). Where the state address is not MT19937's layout, ``get_state``/``set_state``
+    do it all.
     """
 
     _KEY_BYTES = 624 * 4
@@ -32,7 +32,6 @@ class NumpyWatch:
 
         self.numpy = numpy
         self.address: Optional[int] = None
-        self.known: Optional[tuple[bytes, int]] = None  # (bytes, has_gauss) at the last full look
         try:
             bitgen = numpy.random.mtrand._rand._bit_generator
             address = int(bitgen.ctypes.state_address)
@@ -47,58 +46,41 @@ class NumpyWatch:
         inner = state["state"]
         return self.numpy.asarray(inner["key"], dtype="<u4").tobytes() + int(inner["pos"]).to_bytes(4, "little")
 
-    def look(self) -> tuple[Optional[bytes], Optional[dict]]:
-        """``(bytes, full state or None)``: the full state when the bytes alone do not settle it."""
-        if self.address is None or self.numpy.random.mtrand._rand._bit_generator.ctypes.state_address != \
-                self.address:
-            return None, self.numpy.random.get_state(legacy=False)
-        raw = ctypes.string_at(self.address, self._KEY_BYTES + 4)
-        if self.known is not None and self.known == (raw, 0):
-            return raw, None
-        state = self.numpy.random.get_state(legacy=False)
-        self.known = (raw, int(state["has_gauss"]))
-        return raw, state
+    def _readable(self) -> bool:
+        return self.address is not None and \
+            self.numpy.random.mtrand._rand._bit_generator.ctypes.state_address == self.address
 
-    def drew(self, before: tuple[Optional[bytes], Optional[dict]]) -> bool:
+    def look(self) -> tuple[Optional[bytes], dict]:
+        """``(bytes or None, full state)`` now."""
+        state = self.numpy.random.get_state(legacy=False)
+        return (ctypes.string_at(self.address, self._KEY_BYTES + 4) if self._readable() else None), state
+
+    def drew(self, before: tuple[Optional[bytes], dict]) -> bool:
         raw, state = before
-        if raw is not None:
-            after = ctypes.string_at(self.address, self._KEY_BYTES + 4)
-            if after != raw:
+        if raw is not None and self._readable():
+            if ctypes.string_at(self.address, self._KEY_BYTES + 4) != raw:
                 return True
-            if state is None or not state["has_gauss"]:
+            if not state["has_gauss"]:
                 return False  # no cached Gaussian to take: the bytes settle it
-        now = self.numpy.random.get_state(legacy=False)
-        if raw is not None:
-            self.known = (raw, int(now["has_gauss"]))
-        return not _same_numpy_state(now, state)
+        return not _same_numpy_state(self.numpy.random.get_state(legacy=False), state)
 
     def snapshot(self) -> Optional[bytes]:
         """The state's bytes now (None where they cannot be read)."""
-        if self.address is None:
-            return None
-        return ctypes.string_at(self.address, self._KEY_BYTES + 4)
+        return ctypes.string_at(self.address, self._KEY_BYTES + 4) if self._readable() else None
 
-    def reseeded(self, before: tuple[Optional[bytes], Optional[dict]], seeded: Optional[bytes]) -> None:
+    def reseeded(self, before: tuple[Optional[bytes], dict], seeded: Optional[bytes]) -> None:
         """Put back the state ``before`` after ``numpy.random.seed`` (which left ``seeded`` bytes and no
         cached Gaussian): the bytes copied back where nothing drew since and no Gaussian was cached
         before, else ``set_state``."""
         raw, state = before
-        if raw is not None and seeded is not None and (state is None or not state["has_gauss"]) and \
-                self.numpy.random.mtrand._rand._bit_generator.ctypes.state_address == self.address and \
+        if raw is not None and seeded is not None and not state["has_gauss"] and self._readable() and \
                 ctypes.string_at(self.address, self._KEY_BYTES + 4) == seeded:
             ctypes.memmove(self.address, raw, self._KEY_BYTES + 4)
-            self.known = (raw, 0)
             return
         self.restore(before)
 
-    def restore(self, before: tuple[Optional[bytes], Optional[dict]]) -> None:
-        raw, state = before
-        if state is None:  # known: those bytes and no cached Gaussian
-            words = self.numpy.frombuffer(raw[:self._KEY_BYTES], dtype="<u4").copy()
-            state = {"bit_generator": "MT19937", "state": {"key": words, "pos": int.from_bytes(raw[-4:], "little")},
-                     "has_gauss": 0, "gauss": 0.0}
-        self.numpy.random.set_state(state)
-        self.known = None
+    def restore(self, before: tuple[Optional[bytes], dict]) -> None:
+        self.numpy.random.set_state(before[1])
 
 
 def _same_numpy_state(a: dict, b: Optional[dict]) -> bool:
