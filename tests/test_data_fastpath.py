@@ -125,3 +125,15 @@ def test_a_cached_gaussian_set_without_a_draw_is_kept():
     data[(1, 0)]
     after = np.random.get_state(legacy=False)
     assert after["has_gauss"] == 1 and after["gauss"] == 0.5
+
+
+def test_fast_folds_equal_fold_in():
+    import keyinit
+
+    for seed in (0, 1, 2**64 - 1, 123456789):
+        k = keyinit.key(seed)
+        for data in (0, 1, 2**31, 2**32 - 1, 2**32, 2**63 + 5, 2**64 - 1):
+            assert _fast.fold(k, data) == keyinit.fold_in(k, data)
+        for text in ("python.random", "numpy.random", "", "é"):
+            assert _fast.fold_str(k, text) == keyinit.fold_in(k, text)
+        assert _fast.draw_key(k, 3, 1) == keyinit.fold_in(keyinit.fold_in(k, 3), 1)
