@@ -39,7 +39,7 @@ from typing import Any, Optional, Sequence, Union
 import attrs
 import torch
 
-__all__ = ["Batch", "Unknown", "Foreign", "FOREIGN", "BatchSize", "DerivedSize", "batch_dim", "record", "annotate", "canonical"]
+__all__ = ["Batch", "Unknown", "Foreign", "FOREIGN", "BatchSize", "DerivedSize", "declare", "declared", "record", "annotate", "canonical"]
 
 
 @attrs.frozen
@@ -116,29 +116,9 @@ class DerivedSize(BatchSize):
         return self
 
 
-def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
-    """Declare where ``tensor``'s batch is for :func:`keyinit.nn.keyed`; returns ``tensor``.
-
-    Before the forward (a model input): ``dim`` is the dimension that indexes the
-    samples (``0`` is the default for every input whose dimension 0 has the batch's
-    size), or ``None`` for an input that holds no batch (replicated: the same for
-    every sample, e.g. a position table). Inside a keyed forward: the tensor's
-    dimension ``dim`` holds the samples of the running forward, in order.
-    """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"batch_dim: tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if dim is not None:
-        if isinstance(dim, bool) or not isinstance(dim, int) or not -tensor.dim() <= dim < tensor.dim():
-            raise ValueError(f"batch_dim: dim must be None or a dimension of the {tensor.dim()}-D tensor, got {dim!r}")
-        dim %= tensor.dim()
+def declare(tensor: torch.Tensor, dim: Optional[int]) -> None:
+    """Mark ``tensor`` as holding its samples in dimension ``dim`` (None: replicated)."""
     setattr(tensor, _DECLARED, ("declared", dim))
-    from keyinit.nn._keyed import current_forward
-
-    forward = current_forward()
-    if forward is not None:
-        record = None if dim is None else Batch(dim, int(tensor.shape[dim]), forward.start)
-        annotate(tensor, forward, record)
-    return tensor
 
 
 def declared(tensor: torch.Tensor) -> Any:

@@ -19,21 +19,28 @@ there); any other overlap of two active contexts is a ``RuntimeError``.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from keyinit.fqn import canonical_modules
-from keyinit.keys import Key, _as_uint64, fold_in, key
-from keyinit.nn._batch import Batch, annotate, declared, record
+from keyinit.keys import Key, _as_uint64, key
+from keyinit.nn._batch import Batch, annotate, declare, declared, record
 from keyinit.nn._intercept import _Frame
+from keyinit.nn._forward import (
+    _Forward,
+    _input_tensors,
+    _MicroBatch,
+    _Named,
+    _sequence_first_module,
+    recomputed,
+    remember,
+)
 from keyinit.nn._hostrandom import HostRandom
-from keyinit.nn._keys import keyed_call_key, keyed_module_key
 from keyinit.nn._modes import _BatchMode, _FunctionMode
 
-__all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward"]
+__all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward", "batch_dim"]
 
 INDEX_RULES = ("tracked", "dim0")
 
@@ -87,44 +94,6 @@ class _ThreadState:
         self.pending: Any = None  # the batch of the factory the function mode is running
 
 
-class _Forward:
-    """One root forward: an outermost module execution in a keyed block, and the rows it holds.
-
-    ``start`` is the global sample of its inputs' row 0 (``sample_offset`` plus the
-    micro-batch's offset); ``repeat`` counts the earlier root forwards of the same
-    module in the block whose rows overlap these (a double forward, R-Drop), and
-    is folded into every key of this forward when it is not 0.
-    """
-
-    __slots__ = ("start", "count", "repeat", "fqn", "constants", "owner", "grad", "drew", "records", "probe", "escaped",
-                 "__weakref__")
-
-    def __init__(self, ctx: "Keyed", fqn: str, start: int, count: int, repeat: int) -> None:
-        self.fqn, self.start, self.count, self.repeat = fqn, start, count, repeat
-        self.constants = ctx._constants  # ids of the model's buffers: replicated unless computed otherwise
-        self.owner = weakref.ref(ctx)
-        self.grad = torch.is_grad_enabled()  # autograd on at the start (off inside: reentrant checkpointing)
-        self.drew = False  # a keyed draw was made: later forwards of these rows are repeats
-        self.records: dict[int, tuple[Any, Any]] = {}  # id(tensor) -> (weakref, its batch record): _batch.py
-        # a shape probe (meta tensors, a pipeline stage's shape inference): later forwards do not repeat it
-        self.probe = False
-        self.escaped: set[int] = set()  # batch sizes len() turned into plain ints (keyinit.nn._modes)
-
-    def host_key(self, ctx: "Keyed") -> Key:
-        """The key that seeds Python's and numpy's generators in this forward (docs/spec.md 14.7)."""
-        k = fold_in(keyed_module_key(ctx.root, ctx.step, self.fqn), "host")
-        return fold_in(k, self.repeat) if self.repeat else k
-
-    def call_key(self, ctx: "Keyed", fqn: str, ordinal: int) -> Key:
-        if not self.drew and not self.probe:
-            self.drew = True
-            ctx._history.setdefault(self.fqn, []).append((self.start, self.start + self.count))
-        k = keyed_call_key(ctx.root, ctx.step, fqn, ordinal)
-        if self.repeat:
-            k = fold_in(fold_in(k, "repeat"), self.repeat)
-        return k
-
-
 def current_forward() -> Optional[_Forward]:
     """The root forward running in this thread inside an active ``keyed``, or None."""
     for ctx in reversed(_active()):
@@ -132,38 +101,6 @@ def current_forward() -> Optional[_Forward]:
         if frame is not None:
             return frame.forward
     return None
-
-
-def _sequence_first_module(module: torch.nn.Module) -> bool:
-    """torch's transformer modules built sequence-first (``batch_first=False``, torch's default)."""
-    nn = torch.nn
-    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-        return not module.self_attn.batch_first
-    if isinstance(module, nn.MultiheadAttention):
-        return not module.batch_first
-    if isinstance(module, nn.Transformer):
-        return not module.batch_first
-    if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and len(module.layers):
-        return _sequence_first_module(module.layers[0])
-    return False
-
-
-def _input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def visit(value: Any, depth: int) -> None:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif depth < 2 and isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v, depth + 1)
-        elif depth < 2 and isinstance(value, dict):
-            for v in value.values():
-                visit(v, depth + 1)
-
-    visit(args, 0)
-    visit(kwargs, 0)
-    return found
 
 
 def _module_fqn(root: torch.nn.Module, module: torch.nn.Module) -> Optional[str]:
@@ -324,33 +261,6 @@ class Keyed:
                 "with keyinit.nn.batch_dim(x, 1) before the forward, or build the layer with batch_first=True"
             )
 
-    def _replay_key(self, fqn: str, t: torch.Tensor) -> tuple:
-        return (fqn, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-
-    def _remember(self, fqn: str, forward: "_Forward", args: tuple, kwargs: dict) -> None:
-        """A module run with autograd off inside a forward that had it on (reentrant activation
-        checkpointing): its input tensors are remembered, for the recompute in backward to find this
-        forward and their batch records."""
-        for t in _input_tensors(args, kwargs):
-            self._replays[self._replay_key(fqn, t)] = (weakref.ref(t), forward)
-
-    def _recomputed(self, fqn: str, args: tuple, kwargs: dict) -> Optional["_Forward"]:
-        """The forward whose execution of module ``fqn`` a forward run in backward recomputes, or None."""
-        tensors = _input_tensors(args, kwargs)
-        for t in tensors:  # non-reentrant checkpointing: the very input tensors of the first execution
-            holders = [forward for forward in self._forwards
-                       if (entry := forward.records.get(id(t))) is not None and entry[0]() is t]
-            if holders:  # the root forward of this module itself, else the one it ran inside
-                return next((f for f in holders if f.fqn == fqn), holders[0])
-        found_forward = None
-        for t in tensors:  # reentrant checkpointing: detached copies of the inputs, the same memory
-            found = self._replays.get(self._replay_key(fqn, t))
-            original = None if found is None else found[0]()
-            if original is not None:
-                found_forward = found[1]
-                annotate(t, found_forward, record(original, found_forward))
-        return found_forward
-
     def _pre_hook(self, fqn: str) -> Callable:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             state = self._thread_state()
@@ -359,10 +269,10 @@ class Keyed:
                 forward = state.frames[-1].forward
                 foreign = state.frames[-1].foreign  # a recompute's children are keyed as it is
                 if forward.grad and not torch.is_grad_enabled():
-                    self._remember(fqn, forward, args, kwargs)
+                    remember(self, fqn, forward, args, kwargs)
             else:
                 in_backward = torch._C._current_graph_task_id() != -1
-                forward = self._recomputed(fqn, args, kwargs) if in_backward else None
+                forward = recomputed(self, fqn, args, kwargs) if in_backward else None
                 if forward is not None:
                     foreign = False  # a recompute runs in autograd's thread, with the first execution's keys
                 elif self._state != "entered":
@@ -370,7 +280,7 @@ class Keyed:
                 else:
                     forward = self._root_forward(module, fqn, args, kwargs)
                     if not torch.is_grad_enabled():
-                        self._remember(fqn, forward, args, kwargs)
+                        remember(self, fqn, forward, args, kwargs)
             frame = _Frame(module, fqn, foreign, forward)
             if not state.frames and self.index == "tracked" and not foreign:
                 host = HostRandom(forward.host_key(self))
@@ -534,29 +444,27 @@ class Keyed:
         self._state = "exited"
 
 
-class _Named(torch.nn.Module):
-    """The stand-in module of a named block (``keyed("name", ...)``): its FQN is the name."""
+def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+    """Declare where ``tensor``'s batch is for :func:`keyinit.nn.keyed`; returns ``tensor``.
 
-    _keyinit_block = True
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.name = name
-
-
-class _MicroBatch:
-    __slots__ = ("ctx", "offset", "saved")
-
-    def __init__(self, ctx: Keyed, offset: int) -> None:
-        self.ctx, self.offset, self.saved = ctx, offset, 0
-
-    def __enter__(self) -> Keyed:
-        self.saved = self.ctx._rows
-        self.ctx._rows = self.offset
-        return self.ctx
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.ctx._rows = self.saved
+    Before the forward (a model input): ``dim`` is the dimension that indexes the
+    samples (``0`` is the default for every input whose dimension 0 has the batch's
+    size), or ``None`` for an input that holds no batch (replicated: the same for
+    every sample, e.g. a position table). Inside a keyed forward: the tensor's
+    dimension ``dim`` holds the samples of the running forward, in order.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"batch_dim: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if dim is not None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(f"batch_dim: dim must be None or a dimension of the {tensor.dim()}-D tensor, got {dim!r}")
+        dim %= tensor.dim()
+    declare(tensor, dim)
+    forward = current_forward()
+    if forward is not None:
+        record = None if dim is None else Batch(dim, int(tensor.shape[dim]), forward.start)
+        annotate(tensor, forward, record)
+    return tensor
 
 
 def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: int,

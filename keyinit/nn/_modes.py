@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -32,7 +32,6 @@ from keyinit.nn._intercept import (
     _keyed_mha,
     _keyed_sdpa,
     _refuse_foreign,
-    activation_batch,
 )
 
 __all__ = ["_FunctionMode", "_BatchMode", "_GuardSuspended"]
