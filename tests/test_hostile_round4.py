@@ -1,0 +1,40 @@
+"""Hostile and careless input, round 4 (issue 23): keyinit's own samplers inside a capture, failed calls
+that would change the caller's objects, constructors that escape the capture."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import keyinit
+import keyinit.data
+
+
+# ---------------------------------------------------------------- keyinit's samplers inside a capture
+
+
+class SampledInConstructor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(keyinit.random.normal(keyinit.key(0), (4, 4)))
+        self.register_buffer("perm", keyinit.data.permutation(keyinit.key(3), 8))
+        self.register_buffer("part", keyinit.data.permutation(keyinit.key(3), 8, torch.arange(2, 6)))
+
+
+def test_keyinit_samplers_in_a_deferred_constructor_compute_their_values():
+    model = keyinit.deferred(SampledInConstructor)  # the kernels wrote through a stand-in's null pointer: SIGSEGV
+    keyinit.materialize(model, seed=1)
+    assert torch.equal(model.w, keyinit.random.normal(keyinit.key(0), (4, 4)))
+    assert torch.equal(model.perm, keyinit.data.permutation(keyinit.key(3), 8))
+    assert torch.equal(model.part, keyinit.data.permutation(keyinit.key(3), 8)[2:6])
+
+
+def test_a_keyinit_sampler_in_an_init_method_computes_its_values():
+    def init_method(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                module.weight.copy_(keyinit.random.uniform(keyinit.key(5), (3, 4)))
+
+    model = nn.Sequential(nn.Linear(4, 3))
+    keyinit.init_model(model, seed=1, init_method=init_method)
+    assert torch.equal(model[0].weight, keyinit.random.uniform(keyinit.key(5), (3, 4)))
