@@ -3,11 +3,13 @@ that would change the caller's objects, constructors that escape the capture."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import keyinit
 import keyinit.data
+from keyinit.errors import UnkeyedRandomnessError
 
 
 # ---------------------------------------------------------------- keyinit's samplers inside a capture
@@ -38,3 +40,25 @@ def test_a_keyinit_sampler_in_an_init_method_computes_its_values():
     model = nn.Sequential(nn.Linear(4, 3))
     keyinit.init_model(model, seed=1, init_method=init_method)
     assert torch.equal(model[0].weight, keyinit.random.uniform(keyinit.key(5), (3, 4)))
+
+
+# ---------------------------------------------------------------- failed calls leave the caller's objects as they were
+
+
+class Wrapper(nn.Module):
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(4, 2)
+        self.noise = torch.randn(3)  # a draw in a plain attribute: no key reaches it
+
+
+def test_a_failed_deferred_leaves_the_pretrained_backbone_it_was_given_as_it_was():
+    backbone = nn.Linear(4, 4)
+    tensors = dict(backbone.named_parameters())
+    values = {k: v.detach().clone() for k, v in tensors.items()}
+    with pytest.raises(UnkeyedRandomnessError, match="noise"):
+        keyinit.deferred(Wrapper, backbone)
+    assert dict(backbone.named_parameters()) == tensors  # the same objects, still real
+    for name, tensor in backbone.named_parameters():
+        assert tensor.device.type == "cpu" and torch.equal(tensor, values[name]), name

@@ -124,11 +124,17 @@ def deferred(fn: Callable[..., M], /, *args: Any, **kwargs: Any) -> M:
 
 
 def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
-    """Swap every stand-in of ``model`` for a meta tensor and leave each module its record."""
+    """Swap every stand-in of ``model`` for a meta tensor and leave each module its record.
+
+    Everything that can fail (a record, a stand-in in a plain attribute that holds a draw) runs
+    before any table is touched: when it raises, every module the builder was given (a real
+    pretrained backbone) keeps its own tensors."""
     replaced: dict[int, torch.Tensor] = {}
     values: dict[int, Node] = {}
+    installs: list[tuple[torch.nn.Module, dict[str, Node], list[tuple[dict, str, torch.Tensor]]]] = []
     for module_fqn, module in model.named_modules(remove_duplicate=True):
         record: dict[str, Node] = {}
+        swaps: list[tuple[dict, str, torch.Tensor]] = []
         for table in (module._parameters, module._buffers):
             for name, tensor in list(table.items()):
                 if tensor is None:
@@ -142,12 +148,16 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
                     replaced[id(tensor)] = _meta_like(tensor, is_parameter=table is module._parameters)
                     setattr(replaced[id(tensor)], ORIGIN_ATTRIBUTE, values[id(tensor)])
                 record[name] = values[id(tensor)]
-                table[name] = replaced[id(tensor)]
-        object.__setattr__(module, RECORD_ATTRIBUTE, ConstructorRecord(record, builder))
-    # Plain attributes last: one that refers to a parameter or buffer (nn.LSTM's _flat_weights)
+                swaps.append((table, name, replaced[id(tensor)]))
+        installs.append((module, record, swaps))
+    # Plain attributes: one that refers to a parameter or buffer (nn.LSTM's _flat_weights)
     # gets its meta replacement; any other stand-in its real value.
     for module_fqn, module in model.named_modules(remove_duplicate=True):
         concretize_attributes(capture, module, module_fqn, replaced)
+    for module, record, swaps in installs:  # nothing below can fail
+        for table, name, meta in swaps:
+            table[name] = meta
+        object.__setattr__(module, RECORD_ATTRIBUTE, ConstructorRecord(record, builder))
 
 
 def _value_node(tensor: torch.Tensor, capture: Capture, fqn: str) -> Node:
