@@ -62,3 +62,16 @@ def test_a_failed_deferred_leaves_the_pretrained_backbone_it_was_given_as_it_was
     assert dict(backbone.named_parameters()) == tensors  # the same objects, still real
     for name, tensor in backbone.named_parameters():
         assert tensor.device.type == "cpu" and torch.equal(tensor, values[name]), name
+
+
+def test_a_refused_sampler_state_leaves_the_sampler_where_it_was():
+    from keyinit.data import KeyedSampler
+
+    sampler = KeyedSampler(10, 0, global_batch_size=2)
+    iterator = iter(sampler)
+    next(iterator), next(iterator), next(iterator)  # one step done, an iteration in progress
+    before = sampler.state_dict()
+    state = {**before, "step": 4, "stop": 2}  # stop < step
+    with pytest.raises(ValueError, match="stop"):
+        sampler.load_state_dict(state)
+    assert sampler.state_dict() == before and sampler.step == before["step"]
