@@ -281,13 +281,14 @@ _ABSENT = object()
 
 
 def _may_fail_part_way(tensor: PlannedTensor) -> bool:
-    """Whether writing ``tensor`` runs code that can fail after writing part of it: anything but keyinit
-    initializers, keyed draws and constants, which planning already checked (their tensors are not
+    """Whether writing ``tensor`` runs code that can fail after writing part of it: anything but keyinit's
+    own initializers, keyed draws and constants, which planning already checked (their tensors are not
     copied first; only an interrupt or running out of memory can stop them, and the InitError says so)."""
     if tensor.program is None or tensor.new or tensor.recreated:
         return False
     if tensor.origin in ("rule", "pattern", "default") and tensor.rule is not None:
-        return not isinstance(tensor.rule[2], Initializer)
+        rule = tensor.rule[2]  # an Initializer subclass of the user's own may raise after writing part of it
+        return not (isinstance(rule, Initializer) and type(rule).__module__.startswith("keyinit."))
     # init code: only keyed draws and constants (kernel fills, checked while planning) need no copy
     return not all(isinstance(node, (Random, Const)) for node in iter_nodes(tensor.program.roots()))
 

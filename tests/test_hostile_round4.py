@@ -75,3 +75,22 @@ def test_a_refused_sampler_state_leaves_the_sampler_where_it_was():
     with pytest.raises(ValueError, match="stop"):
         sampler.load_state_dict(state)
     assert sampler.state_dict() == before and sampler.step == before["step"]
+
+
+def test_an_initializer_of_the_users_own_that_fails_after_writing_half_is_put_back():
+    class Half(keyinit.init.Initializer):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, key, target):
+            self.calls += 1  # the plan-time dry run passes; the real write fails part-way
+            target.out[: target.out.shape[0] // 2].fill_(7.0)
+            if self.calls > 1:
+                raise RuntimeError("boom")
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    before = model[0].weight.detach().clone()
+    with pytest.raises(keyinit.InitError, match="boom") as raised:
+        keyinit.init_model(model, 0, rules={"0.weight": Half()})
+    assert raised.value.written == ("0.bias",) and "partly" not in str(raised.value)
+    assert torch.equal(model[0].weight, before)
