@@ -3,6 +3,10 @@ that would change the caller's objects, constructors that escape the capture."""
 
 from __future__ import annotations
 
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -94,3 +98,54 @@ def test_an_initializer_of_the_users_own_that_fails_after_writing_half_is_put_ba
         keyinit.init_model(model, 0, rules={"0.weight": Half()})
     assert raised.value.written == ("0.bias",) and "partly" not in str(raised.value)
     assert torch.equal(model[0].weight, before)
+
+
+# ---------------------------------------------------------------- what a capture cannot see: global generators, threads
+
+
+class NumpyShuffle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("perm", torch.from_numpy(np.random.permutation(4)))
+
+
+class PythonScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((4,), random.random()))
+
+
+class Threaded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with ThreadPoolExecutor(2) as pool:
+            self.layers = nn.ModuleList(pool.map(lambda _: nn.Linear(4, 4), range(3)))
+
+
+@pytest.mark.parametrize("cls, match", [
+    (NumpyShuffle, r"NumpyShuffle\(\.\.\.\): init code drew from the global generator of numpy\.random"),
+    (PythonScale, r"PythonScale\(\.\.\.\): init code drew from the global generator of Python's random"),
+    (Threaded, r"Threaded\(\.\.\.\): init code ran torch ops \(aten\.\w+.*\) in a thread it started"),
+])
+def test_global_generators_and_threads_in_a_constructor_are_refused_with_every_rng_untouched(cls, match):
+    states = (np.random.get_state()[1].copy(), random.getstate(), torch.get_rng_state())
+    with pytest.raises(UnkeyedRandomnessError, match=match):
+        keyinit.deferred(cls)
+    assert np.array_equal(np.random.get_state()[1], states[0]) and random.getstate() == states[1]
+    assert torch.equal(torch.get_rng_state(), states[2])
+
+
+def test_a_thread_started_in_a_capture_works_as_usual_once_the_capture_ended():
+    pool = ThreadPoolExecutor(1)
+    try:
+        class Starts(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lin = nn.Linear(2, 2)
+                pool.submit(lambda: None).result()  # the pool's thread starts here, and outlives the capture
+
+        keyinit.deferred(Starts)
+        assert torch.equal(pool.submit(lambda: torch.ones(2) * 2).result(), torch.full((2,), 2.0))
+    finally:
+        pool.shutdown()

@@ -58,6 +58,7 @@ from keyinit._engine.program import (
     Suppressed,
     Whole,
 )
+from keyinit._engine.outside import watched
 from keyinit._engine.replay import Evaluator
 from keyinit._engine.standin import CaptureError, LazyTensor, _leaves, tree_map
 
@@ -189,7 +190,7 @@ class Capture:
         before = (self.site, self.label)
         self.site, self.label = site, label
         try:
-            with torch.no_grad(), self._mode:
+            with watched(site), torch.no_grad(), self._mode:  # Python's and numpy's generators, threads
                 yield
         finally:
             self.site, self.label = before

@@ -104,7 +104,9 @@ def deferred(fn: Callable[..., M], /, *args: Any, **kwargs: Any) -> M:
     Raises:
         TypeError: ``fn`` does not return an ``nn.Module``.
         UnkeyedRandomnessError: the constructor stored a tensor computed from random draws
-            in a plain attribute (not a parameter or buffer), where no key can reach it.
+            in a plain attribute (not a parameter or buffer), where no key can reach it; drew from
+            Python's or numpy's global generator (put back); or ran torch ops in threads it started
+            (:mod:`keyinit._engine.outside`). On any error the modules ``fn`` was given keep their tensors.
     """
     if not callable(fn):
         raise TypeError(f"keyinit.deferred expects a callable that builds an nn.Module, got {type(fn).__name__}")
