@@ -149,3 +149,28 @@ def test_a_thread_started_in_a_capture_works_as_usual_once_the_capture_ended():
         assert torch.equal(pool.submit(lambda: torch.ones(2) * 2).result(), torch.full((2,), 2.0))
     finally:
         pool.shutdown()
+
+
+# ---------------------------------------------------------------- tensors sharing memory
+
+
+class SharedRows(nn.Module):
+    def __init__(self, overlap: bool) -> None:
+        super().__init__()
+        flat = torch.zeros(18)
+        self.a = nn.Parameter(flat[:12].view(4, 3))
+        self.b = nn.Parameter(flat[:6] if overlap else flat[12:])  # an LSTM's flattened weights share no element
+
+
+def test_different_tensors_sharing_elements_are_a_plan_error_naming_both_before_any_write():
+    model = SharedRows(overlap=True)
+    rules = {"a": keyinit.init.normal(std=0.02), "b": keyinit.init.zeros()}
+    with pytest.raises(keyinit.PlanError, match=r"^a and b are different tensors sharing memory") as raised:
+        keyinit.init_model(model, 0, rules=rules)
+    assert raised.value.fqns == ("a", "b") and not model.a.any()
+    apart = SharedRows(overlap=False)  # views of one buffer that share no element are written as usual
+    keyinit.init_model(apart, 0, rules=rules)
+    separate = nn.Module()
+    separate.a, separate.b = nn.Parameter(torch.empty(4, 3)), nn.Parameter(torch.empty(6))
+    keyinit.init_model(separate, 0, rules=rules)
+    assert torch.equal(apart.a, separate.a) and torch.equal(apart.b, separate.b)

@@ -25,7 +25,7 @@ from keyinit.init import Initializer
 from keyinit.keys import Key
 from keyinit.regions import make_region
 
-__all__ = ["check_plan", "unused_init_code_note"]
+__all__ = ["check_plan", "check_shared_memory", "unused_init_code_note"]
 
 #: Method names of init code a model may have that nothing runs unless asked (HF, torchtitan, OLMo-core).
 _INIT_METHOD_NAMES = ("_init_weights", "init_weights")
@@ -68,6 +68,59 @@ def check_plan(tensors: Sequence[PlannedTensor], *, materializing: bool, emptied
     for t in tensors:
         if t.program is not None:
             _dry_run(t, stream)
+
+
+def check_shared_memory(tensors: Sequence[PlannedTensor]) -> None:
+    """Two different tensors of the model whose elements share memory (``a = Parameter(base)``,
+    ``b = Parameter(base[:2])``) are a :class:`PlanError` naming both: each is written with its own
+    key, so on a plain model one's values land in the other's elements, while a sharded layout keeps
+    them apart; the layouts would disagree. One tensor under two names (a tie) is not this, nor are
+    views of one buffer that share no element (an LSTM's flattened weights)."""
+    spans: list[tuple[int, int, int, str, torch.Tensor]] = []
+    for t in tensors:
+        if t.new:
+            continue
+        for module, attr in t.locations():
+            tensor = getattr(module, attr, None)
+            local = getattr(tensor, "_local_tensor", tensor)
+            if not isinstance(local, torch.Tensor) or local.device.type == "meta" or local.numel() == 0 \
+                    or local.layout != torch.strided:
+                continue
+            size = local.element_size()
+            start = local.storage_offset() * size
+            end = start + (1 + sum((n - 1) * s for n, s in zip(local.shape, local.stride()))) * size
+            spans.append((local.untyped_storage().data_ptr(), start, end, t.fqn, local))
+    by_storage: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
+    for ptr, start, end, fqn, local in spans:
+        by_storage.setdefault(ptr, []).append((start, end, fqn, local))
+    for group in by_storage.values():
+        for i, (start, end, fqn, local) in enumerate(group):
+            for start2, end2, fqn2, local2 in group[i + 1:]:
+                if fqn != fqn2 and start < end2 and start2 < end and _elements_meet(local, local2):
+                    _refuse_shared(fqn, fqn2)
+
+
+def _refuse_shared(fqn: str, fqn2: str) -> None:
+    raise PlanError(
+        f"{fqn} and {fqn2} are different tensors sharing memory (views of one storage): keyinit writes each "
+        f"with its own key, so on a plain model one's values would land in the other's elements while a "
+        f"sharded layout keeps them apart. Give each its own storage (.clone()) or make them one tensor (a "
+        f"tie: the same Parameter under both names)", (fqn, fqn2))
+
+
+def _elements_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two strided views of one storage share a byte (exact up to a size limit, else assumed)."""
+    if a.numel() + b.numel() > _READ_CHECK_LIMIT:
+        return True
+
+    def offsets(t: torch.Tensor) -> torch.Tensor:
+        at = torch.full((), t.storage_offset() * t.element_size(), dtype=torch.int64)
+        for n, s in zip(t.shape, t.stride()):
+            at = at.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * (s * t.element_size())
+        at = at.reshape(-1, 1) + torch.arange(t.element_size(), dtype=torch.int64)
+        return at.reshape(-1)
+
+    return bool(torch.isin(offsets(a), offsets(b)).any())
 
 
 def unused_init_code_note(model: torch.nn.Module, tensors: Sequence[PlannedTensor], init_method: Any) -> Optional[str]:
