@@ -37,6 +37,7 @@ from keyinit._engine.program import Const, Random, iter_nodes
 from keyinit.keys import DEFAULT_STREAM, Key
 from keyinit._engine.plan import InitMethod, Rules, plan_model
 from keyinit._engine.planned import ModelPlan, PlannedTensor
+from keyinit._engine.kept import keep_allocated, refuse_allocated, to_empty_except
 from keyinit.rules import REGISTRY, Registry
 
 __all__ = ["init_model", "materialize", "plan_init", "Plan", "PlanEntry", "InitReport", "TensorRecord", "InitError", "PlanError"]
@@ -281,14 +282,13 @@ _ABSENT = object()
 
 
 def _may_fail_part_way(tensor: PlannedTensor) -> bool:
-    """Whether writing ``tensor`` runs code that can fail after writing part of it: anything but keyinit's
-    own initializers, keyed draws and constants, which planning already checked (their tensors are not
+    """Whether writing ``tensor`` runs code that can fail after writing part of it (an Initializer subclass
+    of the user's own too): anything but keyinit's own initializers, keyed draws and constants, which planning already checked (their tensors are not
     copied first; only an interrupt or running out of memory can stop them, and the InitError says so)."""
     if tensor.program is None or tensor.new or tensor.recreated:
         return False
     if tensor.origin in ("rule", "pattern", "default") and tensor.rule is not None:
-        rule = tensor.rule[2]  # an Initializer subclass of the user's own may raise after writing part of it
-        return not (isinstance(rule, Initializer) and type(rule).__module__.startswith("keyinit."))
+        return not (isinstance(tensor.rule[2], Initializer) and type(tensor.rule[2]).__module__.startswith("keyinit."))
     # init code: only keyed draws and constants (kernel fills, checked while planning) need no copy
     return not all(isinstance(node, (Random, Const)) for node in iter_nodes(tensor.program.roots()))
 
@@ -386,8 +386,7 @@ def materialize(
     memory is ever left behind. The other arguments are :func:`init_model`'s. ``device``
     defaults to ``"cuda"`` when available, else ``"cpu"``.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"materialize expects an nn.Module, got {type(model).__name__}")
+    refuse_allocated(model)  # not a module, or nothing on meta (materialize called twice): an error
     return plan_init(model, seed, materializing=True, rules=rules, init_method=init_method,
                      init_kwargs=init_kwargs, ties=ties, fqn_prefix=fqn_prefix, fqn_map=fqn_map, shards=shards,
                      strict=strict, stream=stream, registry=registry, progress=progress).apply(device=device)
@@ -552,11 +551,12 @@ def _materialize(plan: ModelPlan, progress: Optional[bool], device: Union[torch.
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = plan.model
+    kept = keep_allocated(plan)  # not on meta (loaded with load_state_dict(assign=True)): not written, and noted
     writer = _Writer(plan, progress, device)
     marks = [(t, dict(vars(t.tensor))) for t in plan.tensors if not t.new]
     undo_created = [_Undo(t, plan, keep_values=False) for t in plan.tensors if t.new or t.recreated]
     try:
-        model.to_empty(device=device)
+        to_empty_except(model, kept, device)
         _retie(plan)
         for tensor, attributes in marks:  # to_empty makes new tensors: keep their markers (megatron's, HF's)
             for name, value in attributes.items():
@@ -566,7 +566,7 @@ def _materialize(plan: ModelPlan, progress: Optional[bool], device: Union[torch.
     except BaseException as exc:
         for undo in undo_created:  # what init code created or re-created: the model's own tensors again
             undo()
-        torch.nn.Module.to_empty(model, device="meta")  # the base method: an override may be what failed
+        to_empty_except(model, kept, "meta", base=True)  # the base method: an override may be what failed
         for tensor in plan.tensors:
             if tensor.new and tensor.kind == "attribute" and tensor.attr in vars(tensor.module):
                 delattr(tensor.module, tensor.attr)

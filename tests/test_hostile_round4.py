@@ -174,3 +174,36 @@ def test_different_tensors_sharing_elements_are_a_plan_error_naming_both_before_
     separate.a, separate.b = nn.Parameter(torch.empty(4, 3)), nn.Parameter(torch.empty(6))
     keyinit.init_model(separate, 0, rules=rules)
     assert torch.equal(apart.a, separate.a) and torch.equal(apart.b, separate.b)
+
+
+# ---------------------------------------------------------------- materialize keeps what is not on meta
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+
+def test_materialize_keeps_tensors_loaded_with_assign_and_says_so():
+    model = keyinit.deferred(TwoLayers)
+    loaded = {"a.weight": torch.ones(4, 4), "a.bias": torch.full((4,), 2.0)}
+    model.load_state_dict(loaded, strict=False, assign=True)
+    report = keyinit.materialize(model, seed=0, device="cpu")
+    assert torch.equal(model.a.weight, loaded["a.weight"]) and torch.equal(model.a.bias, loaded["a.bias"])
+    reference = keyinit.deferred(TwoLayers)
+    keyinit.materialize(reference, seed=0, device="cpu")
+    assert torch.equal(model.b.weight, reference.b.weight) and torch.equal(model.b.bias, reference.b.bias)
+    assert {r.fqn: r.source for r in report.records}["a.weight"] == "kept"
+    assert any(note.startswith("kept 2 tensors that were not on the meta device") and "a.weight, a.bias" in note
+               for note in report.notes)
+
+
+def test_materialize_with_nothing_on_meta_is_a_plan_error_and_writes_nothing():
+    model = keyinit.deferred(TwoLayers)
+    keyinit.materialize(model, seed=0, device="cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(keyinit.PlanError, match=r"^materialize: no parameter or buffer of the model is on the meta"):
+        keyinit.materialize(model, seed=1, device="cpu")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

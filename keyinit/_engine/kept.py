@@ -1,0 +1,56 @@
+"""``materialize`` initializes the tensors on the meta device and keeps the others, as torchdistx's
+``materialize_module`` does: weights loaded into a meta model with ``load_state_dict(sd, assign=True)``
+(the standard way to load into one) keep their values, and the report's notes say which tensors were
+kept (their source is ``kept``). A model with nothing on meta (``materialize`` called twice) is refused."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+from keyinit._engine.planned import ModelPlan, PlannedTensor
+from keyinit.errors import PlanError
+
+__all__ = ["on_meta", "refuse_allocated", "keep_allocated", "to_empty_except"]
+
+
+def on_meta(tensor: torch.Tensor) -> bool:
+    """``tensor`` (its local shard, for a DTensor) holds no memory."""
+    return getattr(tensor, "_local_tensor", tensor).device.type == "meta"
+
+
+def refuse_allocated(model: object) -> None:
+    """``materialize``'s argument checks: a module, with a tensor on meta if it has any tensor."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"materialize expects an nn.Module, got {type(model).__name__}")
+    tensors = [*model.parameters(), *model.buffers()]
+    if tensors and not any(on_meta(t) for t in tensors):
+        raise PlanError("materialize: no parameter or buffer of the model is on the meta device (materialized "
+                        "already?); materialize initializes the tensors on meta and keeps the others. To "
+                        "initialize an allocated model again, call keyinit.init_model(model, seed)")
+
+
+def keep_allocated(plan: ModelPlan) -> list[PlannedTensor]:
+    """The planned tensors not on the meta device: left out of the writing (their source is ``kept``),
+    named in the plan's notes; returned for :func:`to_empty_except`."""
+    kept = [t for t in plan.tensors if not (t.new or t.recreated) and not on_meta(t.tensor)]
+    for t in kept:
+        t.program = None
+    if kept:
+        plan.notes = (*plan.notes, f"kept {len(kept)} tensors that were not on the meta device as they were "
+                      f"(loaded with load_state_dict(..., assign=True), or materialized before): "
+                      f"{', '.join(t.fqn for t in kept[:8])}{' ...' if len(kept) > 8 else ''}")
+    return kept
+
+
+def to_empty_except(model: torch.nn.Module, kept: Sequence[PlannedTensor], device: Union[torch.device, str],
+                    *, base: bool = False) -> None:
+    """``model.to_empty(device=device)`` (``base``: ``nn.Module``'s own, not an override), except that
+    the ``kept`` tensors stay as they are."""
+    if not kept:
+        (torch.nn.Module.to_empty if base else type(model).to_empty)(model, device=device)
+        return
+    keep = {id(getattr(m, a)) for t in kept for m, a in t.locations()}
+    model._apply(lambda t: t if id(t) in keep else torch.empty_like(t, device=device))
