@@ -207,3 +207,31 @@ def test_materialize_with_nothing_on_meta_is_a_plan_error_and_writes_nothing():
     with pytest.raises(keyinit.PlanError, match=r"^materialize: no parameter or buffer of the model is on the meta"):
         keyinit.materialize(model, seed=1, device="cpu")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+# ---------------------------------------------------------------- a renumbered ModuleList
+
+
+class DepthBlock(nn.Module):
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        nn.init.normal_(self.fc.weight, std=0.02 / (depth + 1) ** 0.5)  # depth-scaled, as GPT-2's residual proj
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DepthBlock(i) for i in range(4))
+
+
+def test_a_stage_cut_from_a_renumbered_module_list_gets_the_full_models_values_for_the_layers_it_holds():
+    full = keyinit.deferred(Stack)
+    keyinit.materialize(full, seed=0, device="cpu")
+    stage = keyinit.deferred(Stack)
+    del stage.layers[0]  # torch renumbers layers 1..3 as 0..2
+    report = keyinit.materialize(stage, seed=0, device="cpu")
+    for i in range(3):
+        assert torch.equal(stage.layers[i].fc.weight, full.layers[i + 1].fc.weight), i
+        assert torch.equal(stage.layers[i].fc.bias, full.layers[i + 1].fc.bias), i
+    assert any("layers.0.fc.weight as layers.1.fc.weight" in note for note in report.notes)

@@ -36,7 +36,7 @@ from keyinit._engine.capture import Capture, LazyTensor
 from keyinit._engine.escape import concretize_attributes
 from keyinit._engine.program import StridedView, Literal, Node, Read, Storage, Write
 
-__all__ = ["deferred", "ConstructorRecord", "record_of", "origin_of", "seed_storage", "RECORD_ATTRIBUTE"]
+__all__ = ["deferred", "ConstructorRecord", "record_of", "origin_of", "renumbered_as", "seed_storage", "RECORD_ATTRIBUTE"]
 
 #: The module attribute holding its :class:`ConstructorRecord`.
 RECORD_ATTRIBUTE = "_keyinit_record"
@@ -60,9 +60,28 @@ class ConstructorRecord:
 
     values: Mapping[str, Node]
     builder: str
+    #: attribute name -> the tensor's FQN in the model ``builder`` returned (what a renumbered
+    #: ``ModuleList`` changes: :func:`renumbered_as`)
+    fqns: Mapping[str, str] = attrs.field(factory=dict)
 
     def value(self, name: str) -> Optional[Node]:
         return self.values.get(name)
+
+
+def renumbered_as(fqn: str, built: Optional[str]) -> Optional[str]:
+    """The FQN ``fqn`` had when it was built, if only a ``ModuleList``/``Sequential`` index of it changed
+    since (``del stage.layers[0]``: torch renumbers the rest), else ``None``. ``built`` is its FQN in the
+    model :func:`deferred` returned; a model built alone and placed in another keeps its own names
+    under a prefix (``layers.3.`` + ``weight``), which is not a renumbering."""
+    if built is None or fqn == built or fqn.endswith("." + built):
+        return None
+    now, then = fqn.split("."), built.split(".")
+    if len(then) > len(now):
+        return None
+    head, tail = now[: len(now) - len(then)], now[len(now) - len(then):]
+    if all(a == b or (a.isdigit() and b.isdigit()) for a, b in zip(tail, then)):
+        return ".".join(head + then)
+    return None
 
 
 def record_of(module: torch.nn.Module) -> Optional[ConstructorRecord]:
@@ -133,9 +152,10 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
     pretrained backbone) keeps its own tensors."""
     replaced: dict[int, torch.Tensor] = {}
     values: dict[int, Node] = {}
-    installs: list[tuple[torch.nn.Module, dict[str, Node], list[tuple[dict, str, torch.Tensor]]]] = []
+    installs: list[tuple[torch.nn.Module, ConstructorRecord, list[tuple[dict, str, torch.Tensor]]]] = []
     for module_fqn, module in model.named_modules(remove_duplicate=True):
         record: dict[str, Node] = {}
+        built: dict[str, str] = {}
         swaps: list[tuple[dict, str, torch.Tensor]] = []
         for table in (module._parameters, module._buffers):
             for name, tensor in list(table.items()):
@@ -150,8 +170,9 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
                     replaced[id(tensor)] = _meta_like(tensor, is_parameter=table is module._parameters)
                     setattr(replaced[id(tensor)], ORIGIN_ATTRIBUTE, values[id(tensor)])
                 record[name] = values[id(tensor)]
+                built[name] = fqn
                 swaps.append((table, name, replaced[id(tensor)]))
-        installs.append((module, record, swaps))
+        installs.append((module, ConstructorRecord(record, builder, built), swaps))
     # Plain attributes: one that refers to a parameter or buffer (nn.LSTM's _flat_weights)
     # gets its meta replacement; any other stand-in its real value.
     for module_fqn, module in model.named_modules(remove_duplicate=True):
@@ -159,7 +180,7 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
     for module, record, swaps in installs:  # nothing below can fail
         for table, name, meta in swaps:
             table[name] = meta
-        object.__setattr__(module, RECORD_ATTRIBUTE, ConstructorRecord(record, builder))
+        object.__setattr__(module, RECORD_ATTRIBUTE, record)
 
 
 def _value_node(tensor: torch.Tensor, capture: Capture, fqn: str) -> Node:

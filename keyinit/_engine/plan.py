@@ -51,7 +51,7 @@ from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
 from keyinit.keys import DEFAULT_STREAM, Key, key
 from keyinit._engine.plan_checks import check_plan, check_shared_memory, unused_init_code_note
 from keyinit._engine.planned import ModelPlan, PlannedTensor
-from keyinit._engine.deferred import origin_of, record_of, seed_storage
+from keyinit._engine.deferred import origin_of, record_of, renumbered_as, seed_storage
 from keyinit._engine.program import Alloc, Node, Random, Read, SlotProgram, Storage, StridedView
 from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext, initializer_problem
 from keyinit.tensors import tensors as model_tensors
@@ -186,6 +186,7 @@ class _Planner:
         A record that wrote nothing (``torch.empty`` left for later init code) is no record. A
         record of another shape (the tensor was replaced after construction) is not used."""
         self.constructed: set[int] = set()  # modules built by keyinit.deferred whose records hold values
+        renumbered: list[str] = []
         for t in self.tensors:
             found: list[tuple[torch.nn.Module, str, Node]] = []
             for module, attr in t.locations():
@@ -214,6 +215,15 @@ class _Planner:
                                       f"which one it was built as (replaced since); the record of {t.fqn} is used")
             t.record = node
             self.constructed.update(id(m) for m, _, _ in found)
+            built = renumbered_as(t.fqn, record_of(module).fqns.get(attr))
+            if built is not None and t.key_fqn == t.fqn and not (self.fqn_prefix or self.fqn_map):
+                t.key_fqn = built  # its constructor built it as `built` (depth-scaled inits): that model's values
+                renumbered.append(f"{t.fqn} as {built}")
+        if renumbered:
+            self.notes.append(f"{len(renumbered)} tensors sit at other ModuleList indices than they were built at "
+                              f"(renumbered after construction, as `del layers[0]` does) and are keyed by the names "
+                              f"they were built with, so they get the full model's values: "
+                              f"{', '.join(renumbered[:4])}{' ...' if len(renumbered) > 4 else ''}")
 
     def _resolve_ties(self) -> None:
         for alias, target in self.ties.items():
