@@ -3,6 +3,7 @@ that would change the caller's objects, constructors that escape the capture."""
 
 from __future__ import annotations
 
+import functools
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -235,3 +236,61 @@ def test_a_stage_cut_from_a_renumbered_module_list_gets_the_full_models_values_f
         assert torch.equal(stage.layers[i].fc.weight, full.layers[i + 1].fc.weight), i
         assert torch.equal(stage.layers[i].fc.bias, full.layers[i + 1].fc.bias), i
     assert any("layers.0.fc.weight as layers.1.fc.weight" in note for note in report.notes)
+
+
+# ---------------------------------------------------------------- stand-ins kept outside the model, hooks
+
+
+@functools.lru_cache
+def _rope_table(n: int) -> torch.Tensor:
+    return torch.outer(torch.arange(n, dtype=torch.float32), torch.ones(2))
+
+
+@functools.lru_cache
+def _noise(n: int) -> torch.Tensor:
+    return torch.randn(n)
+
+
+def _scale(scale: torch.Tensor, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return out * scale
+
+
+class KeepsTensorsOutside(nn.Module):
+    table = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 3)
+        self.rope = _rope_table(5)
+        type(self).table = torch.ones(3) * 3  # a class attribute cache
+        self.register_forward_hook(functools.partial(_scale, torch.full((3,), 2.0)))
+        mask = torch.tensor([[0.0], [1.0], [1.0]])  # frozen first row
+        self.lin.weight.register_hook(lambda g: g * mask)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + type(self).table + self.rope[1, 0]
+
+
+def test_tensors_a_constructor_keeps_outside_the_model_get_real_values_and_its_hooks_survive():
+    model = keyinit.deferred(KeepsTensorsOutside)  # the stand-ins escaped: CaptureError at the first forward
+    keyinit.materialize(model, seed=0, device="cpu")
+    x = torch.ones(1, 2)
+    out = model(x)
+    assert torch.equal(out, (model.lin(x) + 3.0 + 1.0) * 2.0)
+    assert torch.equal(_rope_table(5), torch.outer(torch.arange(5.0), torch.ones(2)))  # an eager caller later
+    out.sum().backward()
+    assert not model.lin.weight.grad[0].any() and model.lin.weight.grad[1:].all()  # the gradient hook kept
+
+
+def test_a_draw_kept_in_an_lru_cache_is_an_error_naming_it_and_the_cache_is_cleared():
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            _noise(2)
+
+    _noise.cache_clear()
+    with pytest.raises(UnkeyedRandomnessError, match=r"Noisy\(\.\.\.\): code stored a tensor of shape \(2,\) "
+                                                      r"computed from random draws .* in a functools\._lru_cache"):
+        keyinit.deferred(Noisy)
+    assert _noise.cache_info().currsize == 0 and type(_noise(2)) is torch.Tensor

@@ -490,6 +490,8 @@ class Capture:
         # not an input, so an out= tensor fresh from torch.empty is not a read of uninitialized memory
         inputs = tuple(Const(tuple(flat[i].shape), flat[i].dtype, 0) if j in out_at else self.node(flat[i])
                        for j, i in enumerate(positions))
+        # ``call`` gets every tensor as a value: the program keeps no stand-in alive (escape.sweep_escaped)
+        flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
 
         def call(*values: torch.Tensor) -> Any:
             rebuilt = list(flat)

@@ -33,7 +33,7 @@ import torch
 
 from keyinit._engine.megatron_records import whole_node
 from keyinit._engine.capture import Capture, LazyTensor
-from keyinit._engine.escape import concretize_attributes
+from keyinit._engine.escape import concretize_attributes, sweep_escaped
 from keyinit._engine.program import StridedView, Literal, Node, Read, Storage, Write
 
 __all__ = ["deferred", "ConstructorRecord", "record_of", "origin_of", "renumbered_as", "seed_storage", "RECORD_ATTRIBUTE"]
@@ -177,6 +177,7 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
     # gets its meta replacement; any other stand-in its real value.
     for module_fqn, module in model.named_modules(remove_duplicate=True):
         concretize_attributes(capture, module, module_fqn, replaced)
+    sweep_escaped(capture, replaced, f"{builder}(...)")  # an lru_cache, a hook's closure, a class attribute
     for module, record, swaps in installs:  # nothing below can fail
         for table, name, meta in swaps:
             table[name] = meta
@@ -199,6 +200,11 @@ def _meta_like(tensor: torch.Tensor, *, is_parameter: bool) -> torch.Tensor:
     meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
     if is_parameter:
         meta = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
+    if meta.requires_grad:  # the constructor's gradient hooks (a mask freezing rows) live on in the new tensor
+        for hook in (getattr(tensor, "_backward_hooks", None) or {}).values():
+            meta.register_hook(hook)
+        for hook in (getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values():
+            meta.register_post_accumulate_grad_hook(hook)
     for name, value in vars(tensor).items():  # markers (megatron's partition_dim, HF's flags)
         if name.startswith("_") and name not in ("_is_hf_initialized",):
             continue

@@ -6,10 +6,17 @@ objects (OLMo-core's RoPE ``BufferCache``, nn.LSTM's ``_flat_weights``). After a
 :func:`concretize_attributes` walks a module's attributes and replaces every
 :class:`~keyinit._engine.capture.LazyTensor` found there by the value eager torch would hold,
 so nothing fails at the first forward with a stand-in in hand.
+
+Stand-ins kept where no walk of the model reaches them (a ``functools.lru_cache`` helper's table, a
+closure cell of a hook, a ``functools.partial`` forward hook, a class attribute cache) are found by
+:func:`sweep_escaped` among the live objects and turned into real tensors in place
+(``torch.utils.swap_tensors``), so every reference sees the values eager torch would hold.
 """
 
 from __future__ import annotations
 
+import functools
+import gc
 import types
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Optional
@@ -19,7 +26,7 @@ import torch
 from keyinit._engine.capture import Capture, LazyTensor
 from keyinit.errors import UnkeyedRandomnessError
 
-__all__ = ["concretize_attributes"]
+__all__ = ["concretize_attributes", "sweep_escaped"]
 
 #: nn.Module's own bookkeeping attributes (its parameter, buffer, module and hook tables).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
@@ -108,3 +115,61 @@ def _concrete_tree(capture: Capture, value: Any, where: str, replaced: Mapping[i
             if new is not v:
                 attributes[name] = new
     return value
+
+
+def _alive(capture: Capture, replaced: Mapping[int, torch.Tensor]) -> list[LazyTensor]:
+    # ``type(o)``, not ``isinstance``: some live objects are proxies whose ``__class__`` warns or imports
+    return [o for o in gc.get_objects() if type(o) is LazyTensor and o._capture is capture and id(o) not in replaced]
+
+
+def _holders(tensor: torch.Tensor, found: list) -> str:
+    """What refers to ``tensor`` (but ``found``), in words (a closure cell is named by its function)."""
+    names = []
+    for holder in gc.get_referrers(tensor):
+        if isinstance(holder, types.FrameType) or holder is tensor or holder is found:
+            continue
+        if type(holder).__name__ == "cell":
+            functions = [f for f in gc.get_referrers(holder) if isinstance(f, tuple)]
+            owners = [g.__qualname__ for t in functions for g in gc.get_referrers(t)
+                      if isinstance(g, types.FunctionType) and g.__closure__ is t]
+            names.append(f"a closure of {owners[0]}" if owners else "a closure")
+        else:
+            names.append(f"a {type(holder).__module__}.{type(holder).__qualname__}")
+    return ", ".join(dict.fromkeys(names)) or "an object keyinit cannot name"
+
+
+def _referrers(obj: Any, found: list, depth: int) -> list[Any]:
+    """What refers to ``obj``, and what refers to those, ``depth`` levels up (frames and ``found`` left out)."""
+    level, seen, out = [obj], {id(obj), id(found)}, []
+    for _ in range(depth):
+        level = [h for o in level for h in gc.get_referrers(o)
+                 if id(h) not in seen and not isinstance(h, types.FrameType) and h is not level and h is not out]
+        seen.update(id(h) for h in level)
+        out.extend(level)
+    return out
+
+
+def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: str) -> None:
+    """Give every stand-in of ``capture`` still alive outside the model its real value, in place; one
+    whose value depends on a random draw is an :class:`UnkeyedRandomnessError` naming what holds it
+    (nothing is changed then). Stand-ins of model tensors (``replaced``) are left alone."""
+    if not _alive(capture, replaced):
+        return
+    gc.collect()  # only what is still referenced counts
+    found = _alive(capture, replaced)
+    values = []
+    for lazy in found:
+        try:
+            values.append(capture.concrete(lazy, "a tensor stored outside the model"))
+        except UnkeyedRandomnessError as exc:
+            holders = _holders(lazy, found)
+            for cache in _referrers(lazy, found, depth=3):  # a cache: cleared, so later calls compute again
+                if isinstance(cache, functools._lru_cache_wrapper):
+                    cache.cache_clear()
+            raise UnkeyedRandomnessError(
+                f"{site}: code stored a tensor of shape {tuple(lazy.shape)} computed from random draws outside the "
+                f"model's parameters and buffers, in {holders}; keyinit keys a draw by the parameter or "
+                f"buffer it lands in: register it as a buffer (register_buffer) or a parameter") from exc
+    for lazy, value in zip(found, values):
+        value.requires_grad_(lazy.requires_grad)
+        torch.utils.swap_tensors(lazy, value)

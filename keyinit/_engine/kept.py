@@ -48,9 +48,20 @@ def keep_allocated(plan: ModelPlan) -> list[PlannedTensor]:
 def to_empty_except(model: torch.nn.Module, kept: Sequence[PlannedTensor], device: Union[torch.device, str],
                     *, base: bool = False) -> None:
     """``model.to_empty(device=device)`` (``base``: ``nn.Module``'s own, not an override), except that
-    the ``kept`` tensors stay as they are."""
+    the ``kept`` tensors stay as they are, and a parameter's gradient hooks (a constructor's
+    ``w.register_hook(lambda g: g * mask)``) carry over to the tensor that replaces it."""
+    hooked = [(module, name, p, dict(p._backward_hooks or {}), dict(p._post_accumulate_grad_hooks or {}))
+              for module in model.modules() for name, p in module._parameters.items()
+              if p is not None and (p._backward_hooks or p._post_accumulate_grad_hooks)]
     if not kept:
         (torch.nn.Module.to_empty if base else type(model).to_empty)(model, device=device)
-        return
-    keep = {id(getattr(m, a)) for t in kept for m, a in t.locations()}
-    model._apply(lambda t: t if id(t) in keep else torch.empty_like(t, device=device))
+    else:
+        keep = {id(getattr(m, a)) for t in kept for m, a in t.locations()}
+        model._apply(lambda t: t if id(t) in keep else torch.empty_like(t, device=device))
+    for module, name, old, hooks, post in hooked:  # a new Parameter (meta -> cpu): the old one's gradient hooks
+        new = module._parameters.get(name)
+        if new is not None and new is not old and new.requires_grad:
+            for hook in hooks.values():
+                new.register_hook(hook)
+            for hook in post.values():
+                new.register_post_accumulate_grad_hook(hook)
