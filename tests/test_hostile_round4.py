@@ -294,3 +294,34 @@ def test_a_draw_kept_in_an_lru_cache_is_an_error_naming_it_and_the_cache_is_clea
                                                       r"computed from random draws .* in a functools\._lru_cache"):
         keyinit.deferred(Noisy)
     assert _noise.cache_info().currsize == 0 and type(_noise(2)) is torch.Tensor
+
+
+# ---------------------------------------------------------------- torch.jit.script submodules
+
+
+class ScriptedAct(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+
+class WithScripted(nn.Module):
+    def __init__(self, scripted_linear: bool = False) -> None:
+        super().__init__()
+        self.lin = torch.jit.script(nn.Linear(4, 4)) if scripted_linear else nn.Linear(4, 4)
+        self.act = torch.jit.script(ScriptedAct())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+
+def test_a_scripted_submodule_without_tensors_is_initialized_around_and_one_with_tensors_is_a_plan_error():
+    eager = WithScripted()
+    keyinit.init_model(eager, 0)  # died in guard.py: TypeError: contains(): incompatible function arguments
+    built = keyinit.deferred(WithScripted)
+    keyinit.materialize(built, 0, device="cpu")
+    assert built(torch.ones(1, 4)).shape == (1, 4)
+    model = WithScripted(scripted_linear=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(keyinit.PlanError, match=r"^these tensors belong to a torch\.jit\.script module.*lin\.weight"):
+        keyinit.init_model(model, 0, rules={"lin.*": keyinit.init.zeros()})
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -49,7 +49,7 @@ from keyinit._engine.init_code import (
 from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
 from keyinit.keys import DEFAULT_STREAM, Key, key
-from keyinit._engine.plan_checks import check_plan, check_shared_memory, unused_init_code_note
+from keyinit._engine.plan_checks import check_plan, check_scripted, check_shared_memory, unused_init_code_note
 from keyinit._engine.planned import ModelPlan, PlannedTensor
 from keyinit._engine.deferred import origin_of, record_of, renumbered_as, seed_storage
 from keyinit._engine.program import Alloc, Node, Random, Read, SlotProgram, Storage, StridedView
@@ -177,6 +177,7 @@ class _Planner:
                 raise PlanError(message, (t.fqn,)) from exc
             t.dtype = t.tensor.dtype
         _check_tie_shapes(self.ties, self.by_fqn)
+        check_scripted(self.tensors)
         check_shared_memory(self.tensors)
         self._find_records()
 

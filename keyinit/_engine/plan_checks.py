@@ -25,7 +25,7 @@ from keyinit.init import Initializer
 from keyinit.keys import Key
 from keyinit.regions import make_region
 
-__all__ = ["check_plan", "check_shared_memory", "unused_init_code_note"]
+__all__ = ["check_plan", "check_scripted", "check_shared_memory", "unused_init_code_note"]
 
 #: Method names of init code a model may have that nothing runs unless asked (HF, torchtitan, OLMo-core).
 _INIT_METHOD_NAMES = ("_init_weights", "init_weights")
@@ -68,6 +68,17 @@ def check_plan(tensors: Sequence[PlannedTensor], *, materializing: bool, emptied
     for t in tensors:
         if t.program is not None:
             _dry_run(t, stream)
+
+
+def check_scripted(tensors: Sequence[PlannedTensor]) -> None:
+    """Tensors held by a ``torch.jit.script`` module are a :class:`PlanError` naming them: its parameter
+    and buffer tables are C++ objects keyinit cannot swap stand-ins into or put back. A scripted module
+    without tensors (an activation) is fine."""
+    scripted = [t.fqn for t in tensors if any(isinstance(m, torch.jit.ScriptModule) for m, _ in t.locations())]
+    if scripted:
+        raise PlanError(f"these tensors belong to a torch.jit.script module, whose tables keyinit cannot swap or "
+                        f"restore: {', '.join(scripted)}; initialize the model first and script the module "
+                        f"afterwards (torch.jit.script(model.sub) after init_model / materialize)", tuple(scripted))
 
 
 def check_shared_memory(tensors: Sequence[PlannedTensor]) -> None:
