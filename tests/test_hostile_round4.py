@@ -325,3 +325,25 @@ def test_a_scripted_submodule_without_tensors_is_initialized_around_and_one_with
     with pytest.raises(keyinit.PlanError, match=r"^these tensors belong to a torch\.jit\.script module.*lin\.weight"):
         keyinit.init_model(model, 0, rules={"lin.*": keyinit.init.zeros()})
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+# ---------------------------------------------------------------- torch.load in a constructor
+
+
+def test_torch_load_in_a_deferred_constructor_gives_the_loaded_values(tmp_path):
+    source = nn.Linear(4, 4)
+    torch.save(source.state_dict(), tmp_path / "backbone.pt")
+
+    class Pretrained(nn.Module):  # timm's create_model(pretrained=True) from a local file
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 2)
+            self.backbone.load_state_dict(torch.load(tmp_path / "backbone.pt"))
+
+    model = keyinit.deferred(Pretrained)  # a raw RuntimeError from torch's set_ on a stand-in
+    keyinit.materialize(model, 0, device="cpu")
+    assert torch.equal(model.backbone.weight, source.weight) and torch.equal(model.backbone.bias, source.bias)
+    reference = keyinit.deferred(Pretrained)
+    keyinit.materialize(reference, 0, device="cpu")
+    assert torch.equal(model.head.weight, reference.head.weight)

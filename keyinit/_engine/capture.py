@@ -252,9 +252,12 @@ class Capture:
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        stack = self._stack()
+        if any(f.f_code in _LOADERS for f in stack) and not any(isinstance(x, LazyTensor) for x in _leaves(args)):
+            with _disable_current_modes():  # torch.load's tensors are real: constants where they land
+                return func(*args, **kwargs)
         if torch.Tag.inplace_view in getattr(func, "tags", ()):
             return self._inplace_view(func, args, kwargs)
-        stack = self._stack()
         if self._suppressed(stack):
             return self._run_suppressed(func, args, kwargs)
         if func in _VALUE_OPS:
@@ -553,6 +556,11 @@ class Capture:
             return LazyTensor(meta, self)
 
         return tree_map(wrap, out)
+
+
+#: Code whose tensors are data, not init: run for real under a capture (``timm.create_model(pretrained=True)``
+#: from a local file loads a state dict in the constructor).
+_LOADERS = {torch.serialization.load.__code__, torch.serialization._load.__code__}
 
 
 def _returns_self(func: Any) -> bool:
