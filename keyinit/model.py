@@ -37,7 +37,7 @@ from keyinit._engine.program import Const, Random, iter_nodes
 from keyinit.keys import DEFAULT_STREAM, Key
 from keyinit._engine.plan import InitMethod, Rules, plan_model
 from keyinit._engine.planned import ModelPlan, PlannedTensor
-from keyinit._engine.kept import keep_allocated, refuse_allocated, to_empty_except
+from keyinit._engine.kept import keep_allocated, recompute_derived, refuse_allocated, to_empty_except
 from keyinit.rules import REGISTRY, Registry
 
 __all__ = ["init_model", "materialize", "plan_init", "Plan", "PlanEntry", "InitReport", "TensorRecord", "InitError", "PlanError"]
@@ -563,6 +563,7 @@ def _materialize(plan: ModelPlan, progress: Optional[bool], device: Union[torch.
                 if not hasattr(tensor.tensor, name):
                     setattr(tensor.tensor, name, value)
         writer.run()
+        recompute_derived(model)  # torch's hook-based weight_norm / spectral_norm / pruning weights
     except BaseException as exc:
         for undo in undo_created:  # what init code created or re-created: the model's own tensors again
             undo()

@@ -347,3 +347,42 @@ def test_torch_load_in_a_deferred_constructor_gives_the_loaded_values(tmp_path):
     reference = keyinit.deferred(Pretrained)
     keyinit.materialize(reference, 0, device="cpu")
     assert torch.equal(model.head.weight, reference.head.weight)
+
+
+# ---------------------------------------------------------------- torch's hook-based weight_norm, spectral_norm, pruning
+
+
+class HookNormed(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        if kind == "weight_norm":
+            nn.utils.weight_norm(self.lin)
+        elif kind == "spectral_norm":
+            nn.utils.spectral_norm(self.lin)
+        else:
+            torch.nn.utils.prune.random_unstructured(self.lin, "weight", amount=0.5)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "prune"])
+def test_torchs_hook_based_weight_utilities_in_a_constructor_work_as_in_eager_torch(kind):
+    model = keyinit.deferred(HookNormed, kind)  # was refused: "register it as a buffer"
+    keyinit.materialize(model, 0, device="cpu")
+    lin = model.lin
+    if kind == "weight_norm":
+        expected = lin.weight_g * lin.weight_v / lin.weight_v.norm(dim=1, keepdim=True)
+    elif kind == "spectral_norm":
+        sigma = torch.dot(lin.weight_u, lin.weight_orig @ lin.weight_v)
+        expected = lin.weight_orig / sigma
+    else:
+        expected = lin.weight_orig * lin.weight_mask
+        assert int((lin.weight_mask == 0).sum()) == 6
+    assert lin.weight.device.type == "cpu"
+    torch.testing.assert_close(lin.weight, expected)
+    x = torch.ones(2, 4)
+    model.eval()  # spectral_norm's hook runs a power iteration at a training forward, as in eager torch
+    torch.testing.assert_close(model.lin(x), x @ expected.T + lin.bias)
+    again = keyinit.deferred(HookNormed, kind)
+    keyinit.materialize(again, 0, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))

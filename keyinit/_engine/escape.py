@@ -5,7 +5,10 @@ Init code and constructors keep computed tensors in plain attributes, lists, dic
 objects (OLMo-core's RoPE ``BufferCache``, nn.LSTM's ``_flat_weights``). After a capture,
 :func:`concretize_attributes` walks a module's attributes and replaces every
 :class:`~keyinit._engine.capture.LazyTensor` found there by the value eager torch would hold,
-so nothing fails at the first forward with a stand-in in hand.
+so nothing fails at the first forward with a stand-in in hand. The tensor torch's hook-based
+``weight_norm``, ``spectral_norm`` and pruning keep in a plain attribute (``weight``, computed from
+``weight_g``/``weight_v`` or ``weight_orig``/``weight_mask``) is a meta tensor until the model's
+tensors hold values; then :func:`keyinit._engine.kept.recompute_derived` computes it, as the hook does.
 
 Stand-ins kept where no walk of the model reaches them (a ``functools.lru_cache`` helper's table, a
 closure cell of a hook, a ``functools.partial`` forward hook, a class attribute cache) are found by
@@ -26,7 +29,7 @@ import torch
 from keyinit._engine.capture import Capture, LazyTensor
 from keyinit.errors import UnkeyedRandomnessError
 
-__all__ = ["concretize_attributes", "sweep_escaped"]
+__all__ = ["concretize_attributes", "derived_attributes", "sweep_escaped"]
 
 #: nn.Module's own bookkeeping attributes (its parameter, buffer, module and hook tables).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
@@ -55,13 +58,34 @@ def concretize_attributes(capture: Capture, module: torch.nn.Module, module_fqn:
     modules hold (a cache shared by every block) is walked once, and a stand-in or tuple held in
     two places becomes one real value."""
     seen = {} if seen is None else seen
+    derived = derived_attributes(module)
     for name, value in list(vars(module).items()):
         if name in _MODULE_INTERNALS:
+            continue
+        if name in derived and isinstance(value, LazyTensor):  # torch's hook recomputes it from the parameters
+            with torch.utils._python_dispatch._disable_current_modes():
+                object.__setattr__(module, name, torch.empty(value.shape, dtype=value.dtype, device="meta"))
             continue
         where = f"{module_fqn}.{name}" if module_fqn else name
         converted = _concrete_tree(capture, value, where, replaced or {}, seen, _WALK_DEPTH)
         if converted is not value:
             object.__setattr__(module, name, converted)
+
+def _recomputing_hooks() -> tuple[type, ...]:
+    from torch.nn.utils import prune
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return WeightNorm, SpectralNorm, prune.BasePruningMethod
+
+
+def derived_attributes(module: torch.nn.Module) -> dict[str, Any]:
+    """``{attribute: hook}`` of the tensors torch's hook-based ``weight_norm``, ``spectral_norm`` and pruning
+    keep in a plain attribute of ``module`` and recompute from its parameters before every forward."""
+    hooks = _recomputing_hooks()
+    return {getattr(h, "name", None) or h._tensor_name: h for h in module._forward_pre_hooks.values()
+            if isinstance(h, hooks)}
+
 
 def _concrete_tree(capture: Capture, value: Any, where: str, replaced: Mapping[int, torch.Tensor],
                    seen: dict[int, Any], depth: int) -> Any:

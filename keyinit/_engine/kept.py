@@ -10,10 +10,11 @@ from typing import Union
 
 import torch
 
+from keyinit._engine.escape import derived_attributes
 from keyinit._engine.planned import ModelPlan, PlannedTensor
 from keyinit.errors import PlanError
 
-__all__ = ["on_meta", "refuse_allocated", "keep_allocated", "to_empty_except"]
+__all__ = ["on_meta", "refuse_allocated", "keep_allocated", "to_empty_except", "recompute_derived"]
 
 
 def on_meta(tensor: torch.Tensor) -> bool:
@@ -65,3 +66,22 @@ def to_empty_except(model: torch.nn.Module, kept: Sequence[PlannedTensor], devic
                 new.register_hook(hook)
             for hook in post.values():
                 new.register_post_accumulate_grad_hook(hook)
+
+
+def recompute_derived(model: torch.nn.Module) -> None:
+    """The ``weight`` that torch's hook-based ``weight_norm``, ``spectral_norm`` or pruning keeps in a plain
+    attribute, computed from the materialized parameters as the hook computes it (still on meta until now)."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for module in model.modules():
+        for name, hook in derived_attributes(module).items():
+            if not on_meta(vars(module).get(name, torch.empty(0))):
+                continue
+            if isinstance(hook, WeightNorm):
+                value = hook.compute_weight(module)
+            elif isinstance(hook, SpectralNorm):
+                value = hook.compute_weight(module, do_power_iteration=False)
+            else:
+                value = hook.apply_mask(module)
+            object.__setattr__(module, name, value)

@@ -52,6 +52,7 @@ from keyinit.keys import DEFAULT_STREAM, Key, key
 from keyinit._engine.plan_checks import check_plan, check_scripted, check_shared_memory, unused_init_code_note
 from keyinit._engine.planned import ModelPlan, PlannedTensor
 from keyinit._engine.deferred import origin_of, record_of, renumbered_as, seed_storage
+from keyinit._engine.escape import derived_attributes
 from keyinit._engine.program import Alloc, Node, Random, Read, SlotProgram, Storage, StridedView
 from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext, initializer_problem
 from keyinit.tensors import tensors as model_tensors
@@ -75,7 +76,10 @@ def _nn_defaults() -> Mapping[type, ModuleRule]:
 
 
 def _default_rule(module: torch.nn.Module) -> Optional[tuple[type, ModuleRule]]:
-    """The built-in rule for ``module``, unless its class overrides ``reset_parameters``."""
+    """The built-in rule for ``module``, unless its class overrides ``reset_parameters`` or torch's hook-based
+    weight_norm / spectral_norm / pruning replaced the parameter it writes (``weight`` became ``weight_g``...)."""
+    if derived_attributes(module):
+        return None
     defaults = _nn_defaults()
     for cls in type(module).__mro__:
         if cls in defaults:
