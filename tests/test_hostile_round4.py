@@ -386,3 +386,36 @@ def test_torchs_hook_based_weight_utilities_in_a_constructor_work_as_in_eager_to
     again = keyinit.deferred(HookNormed, kind)
     keyinit.materialize(again, 0, device="cpu")
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+
+
+# ---------------------------------------------------------------- modules added after deferred (resize_token_embeddings)
+
+
+class OwnInit(nn.Module):
+    def __init__(self, vocab: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 4)
+        self.head = nn.Linear(4, vocab, bias=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def resize(self, vocab: int) -> "OwnInit":  # as HF's resize_token_embeddings: new modules, its init
+        with torch.device(self.emb.weight.device):
+            self.emb, self.head = nn.Embedding(vocab, 4), nn.Linear(4, vocab, bias=False)
+        self._init_weights(self.emb), self._init_weights(self.head)
+        return self
+
+
+def test_modules_added_after_deferred_that_would_get_torch_defaults_instead_of_the_models_init_are_a_plan_error():
+    model = keyinit.deferred(OwnInit)
+    model.resize(12)  # on meta: its own init computes nothing, torch.nn's N(0, 1) would fill the embedding
+    with pytest.raises(keyinit.PlanError, match=r"^these tensors were added or replaced after keyinit\.deferred "
+                                                r".*OwnInit\._init_weights.*: emb\.weight, head\.weight\. Make"):
+        keyinit.materialize(model, 0, device="cpu")
+    assert model.emb.weight.device.type == "meta"
+    inside = keyinit.deferred(lambda: OwnInit().resize(12))  # done inside the builder: recorded
+    keyinit.materialize(inside, 0, device="cpu")
+    assert 0.01 < float(inside.emb.weight.std()) < 0.03

@@ -52,6 +52,7 @@ def check_plan(tensors: Sequence[PlannedTensor], *, materializing: bool, emptied
             "no rule or init method covers these tensors: " + ", ".join(missing) + ". "
             + _missing_advice(model, tensors, init_method), tuple(missing)
         )
+    _check_added_after_construction(model, tensors, init_method)
     partial = [t.fqn for t in tensors if t.program is not None and not t.program.complete]
     if partial and materializing:
         raise PlanError("init code writes only part of these tensors (the rest would be uninitialized memory): "
@@ -68,6 +69,30 @@ def check_plan(tensors: Sequence[PlannedTensor], *, materializing: bool, emptied
     for t in tensors:
         if t.program is not None:
             _dry_run(t, stream)
+
+
+def _check_added_after_construction(model: torch.nn.Module, tensors: Sequence[PlannedTensor], init_method: Any) -> None:
+    """A model built by ``keyinit.deferred`` with init code of its own (HF's ``_init_weights``), where modules
+    added afterwards (HF's ``resize_token_embeddings`` on the meta model) would get torch.nn's defaults
+    (N(0, 1) embeddings) instead of the model's own init: a :class:`PlanError` naming them."""
+    from keyinit._engine.deferred import record_of
+
+    if init_method is not None or not any(record_of(m) is not None for m in model.modules()):
+        return
+    own = sorted({f"{type(m).__name__}.{name}" for m in model.modules() for name in _INIT_METHOD_NAMES
+                  if callable(getattr(m, name, None))})
+    def built(module: torch.nn.Module, attr: str, t: PlannedTensor) -> bool:  # its constructor made it this shape
+        node = record_of(module).value(attr) if record_of(module) is not None else None
+        return node is not None and tuple(node.shape) == tuple(t.global_shape)
+
+    added = [t.fqn for t in tensors if t.origin == "default" and not any(built(m, a, t) for m, a in t.locations())]
+    if own and added:
+        raise PlanError(
+            f"these tensors were added or replaced after keyinit.deferred built the model (HF's "
+            f"resize_token_embeddings on the meta model does this) and would get torch.nn's defaults, not the "
+            f"model's own init ({', '.join(own)}): {', '.join(added)}. Make the change inside the builder "
+            f"(keyinit.deferred(lambda: resized(Model(config)))), so it is recorded, or give them a rule "
+            f"(rules={{'{added[0]}': keyinit.init.normal(std=0.02)}})", tuple(added))
 
 
 def check_scripted(tensors: Sequence[PlannedTensor]) -> None:
