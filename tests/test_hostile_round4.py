@@ -419,3 +419,61 @@ def test_modules_added_after_deferred_that_would_get_torch_defaults_instead_of_t
     inside = keyinit.deferred(lambda: OwnInit().resize(12))  # done inside the builder: recorded
     keyinit.materialize(inside, 0, device="cpu")
     assert 0.01 < float(inside.emb.weight.std()) < 0.03
+
+
+# ---------------------------------------------------------------- verify: pipeline cuts at the block stack, summary
+
+
+class _GPTBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(8, 24)
+        self.mlp = nn.Linear(8, 32)
+
+
+class TinyGPT(nn.Module):  # nanoGPT's layout: the block stack sits inside a ModuleDict of other parts
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(16, 8), wpe=nn.Embedding(8, 8),
+                                              h=nn.ModuleList(_GPTBlock() for _ in range(4)), ln_f=nn.LayerNorm(8)))
+        self.lm_head = nn.Linear(8, 16, bias=False)
+
+
+class TinyViT(nn.Module):  # timm's layout: the blocks are an nn.Sequential
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch_embed = nn.Linear(12, 8)
+        self.blocks = nn.Sequential(*(_GPTBlock() for _ in range(4)))
+        self.head = nn.Linear(8, 3)
+
+
+@pytest.mark.parametrize("cls, pp, stack", [(TinyGPT, 4, "transformer.h."), (TinyViT, 2, "blocks.")])
+def test_verify_cuts_pipeline_stages_at_the_block_stack_and_prints_each_stages_elements(cls, pp, stack, capsys):
+    from keyinit.cli.verify import verify
+
+    result = verify(cls, [f"pp{pp}"], progress=False, fidelity=False)
+    [summary] = result["layouts"]
+    blocks = sum(p.numel() for n, p in cls().named_parameters() if n.startswith(stack))
+    per_block = blocks // 4
+    assert summary["unbalanced"] is None and len(summary["stage_elements"]) == pp
+    assert all(n >= per_block for n in summary["stage_elements"])  # every stage holds blocks
+    assert max(summary["stage_elements"]) < 0.6 * sum(summary["stage_elements"])
+
+
+def test_verify_flags_a_cut_that_leaves_everything_on_one_stage_and_says_what_failed_in_one_line(capsys):
+    from keyinit.cli.verify import _summary, _unbalanced
+
+    assert _unbalanced([199_936, 2_000, 3_000, 3_320]) == "stage 0 holds 199,936 of 208,256 elements (96%)"
+    assert _unbalanced([100, 100]) is None
+    result = {"layouts_ok": True, "layouts": [{"identical": 3, "total": 3}] * 2}
+
+    class Fidelity:
+        skipped = None
+        tensors = [object()] * 5
+
+        @staticmethod
+        def with_status(status):
+            return [object()] * {"DIFFERS": 2, "not compared": 0}.get(status, 0)
+
+    assert _summary(result, Fidelity) == ("FAILED: fidelity: 2 tensors differ from the model's own eager init. "
+                                          "Passed: bit-identical under every layout (2); fidelity: 3 tensors follow it.")
