@@ -142,6 +142,8 @@ class Capture:
         self._claimed: list[types.FrameType] = []
         self._recognised = _recognised()
         self.emptied: dict[int, str] = {}  # id(storage) -> the site whose to_empty forgot its contents
+        self.made: list = []  # weak references to the stand-ins made (escape.sweep_escaped)
+        self.made_limit = 1024
         self.site = "<init code>"
         self.label = "init code"
         self._mode = _Mode(self)

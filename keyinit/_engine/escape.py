@@ -12,7 +12,8 @@ tensors hold values; then :func:`keyinit._engine.kept.recompute_derived` compute
 
 Stand-ins kept where no walk of the model reaches them (a ``functools.lru_cache`` helper's table, a
 closure cell of a hook, a ``functools.partial`` forward hook, a class attribute cache) are found by
-:func:`sweep_escaped` among the live objects and turned into real tensors in place
+:func:`sweep_escaped` (the capture keeps a weak reference to each stand-in it makes: those still alive
+when the build ends escaped it) and turned into real tensors in place
 (``torch.utils.swap_tensors``), so every reference sees the values eager torch would hold.
 """
 
@@ -141,9 +142,9 @@ def _concrete_tree(capture: Capture, value: Any, where: str, replaced: Mapping[i
     return value
 
 
-def _alive(capture: Capture, replaced: Mapping[int, torch.Tensor]) -> list[LazyTensor]:
-    # ``type(o)``, not ``isinstance``: some live objects are proxies whose ``__class__`` warns or imports
-    return [o for o in gc.get_objects() if type(o) is LazyTensor and o._capture is capture and id(o) not in replaced]
+def _alive(capture: Capture, replaced: Mapping[int, torch.Tensor]) -> list[Any]:
+    """Weak references to the stand-ins of ``capture`` still alive that are not model tensors."""
+    return [r for r in capture.made if (t := r()) is not None and id(t) not in replaced]
 
 
 def _holders(tensor: torch.Tensor, found: list) -> str:
@@ -178,9 +179,11 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
     whose value depends on a random draw is an :class:`UnkeyedRandomnessError` naming what holds it
     (nothing is changed then). Stand-ins of model tensors (``replaced``) are left alone."""
     if not _alive(capture, replaced):
+        capture.made.clear()
         return
-    gc.collect()  # only what is still referenced counts
-    found = _alive(capture, replaced)
+    gc.collect()  # only what is still referenced counts (weak references do not keep it)
+    found = [t for r in _alive(capture, replaced) if (t := r()) is not None]
+    capture.made.clear()  # swap_tensors refuses a tensor with weak references
     values = []
     for lazy in found:
         try:
