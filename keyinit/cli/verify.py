@@ -336,7 +336,7 @@ def _print_fidelity(faithful: Any, *, summary: bool = False) -> None:
           + ", ".join(f"{n} {'exactly' if check == 'exact' else 'by ' + check}" for check, n in compared.items())
           + "): "
           f"{verdicts['ok']} follow it, {verdicts['explained']} explained by the rules/init_method given, "
-          f"{verdicts['DIFFERS']} DIFFER" + (f"; {counts['not compared']} not compared" if "not compared" in counts
+          f"{verdicts['DIFFERS']} differ" + (f"; {counts['not compared']} not compared" if "not compared" in counts
                                              else ""))
     listed = [t for t in faithful.tensors if t.status in (("DIFFERS",) if summary else ("DIFFERS", "explained"))]
     if listed:
