@@ -36,9 +36,10 @@ computed.
 A draw or permutation made while a ``TorchDispatchMode`` is active (keyinit's own capture:
 ``nn.Parameter(keyinit.random.normal(...))`` in a constructor built with ``keyinit.deferred``,
 or in an ``init_method``) or into a tensor subclass (a stand-in, which has no memory) is
-computed on plain tensors with the modes off, kernel self-test included, and then copied into
-``out`` through the modes: the values are a pure function of the key, so the capture records
-them as constants. No kernel ever writes through a subclass's data pointer.
+computed with the modes off, kernel self-test included: into ``out`` itself when it is a plain
+tensor, else into a plain tensor then copied into ``out`` through the modes (the values are a pure
+function of the key, so the capture records them as constants). No kernel ever writes through a
+subclass's data pointer.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region) -> Non
         return
     if _intercepted(out):
         with _disable_current_modes():
+            if not _subclass(out):  # a plain tensor: filled in place, as always (the kernel writes its memory)
+                fill(out, dist, key, region)
+                return
             plain = torch.empty(out.shape, dtype=out.dtype, device=out.device)
             fill(plain, dist, key, region)
         out.copy_(plain)
@@ -109,6 +113,8 @@ def permute(key: Key, n: int, inverse: bool, out: torch.Tensor, *, positions: Op
         if positions is not None and _subclass(positions):
             positions = torch.tensor(positions.tolist(), dtype=torch.int64)  # its values (a stand-in computes them)
         with _disable_current_modes():
+            if not _subclass(out):
+                return permute(key, n, inverse, out, positions=positions, start=start, step=step)
             plain = torch.empty(out.shape, dtype=out.dtype, device=out.device)
             permute(key, n, inverse, plain, positions=positions, start=start, step=step)
         out.copy_(plain)
