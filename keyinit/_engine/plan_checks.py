@@ -72,15 +72,17 @@ def check_plan(tensors: Sequence[PlannedTensor], *, materializing: bool, emptied
 
 
 def _check_added_after_construction(model: torch.nn.Module, tensors: Sequence[PlannedTensor], init_method: Any) -> None:
-    """A model built by ``keyinit.deferred`` with init code of its own (HF's ``_init_weights``), where modules
-    added afterwards (HF's ``resize_token_embeddings`` on the meta model) would get torch.nn's defaults
-    (N(0, 1) embeddings) instead of the model's own init: a :class:`PlanError` naming them."""
+    """A model built by ``keyinit.deferred`` with HF's ``_init_weights`` on its root, where modules added or
+    replaced afterwards (HF's ``resize_token_embeddings`` on the meta model, which runs ``_init_weights`` on
+    them: nothing on meta) would get torch.nn's defaults (N(0, 1) embeddings) instead: a :class:`PlanError`
+    naming them."""
     from keyinit._engine.deferred import record_of
 
     if init_method is not None or not any(record_of(m) is not None for m in model.modules()):
         return
-    own = sorted({f"{type(m).__name__}.{name}" for m in model.modules() for name in _INIT_METHOD_NAMES
-                  if callable(getattr(m, name, None))})
+    # HF's _init_weights on the root: HF's own code (resize_token_embeddings) runs it on the modules it adds, where
+    # eager torch gives them that init; a head a user assigns (timm's init_weights models) gets torch.nn's defaults
+    own = [f"{type(model).__name__}._init_weights"] if callable(getattr(model, "_init_weights", None)) else []
     def built(module: torch.nn.Module, attr: str, t: PlannedTensor) -> bool:  # its constructor made it this shape
         node = record_of(module).value(attr) if record_of(module) is not None else None
         return node is not None and tuple(node.shape) == tuple(t.global_shape)
