@@ -72,6 +72,7 @@ def concretize_attributes(capture: Capture, module: torch.nn.Module, module_fqn:
         if converted is not value:
             object.__setattr__(module, name, converted)
 
+
 def _recomputing_hooks() -> tuple[type, ...]:
     from torch.nn.utils import prune
     from torch.nn.utils.spectral_norm import SpectralNorm
