@@ -192,6 +192,7 @@ class _Planner:
         record of another shape (the tensor was replaced after construction) is not used."""
         self.constructed: set[int] = set()  # modules built by keyinit.deferred whose records hold values
         renumbered: list[str] = []
+        raw_names = {id(m): raw for raw, _canonical, m in canonical_modules(self.model)}
         for t in self.tensors:
             found: list[tuple[torch.nn.Module, str, Node]] = []
             for module, attr in t.locations():
@@ -220,8 +221,10 @@ class _Planner:
                                       f"which one it was built as (replaced since); the record of {t.fqn} is used")
             t.record = node
             self.constructed.update(id(m) for m, _, _ in found)
-            built = renumbered_as(t.fqn, record_of(module).fqns.get(attr))
-            if built is not None and t.key_fqn == t.fqn and not (self.fqn_prefix or self.fqn_map):
+            raw = f"{raw_names[id(module)]}.{attr}" if raw_names.get(id(module)) else attr
+            built = renumbered_as(raw, record_of(module).fqns.get(attr))
+            # only where the canonical name is the module path (megatron's experts are renamed to their global index)
+            if built is not None and raw == t.fqn == t.key_fqn and not (self.fqn_prefix or self.fqn_map):
                 t.key_fqn = built  # its constructor built it as `built` (depth-scaled inits): that model's values
                 renumbered.append(f"{t.fqn} as {built}")
         if renumbered:
