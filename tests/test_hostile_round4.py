@@ -247,6 +247,12 @@ def _rope_table(n: int) -> torch.Tensor:
 
 
 @functools.lru_cache
+def _base_and_view(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    base = torch.arange(n, dtype=torch.float32)
+    return base, base[1:]  # the view holds its base: swapped first
+
+
+@functools.lru_cache
 def _noise(n: int) -> torch.Tensor:
     return torch.randn(n)
 
@@ -262,6 +268,7 @@ class KeepsTensorsOutside(nn.Module):
         super().__init__()
         self.lin = nn.Linear(2, 3)
         self.rope = _rope_table(5)
+        _base_and_view(4)
         type(self).table = torch.ones(3) * 3  # a class attribute cache
         self.register_forward_hook(functools.partial(_scale, torch.full((3,), 2.0)))
         mask = torch.tensor([[0.0], [1.0], [1.0]])  # frozen first row
@@ -278,6 +285,8 @@ def test_tensors_a_constructor_keeps_outside_the_model_get_real_values_and_its_h
     out = model(x)
     assert torch.equal(out, (model.lin(x) + 3.0 + 1.0) * 2.0)
     assert torch.equal(_rope_table(5), torch.outer(torch.arange(5.0), torch.ones(2)))  # an eager caller later
+    base, view = _base_and_view(4)
+    assert torch.equal(base, torch.arange(4.0)) and torch.equal(view, torch.arange(1.0, 4.0))
     out.sum().backward()
     assert not model.lin.weight.grad[0].any() and model.lin.weight.grad[1:].all()  # the gradient hook kept
 

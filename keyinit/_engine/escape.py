@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit._engine.capture import Capture, LazyTensor
+from keyinit._engine.capture import Capture, CaptureError, LazyTensor
 from keyinit.errors import UnkeyedRandomnessError
 
 __all__ = ["concretize_attributes", "derived_attributes", "sweep_escaped"]
@@ -198,6 +198,18 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
                 f"{site}: code stored a tensor of shape {tuple(lazy.shape)} computed from random draws outside the "
                 f"model's parameters and buffers, in {holders}; keyinit keys a draw by the parameter or "
                 f"buffer it lands in: register it as a buffer (register_buffer) or a parameter") from exc
-    for lazy, value in zip(found, values):
+    # views first: once swapped, a view's old stand-in (left in ``pairs``) is dropped, and with it its hold
+    # on its base, which swap_tensors needs gone
+    pairs = sorted(zip(found, values), key=lambda pair: pair[0]._base is None)
+    del found, values
+    for i in range(len(pairs)):
+        lazy, value = pairs[i]
+        pairs[i] = None
         value.requires_grad_(lazy.requires_grad)
-        torch.utils.swap_tensors(lazy, value)
+        try:
+            torch.utils.swap_tensors(lazy, value)
+        except RuntimeError as exc:
+            raise CaptureError(f"{site}: code stored a tensor of shape {tuple(lazy.shape)} outside the model's "
+                               f"parameters and buffers, where keyinit cannot give it its values in place ({exc}); "
+                               f"register it as a buffer") from exc
+        del lazy, value
