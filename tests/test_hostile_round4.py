@@ -486,3 +486,24 @@ def test_verify_flags_a_cut_that_leaves_everything_on_one_stage_and_says_what_fa
 
     assert _summary(result, Fidelity) == ("FAILED: fidelity: 2 tensors differ from the model's own eager init. "
                                           "Passed: bit-identical under every layout (2); fidelity: 3 tensors follow it.")
+
+
+def test_hf_resize_token_embeddings_after_deferred_is_a_plan_error_and_inside_the_builder_gets_hfs_init():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+    model = keyinit.deferred(LlamaForCausalLM, config)
+    model.resize_token_embeddings(80, mean_resizing=False)  # on meta: HF's _init_weights computes nothing
+    with pytest.raises(keyinit.PlanError, match=r"model\.embed_tokens\.weight, lm_head\.weight"):
+        keyinit.materialize(model, 0, device="cpu")  # gave the embedding torch.nn's N(0, 1)
+
+    def resized() -> nn.Module:
+        built = LlamaForCausalLM(config)
+        built.resize_token_embeddings(80, mean_resizing=False)
+        return built
+
+    inside = keyinit.deferred(resized)
+    keyinit.materialize(inside, 0, device="cpu")
+    for weight in (inside.model.embed_tokens.weight, inside.lm_head.weight):  # HF's initializer_range 0.02
+        assert weight.shape[0] == 80 and 0.015 < float(weight.std()) < 0.025
