@@ -32,6 +32,14 @@ negative bit (``x.conj().imag``) reads that memory negated, so it is filled
 through a plain temporary and ``copy_``, which applies the view's semantics. A
 meta ``out`` (a draw under ``torch.device("meta")``) has no memory: nothing is
 computed.
+
+A draw or permutation made while a ``TorchDispatchMode`` is active (keyinit's own capture:
+``nn.Parameter(keyinit.random.normal(...))`` in a constructor built with ``keyinit.deferred``,
+or in an ``init_method``) or into a tensor subclass (a stand-in, which has no memory) is
+computed with the modes off, kernel self-test included: into ``out`` itself when it is a plain
+tensor, else into a plain tensor then copied into ``out`` through the modes (the values are a pure
+function of the key, so the capture records them as constants). No kernel ever writes through a
+subclass's data pointer.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from keyinit._streams import KernelRef, Kernels, get_stream
 from keyinit.distributions import Distribution
@@ -53,12 +62,31 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region) -> Non
     stream = get_stream(key.stream)
     if out.numel() == 0 or out.device.type == "meta":
         return
+    if _intercepted(out):
+        with _disable_current_modes():
+            if not _subclass(out):  # a plain tensor: filled in place, as always (the kernel writes its memory)
+                fill(out, dist, key, region)
+                return
+            plain = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            fill(plain, dist, key, region)
+        out.copy_(plain)
+        return
     if out.is_neg() or out.is_conj():
         plain = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         fill(plain, dist, key, region)
         out.copy_(plain)
         return
     stream.fill.run(out.device.type, out, dist, key, region)
+
+
+def _subclass(tensor: torch.Tensor) -> bool:
+    """``tensor`` is a ``__torch_dispatch__`` subclass (a stand-in, a fake or distributed tensor)."""
+    return type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def _intercepted(tensor: torch.Tensor) -> bool:
+    """Ops on ``tensor`` do not reach its memory directly: a dispatch mode is active, or it is a subclass."""
+    return torch._C._len_torch_dispatch_stack() > 0 or _subclass(tensor)
 
 
 def dropout(x: torch.Tensor, geometry: Any) -> torch.Tensor:
@@ -81,6 +109,16 @@ def permute(key: Key, n: int, inverse: bool, out: torch.Tensor, *, positions: Op
     from keyinit.data._feistel import permutation_key
 
     stream = get_stream(key.stream)
+    if out.numel() and (_intercepted(out) or (positions is not None and _intercepted(positions))):
+        if positions is not None and _subclass(positions):
+            positions = torch.tensor(positions.tolist(), dtype=torch.int64)  # its values (a stand-in computes them)
+        with _disable_current_modes():
+            if not _subclass(out):
+                return permute(key, n, inverse, out, positions=positions, start=start, step=step)
+            plain = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            permute(key, n, inverse, plain, positions=positions, start=start, step=step)
+        out.copy_(plain)
+        return out
     if out.numel():
         kp = permutation_key(key, n).words  # derived in the key's own stream
         stream.permutation.run(out.device.type, kp, n, inverse, out, positions=positions, start=start, step=step)

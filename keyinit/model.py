@@ -37,6 +37,7 @@ from keyinit._engine.program import Const, Random, iter_nodes
 from keyinit.keys import DEFAULT_STREAM, Key
 from keyinit._engine.plan import InitMethod, Rules, plan_model
 from keyinit._engine.planned import ModelPlan, PlannedTensor
+from keyinit._engine.kept import keep_allocated, recompute_derived, refuse_allocated, to_empty_except
 from keyinit.rules import REGISTRY, Registry
 
 __all__ = ["init_model", "materialize", "plan_init", "Plan", "PlanEntry", "InitReport", "TensorRecord", "InitError", "PlanError"]
@@ -281,13 +282,13 @@ _ABSENT = object()
 
 
 def _may_fail_part_way(tensor: PlannedTensor) -> bool:
-    """Whether writing ``tensor`` runs code that can fail after writing part of it: anything but keyinit
-    initializers, keyed draws and constants, which planning already checked (their tensors are not
+    """Whether writing ``tensor`` runs code that can fail after writing part of it (an Initializer subclass
+    of the user's own too): anything but keyinit's own initializers, keyed draws and constants, which planning already checked (their tensors are not
     copied first; only an interrupt or running out of memory can stop them, and the InitError says so)."""
     if tensor.program is None or tensor.new or tensor.recreated:
         return False
     if tensor.origin in ("rule", "pattern", "default") and tensor.rule is not None:
-        return not isinstance(tensor.rule[2], Initializer)
+        return not (isinstance(tensor.rule[2], Initializer) and type(tensor.rule[2]).__module__.startswith("keyinit."))
     # init code: only keyed draws and constants (kernel fills, checked while planning) need no copy
     return not all(isinstance(node, (Random, Const)) for node in iter_nodes(tensor.program.roots()))
 
@@ -385,8 +386,7 @@ def materialize(
     memory is ever left behind. The other arguments are :func:`init_model`'s. ``device``
     defaults to ``"cuda"`` when available, else ``"cpu"``.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"materialize expects an nn.Module, got {type(model).__name__}")
+    refuse_allocated(model)  # not a module, or nothing on meta (materialize called twice): an error
     return plan_init(model, seed, materializing=True, rules=rules, init_method=init_method,
                      init_kwargs=init_kwargs, ties=ties, fqn_prefix=fqn_prefix, fqn_map=fqn_map, shards=shards,
                      strict=strict, stream=stream, registry=registry, progress=progress).apply(device=device)
@@ -551,21 +551,23 @@ def _materialize(plan: ModelPlan, progress: Optional[bool], device: Union[torch.
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = plan.model
+    kept = keep_allocated(plan)  # not on meta (loaded with load_state_dict(assign=True)): not written, and noted
     writer = _Writer(plan, progress, device)
     marks = [(t, dict(vars(t.tensor))) for t in plan.tensors if not t.new]
     undo_created = [_Undo(t, plan, keep_values=False) for t in plan.tensors if t.new or t.recreated]
     try:
-        model.to_empty(device=device)
+        to_empty_except(model, kept, device)
         _retie(plan)
         for tensor, attributes in marks:  # to_empty makes new tensors: keep their markers (megatron's, HF's)
             for name, value in attributes.items():
                 if not hasattr(tensor.tensor, name):
                     setattr(tensor.tensor, name, value)
         writer.run()
+        recompute_derived(model)  # torch's hook-based weight_norm / spectral_norm / pruning weights
     except BaseException as exc:
         for undo in undo_created:  # what init code created or re-created: the model's own tensors again
             undo()
-        torch.nn.Module.to_empty(model, device="meta")  # the base method: an override may be what failed
+        to_empty_except(model, kept, "meta", base=True)  # the base method: an override may be what failed
         for tensor in plan.tensors:
             if tensor.new and tensor.kind == "attribute" and tensor.attr in vars(tensor.module):
                 delattr(tensor.module, tensor.attr)

@@ -101,19 +101,33 @@ def stage_blocks(names: list[str], stages: int) -> list[list[str]]:
 
 
 def _block_container(model: torch.nn.Module) -> Optional[tuple[str, torch.nn.Module]]:
-    """The ModuleList/ModuleDict holding the most parameters (the transformer's ``layers``)."""
-    best: Optional[tuple[int, str, torch.nn.Module]] = None
+    """The model's block stack, where torchtitan cuts its stages: of the ModuleLists, ModuleDicts and
+    Sequentials whose children with parameters are two or more blocks of one class (nanoGPT's
+    ``transformer.h``, timm's ``blocks``), the one holding the most parameters. Without one, the
+    ModuleList/ModuleDict holding the most parameters."""
+    stacks: list[tuple[int, str, torch.nn.Module]] = []
+    lists: list[tuple[int, str, torch.nn.Module]] = []
     for _raw, canonical, module in canonical_modules(model):
-        if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) and len(module._modules) >= 1:
-            numel = sum(math.prod(p.shape) for p in module.parameters())
-            if best is None or numel > best[0]:
-                best = (numel, canonical, module)
-    return None if best is None else (best[1], best[2])
+        if not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)) \
+                or not module._modules:
+            continue
+        numel = sum(math.prod(p.shape) for p in module.parameters())
+        blocks = [c for c in module._modules.values() if c is not None and any(True for _ in c.parameters())]
+        if len(blocks) >= 2 and len({type(c) for c in blocks}) == 1:
+            stacks.append((numel, canonical, module))
+        if not isinstance(module, torch.nn.Sequential):
+            lists.append((numel, canonical, module))
+    for found in (stacks, lists):
+        if found:
+            best = max(found, key=lambda entry: entry[0])  # the first of equals: model order
+            return best[1], best[2]
+    return None
 
 
 def stage_assignment(model: torch.nn.Module, found: list[ModelTensor], stages: int) -> dict[str, int]:
-    """``{fqn: stage}`` of every location of ``found``: blocks of the largest ModuleList/ModuleDict
-    split by :func:`stage_blocks`; tensors before it go to the first stage, after it to the last.
+    """``{fqn: stage}`` of every location of ``found``: the blocks of the model's block stack
+    (:func:`_block_container`) split by :func:`stage_blocks`; tensors before it go to the first
+    stage, after it to the last.
     Without such a container, the root's children that hold parameters are the blocks."""
     container = _block_container(model)
     if container is None or len(container[1]._modules) < stages:

@@ -58,6 +58,7 @@ from keyinit._engine.program import (
     Suppressed,
     Whole,
 )
+from keyinit._engine.outside import watched
 from keyinit._engine.replay import Evaluator
 from keyinit._engine.standin import CaptureError, LazyTensor, _leaves, tree_map
 
@@ -141,6 +142,8 @@ class Capture:
         self._claimed: list[types.FrameType] = []
         self._recognised = _recognised()
         self.emptied: dict[int, str] = {}  # id(storage) -> the site whose to_empty forgot its contents
+        self.made: list = []  # weak references to the stand-ins made (escape.sweep_escaped)
+        self.made_limit = 1024
         self.site = "<init code>"
         self.label = "init code"
         self._mode = _Mode(self)
@@ -189,7 +192,7 @@ class Capture:
         before = (self.site, self.label)
         self.site, self.label = site, label
         try:
-            with torch.no_grad(), self._mode:
+            with watched(site), torch.no_grad(), self._mode:  # Python's and numpy's generators, threads
                 yield
         finally:
             self.site, self.label = before
@@ -251,9 +254,12 @@ class Capture:
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        stack = self._stack()
+        if any(f.f_code in _LOADERS for f in stack) and not any(isinstance(x, LazyTensor) for x in _leaves(args)):
+            with _disable_current_modes():  # torch.load's tensors are real: constants where they land
+                return func(*args, **kwargs)
         if torch.Tag.inplace_view in getattr(func, "tags", ()):
             return self._inplace_view(func, args, kwargs)
-        stack = self._stack()
         if self._suppressed(stack):
             return self._run_suppressed(func, args, kwargs)
         if func in _VALUE_OPS:
@@ -489,6 +495,8 @@ class Capture:
         # not an input, so an out= tensor fresh from torch.empty is not a read of uninitialized memory
         inputs = tuple(Const(tuple(flat[i].shape), flat[i].dtype, 0) if j in out_at else self.node(flat[i])
                        for j, i in enumerate(positions))
+        # ``call`` gets every tensor as a value: the program keeps no stand-in alive (escape.sweep_escaped)
+        flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
 
         def call(*values: torch.Tensor) -> Any:
             rebuilt = list(flat)
@@ -550,6 +558,11 @@ class Capture:
             return LazyTensor(meta, self)
 
         return tree_map(wrap, out)
+
+
+#: Code whose tensors are data, not init: run for real under a capture (``timm.create_model(pretrained=True)``
+#: from a local file loads a state dict in the constructor).
+_LOADERS = {torch.serialization.load.__code__, torch.serialization._load.__code__}
 
 
 def _returns_self(func: Any) -> bool:

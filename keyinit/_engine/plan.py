@@ -49,9 +49,10 @@ from keyinit._engine.init_code import (
 from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
 from keyinit.keys import DEFAULT_STREAM, Key, key
-from keyinit._engine.plan_checks import check_plan, unused_init_code_note
+from keyinit._engine.plan_checks import check_plan, check_scripted, check_shared_memory, unused_init_code_note
 from keyinit._engine.planned import ModelPlan, PlannedTensor
-from keyinit._engine.deferred import origin_of, record_of, seed_storage
+from keyinit._engine.deferred import origin_of, record_of, renumbered_as, seed_storage
+from keyinit._engine.escape import derived_attributes
 from keyinit._engine.program import Alloc, Node, Random, Read, SlotProgram, Storage, StridedView
 from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext, initializer_problem
 from keyinit.tensors import tensors as model_tensors
@@ -75,7 +76,10 @@ def _nn_defaults() -> Mapping[type, ModuleRule]:
 
 
 def _default_rule(module: torch.nn.Module) -> Optional[tuple[type, ModuleRule]]:
-    """The built-in rule for ``module``, unless its class overrides ``reset_parameters``."""
+    """The built-in rule for ``module``, unless its class overrides ``reset_parameters`` or torch's hook-based
+    weight_norm / spectral_norm / pruning replaced the parameter it writes (``weight`` became ``weight_g``...)."""
+    if derived_attributes(module):
+        return None
     defaults = _nn_defaults()
     for cls in type(module).__mro__:
         if cls in defaults:
@@ -177,6 +181,8 @@ class _Planner:
                 raise PlanError(message, (t.fqn,)) from exc
             t.dtype = t.tensor.dtype
         _check_tie_shapes(self.ties, self.by_fqn)
+        check_scripted(self.tensors)
+        check_shared_memory(self.tensors)
         self._find_records()
 
     def _find_records(self) -> None:
@@ -185,6 +191,8 @@ class _Planner:
         A record that wrote nothing (``torch.empty`` left for later init code) is no record. A
         record of another shape (the tensor was replaced after construction) is not used."""
         self.constructed: set[int] = set()  # modules built by keyinit.deferred whose records hold values
+        renumbered: list[str] = []
+        raw_names = {id(m): raw for raw, _canonical, m in canonical_modules(self.model)}
         for t in self.tensors:
             found: list[tuple[torch.nn.Module, str, Node]] = []
             for module, attr in t.locations():
@@ -213,6 +221,17 @@ class _Planner:
                                       f"which one it was built as (replaced since); the record of {t.fqn} is used")
             t.record = node
             self.constructed.update(id(m) for m, _, _ in found)
+            raw = f"{raw_names[id(module)]}.{attr}" if raw_names.get(id(module)) else attr
+            built = renumbered_as(raw, record_of(module).fqns.get(attr))
+            # only where the canonical name is the module path (megatron's experts are renamed to their global index)
+            if built is not None and raw == t.fqn == t.key_fqn and not (self.fqn_prefix or self.fqn_map):
+                t.key_fqn = built  # its constructor built it as `built` (depth-scaled inits): that model's values
+                renumbered.append(f"{t.fqn} as {built}")
+        if renumbered:
+            self.notes.append(f"{len(renumbered)} tensors sit at other ModuleList indices than they were built at "
+                              f"(renumbered after construction, as `del layers[0]` does) and are keyed by the names "
+                              f"they were built with, so they get the full model's values: "
+                              f"{', '.join(renumbered[:4])}{' ...' if len(renumbered) > 4 else ''}")
 
     def _resolve_ties(self) -> None:
         for alias, target in self.ties.items():

@@ -11,6 +11,7 @@ recorded ``clone``. Also the small pytree helpers the capture uses on aten argum
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -36,6 +37,12 @@ class LazyTensor(torch.Tensor):
         )
         tensor._meta = meta
         tensor._capture = capture
+        made = getattr(capture, "made", None)
+        if made is not None:  # what is still alive when a deferred build ends escaped it (escape.sweep_escaped)
+            made.append(weakref.ref(tensor))
+            if len(made) >= capture.made_limit:
+                made[:] = [r for r in made if r() is not None]
+                capture.made_limit = max(1024, 2 * len(made))
         return tensor
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105

@@ -233,9 +233,8 @@ class KeyedSampler(Sampler[int]):
         differ = [f"{k}: saved {theirs.get(k)!r}, this sampler {v!r}" for k, v in mine.items() if theirs.get(k) != v]
         if differ:
             raise ValueError("KeyedSampler state_dict does not match this sampler (" + "; ".join(differ) + ")")
-        self.step = _int(state["step"], "state_dict step", 0)
-        stop = state.get("stop")
-        self._stop = None if stop is None else _int(stop, "state_dict stop", self.step)
+        step, stop = _int(state["step"], "state_dict step", 0), state.get("stop")
+        self._stop, self.step = None if stop is None else _int(stop, "state_dict stop", step), step
 
 
 class _Batches(Sampler[list[Any]]):
