@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import keyinit.nn as knn
 from keyinit.errors import UnkeyedRandomnessError
-
-
-class Fn(nn.Module):
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
+from tests.test_keyed_golden import Fn
 
 
 def _split_invariant(fn) -> None:
