@@ -2,7 +2,7 @@
 
 A :class:`Key` is two 32-bit words plus the name of the stream version that
 interprets them. Keys never change; deriving a key makes a new one. The name
-resolves to the version's registered :class:`keyinit._streams.Stream`
+resolves to the version's registered :class:`keyinit._bits.streams.Stream`
 (``key.impl``), which says how a seed becomes a key, how keys are derived and
 which kernels draw from them; every key derived from a key keeps its version.
 
@@ -27,11 +27,11 @@ from typing import Union
 
 import attrs
 
-from keyinit import _streams
+from keyinit._bits import streams
 
 __all__ = ["Key", "key", "split", "fold_in", "key_for", "STREAM_VERSIONS", "DEFAULT_STREAM"]
 
-#: Stream versions this release ships (registered in :data:`keyinit._streams.STREAMS`). A version,
+#: Stream versions this release ships (registered in :data:`keyinit._bits.streams.STREAMS`). A version,
 #: once shipped, never changes.
 STREAM_VERSIONS: tuple[str, ...] = ("v1",)
 DEFAULT_STREAM = "v1"
@@ -49,13 +49,13 @@ def _check_uint32(value: int) -> int:
     return value
 
 
-def _resolve_stream(stream: Union[str, _streams.Stream]) -> _streams.Stream:
+def _resolve_stream(stream: Union[str, streams.Stream]) -> streams.Stream:
     """The registered stream version named ``stream`` (or ``stream`` itself, if it is a registered one)."""
-    return _streams.get_stream(stream.name if isinstance(stream, _streams.Stream) else stream)
+    return streams.get_stream(stream.name if isinstance(stream, streams.Stream) else stream)
 
 
-def _check_stream(stream: Union[str, _streams.Stream]) -> str:
-    """The name of a registered stream version (a :class:`keyinit._streams.Stream` gives its name)."""
+def _check_stream(stream: Union[str, streams.Stream]) -> str:
+    """The name of a registered stream version (a :class:`keyinit._bits.streams.Stream` gives its name)."""
     return _resolve_stream(stream).name
 
 
@@ -77,9 +77,9 @@ class Key:
         return (self.k0, self.k1)
 
     @property
-    def impl(self) -> _streams.Stream:
-        """The registered :class:`keyinit._streams.Stream` of this key's version (``self.stream`` is its name)."""
-        return _streams.get_stream(self.stream)
+    def impl(self) -> streams.Stream:
+        """The registered :class:`keyinit._bits.streams.Stream` of this key's version (``self.stream`` is its name)."""
+        return streams.get_stream(self.stream)
 
     def __repr__(self) -> str:
         return f"Key(0x{self.k0:08x}, 0x{self.k1:08x}, stream={self.stream!r})"
@@ -131,7 +131,7 @@ def key(seed: int, *, stream: str = DEFAULT_STREAM) -> Key:
 
 
 def _derive(parent: Key, tag: int, x0: int, x1: int, x3: int) -> Key:
-    k0, k1 = _streams.get_stream(parent.stream).derive(parent.words, tag, (x0, x1, x3))
+    k0, k1 = streams.get_stream(parent.stream).derive(parent.words, tag, (x0, x1, x3))
     return Key(k0, k1, parent.stream)
 
 

@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from keyinit import _dispatch
+from keyinit._draw import dispatch
 from keyinit.distributions import (
     Bernoulli,
     Bits,
@@ -64,7 +64,7 @@ def sample(
     else:
         _check_out(out, normalized.region_shape, dtype)
     with torch.no_grad():
-        _dispatch.fill(out, dist, key, normalized)
+        dispatch.fill(out, dist, key, normalized)
     return out
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from keyinit._kernels import _build, _cpu, _dropout_cpu, _dropout_selftest
-from keyinit.nn import _reference as dropout_reference
-from keyinit.nn._geometry import layout_for, plan
+from keyinit._draw import reference_dropout as dropout_reference
+from keyinit._draw.dropout_geometry import layout_for, plan
 from keyinit.regions import make_region
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,13 +30,14 @@ def _child(code: str, cache: Path) -> subprocess.CompletedProcess:
 
 _DRAW = (
     "import torch\n"
-    "from keyinit import _reference, random as kr\n"
+    "from keyinit import random as kr\n"
+    "from keyinit._draw import reference_fill\n"
     "from keyinit._kernels import _cpu\n"
     "from keyinit.distributions import Normal\n"
     "from keyinit.keys import key\n"
     "from keyinit.regions import make_region\n"
     "got = kr.normal(key(5), (3000,))\n"
-    "want = torch.empty(3000); _reference.fill(want, Normal.create(0.0, 1.0), key(5), make_region((3000,), None))\n"
+    "want = torch.empty(3000); reference_fill.fill(want, Normal.create(0.0, 1.0), key(5), make_region((3000,), None))\n"
     "assert _cpu.available(), _cpu.failure_reason()\n"
     "assert torch.equal(got, want)\n"
     "print('ok')\n"

@@ -11,7 +11,7 @@ import torch
 import keyinit
 from keyinit._kernels import _build, _cpu, _dropout_cpu, _permutation_cpu, _permutation_selftest
 from keyinit._kernels._library import CompiledLibrary
-from keyinit.data import _feistel
+from keyinit._draw import reference_permutation
 from keyinit.keys import Key
 
 ON_CI = os.environ.get("CI", "").lower() == "true"
@@ -35,7 +35,7 @@ def test_permutation_selftest_golden_digests_are_the_reference_values():
     for name, n, spec, inverse, _threads in _permutation_selftest.cases():
         index, r = _permutation_selftest.positions(n, spec)
         pos = index if index is not None else torch.tensor(list(r), dtype=torch.int64)
-        walk = _feistel.unpermute_reference if inverse else _feistel.permute_reference
+        walk = reference_permutation.unpermute_reference if inverse else reference_permutation.permute_reference
         assert _permutation_selftest.digest(walk(root, n, pos)) == _permutation_selftest.GOLDEN[name], name
         names.append(name)
     assert sorted(names) == sorted(_permutation_selftest.GOLDEN)

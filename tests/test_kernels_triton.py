@@ -96,7 +96,7 @@ def _cases():
 
 
 def _run_case(case, fill_fn, device):
-    from keyinit import _reference
+    from keyinit._draw import reference_fill
     from keyinit.keys import key
     from keyinit.regions import make_region
 
@@ -106,7 +106,7 @@ def _run_case(case, fill_fn, device):
     reg = make_region(shape, region)
     k = key(2**40 + 12345)
     expected = torch.empty(reg.region_shape, dtype=dtype)
-    _reference.fill(expected, dist, k, reg)
+    reference_fill.fill(expected, dist, k, reg)
     if layout == "transposed":
         got = torch.zeros(tuple(reversed(reg.region_shape)), dtype=dtype, device=device).t()
     else:

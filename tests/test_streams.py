@@ -1,4 +1,4 @@
-"""Stream versions are registered objects (keyinit._streams): a Key names one, and everything resolves through it."""
+"""Stream versions are registered objects (keyinit._bits.streams): a Key names one, and everything resolves through it."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import keyinit
-from keyinit import _streams
+from keyinit._bits import streams
 from keyinit import random as kr
-from keyinit._streams import STREAMS, V1, KernelRef, Kernels, Stream
+from keyinit._bits.streams import STREAMS, V1, KernelRef, Kernels, Stream
 from keyinit.nn import functional as KF
 
 
 def test_v1_is_the_registered_default():
-    assert STREAMS == {"v1": V1} and _streams.stream_names() == keyinit.STREAM_VERSIONS == ("v1",)
+    assert STREAMS == {"v1": V1} and streams.stream_names() == keyinit.STREAM_VERSIONS == ("v1",)
     k = keyinit.key(7)
     assert k.stream == "v1" == keyinit.DEFAULT_STREAM and k.impl is V1
     assert keyinit.Key(1, 2, stream=V1) == keyinit.Key(1, 2) and keyinit.Key(1, 2, stream=V1).stream == "v1"
@@ -32,14 +32,14 @@ def test_unknown_versions_are_refused():
     with pytest.raises(ValueError, match="unknown stream version"):
         keyinit.Key(0, 0, "v9")
     with pytest.raises(ValueError, match="unknown stream version"):
-        _streams.get_stream(None)
+        streams.get_stream(None)
 
 
 def test_a_version_is_registered_once():
     with pytest.raises(ValueError, match="already registered"):
-        _streams.register_stream(V1)
+        streams.register_stream(V1)
     with pytest.raises(TypeError):
-        _streams.register_stream("v1")
+        streams.register_stream("v1")
 
 
 # A toy second version: everything of v1 except its key derivation and its dropout reference,
@@ -63,7 +63,7 @@ TOY = attrs.evolve(V1, name="toy-test", derive=_toy_derive,
 
 @pytest.fixture
 def toy():
-    assert _streams.register_stream(TOY) is TOY
+    assert streams.register_stream(TOY) is TOY
     yield TOY
     del STREAMS["toy-test"]
 

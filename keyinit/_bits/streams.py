@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import attrs
 import torch
 
-from keyinit._philox import philox4x32, stream_words
+from keyinit._bits.philox import philox4x32, stream_words
 
 __all__ = ["KernelRef", "Kernels", "Stream", "V1", "STREAMS", "register_stream", "get_stream", "stream_names"]
 
@@ -110,7 +110,7 @@ class Stream:
     - ``words((k0, k1), element_index, words_per_element)``: the element stream,
       the words each element consumes (int64 tensors);
     - ``fill``, ``dropout``, ``permutation``: the kernel families that
-      :mod:`keyinit._dispatch` runs for keys of this stream.
+      :mod:`keyinit._draw.dispatch` runs for keys of this stream.
     """
 
     name: str
@@ -145,15 +145,15 @@ V1 = Stream(
     seed=_v1_seed,
     derive=_v1_derive,
     words=stream_words,
-    fill=Kernels(KernelRef("keyinit._reference", "fill"), {
+    fill=Kernels(KernelRef("keyinit._draw.reference_fill", "fill"), {
         "cpu": KernelRef("keyinit._kernels._cpu", "fill"),
         "cuda": KernelRef("keyinit._kernels.triton_kernel", "fill"),
     }),
-    dropout=Kernels(KernelRef("keyinit.nn._reference", "dropout"), {
+    dropout=Kernels(KernelRef("keyinit._draw.reference_dropout", "dropout"), {
         "cpu": KernelRef("keyinit._kernels._dropout_cpu", "run"),
         "cuda": KernelRef("keyinit._kernels.triton_dropout", "run"),
     }),
-    permutation=Kernels(KernelRef("keyinit.data._feistel", "permute_into"), {
+    permutation=Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into"), {
         "cpu": KernelRef("keyinit._kernels._permutation_cpu", "run"),
         "cuda": KernelRef("keyinit._kernels.triton_permutation", "run"),
     }),
@@ -170,7 +170,7 @@ def register_stream(stream: Stream) -> Stream:
     """Add ``stream`` to :data:`STREAMS` (returns it). A name already registered is refused: a
     released version never changes."""
     if not isinstance(stream, Stream):
-        raise TypeError(f"register_stream takes a keyinit._streams.Stream, got {type(stream).__name__}")
+        raise TypeError(f"register_stream takes a keyinit._bits.streams.Stream, got {type(stream).__name__}")
     if not isinstance(stream.name, str) or not stream.name:
         raise ValueError(f"a stream's name must be a non-empty str, got {stream.name!r}")
     if stream.name in STREAMS:

@@ -5,12 +5,12 @@ Three families, each with one call here:
 - :func:`fill`: a distribution's values for a region (``keyinit.random``, the
   initializers, replayed init code);
 - :func:`dropout`: keyed dropout of a tensor laid out by a
-  :class:`~keyinit.nn._geometry.Geometry` (the ``keyinit::dropout`` op and its
+  :class:`~keyinit._draw.dropout_geometry.Geometry` (the ``keyinit::dropout`` op and its
   eager form, ``keyinit.nn._op``);
 - :func:`permute`: the keyed permutation at some positions (``keyinit.data``).
 
 The implementations belong to the key's stream version: the registered
-:class:`keyinit._streams.Stream` that ``key.stream`` names (``geometry.stream``
+:class:`keyinit._bits.streams.Stream` that ``key.stream`` names (``geometry.stream``
 for dropout) has each family as a :class:`Kernels`, a reference that runs on
 any device and kernels by device type. Every kernel must produce exactly the
 reference's bits, and the tests hold them to it. Stream v1's:
@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit._streams import KernelRef, Kernels, get_stream
+from keyinit._bits.streams import KernelRef, Kernels, get_stream
 from keyinit.distributions import Distribution
 from keyinit.keys import Key
 from keyinit.regions import Region
@@ -62,7 +62,7 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region) -> Non
 
 
 def dropout(x: torch.Tensor, geometry: Any) -> torch.Tensor:
-    """Keyed dropout of ``x`` laid out by ``geometry`` (a :class:`keyinit.nn._geometry.Geometry`, which
+    """Keyed dropout of ``x`` laid out by ``geometry`` (a :class:`keyinit._draw.dropout_geometry.Geometry`, which
     carries the key's words and stream version): a new contiguous tensor."""
     stream = get_stream(geometry.stream)
     x = x.contiguous()
@@ -78,7 +78,7 @@ def permute(key: Key, n: int, inverse: bool, out: torch.Tensor, *, positions: Op
     """``out[k] = perm(p_k)`` (``inverse``: ``perm^-1(p_k)``) of the keyed permutation of ``range(n)``
     (``2 <= n <= 2**62``), with ``p_k = positions[k]`` (an int64 tensor of ``out``'s shape, on its device)
     or ``start + step * k``; returns ``out``."""
-    from keyinit.data._feistel import permutation_key
+    from keyinit._draw.reference_permutation import permutation_key
 
     stream = get_stream(key.stream)
     if out.numel():

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Optional
 import attrs
 import torch
 
-from keyinit._kernels._plan import coalesce
+from keyinit._draw.geometry import coalesce
 from keyinit.distributions import Bernoulli
 from keyinit.keys import DEFAULT_STREAM
 from keyinit.regions import MAX_NUMEL, Region, make_region, normalize_shape, row_major_strides
@@ -52,10 +52,10 @@ class Geometry:
 
     Element ``q`` (row-major over ``sizes``, at position ``(p_0, ...)``) has global index
     ``base + sum_d gstrides[d] * idx_d(p_d)``, ``idx_d(p) = indices[d][p]`` or ``p`` (the
-    geometry :func:`keyinit._kernels._plan.coalesce` gives every kernel family); it is kept iff its stream word is
+    geometry :func:`keyinit._draw.geometry.coalesce` gives every kernel family); it is kept iff its stream word is
     below ``threshold``; kept values are scaled by ``scale32`` (binary32 and
     16-bit dtypes) or ``scale64`` (float64). The key is ``(k0, k1)`` of stream
-    version ``stream`` (a registered name: :mod:`keyinit._dispatch` runs that
+    version ``stream`` (a registered name: :mod:`keyinit._draw.dispatch` runs that
     stream's dropout kernels).
     """
 

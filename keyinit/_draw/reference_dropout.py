@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from keyinit._philox import stream_words
-from keyinit.nn._geometry import Geometry
+from keyinit._bits.philox import stream_words
+from keyinit._draw.dropout_geometry import Geometry
 
 __all__ = ["apply_mask", "dropout", "CHUNK_ELEMENTS"]
 

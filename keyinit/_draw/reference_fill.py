@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from keyinit._philox import stream_words
+from keyinit._bits.philox import stream_words
 from keyinit.distributions import Distribution
 from keyinit.keys import Key
 from keyinit.regions import Region

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from keyinit._philox import philox4x32
+from keyinit._bits.philox import philox4x32
 from keyinit.keys import Key, fold_in
 
 __all__ = ["PERMUTE_DOMAIN", "rounds", "MAX_N", "permutation_key", "geometry", "encrypt", "decrypt",
@@ -114,7 +114,7 @@ def unpermute_reference(key: Key, n: int, values: torch.Tensor) -> torch.Tensor:
 
 def permute_into(kp: tuple[int, int], n: int, inverse: bool, out: torch.Tensor, *,
                  positions: Optional[torch.Tensor] = None, start: int = 0, step: int = 1) -> bool:
-    """The reference with the kernels' signature (``keyinit._dispatch``'s permutation family).
+    """The reference with the kernels' signature (``keyinit._draw.dispatch``'s permutation family).
 
     ``out[k] = perm(p_k)`` (``inverse``: ``perm^-1(p_k)``) under the round key ``kp``, with
     ``p_k = positions[k]`` or ``start + step * k``; ``out`` is int64, ``positions`` (if given)

@@ -10,7 +10,7 @@ Modules, bottom up:
 - ``deferred``: ``keyinit.deferred``, a constructor recorded under the capture;
   ``megatron_records``: the whole of a megatron-core split parameter in such a record;
 - ``init_code``: init methods, ``reset_parameters`` and parametrizations run under the capture;
-- ``replay``: evaluates any region of a program (keyed draws through ``keyinit._dispatch``);
+- ``replay``: evaluates any region of a program (keyed draws through ``keyinit._draw.dispatch``);
 - ``planned``: what planning decides (``PlannedTensor``, ``ModelPlan``);
 - ``plan``: the planner: rules, records, init code and torch.nn defaults in the documented
   precedence, checked before anything is allocated; ``shared_draws``: the pipeline-cut warning.

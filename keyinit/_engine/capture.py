@@ -11,7 +11,7 @@ capture's ``TorchDispatchMode`` every aten op the code issues is recorded into
   buffer of their base; in-place ops, ``copy_`` and ``out=`` become writes into it;
 - factories (``empty``, ``zeros``, ``arange``, ``torch.tensor``) become new buffers;
 - element-wise ops, ``cat``/``stack`` and everything else become nodes over their inputs;
-- random ops become keyed draws (:mod:`keyinit._random_ops`). ``nn.init.trunc_normal_``
+- random ops become keyed draws (:mod:`keyinit._engine.random_ops`). ``nn.init.trunc_normal_``
   and ``nn.init.orthogonal_``, whose torch algorithms draw in loops, are recognised by
   their frames and recorded as the :mod:`keyinit.init` initializer of the same
   distribution (the draw keyinit gives every rule); the rest of their body is suppressed;
@@ -41,7 +41,7 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from keyinit import init as _init
-from keyinit._random_ops import Effects, bind_arguments, is_random, keyed_effects
+from keyinit._engine.random_ops import Effects, bind_arguments, is_random, keyed_effects
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit._engine.program import (
     Alloc,

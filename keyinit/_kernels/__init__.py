@@ -1,4 +1,4 @@
-"""Fast implementations of stream v1, each bit-identical to :mod:`keyinit._reference`.
+"""Fast implementations of stream v1, each bit-identical to :mod:`keyinit._draw.reference_fill`.
 
 - C kernels for CPU tensors, called through ctypes: the init kernel
   (``keyinit_kernels.c``, :mod:`~keyinit._kernels._cpu`), keyed dropout
@@ -14,9 +14,9 @@
 - Triton kernels for CUDA tensors (``triton_kernel``, ``triton_dropout``,
   ``triton_permutation``), used when the optional ``triton`` package is installed.
 
-The fill kernels take their geometry from :mod:`keyinit._kernels._plan`: slices
+The fill kernels take their geometry from :mod:`keyinit._draw.geometry`: slices
 stay ``(start, step, count)``, so a contiguous run of a region shares Philox blocks.
-:mod:`keyinit._dispatch` chooses among them and the reference.
+:mod:`keyinit._draw.dispatch` chooses among them and the reference.
 
 Set ``KEYINIT_DISABLE_KERNELS=1`` to force the reference implementation.
 """

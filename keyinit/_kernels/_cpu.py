@@ -20,7 +20,7 @@ from keyinit.regions import Region
 from keyinit._kernels import _selftest
 from keyinit._kernels._ids import DIST_IDS, DTYPE_IDS
 from keyinit._kernels._library import CompiledLibrary
-from keyinit._kernels._plan import geometry
+from keyinit._draw.geometry import geometry
 
 __all__ = ["KERNEL", "available", "fill", "library", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
 

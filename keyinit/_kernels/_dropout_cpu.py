@@ -4,7 +4,7 @@ The library is built, verified, loaded and self-tested by the one loader of
 the C kernels (:class:`keyinit._kernels._library.CompiledLibrary`), like the
 init kernel, from ``dropout_kernels.c`` and the headers it includes.
 
-:func:`run` takes a prepared :class:`~keyinit.nn._geometry.Geometry` and
+:func:`run` takes a prepared :class:`~keyinit._draw.dropout_geometry.Geometry` and
 writes ``out`` (contiguous, like ``x``); it returns ``False`` when the kernel
 is unavailable (no compiler, or a library that fails its golden self-test,
 :mod:`keyinit._kernels._dropout_selftest`), and the caller then uses the reference.
@@ -79,7 +79,7 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = N
         lib: Optional[ctypes.CDLL] = None) -> bool:
     """``out = dropout(x)`` for contiguous CPU tensors ``x`` and ``out`` of ``geometry``'s shape.
 
-    ``geometry`` is a coalesced :class:`keyinit.nn._geometry.Geometry`. ``threads``
+    ``geometry`` is a coalesced :class:`keyinit._draw.dropout_geometry.Geometry`. ``threads``
     defaults to ``torch.get_num_threads()`` (one thread for small tensors);
     ``lib`` to the library built for this machine. ``False``: nothing written.
     """

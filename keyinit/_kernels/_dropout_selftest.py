@@ -3,7 +3,7 @@
 The counterpart of :mod:`keyinit._kernels._selftest` for ``dropout_kernels.c``:
 before :mod:`keyinit._kernels._dropout_cpu` uses a library, it runs the cases
 below and compares SHA-256 digests of the output bytes with :data:`GOLDEN`, the
-bytes the reference (:func:`keyinit.nn._reference.dropout`) produces;
+bytes the reference (:func:`keyinit._draw.reference_dropout.dropout`) produces;
 ``tests/test_hostile_kernels.py`` recomputes them from the reference.
 
 The cases are small (about 150k elements) and cover what could differ: each
@@ -85,7 +85,7 @@ def run(dropout: Callable[[torch.Tensor, torch.Tensor, Any, int], bool]) -> list
 
     ``dropout(x, out, geometry, threads)`` is the implementation under test.
     """
-    from keyinit.nn._geometry import layout_for, plan
+    from keyinit._draw.dropout_geometry import layout_for, plan
     from keyinit.regions import make_region
 
     failed = []

@@ -3,7 +3,7 @@
 Built, verified, loaded and self-tested (:mod:`keyinit._kernels._permutation_selftest`)
 by the one loader of the C kernels (:class:`keyinit._kernels._library.CompiledLibrary`).
 :func:`run` returns ``False`` when the kernel is unavailable; the caller then
-uses the reference (:mod:`keyinit.data._feistel`), same values.
+uses the reference (:mod:`keyinit._draw.reference_permutation`), same values.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The counterpart of :mod:`keyinit._kernels._selftest` for ``permutation_kernels.c``:
 before :mod:`keyinit._kernels._permutation_cpu` uses a library, it runs the
 cases below and compares SHA-256 digests of the outputs with :data:`GOLDEN`,
-the values of the reference (:mod:`keyinit.data._feistel`);
+the values of the reference (:mod:`keyinit._draw.reference_permutation`);
 ``tests/test_kernel_libraries.py`` recomputes them from the reference.
 
 The cases are small (about 60k positions) and cover what could differ: the
@@ -76,7 +76,7 @@ def run(permute: Callable[..., bool]) -> list[str]:
     ``permute(kp, n, inverse, out, positions=..., start=..., step=..., threads=...)`` is the
     implementation under test (the signature of :func:`keyinit._kernels._permutation_cpu.run`).
     """
-    from keyinit.data._feistel import permutation_key
+    from keyinit._draw.reference_permutation import permutation_key
     from keyinit.keys import Key
 
     root = Key(*KEY_WORDS)

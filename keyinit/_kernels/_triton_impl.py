@@ -28,7 +28,7 @@ time, and the GENERAL one is rarely needed.)
 import triton
 import triton.language as tl
 
-from keyinit._kernels._plan import BLOCK, MAX_DIMS, NB
+from keyinit._draw.geometry import BLOCK, MAX_DIMS, NB
 from keyinit._kernels._ids import DIST, DTYPE
 
 __all__ = ["fill_kernel", "NB", "BLOCK", "MAX_DIMS"]
@@ -69,7 +69,7 @@ def _philox_blocks(block, k0, k1):
     return _philox(c0, c1, key0, key1)
 
 
-# Constants: the binary32 values of keyinit._fp32math.V1_CONSTANTS, written
+# Constants: the binary32 values of keyinit._bits.fp32math.V1_CONSTANTS, written
 # as the shortest decimal of each (exact as binary32); a test checks them.
 @triton.jit
 def _log_f32(x):

@@ -12,7 +12,7 @@
  *     g = base + sum_d gstride[d] * idx_d(p_d),
  *     idx_d(p) = index[d][p] if index[d] != NULL, else p
  *
- * (keyinit._kernels._plan.coalesce: every range's start is folded into base).
+ * (keyinit._draw.geometry.coalesce: every range's start is folded into base).
  *
  * It is kept iff word(K, g) < threshold, with word(K, j) lane j % 4 of
  * Philox4x32-10((lo32(j/4), hi32(j/4), 0, 0), K) (philox.h). That is

@@ -1,5 +1,5 @@
 /*
- * keyinit's binary32 transforms in C: the constants of keyinit._fp32math (V1_CONSTANTS),
+ * keyinit's binary32 transforms in C: the constants of keyinit._bits.fp32math (V1_CONSTANTS),
  * log_f32 and the PPND7 normal quantile (ndtri_tail_batch), operation for operation as the
  * reference computes them (docs/spec.md). Every operation is an IEEE-754 binary32 operation
  * in the reference's order: include it only in sources compiled with -ffp-contract=off and
@@ -17,7 +17,7 @@
 #error "define TILE before including fp32math.h"
 #endif
 
-/* Constants of keyinit._fp32math (V1_CONSTANTS), as exact binary32 values. */
+/* Constants of keyinit._bits.fp32math (V1_CONSTANTS), as exact binary32 values. */
 
 #define C_SQRT2 0x1.6a09e6p+0f
 #define C_LN2_HI 0x1.62e4p-1f
@@ -59,7 +59,7 @@ static const float ki_constants[] = {
     C_SMALLEST_NORMAL,
 };
 
-/* _fp32math.log_f32: positive normal x. */
+/* fp32math.log_f32: positive normal x. */
 static inline float log_f32(float x)
 {
     int32_t bits = (int32_t)ki_bits(x);
@@ -77,7 +77,7 @@ static inline float log_f32(float x)
     return e * C_LN2_HI + (e * C_LN2_LO + log_m);
 }
 
-/* _fp32math.ndtri_tail_f32 of tail[0..m-1] into mag[0..m-1] (m <= TILE). Each
+/* fp32math.ndtri_tail_f32 of tail[0..m-1] into mag[0..m-1] (m <= TILE). Each
  * element's magnitude is ONE rational evaluation, with the argument and the
  * coefficients of its PPND7 branch (q = 0.5 - t, r = sqrt(-log(max(t, 2**-126)))):
  *

@@ -1,5 +1,5 @@
 /*
- * keyinit compiled CPU kernel: stream v1, bit-identical to keyinit._reference.fill.
+ * keyinit compiled CPU kernel: stream v1, bit-identical to keyinit._draw.reference_fill.fill.
  *
  * Built on first use by keyinit/_kernels/_build.py with
  *     cc -O3 -std=c11 -ffp-contract=off -fno-math-errno -fno-trapping-math -fPIC -shared -pthread

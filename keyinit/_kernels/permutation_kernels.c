@@ -1,6 +1,6 @@
 /*
  * The keyed permutation of stream v1 (docs/spec.md section 16), for CPU tensors.
- * Bit-identical to keyinit/data/_feistel.py; integer arithmetic only.
+ * Bit-identical to keyinit/_draw/reference_permutation.py; integer arithmetic only.
  *
  *     b = bit_length(n - 1); rb = b / 2; lb = b - rb; x = (l << rb) | r
  *     round i (0..R-1, R = 12 if b <= 16 else 6): even i: l ^= F(i, r) & lmask;  odd i: r ^= F(i, l) & rmask

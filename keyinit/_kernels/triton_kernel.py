@@ -1,4 +1,4 @@
-"""Triton kernel for stream v1 (CUDA tensors), bit-identical to :mod:`keyinit._reference`.
+"""Triton kernel for stream v1 (CUDA tensors), bit-identical to :mod:`keyinit._draw.reference_fill`.
 
 Triton is optional: this module imports it lazily, and :func:`fill` returns
 ``False`` (so the caller falls back to the reference) when it is missing.
@@ -10,7 +10,7 @@ Bit-exactness on a GPU needs three things, all done here:
 - no contraction of ``a * b + c`` into FMA: every launch passes
   ``enable_fp_fusion=False``;
 - no library transcendental: ``log`` and ``ndtri`` are the binary32 sequences of
-  :mod:`keyinit._fp32math`, operation for operation.
+  :mod:`keyinit._bits.fp32math`, operation for operation.
 
 Philox4x32-10 is written out here (``umulhi`` plus a wrapping multiply), with
 the counter ``(lo32(b), hi32(b), 0, 0)`` of block ``b = (w * i) // 4``; Triton's
@@ -44,7 +44,7 @@ from keyinit.distributions import Bernoulli, Bits, Distribution, Normal, Randint
 from keyinit.keys import Key
 from keyinit.regions import Region
 from keyinit._kernels._ids import DIST_IDS, DTYPE_IDS
-from keyinit._kernels._plan import BLOCK, MAX_DIMS, NB, geometry
+from keyinit._draw.geometry import BLOCK, MAX_DIMS, NB, geometry
 
 __all__ = ["available", "fill", "MAX_DIMS", "RUN_MIN", "launch_plan"]
 

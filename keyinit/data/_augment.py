@@ -5,7 +5,7 @@ Inside the wrapped ``__getitem__``:
 - every random aten op (``torch.rand``, ``randn``, ``randint``, ``randperm``, ``bernoulli``,
   ``multinomial``, ``normal``, ``Tensor.uniform_``/``normal_``/``random_``/``bernoulli_``/
   ``exponential_``, ..., with or without ``generator=``) is replaced by its keyed equivalent
-  (the table of :mod:`keyinit._random_ops`, shared with captured init code) under the key
+  (the table of :mod:`keyinit._engine.random_ops`, shared with captured init code) under the key
   ``fold_in(sample_key(seed, epoch, index), c)``, ``c`` the op's ordinal in this call;
   the op's generator (and the global one) is neither read nor advanced;
 - Python's ``random`` and ``numpy.random`` global state are seeded from the sample key
@@ -70,7 +70,7 @@ def _to_meta(x: Any) -> Any:
 
 
 def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) -> Any:
-    from keyinit._random_ops import bind_arguments, keyed_effects
+    from keyinit._engine.random_ops import bind_arguments, keyed_effects
     from keyinit.errors import UnkeyedRandomnessError
     from keyinit._engine.program import Literal, Node, Random
     from keyinit._engine.replay import Evaluator
@@ -132,7 +132,7 @@ class _KeyedMode(TorchDispatchMode):
         self.ordinal = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        from keyinit._random_ops import is_random
+        from keyinit._engine.random_ops import is_random
 
         kwargs = kwargs or {}
         if not is_random(func):

@@ -113,8 +113,8 @@ _ALPHA = 1.7580993408473766  # SELU's -alpha * scale, as in torch's alpha_dropou
 
 def _keyed_masked(ctx: "Keyed", kind: str, mask: str, input: torch.Tensor, p: float, key) -> torch.Tensor:
     from keyinit.nn import functional as KF
-    from keyinit.nn._geometry import constants
-    from keyinit.nn._reference import apply_mask
+    from keyinit._draw.dropout_geometry import constants
+    from keyinit._draw.reference_dropout import apply_mask
     from keyinit.random import bernoulli
 
     if mask == "element":

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from keyinit.keys import Key, _require_key
-from keyinit.nn._geometry import Layout, dtensor_layout, layout_for, rows_layout
+from keyinit._draw.dropout_geometry import Layout, dtensor_layout, layout_for, rows_layout
 
 __all__ = ["dropout", "scaled_dot_product_attention"]
 
