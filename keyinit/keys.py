@@ -31,9 +31,6 @@ from keyinit._bits import streams
 
 __all__ = ["Key", "key", "split", "fold_in", "key_for", "STREAM_VERSIONS", "DEFAULT_STREAM"]
 
-#: Stream versions this release ships (registered in :data:`keyinit._bits.streams.STREAMS`). A version,
-#: once shipped, never changes.
-STREAM_VERSIONS: tuple[str, ...] = ("v1",)
 DEFAULT_STREAM = "v1"
 
 _TAG_SPLIT = 1
@@ -47,6 +44,14 @@ def _check_uint32(value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MASK32:
         raise ValueError(f"key words must be ints in [0, 2**32), got {value!r}")
     return value
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``STREAM_VERSIONS``: the names of the registered stream versions (:data:`keyinit._bits.streams.STREAMS`,
+    the one source of truth), read at each access so a :func:`~keyinit._bits.streams.register_stream` shows."""
+    if name == "STREAM_VERSIONS":
+        return streams.stream_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _resolve_stream(stream: Union[str, streams.Stream]) -> streams.Stream:

@@ -7,7 +7,6 @@ import torch
 import keyinit
 from keyinit._draw import dispatch
 from keyinit import random as kr
-from keyinit._bits.streams import V1
 from keyinit.nn import functional as KF
 
 
@@ -16,8 +15,7 @@ def _spy(monkeypatch):
     original = dispatch.Kernels.run
 
     def run(self, device, *args, **kwargs):
-        family = {id(V1.fill): "fill", id(V1.dropout): "dropout",
-                  id(V1.permutation): "permutation"}.get(id(self), "other")
+        family = {id(dispatch.kernels("v1", name)): name for name in dispatch.FAMILIES}.get(id(self), "other")
         calls.append((family, device))
         return original(self, device, *args, **kwargs)
 
@@ -52,4 +50,4 @@ def test_kernels_disabled_give_the_same_bits_for_every_family(monkeypatch):
 def test_kernel_refs_import_nothing_until_called():
     ref = dispatch.KernelRef("keyinit._no_such_module", "fill")
     assert ref.resolve() is None
-    assert V1.fill.devices["cpu"].resolve() is keyinit._kernels._cpu.fill
+    assert dispatch.kernels("v1", "fill").devices["cpu"].resolve() is keyinit._kernels._cpu.fill

@@ -1,39 +1,32 @@
 """Stream versions as registered objects, and the registry that a :class:`~keyinit.Key` resolves its version through.
 
 A stream version (``docs/spec.md`` section 11) is one :class:`Stream`: its
-name, how a seed becomes a root key, how a child key is derived, the word
-function of its element streams, and the implementations of its kernel
-families (fills, keyed dropout, keyed permutations), each a reference plus a
-kernel per device type. This is the model of JAX's ``PRNGImpl``
-(``jax/_src/prng.py``): everything that depends on the version hangs off one
+name, how a seed becomes a root key, how a child key is derived and the word
+function of its element streams. This is the model of JAX's ``PRNGImpl``
+(``jax/_src/prng.py``): the math that depends on the version hangs off one
 frozen object, so a new version (``"v2"``) is a new :class:`Stream` and one
-:func:`register_stream` call, not a set of edits.
+:func:`register_stream` call, not a set of edits. Its kernel families (fills,
+keyed dropout, keyed permutations: a reference and a kernel per device type)
+are registered one floor up, in :mod:`keyinit._draw.dispatch`'s table.
 
 A :class:`~keyinit.Key` keeps its version's *name* (``key.stream == "v1"``; keys
 hash, order and pickle as before) and resolves it here (``key.impl``). The
-registry, :data:`STREAMS`, is keyinit's only global mutable state besides the
-rule registry (``keyinit.REGISTRY``): :func:`register_stream` adds a version
-and refuses to replace one, since a released version never changes.
-
-Implementations are named by module and function (:class:`KernelRef`) and
-imported on first use: defining or resolving a stream imports no kernel, no
-C compiler runs and nothing is registered with torch.
+registry, :data:`STREAMS`, is one of keyinit's documented global registries
+(with the rule registry ``keyinit.REGISTRY`` and the kernel table of
+:mod:`keyinit._draw.dispatch`): :func:`register_stream` adds a version and
+refuses to replace one, since a released version never changes.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Mapping
-from types import MappingProxyType
-from typing import Any, Callable, Optional
+from typing import Callable
 
 import attrs
 import torch
 
 from keyinit._bits.philox import philox4x32, stream_words
 
-__all__ = ["KernelRef", "Kernels", "Stream", "V1", "STREAMS", "register_stream", "get_stream", "stream_names"]
+__all__ = ["Stream", "V1", "STREAMS", "register_stream", "get_stream", "stream_names"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -41,85 +34,23 @@ Words = tuple[int, int]
 
 
 @attrs.frozen
-class KernelRef:
-    """An implementation named by ``module`` and ``name``, imported when first resolved.
-
-    Resolved at every call (a dictionary lookup once the module is imported), so
-    an implementation replaced on its module (a test's ``monkeypatch``) is the one
-    that runs.
-    """
-
-    module: str
-    name: str
-
-    def resolve(self) -> Optional[Callable[..., Any]]:
-        """The function, or ``None`` when its module cannot be imported (e.g. no ``triton``)."""
-        module = sys.modules.get(self.module)
-        if module is None:
-            try:
-                module = importlib.import_module(self.module)
-            except Exception:  # noqa: BLE001 - a kernel that cannot even be imported is unavailable
-                return None
-        return getattr(module, self.name)
-
-
-def _read_only(devices: Mapping[str, KernelRef]) -> Mapping[str, KernelRef]:
-    return MappingProxyType(dict(devices))
-
-
-def _kernels_disabled() -> bool:
-    from keyinit._kernels import kernels_disabled
-
-    return kernels_disabled()
-
-
-@attrs.frozen
-class Kernels:
-    """One kernel family of a stream: the ``reference`` (any device) and a kernel per device type.
-
-    All take the same arguments. A kernel returns ``True`` when it wrote the
-    result and ``False`` when it cannot (nothing written; the reference runs);
-    the reference always writes it.
-    """
-
-    reference: KernelRef
-    devices: Mapping[str, KernelRef] = attrs.field(converter=_read_only)
-
-    def run(self, device: str, *args: Any, **kwargs: Any) -> None:
-        """The kernel for ``device`` unless kernels are disabled (``KEYINIT_DISABLE_KERNELS``) or it
-        declines, else the reference."""
-        if not _kernels_disabled():
-            ref = self.devices.get(device)
-            kernel = ref.resolve() if ref is not None else None
-            if kernel is not None and kernel(*args, **kwargs):
-                return
-        reference = self.reference.resolve()
-        if reference is None:  # pragma: no cover - the references import nothing optional
-            raise ImportError(f"the reference {self.reference.module}.{self.reference.name} cannot be imported")
-        reference(*args, **kwargs)
-
-
-@attrs.frozen
 class Stream:
-    """A stream version: everything that depends on it.
+    """A stream version: its math.
 
     - ``name``: what keys carry (``Key.stream``) and users pass (``key(seed, stream=...)``);
     - ``seed(seed) -> (k0, k1)``: the root key words of an int seed in ``[0, 2**64)``;
     - ``derive((k0, k1), tag, (x0, x1, x3)) -> (k0, k1)``: a child key's words
       (tags: 1 split, 2 fold_in of an int, 3 fold_in of a str);
     - ``words((k0, k1), element_index, words_per_element)``: the element stream,
-      the words each element consumes (int64 tensors);
-    - ``fill``, ``dropout``, ``permutation``: the kernel families that
-      :mod:`keyinit._draw.dispatch` runs for keys of this stream.
+      the words each element consumes (int64 tensors).
+
+    Its kernel families are registered under ``name`` in :mod:`keyinit._draw.dispatch`.
     """
 
     name: str
     seed: Callable[[int], Words]
     derive: Callable[[Words, int, tuple[int, int, int]], Words]
     words: Callable[[Words, torch.Tensor, int], list[torch.Tensor]]
-    fill: Kernels
-    dropout: Kernels
-    permutation: Kernels
 
     def __repr__(self) -> str:
         return f"Stream({self.name!r})"
@@ -145,18 +76,6 @@ V1 = Stream(
     seed=_v1_seed,
     derive=_v1_derive,
     words=stream_words,
-    fill=Kernels(KernelRef("keyinit._draw.reference_fill", "fill"), {
-        "cpu": KernelRef("keyinit._kernels._cpu", "fill"),
-        "cuda": KernelRef("keyinit._kernels.triton_kernel", "fill"),
-    }),
-    dropout=Kernels(KernelRef("keyinit._draw.reference_dropout", "dropout"), {
-        "cpu": KernelRef("keyinit._kernels._dropout_cpu", "run"),
-        "cuda": KernelRef("keyinit._kernels.triton_dropout", "run"),
-    }),
-    permutation=Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into"), {
-        "cpu": KernelRef("keyinit._kernels._permutation_cpu", "run"),
-        "cuda": KernelRef("keyinit._kernels.triton_permutation", "run"),
-    }),
 )
 
 

@@ -16,18 +16,30 @@
 
 The fill kernels take their geometry from :mod:`keyinit._draw.geometry`: slices
 stay ``(start, step, count)``, so a contiguous run of a region shares Philox blocks.
-:mod:`keyinit._draw.dispatch` chooses among them and the reference.
-
-Set ``KEYINIT_DISABLE_KERNELS=1`` to force the reference implementation.
+:func:`register` puts them in :mod:`keyinit._draw.dispatch`'s table (importing keyinit calls it once:
+nothing is imported, built or loaded until a kernel is first called), and the dispatcher chooses
+among them and the reference. Set ``KEYINIT_DISABLE_KERNELS=1`` to force the reference implementation.
 """
 
 from __future__ import annotations
 
-import os
+from keyinit._draw.dispatch import KernelRef, register_kernel
 
-__all__ = ["kernels_disabled"]
+__all__ = ["register"]
+
+#: Stream v1's kernels: (family, device type, module, function).
+_V1 = (
+    ("fill", "cpu", "keyinit._kernels._cpu", "fill"),
+    ("fill", "cuda", "keyinit._kernels.triton_kernel", "fill"),
+    ("dropout", "cpu", "keyinit._kernels._dropout_cpu", "run"),
+    ("dropout", "cuda", "keyinit._kernels.triton_dropout", "run"),
+    ("permutation", "cpu", "keyinit._kernels._permutation_cpu", "run"),
+    ("permutation", "cuda", "keyinit._kernels.triton_permutation", "run"),
+)
 
 
-def kernels_disabled() -> bool:
-    """True when ``KEYINIT_DISABLE_KERNELS`` is set to a true value (1, true, yes, on)."""
-    return os.environ.get("KEYINIT_DISABLE_KERNELS", "").strip().lower() in ("1", "true", "yes", "on")
+def register() -> None:
+    """Register stream v1's kernels in :data:`keyinit._draw.dispatch.KERNELS` (again: no change). Each is
+    named by module and imported on its first call."""
+    for family, device, module, name in _V1:
+        register_kernel("v1", family, device, KernelRef(module, name))
