@@ -155,7 +155,7 @@ def dtensor_layout(tensor: Any, row_offset: int = 0) -> Layout:
     ``row_offset`` shifts dimension 0 (the batch) by that many rows: the keyed
     convention, where the DTensor's row ``r`` is global sample ``row_offset + r``.
     """
-    from keyinit.layouts import dtensor_region
+    from keyinit._placements import dtensor_region
 
     spec = tensor._spec
     mesh = spec.mesh
