@@ -35,7 +35,8 @@ from keyinit.fqn import FqnMap
 from keyinit.init import Initializer
 from keyinit._engine.program import Const, Random, iter_nodes
 from keyinit.keys import DEFAULT_STREAM, Key
-from keyinit._engine.plan import InitMethod, Rules, plan_model
+from keyinit._engine.options import InitMethod, InitOptions, Rules
+from keyinit._engine.plan import plan_model
 from keyinit._engine.planned import ModelPlan, PlannedTensor
 from keyinit.rules import REGISTRY, Registry
 
@@ -342,10 +343,9 @@ def init_model(
             keyinit cannot key.
         InitError: writing failed part-way; ``.written`` lists exactly what was written.
     """
+    options = InitOptions.pick(locals())
     _reject_meta(model)
-    return plan_init(model, seed, rules=rules, init_method=init_method, init_kwargs=init_kwargs, ties=ties,
-                     fqn_prefix=fqn_prefix, fqn_map=fqn_map, shards=shards, strict=strict, stream=stream,
-                     registry=registry, progress=progress).apply()
+    return _plan(model, seed, options, False, progress).apply()
 
 
 def _reject_meta(model: torch.nn.Module) -> None:
@@ -385,11 +385,10 @@ def materialize(
     memory is ever left behind. The other arguments are :func:`init_model`'s. ``device``
     defaults to ``"cuda"`` when available, else ``"cpu"``.
     """
+    options = InitOptions.pick(locals())
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"materialize expects an nn.Module, got {type(model).__name__}")
-    return plan_init(model, seed, materializing=True, rules=rules, init_method=init_method,
-                     init_kwargs=init_kwargs, ties=ties, fqn_prefix=fqn_prefix, fqn_map=fqn_map, shards=shards,
-                     strict=strict, stream=stream, registry=registry, progress=progress).apply(device=device)
+    return _plan(model, seed, options, True, progress).apply(device=device)
 
 
 @attrs.frozen(eq=False)
@@ -535,15 +534,17 @@ def plan_init(model: torch.nn.Module, seed: Union[int, Key], *, materializing: O
     Takes :func:`init_model`'s keyword arguments. ``materializing`` (default: whether any tensor
     is on the meta device) plans for :func:`materialize`: every buffer must be covered too.
     """
-    started = time.perf_counter()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"plan_init expects an nn.Module, got {type(model).__name__}")
     if materializing is None:
         materializing = any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
-    options = _plan_kwargs({**options, "progress": progress}, "plan_init")
-    options.pop("progress")
-    engine = plan_model(model, seed, materializing=bool(materializing), **options)
-    return Plan(engine, bool(materializing), progress, started)
+    return _plan(model, seed, InitOptions.of(options, "plan_init()"), bool(materializing), progress)
+
+
+def _plan(model: torch.nn.Module, seed: Union[int, Key], options: InitOptions, materializing: bool,
+          progress: Optional[bool]) -> Plan:
+    started = time.perf_counter()
+    return Plan(plan_model(model, seed, options, materializing=materializing), materializing, progress, started)
 
 
 def _materialize(plan: ModelPlan, progress: Optional[bool], device: Union[torch.device, str, None],
@@ -587,12 +588,3 @@ def _retie(plan: ModelPlan) -> None:
             if isinstance(first, torch.nn.Parameter) and type(first) is torch.nn.Parameter:
                 setattr(module, attr, first)
 
-
-def _plan_kwargs(kwargs: dict[str, Any], caller: str) -> dict[str, Any]:
-    allowed = {"rules": None, "init_method": None, "init_kwargs": None, "ties": None, "fqn_prefix": None,
-               "fqn_map": None, "shards": None, "strict": True, "stream": DEFAULT_STREAM, "registry": REGISTRY,
-               "progress": None}
-    unknown = set(kwargs) - set(allowed)
-    if unknown:
-        raise TypeError(f"{caller}() got unexpected keyword arguments {sorted(unknown)}")
-    return {**allowed, **kwargs}

@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from keyinit._engine.options import InitOptions
+
 __all__ = [
     "CLIError",
     "load_factory",
@@ -27,9 +29,6 @@ __all__ = [
 
 class CLIError(Exception):
     """A user-facing error: printed as one line on stderr, exit code 2."""
-
-
-_INIT_KWARGS = {"rules", "init_method", "init_kwargs", "ties", "fqn_prefix", "fqn_map", "shards", "strict", "stream", "registry"}
 
 
 def load_factory(spec: str) -> Any:
@@ -119,7 +118,7 @@ def build_model(factory: Any, spec: str, *, build: str = "meta") -> tuple[torch.
     except Exception as exc:
         raise CLIError(f"{spec}() raised {type(exc).__name__}: {exc}") from exc
     kwargs = extra.get("kwargs", {})
-    unknown = set(kwargs) - _INIT_KWARGS
+    unknown = set(kwargs) - InitOptions.names()
     if unknown:
         raise CLIError(f"{spec}() returned init_model kwargs it does not take: {sorted(unknown)}")
     return model, kwargs
