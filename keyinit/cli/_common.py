@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 import importlib.util
 import os
 import sys
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -23,7 +21,6 @@ __all__ = [
     "bitwise_equal",
     "digest",
     "format_table",
-    "Progress",
 ]
 
 
@@ -176,52 +173,3 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, align
     lines += [fmt(r) for r in cells]
     return "\n".join(lines)
 
-
-class Progress:
-    """Progress on stderr for long runs: a bar on a terminal, a line every few seconds otherwise."""
-
-    def __init__(self, total: int, label: str, *, enabled: Optional[bool] = None, min_seconds: float = 2.0) -> None:
-        self.total = max(total, 1)
-        self.label = label
-        self.done = 0
-        self.start = time.perf_counter()
-        self.last = self.start
-        self.enabled = enabled
-        self.min_seconds = min_seconds
-        self.tty = sys.stderr.isatty()
-        self.shown = False
-
-    def update(self, step: int = 1, note: str = "") -> None:
-        self.done += step
-        now = time.perf_counter()
-        if self.enabled is False:
-            return
-        if self.enabled is None and now - self.start < self.min_seconds:
-            return
-        interval = 0.2 if self.tty else 5.0
-        if now - self.last < interval and self.done < self.total:
-            return
-        self.last = now
-        self.shown = True
-        frac = self.done / self.total
-        if self.tty:
-            bar = "#" * int(30 * frac)
-            sys.stderr.write(f"\r{self.label} [{bar:<30}] {self.done}/{self.total} {note[:40]:<40}")
-        else:
-            sys.stderr.write(f"{self.label}: {self.done}/{self.total} ({100 * frac:.0f}%) {note}\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.shown and self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
-@contextlib.contextmanager
-def timer() -> Iterator[dict[str, float]]:
-    out = {"seconds": 0.0}
-    start = time.perf_counter()
-    try:
-        yield out
-    finally:
-        out["seconds"] = time.perf_counter() - start

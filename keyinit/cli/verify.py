@@ -50,7 +50,8 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit.cli._common import CLIError, Progress, bitwise_equal, build_model, format_table, load_factory, take_region
+from keyinit._engine.progress import Progress
+from keyinit.cli._common import CLIError, bitwise_equal, build_model, format_table, load_factory, take_region
 from keyinit.cli._virtual import ROWWISE_NAMES, LayoutSpec, parse_layout
 from keyinit.tensors import ModelTensor, StageError, aliases, cut_stage, stage_assignment, tensors
 
@@ -162,7 +163,8 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
     cells: dict[str, dict[str, list[int]]] = {e.fqn: {} for e in entries}  # fqn -> layout -> bad ranks
     held: dict[str, dict[str, int]] = {e.fqn: {} for e in entries}  # fqn -> layout -> ranks holding it
     summaries = []
-    bar = Progress(len(layouts), "keyinit verify", enabled=None if progress else False)
+    bar = Progress(len(layouts), "keyinit verify", enabled=None if progress else False,
+                   log=lambda line: print(line, file=sys.stderr))
     for layout in layouts:
         start = time.perf_counter()
         max_local = 0
