@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keyinit
-from keyinit._kernels import _permutation_cpu
+from keyinit._kernels.permutation import cpu as _permutation_cpu
 from keyinit._draw import reference_permutation
 from keyinit.data import inverse_permutation, permutation
 

@@ -74,7 +74,7 @@ def test_gpu_kernel_is_bit_exact_and_used_by_permutation():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 in this process")
     import keyinit
-    from keyinit._kernels import triton_permutation
+    from keyinit._kernels.permutation import triton as triton_permutation
     from keyinit.data import permutation
 
     results = {case_id: _run_case(case, triton_permutation.run, "cuda") for case_id, case in CASES.items()}
@@ -86,7 +86,7 @@ def test_gpu_kernel_is_bit_exact_and_used_by_permutation():
 
 def _worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from keyinit._kernels import triton_permutation
+    from keyinit._kernels.permutation import triton as triton_permutation
 
     def run_fn(*args, **kwargs):
         return triton_permutation.run(*args, interpret_ok=True, **kwargs)

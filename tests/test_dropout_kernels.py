@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import keyinit
-from keyinit._kernels import _dropout_cpu
+from keyinit._kernels.dropout import cpu as _dropout_cpu
 from keyinit._bits.philox import philox4x32
 from keyinit._draw import reference_dropout
 from keyinit.nn import dropout_key

@@ -191,7 +191,7 @@ _META_FIRST_LOAD_CHILD = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import keyinit
-from keyinit._kernels import _cpu
+from keyinit._kernels.fill import cpu as _cpu
 torch.set_default_device("meta")
 x = keyinit.random.normal(keyinit.key(0), (8, 8), device="cpu")   # first use: build, load, self-test
 torch.set_default_device(None)

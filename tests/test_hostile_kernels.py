@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from keyinit._kernels import _build, _cpu, _dropout_cpu, _dropout_selftest
+from keyinit._kernels.common import build as _build
+from keyinit._kernels.fill import cpu as _cpu
+from keyinit._kernels.dropout import cpu as _dropout_cpu
+from keyinit._kernels.dropout import selftest as _dropout_selftest
 from keyinit._draw import reference_dropout as dropout_reference
 from keyinit._draw.dropout_geometry import layout_for, plan
 from keyinit.regions import make_region
@@ -32,7 +35,7 @@ _DRAW = (
     "import torch\n"
     "from keyinit import random as kr\n"
     "from keyinit._draw import reference_fill\n"
-    "from keyinit._kernels import _cpu\n"
+    "from keyinit._kernels.fill import cpu as _cpu\n"
     "from keyinit.distributions import Normal\n"
     "from keyinit.keys import key\n"
     "from keyinit.regions import make_region\n"
@@ -57,7 +60,7 @@ def built_cache(tmp_path_factory):
 def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, built_cache):
     """A truncated library can pass dlopen and die with SIGBUS on its first call: it must never be loaded."""
     shutil.copytree(built_cache, tmp_path / "cache")
-    [library] = list((tmp_path / "cache").glob("keyinit_kernels-*.so"))
+    [library] = list((tmp_path / "cache").glob("fill_kernels-*.so"))
     data = library.read_bytes()
     library.write_bytes(data[: len(data) // 2])
     assert not _build.verified(library)
@@ -69,7 +72,7 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, built_cache)
 @needs_compiler
 def test_the_build_record_holds_size_and_hash_and_any_change_fails_it(tmp_path, built_cache):
     shutil.copytree(built_cache, tmp_path / "cache")
-    [library] = list((tmp_path / "cache").glob("keyinit_kernels-*.so"))
+    [library] = list((tmp_path / "cache").glob("fill_kernels-*.so"))
     record = library.with_name(library.name + ".sha256")
     data = library.read_bytes()
     assert record.read_text() == f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"

@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from keyinit._draw import reference_fill
-from keyinit._kernels import _build, _cpu, _selftest
+from keyinit._kernels.common import build as _build
+from keyinit._kernels.fill import cpu as _cpu
+from keyinit._kernels.fill import selftest as _selftest
 from keyinit.keys import Key
 from keyinit.regions import make_region
 
@@ -52,7 +54,8 @@ warnings.simplefilter("always")
 import torch
 from keyinit import random as kr
 from keyinit._draw import reference_fill
-from keyinit._kernels import _build, _cpu
+from keyinit._kernels.common import build as _build
+from keyinit._kernels.fill import cpu as _cpu
 from keyinit.distributions import Uniform, Normal
 from keyinit.keys import key
 from keyinit.regions import make_region
@@ -117,7 +120,7 @@ def test_probe_ignores_the_callers_flush_to_zero(tmp_path, monkeypatch):
         "import torch; torch.set_flush_denormal(True)\n"
         "from keyinit import random as kr\n"
         "from keyinit._draw import reference_fill\n"
-        "from keyinit._kernels import _cpu\n"
+        "from keyinit._kernels.fill import cpu as _cpu\n"
         "from keyinit.distributions import Uniform\n"
         "from keyinit.keys import key\n"
         "from keyinit.regions import make_region\n"
@@ -146,7 +149,7 @@ def test_multi_word_cc_is_honoured(tmp_path, monkeypatch):
     assert shlex.split(_build.find_compiler()) == [str(wrapper), "gcc"]
     path = _build.build()
     calls = log.read_text().splitlines()
-    assert any(c.startswith("gcc ") and "-o" in c and "keyinit_kernels.c" in c for c in calls), calls
+    assert any(c.startswith("gcc ") and "-o" in c and "fill_kernels.c" in c for c in calls), calls
     lib = _cpu.declare(_build.load())  # the same, now cached build
     assert _build.build() == path
     out = torch.empty(4, dtype=torch.int64)

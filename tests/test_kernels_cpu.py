@@ -1,7 +1,7 @@
 """The compiled CPU kernel reproduces the reference bit for bit.
 
 Every comparison calls the reference (:func:`keyinit._draw.reference_fill.fill`) and the
-kernel (:func:`keyinit._kernels._cpu.fill`) directly, never the dispatcher.
+kernel (:func:`keyinit._kernels.fill.cpu.fill`) directly, never the dispatcher.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from keyinit._bits import fp32math
 from keyinit._draw import dispatch, reference_fill
-from keyinit._kernels import _build, _cpu
+from keyinit._kernels.common import build as _build
+from keyinit._kernels.fill import cpu as _cpu
 from keyinit.distributions import (
     FLOAT_DTYPES,
     INT_DTYPES,

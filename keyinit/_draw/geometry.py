@@ -6,10 +6,6 @@ A kernel writes element ``(p_0, ..., p_{d-1})`` of a region or an activation to 
 for an index-list dim and ``p`` for a slice dim (whose start is folded into
 ``base`` and whose step into ``global_stride``). No per-element index memory
 exists for a slice.
-
-It also holds the Triton fill's launch constants, which the host side
-(``triton_kernel``, importable without triton) and the jitted kernel
-(``_triton_impl``) both need.
 """
 
 from __future__ import annotations
@@ -21,13 +17,7 @@ import torch
 
 from keyinit.regions import Region
 
-__all__ = ["Dim", "coalesce", "geometry", "MAX_DIMS", "NB", "BLOCK"]
-
-#: Dimensions a Triton launch describes after size-1 dims are dropped and slice dims merged; more: the reference.
-MAX_DIMS = 4
-#: Elements per Triton program: Philox blocks per RUN program, elements per GENERAL program.
-NB = 256
-BLOCK = 1024
+__all__ = ["Dim", "coalesce", "geometry"]
 
 #: ``[size, out_stride, global_stride, index]``; ``index`` is an int64 CPU tensor or ``None`` (a slice).
 Dim = list

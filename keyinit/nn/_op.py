@@ -18,8 +18,8 @@ Being a custom op with a fake kernel, it traces under ``torch.compile``
 compile-time constants there, so a new key means a new graph.
 
 Implementations, all bit-identical, chosen by :func:`keyinit._draw.dispatch.dropout`:
-the C kernel on CPU (:mod:`keyinit._kernels._dropout_cpu`), Triton on CUDA
-(:mod:`keyinit._kernels.triton_dropout`), and the torch reference
+the C kernel on CPU (:mod:`keyinit._kernels.dropout.cpu`), Triton on CUDA
+(:mod:`keyinit._kernels.dropout.triton`), and the torch reference
 (:mod:`keyinit._draw.reference_dropout`) anywhere else or with ``KEYINIT_DISABLE_KERNELS=1``.
 """
 

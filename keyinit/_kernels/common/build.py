@@ -1,7 +1,8 @@
 """Just-in-time build of the compiled CPU kernels, cached on disk.
 
-The C sources ship inside the package (``keyinit_kernels.c`` by default; any
-other source in this directory can be built the same way by passing its path).
+The C sources ship inside the package, one per kernel family (``fill/fill_kernels.c`` by default;
+``dropout/dropout_kernels.c`` and ``permutation/permutation_kernels.c`` are built the same way by
+passing their path), with the headers they share in ``common/``.
 On first use a source is compiled with the system C compiler (``$CC``, which may
 be a command with arguments such as ``ccache gcc``; else ``cc``/``gcc``/``clang``)
 into a shared library in the cache directory::
@@ -9,7 +10,7 @@ into a shared library in the cache directory::
     $KEYINIT_CACHE_DIR, else $XDG_CACHE_HOME/keyinit, else ~/.cache/keyinit
 
 named by the source's stem and a hash of the source, the headers next to it
-(``*.h``), the compiler command and identity, the flags and (with
+and in ``common/`` (``*.h``), the compiler command and identity, the flags and (with
 ``-march=native``) the compiler's view of this CPU, so a changed source,
 header, compiler or machine never reuses a stale build. The library is written
 to a temporary file and renamed into place, so concurrent processes are safe.
@@ -33,7 +34,7 @@ flush-to-zero), no FP contraction into FMA, and the only math function,
 trap handler is watching (so selects can be vectorized); neither permits a
 value-changing transformation. With ``-march=native`` the cache key includes the
 target macros the compiler predefines on this machine. Every build also gets the ``-D``
-definitions of the kernels' distribution and dtype ids (:mod:`keyinit._kernels._ids`),
+definitions of the kernels' distribution and dtype ids (:mod:`keyinit._kernels.common.ids`),
 which are part of the cache key like any flag.
 
 A compiler wrapper can still add flags behind our back (``CC`` set to a script
@@ -65,7 +66,9 @@ from typing import Optional
 __all__ = ["SOURCE", "BASE_FLAGS", "BuildError", "cache_dir", "find_compiler", "build", "load",
            "subnormals_preserved"]
 
-SOURCE = Path(__file__).with_name("keyinit_kernels.c")
+#: The headers every kernel source includes (``#include "../common/philox.h"``).
+COMMON = Path(__file__).parent
+SOURCE = COMMON.parent / "fill" / "fill_kernels.c"
 BASE_FLAGS = (
     "-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread",
 )
@@ -153,9 +156,11 @@ def _compiler_identity(cc: list[str], flags: tuple[str, ...]) -> str:
 
 
 def _source_digest(source: Path) -> bytes:
-    """The source and every header beside it (what ``#include "x.h"`` can reach)."""
+    """The source, every header beside it and the shared headers of :data:`COMMON` (what its
+    ``#include "x.h"`` and ``#include "../common/x.h"`` can reach)."""
     digest = hashlib.sha256(source.read_bytes())
-    for header in sorted(source.parent.glob("*.h")):
+    headers = dict.fromkeys([*sorted(source.parent.glob("*.h")), *sorted(COMMON.glob("*.h"))])
+    for header in headers:
         digest.update(b"\0" + header.name.encode() + b"\0" + header.read_bytes())
     return digest.digest()
 
@@ -223,9 +228,9 @@ def build(native: bool = True, extra_flags: tuple[str, ...] = (), source: Option
     ``native=False`` builds for the compiler's default target (no ``-march=native``);
     ``extra_flags`` are appended (the tests use them to build the AVX2 and portable variants).
     Every build also gets the kernels' distribution and dtype ids as ``-D`` definitions
-    (:func:`keyinit._kernels._ids.c_defines`, the one table the Triton kernels import too).
+    (:func:`keyinit._kernels.common.ids.c_defines`, the one table the Triton kernels import too).
     """
-    from keyinit._kernels import _ids
+    from keyinit._kernels.common import ids as _ids
 
     source = SOURCE if source is None else Path(source)
     command = find_compiler()

@@ -4,7 +4,7 @@ A kernel receives a distribution and a dtype as small integers. They are
 defined here and nowhere else:
 
 - the C kernels get them as preprocessor definitions, which
-  :mod:`keyinit._kernels._build` adds to every compile (:func:`c_defines`:
+  :mod:`keyinit._kernels.common.build` adds to every compile (:func:`c_defines`:
   ``KI_DIST_<NAME>``, ``KI_DTYPE_<NAME>``, ``KI_DIST_COUNT``, ``KI_DTYPE_COUNT``;
   ``ids.h`` refuses to compile without them), so a C source holds no ids of its own;
 - the Triton kernels and the Python side of every kernel import this module

@@ -1,12 +1,12 @@
 """The one loader of keyinit's C kernel libraries: build, cache, verify, load, self-test, fall back.
 
-Each compiled library (the init kernel ``keyinit_kernels.c``, the dropout
-kernel ``dropout_kernels.c``, the permutation kernel ``permutation_kernels.c``)
+Each compiled library (the fill kernel ``fill/fill_kernels.c``, the dropout
+kernel ``dropout/dropout_kernels.c``, the permutation kernel ``permutation/permutation_kernels.c``)
 is described by one :class:`CompiledLibrary`: its source, the ctypes
 signatures of its exports and its golden self-test. Loading goes the same way
 for all of them:
 
-1. :func:`keyinit._kernels._build.load` builds the source on first use (or
+1. :func:`keyinit._kernels.common.build.load` builds the source on first use (or
    reuses the cached build: the cache key covers the source, the headers beside
    it, the compiler, the flags and this CPU), checks the library's size and
    SHA-256 against the record written at build time, ``dlopen``\\ s it and
@@ -28,18 +28,19 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
-from keyinit._kernels import _build
-from keyinit._kernels._lazy import LazyLibrary
+from keyinit._kernels.common import build as _build
+from keyinit._kernels.common.lazy import LazyLibrary
 
 __all__ = ["CompiledLibrary"]
 
-KERNEL_DIR = Path(__file__).parent
+#: keyinit/_kernels: a library's ``source`` is a path below it (``fill/fill_kernels.c``).
+KERNEL_DIR = Path(__file__).parents[1]
 
 
 class CompiledLibrary:
-    """A C kernel library of this package: ``source`` (a file name in ``keyinit/_kernels``),
+    """A C kernel library of this package: ``source`` (a path below ``keyinit/_kernels``, e.g. ``fill/fill_kernels.c``),
     ``declare`` (sets the ctypes signatures, returns the library) and ``selftest``
     (the names of the golden cases a library fails; empty: it passes).
 
@@ -84,3 +85,22 @@ class CompiledLibrary:
 
     def failure_reason(self) -> Optional[str]:
         return self.checked.failure_reason()
+
+    #: The names a kernel module gives its library (``module.LIBRARY``, ...): the module sets
+    #: ``__getattr__ = KERNEL.module_attribute``, so the aliases are written once, here.
+    MODULE_ATTRIBUTES = {
+        "SOURCE": lambda kernel: kernel.source,
+        "LIBRARY": lambda kernel: kernel.checked,  # after its golden self-test, loaded on first use
+        "UNCHECKED": lambda kernel: kernel.unchecked,  # without it: tests that compare case by case
+        "build_library": lambda kernel: kernel.build,  # a variant (portable, AVX2): the tests build several
+        "available": lambda kernel: kernel.available,
+        "failure_reason": lambda kernel: kernel.failure_reason,
+        "unchecked_library": lambda kernel: kernel.unchecked.get,
+    }
+
+    def module_attribute(self, name: str) -> Any:
+        """A kernel module's ``__getattr__``: the library's names of :data:`MODULE_ATTRIBUTES`."""
+        alias = self.MODULE_ATTRIBUTES.get(name)
+        if alias is None:
+            raise AttributeError(f"a kernel module has no attribute {name!r}")
+        return alias(self)

@@ -1,6 +1,6 @@
 /*
  * Philox4x32-10 (Salmon et al., SC'11; Random123), the one implementation that
- * every keyinit C kernel includes (keyinit_kernels.c, dropout_kernels.c,
+ * every keyinit C kernel includes (fill_kernels.c, dropout_kernels.c,
  * permutation_kernels.c). See docs/spec.md sections 1 and 4.
  *
  * One round, with M0 = 0xD2511F53, M1 = 0xCD9E8D57:

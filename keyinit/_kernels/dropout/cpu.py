@@ -1,13 +1,13 @@
 """The compiled CPU dropout kernel (``dropout_kernels.c``): build on first use, call through ctypes.
 
 The library is built, verified, loaded and self-tested by the one loader of
-the C kernels (:class:`keyinit._kernels._library.CompiledLibrary`), like the
+the C kernels (:class:`keyinit._kernels.common.library.CompiledLibrary`), like the
 init kernel, from ``dropout_kernels.c`` and the headers it includes.
 
 :func:`run` takes a prepared :class:`~keyinit._draw.dropout_geometry.Geometry` and
 writes ``out`` (contiguous, like ``x``); it returns ``False`` when the kernel
 is unavailable (no compiler, or a library that fails its golden self-test,
-:mod:`keyinit._kernels._dropout_selftest`), and the caller then uses the reference.
+:mod:`keyinit._kernels.dropout.selftest`), and the caller then uses the reference.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from typing import Optional
 
 import torch
 
-from keyinit._kernels import _dropout_selftest, _ids
-from keyinit._kernels._library import CompiledLibrary
+from keyinit._kernels.dropout import selftest as _dropout_selftest
+from keyinit._kernels.common import ids as _ids
+from keyinit._kernels.common.library import CompiledLibrary
 
 __all__ = ["KERNEL", "SOURCE", "DTYPE_IDS", "library", "available", "failure_reason", "run", "MIN_PARALLEL_ELEMENTS"]
 
-#: dtype ids (the one table, :mod:`keyinit._kernels._ids`) of the dtypes dropout takes.
+#: dtype ids (the one table, :mod:`keyinit._kernels.common.ids`) of the dtypes dropout takes.
 DTYPE_IDS = {dtype: _ids.DTYPE_IDS[dtype] for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
 MAX_DIMS = 64
 #: Below this many elements one thread does the work (thread start-up would dominate).
@@ -54,25 +55,10 @@ def _selftest_run(lib: ctypes.CDLL) -> list[str]:
 
 
 #: The dropout kernel library (``dropout_kernels.c``), loaded through the one loader.
-KERNEL = CompiledLibrary("the compiled CPU dropout kernel", "dropout_kernels.c", declare, _selftest_run)
-SOURCE = KERNEL.source
-
-#: Build (or reuse from the cache) and load a variant of the library; the tests build several.
-build_library = KERNEL.build
-
-#: The library built for this machine (loaded on first use, after its golden self-test).
-LIBRARY = KERNEL.checked
-
-#: The same library without the self-test, for tests that compare the kernel with the reference
-#: case by case (a kernel bug must fail the tests that describe it, not turn them into skips).
-UNCHECKED = KERNEL.unchecked
-
-
-#: Module-level names of the loader's methods (the tests patch ``library``).
+KERNEL = CompiledLibrary("the compiled CPU dropout kernel", "dropout/dropout_kernels.c", declare, _selftest_run)
+#: Looked up at each call, so a test can patch it; ``LIBRARY``, ``UNCHECKED``, ``SOURCE``, ... are the loader's.
 library = KERNEL.library
-available = KERNEL.available
-failure_reason = KERNEL.failure_reason
-unchecked_library = UNCHECKED.get
+__getattr__ = KERNEL.module_attribute
 
 
 def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = None,
@@ -89,7 +75,7 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = N
     if lib is None:
         lib = library()
     if lib is None:
-        LIBRARY.warn_once()
+        KERNEL.checked.warn_once()
         return False
     nd = len(geometry.sizes)
     sizes = (ctypes.c_int64 * nd)(*geometry.sizes)

@@ -32,10 +32,10 @@
 
 #include <stdint.h>
 
-#include "convert.h"
-#include "ids.h"
-#include "parallel.h"
-#include "philox.h"
+#include "../common/convert.h"
+#include "../common/ids.h"
+#include "../common/parallel.h"
+#include "../common/philox.h"
 
 #define KD_API __attribute__((visibility("default")))
 #define KD_MAX_DIMS 64

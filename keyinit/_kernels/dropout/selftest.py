@@ -1,7 +1,7 @@
 """Golden self-test of the compiled CPU dropout kernel, run once when it is loaded.
 
-The counterpart of :mod:`keyinit._kernels._selftest` for ``dropout_kernels.c``:
-before :mod:`keyinit._kernels._dropout_cpu` uses a library, it runs the cases
+The counterpart of :mod:`keyinit._kernels.fill.selftest` for ``dropout_kernels.c``:
+before :mod:`keyinit._kernels.dropout.cpu` uses a library, it runs the cases
 below and compares SHA-256 digests of the output bytes with :data:`GOLDEN`, the
 bytes the reference (:func:`keyinit._draw.reference_dropout.dropout`) produces;
 ``tests/test_hostile_kernels.py`` recomputes them from the reference.

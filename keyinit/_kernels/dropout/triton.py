@@ -32,13 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from keyinit._kernels._ids import DTYPE, DTYPE_IDS
-from keyinit._kernels._triton_impl import _philox  # Philox4x32-10 of (c0, c1, 0, 0) under (k0, k1)
+from keyinit._kernels.common.ids import DTYPE, DTYPE_IDS
+from keyinit._kernels.common.triton_philox import philox  # Philox4x32-10 of (c0, c1, 0, 0) under (k0, k1)
 
 __all__ = ["run", "BLOCK"]
 
 BLOCK = 1024
-#: dtype ids (the one table, keyinit._kernels._ids) of the dtypes dropout takes, as the C kernel gets them.
+#: dtype ids (the one table, keyinit._kernels.common.ids) of the dtypes dropout takes, as the C kernel gets them.
 _KINDS = {dtype: DTYPE_IDS[dtype] for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
 DTYPE_FLOAT32 = tl.constexpr(DTYPE["float32"])
 DTYPE_FLOAT64 = tl.constexpr(DTYPE["float64"])
@@ -77,7 +77,7 @@ def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, k0, k1, th
         blocks = (first >> 2) + tl.arange(0, BLOCK // 4).to(tl.int64)
         c0 = (blocks & 0xFFFFFFFF).to(tl.uint32)
         c1 = (blocks >> 32).to(tl.uint32)
-        r0, r1, r2, r3 = _philox(c0, c1, tl.zeros_like(c0) + key0, tl.zeros_like(c0) + key1)
+        r0, r1, r2, r3 = philox(c0, c1, tl.zeros_like(c0) + key0, tl.zeros_like(c0) + key1)
         words = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # block-major, lane-minor
         position = first + tl.arange(0, BLOCK).to(tl.int64) - base
         mask = (position >= 0) & (position < numel)
@@ -95,7 +95,7 @@ def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, k0, k1, th
             rest = rest // size
         c0 = ((g >> 2) & 0xFFFFFFFF).to(tl.uint32)
         c1 = (g >> 34).to(tl.uint32)
-        r0, r1, r2, r3 = _philox(c0, c1, tl.zeros_like(c0) + key0, tl.zeros_like(c0) + key1)
+        r0, r1, r2, r3 = philox(c0, c1, tl.zeros_like(c0) + key0, tl.zeros_like(c0) + key1)
         lane = (g & 3).to(tl.int32)
         words = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
         position = tl.where(mask, position, 0)

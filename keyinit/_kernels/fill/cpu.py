@@ -2,7 +2,7 @@
 
 The kernel writes straight into ``out`` (any strides) with a bounded stack
 workspace per thread, and runs on ``torch.get_num_threads()`` threads; the
-values do not depend on that number. See ``keyinit_kernels.c`` for the
+values do not depend on that number. See ``fill_kernels.c`` for the
 element addressing.
 """
 
@@ -17,9 +17,9 @@ from keyinit.distributions import Bernoulli, Distribution, Normal, Randint, Trun
 from keyinit.keys import Key
 from keyinit.regions import Region
 
-from keyinit._kernels import _selftest
-from keyinit._kernels._ids import DIST_IDS, DTYPE_IDS
-from keyinit._kernels._library import CompiledLibrary
+from keyinit._kernels.fill import selftest as _selftest
+from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
+from keyinit._kernels.common.library import CompiledLibrary
 from keyinit._draw.geometry import geometry
 
 __all__ = ["KERNEL", "available", "fill", "library", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
@@ -57,22 +57,11 @@ def _selftest_run(lib: ctypes.CDLL) -> list[str]:
     return _selftest.run(lambda out, dist, key, region, threads: fill(out, dist, key, region, threads=threads, lib=lib))
 
 
-#: The init kernel library (``keyinit_kernels.c``), loaded through the one loader.
-KERNEL = CompiledLibrary("the compiled CPU kernel", "keyinit_kernels.c", declare, _selftest_run)
-
-#: The library built for this machine (loaded on first use, after its golden self-test).
-LIBRARY = KERNEL.checked
-
-#: The same library without the self-test, for tests that compare the kernel with the reference
-#: case by case (a kernel bug must fail the tests that describe it, not turn them into skips).
-UNCHECKED = KERNEL.unchecked
-
-
-#: Module-level names of the loader's methods (the tests patch ``library``).
+#: The init kernel library (``fill_kernels.c``), loaded through the one loader.
+KERNEL = CompiledLibrary("the compiled CPU kernel", "fill/fill_kernels.c", declare, _selftest_run)
+#: Looked up at each call, so a test can patch it; ``LIBRARY``, ``UNCHECKED``, ``SOURCE``, ... are the loader's.
 library = KERNEL.library
-available = KERNEL.available
-failure_reason = KERNEL.failure_reason
-unchecked_library = UNCHECKED.get
+__getattr__ = KERNEL.module_attribute
 
 
 def _params(dist: Distribution) -> tuple[list[float], list[int]]:
@@ -106,7 +95,7 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, thread
     if lib is None:
         lib = library()
     if lib is None:
-        LIBRARY.warn_once()
+        KERNEL.checked.warn_once()
         return False
     base, dims = geometry(out, region)
     nd = len(dims)

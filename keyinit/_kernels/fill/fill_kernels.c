@@ -41,10 +41,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "convert.h"
-#include "ids.h"
-#include "parallel.h"
-#include "philox.h"
+#include "../common/convert.h"
+#include "../common/ids.h"
+#include "../common/parallel.h"
+#include "../common/philox.h"
 
 #define KI_MAX_DIMS 64
 #define TILE 512

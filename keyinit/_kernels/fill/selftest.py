@@ -2,7 +2,7 @@
 
 A library that compiles and loads can still be wrong: a compiler wrapper that
 adds value-changing flags, a miscompiled SIMD path, a CPU quirk. Before
-:mod:`keyinit._kernels._cpu` uses a library, it fills the cases below with it
+:mod:`keyinit._kernels.fill.cpu` uses a library, it fills the cases below with it
 and compares SHA-256 digests of the output bytes with :data:`GOLDEN`, which
 are the bytes the reference implementation (:mod:`keyinit._draw.reference_fill`)
 produces for the same cases; ``tests/test_kernels_cpu.py`` recomputes them

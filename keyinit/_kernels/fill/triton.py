@@ -18,7 +18,7 @@ own ``randint4x`` puts a 64-bit offset into a different Philox variant, so it is
 not used. bfloat16 rounding is done on the bits (torch's rule); float16 uses the
 hardware round-to-nearest-even conversion.
 
-Structure (see :mod:`keyinit._kernels._triton_impl`): a region whose innermost
+Structure (see :mod:`keyinit._kernels.fill.triton_impl`): a region whose innermost
 dimension is a run of consecutive global indices (every full tensor, every
 dim-0 shard, rows of a unit-step column slice of at least ``RUN_MIN`` elements)
 takes the RUN path: each program computes ``NB`` Philox blocks of one row once
@@ -43,8 +43,9 @@ import torch
 from keyinit.distributions import Bernoulli, Bits, Distribution, Normal, Randint, TruncatedNormal, Uniform
 from keyinit.keys import Key
 from keyinit.regions import Region
-from keyinit._kernels._ids import DIST_IDS, DTYPE_IDS
-from keyinit._draw.geometry import BLOCK, MAX_DIMS, NB, geometry
+from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
+from keyinit._draw.geometry import geometry
+from keyinit._kernels.fill.launch import BLOCK, MAX_DIMS, NB
 
 __all__ = ["available", "fill", "MAX_DIMS", "RUN_MIN", "launch_plan"]
 
@@ -53,7 +54,7 @@ RUN_MIN = 256
 _MAX_GRID = 2**31 - 1
 
 #: Value family of each distribution: 0 float, 1 integer, 2 boolean (the Triton kernel's own grouping;
-#: the distribution and dtype ids themselves are the one table, keyinit._kernels._ids).
+#: the distribution and dtype ids themselves are the one table, keyinit._kernels.common.ids).
 _FAMILY = {Bits: 1, Uniform: 0, Normal: 0, TruncatedNormal: 0, Bernoulli: 2, Randint: 1}
 
 
@@ -61,7 +62,7 @@ _FAMILY = {Bits: 1, Uniform: 0, Normal: 0, TruncatedNormal: 0, Bernoulli: 2, Ran
 def _kernel():
     """The jitted Triton kernel; ``None`` when triton cannot be imported."""
     try:
-        from keyinit._kernels._triton_impl import fill_kernel
+        from keyinit._kernels.fill.triton_impl import fill_kernel
     except Exception:  # noqa: BLE001 - any import failure means: not available
         return None
     return fill_kernel

@@ -1,6 +1,6 @@
 """The Triton kernel of stream v1 (imported only when triton is installed).
 
-See :mod:`keyinit._kernels.triton_kernel` for the contract and the host side.
+See :mod:`keyinit._kernels.fill.triton` for the contract and the host side.
 Triton resolves the helpers below through this module's globals, so they live
 at module level here rather than in the lazily importing module.
 
@@ -28,12 +28,13 @@ time, and the GENERAL one is rarely needed.)
 import triton
 import triton.language as tl
 
-from keyinit._draw.geometry import BLOCK, MAX_DIMS, NB
-from keyinit._kernels._ids import DIST, DTYPE
+from keyinit._kernels.common.ids import DIST, DTYPE
+from keyinit._kernels.common.triton_philox import philox
+from keyinit._kernels.fill.launch import BLOCK, MAX_DIMS, NB
 
 __all__ = ["fill_kernel", "NB", "BLOCK", "MAX_DIMS"]
 
-# Distribution and dtype ids of the one table (keyinit._kernels._ids, which the C kernels get too),
+# Distribution and dtype ids of the one table (keyinit._kernels.common.ids, which the C kernels get too),
 # as constexpr globals that the jitted code can read.
 DIST_UNIFORM = tl.constexpr(DIST["uniform"])
 DIST_NORMAL = tl.constexpr(DIST["normal"])
@@ -44,29 +45,13 @@ DTYPE_FLOAT16 = tl.constexpr(DTYPE["float16"])
 
 
 @triton.jit
-def _philox(c0, c1, k0, k1):
-    c2 = tl.zeros_like(c0)
-    c3 = tl.zeros_like(c0)
-    for _ in tl.static_range(10):
-        a0 = c0
-        a2 = c2
-        c0 = tl.math.umulhi(a2, 0xCD9E8D57) ^ c1 ^ k0
-        c2 = tl.math.umulhi(a0, 0xD2511F53) ^ c3 ^ k1
-        c1 = tl.mul(a2, 0xCD9E8D57, sanitize_overflow=False)
-        c3 = tl.mul(a0, 0xD2511F53, sanitize_overflow=False)
-        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
-        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
-    return c0, c1, c2, c3
-
-
-@triton.jit
 def _philox_blocks(block, k0, k1):
     """Philox4x32-10 of the counters ``(lo32(block), hi32(block), 0, 0)``."""
     c0 = (block & 0xFFFFFFFF).to(tl.uint32)
     c1 = (block >> 32).to(tl.uint32)
     key0 = tl.zeros_like(c0) + k0.to(tl.uint32)
     key1 = tl.zeros_like(c0) + k1.to(tl.uint32)
-    return _philox(c0, c1, key0, key1)
+    return philox(c0, c1, key0, key1)
 
 
 # Constants: the binary32 values of keyinit._bits.fp32math.V1_CONSTANTS, written

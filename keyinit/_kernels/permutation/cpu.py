@@ -1,7 +1,7 @@
 """The compiled CPU permutation kernel (``permutation_kernels.c``): built on first use, called through ctypes.
 
-Built, verified, loaded and self-tested (:mod:`keyinit._kernels._permutation_selftest`)
-by the one loader of the C kernels (:class:`keyinit._kernels._library.CompiledLibrary`).
+Built, verified, loaded and self-tested (:mod:`keyinit._kernels.permutation.selftest`)
+by the one loader of the C kernels (:class:`keyinit._kernels.common.library.CompiledLibrary`).
 :func:`run` returns ``False`` when the kernel is unavailable; the caller then
 uses the reference (:mod:`keyinit._draw.reference_permutation`), same values.
 """
@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from keyinit._kernels import _permutation_selftest
-from keyinit._kernels._library import CompiledLibrary
+from keyinit._kernels.permutation import selftest as _permutation_selftest
+from keyinit._kernels.common.library import CompiledLibrary
 
 __all__ = ["KERNEL", "SOURCE", "LIBRARY", "library", "run"]
 
@@ -36,22 +36,10 @@ def _selftest_run(lib: ctypes.CDLL) -> list[str]:
 
 
 #: The permutation kernel library (``permutation_kernels.c``), loaded through the one loader.
-KERNEL = CompiledLibrary("the compiled CPU permutation kernel", "permutation_kernels.c", declare, _selftest_run)
-SOURCE = KERNEL.source
-
-#: Build (or reuse from the cache) and load a variant of the library.
-build_library = KERNEL.build
-
-#: The library built for this machine (loaded on first use, after its golden self-test).
-LIBRARY = KERNEL.checked
-
-#: The same library without the self-test (tests only).
-UNCHECKED = KERNEL.unchecked
-
+KERNEL = CompiledLibrary("the compiled CPU permutation kernel", "permutation/permutation_kernels.c", declare, _selftest_run)
+#: Looked up at each call, so a test can patch it; ``LIBRARY``, ``UNCHECKED``, ``SOURCE``, ... are the loader's.
 library = KERNEL.library
-available = KERNEL.available
-failure_reason = KERNEL.failure_reason
-unchecked_library = UNCHECKED.get
+__getattr__ = KERNEL.module_attribute
 
 
 def run(kp: tuple[int, int], n: int, inverse: bool, out: torch.Tensor, *, positions: Optional[torch.Tensor] = None,
@@ -64,7 +52,7 @@ def run(kp: tuple[int, int], n: int, inverse: bool, out: torch.Tensor, *, positi
     if lib is None:
         lib = library()
     if lib is None:
-        LIBRARY.warn_once()
+        KERNEL.checked.warn_once()
         return False
     count = out.numel()
     if threads is None:

@@ -14,8 +14,8 @@
  */
 #include <stdint.h>
 
-#include "parallel.h"
-#include "philox.h"
+#include "../common/parallel.h"
+#include "../common/philox.h"
 
 /* rounds: 12 for domains of at most 16 bits, else 6 (spec section 16) */
 #define KI_PERM_ROUNDS(b) ((b) <= 16 ? 12 : 6)

@@ -1,7 +1,7 @@
 """Golden self-test of the compiled CPU permutation kernel, run once when it is loaded.
 
-The counterpart of :mod:`keyinit._kernels._selftest` for ``permutation_kernels.c``:
-before :mod:`keyinit._kernels._permutation_cpu` uses a library, it runs the
+The counterpart of :mod:`keyinit._kernels.fill.selftest` for ``permutation_kernels.c``:
+before :mod:`keyinit._kernels.permutation.cpu` uses a library, it runs the
 cases below and compares SHA-256 digests of the outputs with :data:`GOLDEN`,
 the values of the reference (:mod:`keyinit._draw.reference_permutation`);
 ``tests/test_kernel_libraries.py`` recomputes them from the reference.
@@ -74,7 +74,7 @@ def run(permute: Callable[..., bool]) -> list[str]:
     """Names of the cases whose digest is not :data:`GOLDEN` (empty: all pass).
 
     ``permute(kp, n, inverse, out, positions=..., start=..., step=..., threads=...)`` is the
-    implementation under test (the signature of :func:`keyinit._kernels._permutation_cpu.run`).
+    implementation under test (the signature of :func:`keyinit._kernels.permutation.cpu.run`).
     """
     from keyinit._draw.reference_permutation import permutation_key
     from keyinit.keys import Key

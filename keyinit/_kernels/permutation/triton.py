@@ -6,7 +6,7 @@ when triton is missing). Under ``TRITON_INTERPRET=1`` it runs on CPU tensors
 
 Each program takes BLOCK positions (an int64 vector, or ``start + step*k``),
 applies the Feistel rounds (12 for domains of at most 16 bits, else 6) of ``docs/spec.md`` section 16 (round function
-``Philox((v, i, 0, 0), Kp)[0]``, the same ``_philox`` as the init kernel) and
+``Philox((v, i, 0, 0), Kp)[0]``, the same ``philox`` as the init kernel) and
 re-applies them to the lanes still ``>= n`` until none is (cycle walking; a
 scalar ``while`` over the block's maximum).
 """
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from keyinit._kernels._triton_impl import _philox  # Philox4x32-10 of (c0, c1, 0, 0) under (k0, k1)
+from keyinit._kernels.common.triton_philox import philox  # Philox4x32-10 of (c0, c1, 0, 0) under (k0, k1)
 
 __all__ = ["run", "BLOCK"]
 
@@ -36,10 +36,10 @@ def _feistel(x, key0, key1, lb, rb, lmask, rmask, INVERSE: tl.constexpr, ROUNDS:
         else:
             i = s
         if i % 2 == 0:
-            f, _, _, _ = _philox(right, tl.zeros_like(right) + i, key0, key1)
+            f, _, _, _ = philox(right, tl.zeros_like(right) + i, key0, key1)
             left = left ^ (f & lmask.to(tl.uint32))
         else:
-            f, _, _, _ = _philox(left, tl.zeros_like(left) + i, key0, key1)
+            f, _, _, _ = philox(left, tl.zeros_like(left) + i, key0, key1)
             right = right ^ (f & rmask.to(tl.uint32))
     return (left.to(tl.int64) << rb) | right.to(tl.int64)
 
@@ -71,7 +71,7 @@ def _permute_kernel(pos_ptr, out_ptr, count, n, k0, k1, lb, rb, start, step,
 
 def run(kp: tuple[int, int], n: int, inverse: bool, out: torch.Tensor, *, positions: Optional[torch.Tensor] = None,
         start: int = 0, step: int = 1, interpret_ok: bool = False) -> bool:
-    """As :func:`keyinit._kernels._permutation_cpu.run`, for CUDA tensors (CPU only with ``interpret_ok``)."""
+    """As :func:`keyinit._kernels.permutation.cpu.run`, for CUDA tensors (CPU only with ``interpret_ok``)."""
     if out.device.type != "cuda" and not interpret_ok:
         return False
     count = out.numel()
