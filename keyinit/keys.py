@@ -29,7 +29,8 @@ import attrs
 
 from keyinit._bits import streams
 
-__all__ = ["Key", "key", "split", "fold_in", "key_for", "STREAM_VERSIONS", "DEFAULT_STREAM"]
+__all__ = ["Key", "key", "split", "fold_in", "key_for", "STREAM_VERSIONS", "DEFAULT_STREAM", "as_int", "as_uint64",
+           "require_key"]
 
 DEFAULT_STREAM = "v1"
 
@@ -111,7 +112,7 @@ def as_int(value: object, what: str) -> int:
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
 
 
-def _as_uint64(value: object, what: str) -> int:
+def as_uint64(value: object, what: str) -> int:
     try:
         value = as_int(value, what)
     except TypeError:
@@ -129,7 +130,7 @@ def key(seed: int, *, stream: str = DEFAULT_STREAM) -> Key:
     ``seed`` is an int in ``[0, 2**64)``; bools, floats, strings and negative
     numbers are rejected.
     """
-    seed = _as_uint64(seed, "seed")
+    seed = as_uint64(seed, "seed")
     impl = _resolve_stream(stream)
     k0, k1 = impl.seed(seed)
     return Key(k0, k1, impl.name)
@@ -140,7 +141,7 @@ def _derive(parent: Key, tag: int, x0: int, x1: int, x3: int) -> Key:
     return Key(k0, k1, parent.stream)
 
 
-def _require_key(value: object, what: str = "key") -> Key:
+def require_key(value: object, what: str = "key") -> Key:
     if not isinstance(value, Key):
         raise TypeError(
             f"{what} must be a keyinit.Key (make one with keyinit.key(seed)), "
@@ -154,7 +155,7 @@ def split(parent: Key, num: int = 2) -> tuple[Key, ...]:
 
     ``split(k, n)[i]`` does not depend on ``n``, so ``split(k, 3)[:2] == split(k, 2)``.
     """
-    parent = _require_key(parent)
+    parent = require_key(parent)
     try:
         num = as_int(num, "num")
     except TypeError:
@@ -176,12 +177,12 @@ def fold_in(parent: Key, data: Union[int, str]) -> Key:
     int, folding a str and splitting are domain-separated, so ``fold_in(k, 1)``,
     ``fold_in(k, "1")`` and ``split(k)[1]`` are unrelated keys.
     """
-    parent = _require_key(parent)
+    parent = require_key(parent)
     if isinstance(data, str):
         h0, h1, h2 = _string_words(data)
         return _derive(parent, _TAG_FOLD_STR, h0, h1, h2)
     try:
-        value = _as_uint64(data, "fold_in data")
+        value = as_uint64(data, "fold_in data")
     except TypeError:
         raise TypeError(
             f"fold_in data must be an int in [0, 2**64) or a str, got {type(data).__name__} {data!r}"

@@ -33,7 +33,7 @@ from keyinit.distributions import (
     TruncatedNormal,
     Uniform,
 )
-from keyinit.keys import Key, _require_key, as_int
+from keyinit.keys import Key, require_key, as_int
 from keyinit.regions import RegionEntry, make_region, normalize_shape
 
 __all__ = ["bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint", "sample"]
@@ -54,7 +54,7 @@ def sample(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Draw ``full[region]`` of distribution ``dist`` (a :mod:`keyinit.distributions` value)."""
-    key = _require_key(key)
+    key = require_key(key)
     shape = normalize_shape(shape)
     dtype = _resolve_dtype(dtype, out, dist.dtypes[0])
     dist.check_dtype(dtype)

@@ -59,7 +59,7 @@ from keyinit._engine.program import (
     Whole,
 )
 from keyinit._engine.replay import Evaluator
-from keyinit._engine.standin import CaptureError, LazyTensor, _leaves, tree_map
+from keyinit._engine.standin import CaptureError, LazyTensor, tensor_leaves, tree_map
 
 __all__ = ["LazyTensor", "Capture", "CaptureError"]
 
@@ -264,7 +264,7 @@ class Capture:
             if self._claim(stack):
                 return self._run_suppressed(func, args, kwargs)
             return self._record(func, args, kwargs, random=True)
-        flat = _leaves((args, kwargs))
+        flat = tensor_leaves((args, kwargs))
         if _DATA_DEPENDENT & set(getattr(func, "tags", ())) and any(isinstance(x, LazyTensor) for x in flat):
             # allclose, nonzero, unique: what they return depends on the values, so they are computed
             # on real values (deterministic ones; a draw's values cannot be known: UnkeyedRandomnessError)
@@ -338,7 +338,7 @@ class Capture:
         if func in _VALUE_OPS:
             return False if func is not aten._local_scalar_dense.default else 0
         out = self._run_meta(func, args, kwargs)
-        outputs = [o for o in _leaves(out) if isinstance(o, torch.Tensor)]
+        outputs = [o for o in tensor_leaves(out) if isinstance(o, torch.Tensor)]
         returns = [Suppressed(tuple(o.shape), o.dtype) for o in outputs]
         return self._wrap(args, kwargs, bind_arguments(func, args, kwargs), _mutated_args(func), out, returns)
 
@@ -364,7 +364,7 @@ class Capture:
         if any(StridedView.of(t._meta) != g for t, g in zip(mutated, before)):
             raise CaptureError(f"{self.site}: init code's {_op_name(func)} resizes the tensor it writes into (an out= "
                                f"argument of another shape); keyinit captures writes into tensors of fixed shape")
-        outputs = [o for o in _leaves(out) if isinstance(o, torch.Tensor)]
+        outputs = [o for o in tensor_leaves(out) if isinstance(o, torch.Tensor)]
         if random:
             effects = keyed_effects(func, args, kwargs, outputs, self.site, self.node)
             names = _mutated_args(func)
@@ -522,13 +522,13 @@ class Capture:
             if any(a.name == "device" for a in func._schema.arguments):
                 k["device"] = torch.device("cpu")
             result = func(*args, **k)
-        return [Literal(r.contiguous()) for r in _leaves(result) if isinstance(r, torch.Tensor)]
+        return [Literal(r.contiguous()) for r in tensor_leaves(result) if isinstance(r, torch.Tensor)]
 
     def _wrap(self, args: tuple, kwargs: dict, bound: dict[str, Any], mutated: list[str], out: Any,
               returns: list[Optional[Node]]) -> Any:
         """Turn meta results into stand-ins: views and mutated arguments share their input's buffer."""
         by_storage = {}
-        for x in _leaves((args, kwargs)):
+        for x in tensor_leaves((args, kwargs)):
             if isinstance(x, LazyTensor):
                 by_storage.setdefault(x._meta.untyped_storage()._cdata, x)
         written = [bound[m] for m in mutated if isinstance(bound.get(m), LazyTensor)]

@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from keyinit.keys import Key, _as_uint64, fold_in, key
+from keyinit.keys import Key, as_uint64 as _as_uint64, fold_in, key
 
 __all__ = ["AUGMENT_DOMAIN", "SampleRef", "sample_key", "keyed_samples", "KeyedSamples", "keyed_randomness"]
 

@@ -15,7 +15,7 @@ import torch
 
 from keyinit._draw import dispatch
 from keyinit._draw import reference_permutation
-from keyinit.keys import Key, _require_key
+from keyinit.keys import Key, require_key as _require_key
 
 __all__ = ["permutation", "inverse_permutation", "Positions"]
 

@@ -49,7 +49,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from keyinit.fqn import canonical_modules
-from keyinit.keys import Key, _as_uint64, key
+from keyinit.keys import Key, as_uint64 as _as_uint64, key
 from keyinit.nn._intercept import _DropoutFunctionMode, _Frame, _SeededOpGuard
 
 __all__ = ["keyed", "Keyed", "inside_keyed_forward"]

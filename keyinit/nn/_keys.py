@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Union
 
-from keyinit.keys import Key, _as_uint64, fold_in, key
+from keyinit.keys import Key, as_uint64 as _as_uint64, fold_in, key
 
 __all__ = ["DROPOUT_DOMAIN", "dropout_key"]
 

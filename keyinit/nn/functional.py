@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit.keys import Key, _require_key
+from keyinit.keys import Key, require_key as _require_key
 from keyinit._draw.dropout_geometry import Layout, dtensor_layout, layout_for, rows_layout
 
 __all__ = ["dropout", "scaled_dot_product_attention"]
@@ -46,7 +46,7 @@ def _check_input(input: Any) -> None:
 
 
 def _dtensor_class() -> Optional[type]:
-    from keyinit.layouts import _dtensor_class as find
+    from keyinit.layouts import dtensor_class as find
 
     return find()
 
