@@ -1,9 +1,9 @@
-"""The layouts ``keyinit verify`` simulates: which region of each tensor each rank of a layout holds.
+"""The CLI's layout specs: ``--layouts`` parsed, and which region of each tensor each rank of a layout holds.
 
-Layouts (``--layouts``) are parsed by :func:`parse_layout` and turned into per-rank regions by
-:class:`LayoutSpec`, using :func:`keyinit.layouts.dtensor_region` for the DTensor placements that
-FSDP2, HSDP, TP and FSDP2xTP would give each parameter. The model walk and pipeline-stage cuts
-live in :mod:`keyinit.tensors`.
+Layout names (``fsdp4``, ``fsdp2xtp2``, ``pp2``, ...) are parsed by :func:`parse_layout` into a
+:class:`LayoutSpec`, which gives a :class:`Sharded` tensor its per-rank regions using
+:func:`keyinit.layouts.dtensor_region` for the DTensor placements that FSDP2, HSDP, TP and FSDP2xTP
+would give each parameter. The model walk and pipeline-stage cuts live in :mod:`keyinit.tensors`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import hashlib
 import itertools
 import math
 import re
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import attrs
@@ -20,10 +19,10 @@ import torch
 
 from keyinit.cli._common import CLIError
 from keyinit.regions import Region, make_region
-from keyinit.tensors import ModelTensor
 
 __all__ = [
     "LayoutSpec",
+    "Sharded",
     "parse_layout",
     "ROWWISE_NAMES",
     "tp_shard_dim",
@@ -40,7 +39,24 @@ ROWWISE_NAMES = frozenset({"wo", "w2", "o_proj", "down_proj", "out_proj", "c_pro
 # --------------------------------------------------------------------------- layouts
 
 
-def tp_shard_dim(slot: ModelTensor, rowwise: frozenset) -> Optional[int]:
+@attrs.frozen(eq=False)
+class Sharded:
+    """What a layout needs of one tensor to place it: its FQN, kind, global shape and owning module."""
+
+    fqn: str
+    kind: str  # "parameter" or a buffer
+    shape: tuple[int, ...]
+    module: torch.nn.Module
+    attr: str
+
+    @classmethod
+    def of(cls, entry: Any) -> Sharded:
+        """The tensor of a :class:`keyinit.PlanEntry` (at its owner's attribute)."""
+        module, attr = entry.locations[0]
+        return cls(entry.fqn, entry.kind, tuple(entry.global_shape), module, attr)
+
+
+def tp_shard_dim(tensor: Sharded, rowwise: frozenset) -> Optional[int]:
     """The tensor dim tensor parallelism shards (torchtitan-style plans), or None for replicated.
 
     ``nn.Linear``: weight ``Shard(0)`` (column-wise) or ``Shard(1)`` (row-wise, when the
@@ -48,8 +64,8 @@ def tp_shard_dim(slot: ModelTensor, rowwise: frozenset) -> Optional[int]:
     (row-wise). ``nn.Embedding``: ``Shard(0)``. Any other tensor of 2 or more dims:
     ``Shard(0)``. 1-D and 0-D tensors of other modules (norms): replicated.
     """
-    module, attr = slot.module, slot.attr
-    leaf = slot.fqn.rsplit(".", 2)[-2] if slot.fqn.count(".") >= 1 else ""
+    module, attr = tensor.module, tensor.attr
+    leaf = tensor.fqn.rsplit(".", 2)[-2] if tensor.fqn.count(".") >= 1 else ""
     if isinstance(module, torch.nn.Linear):
         is_row = leaf in rowwise
         if attr == "weight":
@@ -59,7 +75,7 @@ def tp_shard_dim(slot: ModelTensor, rowwise: frozenset) -> Optional[int]:
         return None
     if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and attr == "weight":
         return 0
-    if len(slot.shape) >= 2:
+    if len(tensor.shape) >= 2:
         return 0
     return None
 
@@ -85,16 +101,8 @@ class LayoutSpec:
     def world_size(self) -> int:
         return self.pp * math.prod(self.mesh_shape)
 
-    def ranks(self) -> Iterator[tuple[int, int, tuple[int, ...]]]:
-        """``(rank, stage, mesh coordinate)`` for every rank, pipeline-major."""
-        rank = 0
-        for stage in range(self.pp):
-            for coordinate in itertools.product(*(range(s) for s in self.mesh_shape)):
-                yield rank, stage, coordinate
-                rank += 1
-
-    def placements(self, slot: ModelTensor) -> tuple[Any, ...]:
-        """The DTensor placements this layout gives ``slot`` (one per mesh dim).
+    def placements(self, tensor: Sharded) -> tuple[Any, ...]:
+        """The DTensor placements this layout gives ``tensor`` (one per mesh dim).
 
         FSDP2: ``Shard(0)`` (``_StridedShard(0, split_factor=tp)`` over a TP ``Shard(0)``,
         as ``fully_shard`` does on a TP-parallelized module); 0-D tensors and buffers are
@@ -102,16 +110,16 @@ class LayoutSpec:
         """
         from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-        if slot.kind != "parameter":  # FSDP2 and TP leave buffers as plain, replicated tensors
+        if tensor.kind != "parameter":  # FSDP2 and TP leave buffers as plain, replicated tensors
             return tuple(Replicate() for _ in self.mesh_kinds)
-        tp_dim = tp_shard_dim(slot, self.rowwise) if "tp" in self.mesh_kinds else None
+        tp_dim = tp_shard_dim(tensor, self.rowwise) if "tp" in self.mesh_kinds else None
         tp_size = self.mesh_shape[self.mesh_kinds.index("tp")] if "tp" in self.mesh_kinds else 1
         out: list[Any] = []
         for kind in self.mesh_kinds:
             if kind == "replicate":
                 out.append(Replicate())
             elif kind == "fsdp":
-                if not slot.shape:
+                if not tensor.shape:
                     out.append(Replicate())
                 elif tp_dim == 0:
                     out.append(_StridedShard(0, split_factor=tp_size))
@@ -121,47 +129,47 @@ class LayoutSpec:
                 out.append(Replicate() if tp_dim is None else Shard(tp_dim))
         return tuple(out)
 
-    def region(self, slot: ModelTensor, coordinate: tuple[int, ...]) -> Region:
+    def region(self, tensor: Sharded, coordinate: tuple[int, ...]) -> Region:
         from torch.distributed.tensor.placement_types import _StridedShard
 
         from keyinit.layouts import dtensor_region
 
         if not self.mesh_shape:
-            return make_region(slot.shape, None)
-        placements = self.placements(slot)
+            return make_region(tensor.shape, None)
+        placements = self.placements(tensor)
         strided = any(isinstance(p, _StridedShard) for p in placements)
-        return dtensor_region(slot.shape, self.mesh_shape, coordinate, placements,
+        return dtensor_region(tensor.shape, self.mesh_shape, coordinate, placements,
                               strided_shard_as_shard_order=True if strided else None)
 
-    def distinct_regions(self, slot: ModelTensor) -> list[tuple[Region, tuple[int, ...], int]]:
+    def distinct_regions(self, tensor: Sharded) -> list[tuple[Region, tuple[int, ...], int]]:
         """``(region, a mesh coordinate holding it, how many coordinates hold it)`` for each distinct
-        region ranks of this layout hold of ``slot``: costs grow with the number of distinct shards,
+        region ranks of this layout hold of ``tensor``: costs grow with the number of distinct shards,
         not with the number of ranks (a mesh dim of size ``k`` that shards a dim of size ``n < k``
         gives ``n`` non-empty chunks and empty ones, which are all alike)."""
         if not self.mesh_shape:
-            return [(make_region(slot.shape, None), (), 1)]
+            return [(make_region(tensor.shape, None), (), 1)]
         from torch.distributed.tensor.placement_types import Replicate
 
-        placements = self.placements(slot)
+        placements = self.placements(tensor)
         choices: list[list[tuple[int, int]]] = []
         for size, placement in zip(self.mesh_shape, placements):
             if isinstance(placement, Replicate):
                 choices.append([(0, size)])
                 continue
-            bound = slot.shape[placement.dim] if slot.shape else 0
+            bound = tensor.shape[placement.dim] if tensor.shape else 0
             if size <= bound + 1:
                 choices.append([(c, 1) for c in range(size)])
             else:  # coordinates >= bound all hold empty chunks
                 choices.append([(c, 1) for c in range(bound)] + [(bound, size - bound)])
         combos = math.prod(len(c) for c in choices)
         if combos > MAX_DISTINCT_SHARDS:
-            raise CLIError(f"{self.name}: {slot.fqn} would have {combos:,} distinct shards to check "
+            raise CLIError(f"{self.name}: {tensor.fqn} would have {combos:,} distinct shards to check "
                            f"(more than {MAX_DISTINCT_SHARDS:,}); choose a smaller layout")
         seen: dict[tuple, list] = {}
         for combo in itertools.product(*choices):
             coordinate = tuple(c for c, _ in combo)
             count = math.prod(w for _, w in combo)
-            region = self.region(slot, coordinate)
+            region = self.region(tensor, coordinate)
             signature = tuple(hashlib.sha256(index.numpy().tobytes()).hexdigest() for index in region.indices)
             entry = seen.get(signature)
             if entry is None:

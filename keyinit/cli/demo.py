@@ -74,8 +74,7 @@ def _check(model: torch.nn.Module, layout: str, world: int) -> tuple[dict[str, s
     from torch.distributed.tensor.debug import CommDebugMode
 
     from keyinit.cli._common import bitwise_equal, take_region
-    from keyinit.cli._virtual import LayoutSpec
-    from keyinit.tensors import ModelTensor
+    from keyinit.cli._layout_specs import LayoutSpec, Sharded
 
     kinds = {"fsdp": ("fsdp",), "hsdp": ("replicate", "fsdp"), "tp": ("tp",), "fsdp_tp": ("fsdp", "tp")}.get(layout)
     digests: dict[str, str] = {}
@@ -94,8 +93,8 @@ def _check(model: torch.nn.Module, layout: str, world: int) -> tuple[dict[str, s
             mesh_shape = tuple(param.device_mesh.shape)
             # under FSDP2xTP, tensors TP leaves alone are sharded by FSDP2 on the 1-D dp mesh only
             spec = LayoutSpec(layout, 1, kinds[: len(mesh_shape)], mesh_shape)
-            slot = ModelTensor(fqn, "parameter", [(module, attr, fqn)], tuple(param.shape), param.dtype, True)
-            region = spec.region(slot, tuple(param.device_mesh.get_coordinate()))
+            region = spec.region(Sharded(fqn, "parameter", tuple(param.shape), module, attr),
+                                 tuple(param.device_mesh.get_coordinate()))
             total += 1
             predicted += bitwise_equal(take_region(full, region), param.to_local())
     return digests, comm.get_total_counts(), predicted, total

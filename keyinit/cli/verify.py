@@ -52,8 +52,8 @@ import torch
 
 from keyinit._engine.progress import Progress
 from keyinit.cli._common import CLIError, bitwise_equal, build_model, format_table, load_factory, take_region
-from keyinit.cli._virtual import ROWWISE_NAMES, LayoutSpec, parse_layout
-from keyinit.tensors import ModelTensor, StageError, aliases, cut_stage, stage_assignment, tensors
+from keyinit.cli._layout_specs import ROWWISE_NAMES, LayoutSpec, Sharded, parse_layout
+from keyinit.tensors import StageError, aliases, cut_stage, stage_assignment, tensors
 
 __all__ = ["add_parser", "run", "verify"]
 
@@ -96,17 +96,12 @@ def _init_kwargs(kwargs: dict[str, Any], init_method: Any) -> dict[str, Any]:
     return out
 
 
-def _slot(entry: Any) -> ModelTensor:
-    return ModelTensor(entry.fqn, entry.kind, [(m, a, entry.fqn) for m, a in entry.locations],
-                       tuple(entry.global_shape), entry.dtype, False)
-
-
 def _check(plan: Any, entry: Any, layout: LayoutSpec, expected: torch.Tensor, stage_rank: int,
            stage_ranks: int) -> tuple[list[int], int, int]:
     """Replay ``entry``'s tensor for every distinct region ``layout`` gives it (``plan.values``);
     return (bad ranks, ranks holding it, largest region)."""
     bad, held, largest = [], 0, 0
-    for region, coordinate, count in layout.distinct_regions(_slot(entry)):
+    for region, coordinate, count in layout.distinct_regions(Sharded.of(entry)):
         rank = stage_rank * stage_ranks + (_ravel(coordinate, layout.mesh_shape) if coordinate else 0)
         out = plan.values(entry.fqn, region)
         held += count
@@ -231,10 +226,10 @@ def _stage_plan(factory: Any, spec: str, layout: LayoutSpec, stage: int, seed: i
     kept = cut_stage(model, found, assignment, stage)
     ties = dict(kwargs.get("ties") or {})
     names = {s.fqn for s in kept}
-    for slot in kept:
-        first = ref_aliases.get(slot.fqn)
+    for tensor in kept:
+        first = ref_aliases.get(tensor.fqn)
         if first is not None and first not in names:
-            ties.setdefault(slot.fqn, first)  # tied across stages: key it as the first name
+            ties.setdefault(tensor.fqn, first)  # tied across stages: key it as the first name
     kwargs["ties"] = ties
     kwargs["strict"] = False  # a stage holds only some of the FQNs the rules name
     try:
