@@ -44,19 +44,7 @@ from keyinit import init as _init
 from keyinit._engine.random_ops import Effects, bind_arguments, is_random, keyed_effects
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit._engine.program import (
-    Alloc,
-    Cat,
-    Const,
-    StridedView,
-    Item,
-    Literal,
-    Node,
-    Pointwise,
-    Random,
-    Read,
-    Storage,
-    Suppressed,
-    Whole,
+    Alloc, Cat, Const, StridedView, Item, Literal, Node, Pointwise, Random, Read, Storage, Suppressed, Whole,
 )
 from keyinit._engine.replay import Evaluator
 from keyinit._engine.standin import CaptureError, LazyTensor, tensor_leaves, tree_map

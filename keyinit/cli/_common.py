@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib
 import importlib.util
@@ -16,6 +17,7 @@ from keyinit._engine.options import InitOptions
 
 __all__ = [
     "CLIError",
+    "add_subcommand",
     "load_factory",
     "build_model",
     "bitwise_equal",
@@ -26,6 +28,11 @@ __all__ = [
 
 class CLIError(Exception):
     """A user-facing error: printed as one line on stderr, exit code 2."""
+
+
+def add_subcommand(sub: Any, name: str, doc: Optional[str], help: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``: ``help`` in ``keyinit --help``, the module's ``doc`` as its description."""
+    return sub.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def load_factory(spec: str) -> Any:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from keyinit.cli._common import CLIError, digest, format_table
+from keyinit.cli._common import CLIError, add_subcommand, digest, format_table
 
 __all__ = ["add_parser", "run", "LAYOUTS"]
 
@@ -35,13 +35,9 @@ LAYOUTS = ("fsdp", "hsdp", "tp", "fsdp_tp", "pp")
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="initialize a small Llama-like model under FSDP2, HSDP, TP, FSDP2xTP and PP on local CPU ranks "
-             "and check the weights are bit-identical to one process, with zero collectives",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_subcommand(sub, "demo", __doc__,
+                       "initialize a small Llama-like model under FSDP2, HSDP, TP, FSDP2xTP and PP on local CPU ranks "
+                       "and check the weights are bit-identical to one process, with zero collectives")
     p.add_argument("--world-size", type=int, default=4, help="number of CPU ranks to spawn (default 4)")
     p.add_argument("--seed", type=int, default=0, help="the seed (default 0)")
     p.add_argument("--model-size", default="tiny", help="tiny (default), small, medium, large")

@@ -51,7 +51,7 @@ from typing import Any, Optional
 import torch
 
 from keyinit._engine.progress import Progress
-from keyinit.cli._common import CLIError, bitwise_equal, build_model, format_table, load_factory, take_region
+from keyinit.cli._common import CLIError, add_subcommand, bitwise_equal, build_model, format_table, load_factory, take_region
 from keyinit.cli._layout_specs import ROWWISE_NAMES, LayoutSpec, Sharded, parse_layout
 from keyinit.tensors import StageError, aliases, cut_stage, stage_assignment, tensors
 
@@ -61,13 +61,9 @@ DEFAULT_LAYOUTS = "fsdp4,tp2,fsdp2xtp2,pp2,fsdp8x8"
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "verify",
-        help="check, in one process, that MODULE:FACTORY's model initializes bit-identically under "
-             "FSDP/HSDP/TP/PP layouts",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_subcommand(sub, "verify", __doc__,
+                       "check, in one process, that MODULE:FACTORY's model initializes bit-identically under "
+                       "FSDP/HSDP/TP/PP layouts")
     p.add_argument("factory", help="MODULE:FACTORY (or path/to/file.py:FACTORY); the factory returns an "
                                    "nn.Module, or (nn.Module, init_model kwargs); it is called through "
                                    "keyinit.deferred (see --build), and twice eagerly on CPU for fidelity")

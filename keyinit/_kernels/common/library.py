@@ -33,7 +33,12 @@ from typing import Any, Callable, Optional
 from keyinit._kernels.common import build as _build
 from keyinit._kernels.common.lazy import LazyLibrary
 
-__all__ = ["CompiledLibrary"]
+__all__ = ["CompiledLibrary", "MAX_DIMS", "I64P"]
+
+#: The most dimensions a C kernel takes (``KI_MAX_DIMS``, ``KD_MAX_DIMS`` in the sources); more: the reference.
+MAX_DIMS = 64
+#: ``int64_t *`` in a ctypes signature.
+I64P = ctypes.POINTER(ctypes.c_int64)
 
 #: keyinit/_kernels: a library's ``source`` is a path below it (``fill/fill_kernels.c``).
 KERNEL_DIR = Path(__file__).parents[1]
@@ -79,6 +84,13 @@ class CompiledLibrary:
     def library(self) -> Optional[ctypes.CDLL]:
         """The self-tested library, loading it on the first call; ``None`` if it cannot be used."""
         return self.checked.get()
+
+    def usable(self, load: Callable[[], Optional[ctypes.CDLL]]) -> Optional[ctypes.CDLL]:
+        """``load()`` (a kernel module's patchable ``library``), or ``None`` after the one fallback warning."""
+        lib = load()
+        if lib is None:
+            self.checked.warn_once(stacklevel=5)
+        return lib
 
     def available(self) -> bool:
         return self.checked.get() is not None

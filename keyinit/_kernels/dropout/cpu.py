@@ -19,18 +19,15 @@ import torch
 
 from keyinit._kernels.dropout import selftest as _dropout_selftest
 from keyinit._kernels.common import ids as _ids
-from keyinit._kernels.common.library import CompiledLibrary
+from keyinit._kernels.common.library import I64P, MAX_DIMS, CompiledLibrary
 
 __all__ = ["KERNEL", "SOURCE", "DTYPE_IDS", "library", "available", "failure_reason", "run", "MIN_PARALLEL_ELEMENTS"]
 
 #: dtype ids (the one table, :mod:`keyinit._kernels.common.ids`) of the dtypes dropout takes.
 DTYPE_IDS = {dtype: _ids.DTYPE_IDS[dtype] for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
-MAX_DIMS = 64
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 17
 
-
-_I64P = ctypes.POINTER(ctypes.c_int64)
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -38,7 +35,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.keyinit_dropout.restype = ctypes.c_int
     lib.keyinit_dropout.argtypes = [
         ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_float, ctypes.c_double,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, _I64P, _I64P,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, I64P, I64P,
         ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
     ]
     lib.keyinit_dropout_philox_stream.restype = None
@@ -72,10 +69,8 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = N
     dtype_id = DTYPE_IDS.get(x.dtype)
     if dtype_id is None or x.device.type != "cpu" or len(geometry.sizes) > MAX_DIMS:
         return False
+    lib = lib if lib is not None else KERNEL.usable(library)
     if lib is None:
-        lib = library()
-    if lib is None:
-        KERNEL.checked.warn_once()
         return False
     nd = len(geometry.sizes)
     sizes = (ctypes.c_int64 * nd)(*geometry.sizes)

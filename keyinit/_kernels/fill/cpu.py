@@ -19,17 +19,14 @@ from keyinit.regions import Region
 
 from keyinit._kernels.fill import selftest as _selftest
 from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
-from keyinit._kernels.common.library import CompiledLibrary
+from keyinit._kernels.common.library import I64P, MAX_DIMS, CompiledLibrary
 from keyinit._draw.geometry import geometry
 
 __all__ = ["KERNEL", "available", "fill", "library", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
 
-MAX_DIMS = 64
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 16
 
-
-_I64P = ctypes.POINTER(ctypes.c_int64)
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -37,8 +34,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.keyinit_fill.restype = ctypes.c_int
     lib.keyinit_fill.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32,
-        ctypes.POINTER(ctypes.c_double), _I64P,
-        ctypes.c_int, ctypes.c_int64, _I64P, _I64P, _I64P,
+        ctypes.POINTER(ctypes.c_double), I64P,
+        ctypes.c_int, ctypes.c_int64, I64P, I64P, I64P,
         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_int,
     ]
     lib.keyinit_constants.restype = ctypes.c_int
@@ -92,10 +89,8 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, thread
     dtype_id = DTYPE_IDS.get(out.dtype)
     if dist_id is None or dtype_id is None or out.device.type != "cpu" or out.dim() > MAX_DIMS:
         return False
+    lib = lib if lib is not None else KERNEL.usable(library)
     if lib is None:
-        lib = library()
-    if lib is None:
-        KERNEL.checked.warn_once()
         return False
     base, dims = geometry(out, region)
     nd = len(dims)

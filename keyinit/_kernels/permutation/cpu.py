@@ -49,10 +49,8 @@ def run(kp: tuple[int, int], n: int, inverse: bool, out: torch.Tensor, *, positi
     ``out`` is a contiguous CPU int64 tensor; ``positions`` (if given) a contiguous CPU int64
     tensor of the same length, every value in ``[0, n)``; ``n >= 2``. ``False``: nothing written.
     """
+    lib = lib if lib is not None else KERNEL.usable(library)
     if lib is None:
-        lib = library()
-    if lib is None:
-        KERNEL.checked.warn_once()
         return False
     count = out.numel()
     if threads is None:
