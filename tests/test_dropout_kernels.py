@@ -22,7 +22,7 @@ from keyinit._kernels.dropout import cpu as _dropout_cpu
 from keyinit._bits.philox import philox4x32
 from keyinit._draw import reference_dropout
 from keyinit.nn import dropout_key
-from keyinit._draw.dropout_geometry import layout_for, plan
+from keyinit._draw.dropout_geometry import layout_for, make_geometry as plan
 
 try:
     from tests.conftest import assert_bits_equal

@@ -46,7 +46,7 @@ def _cases():
 def _run_case(case, run_fn, device):
     import keyinit
     from keyinit.nn import dropout_key
-    from keyinit._draw.dropout_geometry import layout_for, plan
+    from keyinit._draw.dropout_geometry import layout_for, make_geometry as plan
 
     dtype, p, shape, region = case
     key = dropout_key(5, step=2**40, fqn="layers.7.attention", ordinal=3)
@@ -110,7 +110,7 @@ def test_run_declines_cpu_tensors_outside_the_interpreter():
     code = (
         "import torch\n"
         "from keyinit._kernels.dropout import triton as triton_dropout\n"
-        "from keyinit._draw.dropout_geometry import plan\n"
+        "from keyinit._draw.dropout_geometry import make_geometry as plan\n"
         "g = plan((4,), 1, 2, 0.5, [1], [0], [None])\n"
         "assert triton_dropout.run(torch.ones(4), torch.empty(4), g) is False\n"
     )

@@ -17,7 +17,7 @@ from keyinit._kernels.fill import cpu as _cpu
 from keyinit._kernels.dropout import cpu as _dropout_cpu
 from keyinit._kernels.dropout import selftest as _dropout_selftest
 from keyinit._draw import reference_dropout as dropout_reference
-from keyinit._draw.dropout_geometry import layout_for, plan
+from keyinit._draw.dropout_geometry import layout_for, make_geometry
 from keyinit.regions import make_region
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def test_dropout_selftest_golden_digests_are_the_reference_values():
         local = make_region(shape, region).region_shape
         x = _dropout_selftest.inputs(local, dtype, values)
         layout = layout_for(local, shape, region)
-        geometry = plan(local, *_dropout_selftest.KEY_WORDS, p, layout.gstrides, layout.starts, layout.indices)
+        geometry = make_geometry(local, *_dropout_selftest.KEY_WORDS, p, layout.gstrides, layout.starts, layout.indices)
         out = torch.full_like(x, 7.0)
         dropout_reference.dropout(x, out, geometry, chunk_elements=997)
         assert _dropout_selftest.digest(out) == _dropout_selftest.GOLDEN[name], name

@@ -100,7 +100,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 FLOORS = (
     ("_bits", "errors", "_megatron"),  # the stream's math and registry; errors; megatron facts (duck-typed)
     ("keys", "regions", "distributions", "_placements", "fqn"),
-    ("layouts", "tensors"),
+    ("layouts", "walk"),
     ("_draw",),  # dispatch (the kernel table), geometries, references
     ("_kernels", "random"),  # kernels register into _draw's table; samplers draw through it
     ("_initializer", "nn"),

@@ -199,7 +199,7 @@ def test_launch_plan_takes_the_run_path_for_runs_and_the_general_path_otherwise(
 
     def plan(shape, region=None, out=None, w=1):
         reg = make_region(shape, region)
-        return triton_kernel.launch_plan(torch.empty(reg.region_shape) if out is None else out, reg, w)
+        return triton_kernel.launch_args(torch.empty(reg.region_shape) if out is None else out, reg, w)
 
     full = plan((4096, 4096))  # one run of 2**24 consecutive indices
     assert full["run"] == 1 and full["run_len"] == 2**24 and full["dims"][:3] == [[1, 0, 0, -1]] * 3

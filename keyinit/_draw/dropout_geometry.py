@@ -9,7 +9,7 @@ Element ``(i_0, ..., i_{n-1})`` has global flat index
 region (the samplers' convention), from a DTensor's placements, or, in
 :func:`keyinit.nn.keyed`, from the batch offset of the local rows.
 
-:func:`plan` turns a layout and a shape into a :class:`Geometry`, the form the
+:func:`make_geometry` turns a layout and a shape into a :class:`Geometry`, the form the
 kernels take: size-1 dimensions folded into ``base``, adjacent range dimensions
 merged where the inner one is complete (so a contiguous slab of rows is one run
 of consecutive indices), plus the keep threshold and the scale.
@@ -31,7 +31,7 @@ from keyinit.distributions import Bernoulli
 from keyinit.keys import DEFAULT_STREAM
 from keyinit.regions import MAX_NUMEL, Region, make_region, normalize_shape, row_major_strides
 
-__all__ = ["Layout", "Geometry", "layout_for", "dtensor_layout", "rows_layout", "plan", "constants"]
+__all__ = ["Layout", "Geometry", "layout_for", "dtensor_layout", "rows_layout", "make_geometry", "constants"]
 
 
 class Layout(NamedTuple):
@@ -207,7 +207,7 @@ def constants(p: float) -> tuple[int, float, float]:
     return threshold, scale32, scale64
 
 
-def plan(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Sequence[int], starts: Sequence[int],
+def make_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Sequence[int], starts: Sequence[int],
          indices: Sequence[Optional[torch.Tensor]], stream: str = DEFAULT_STREAM) -> Geometry:
     """The coalesced :class:`Geometry` of a contiguous tensor of ``shape`` placed by the op's layout arguments,
     for the key ``(k0, k1)`` of stream version ``stream``."""

@@ -55,7 +55,7 @@ from keyinit._engine.planned import ModelPlan, PlannedTensor
 from keyinit._engine.deferred import origin_of, record_of, seed_storage
 from keyinit._engine.program import Alloc, Node, Random, Read, SlotProgram, Storage, StridedView
 from keyinit.rules import ModuleRule, RuleContext, initializer_problem
-from keyinit.tensors import tensors as model_tensors
+from keyinit.walk import tensors as model_tensors
 
 __all__ = ["plan_model"]
 

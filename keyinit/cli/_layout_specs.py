@@ -3,7 +3,7 @@
 Layout names (``fsdp4``, ``fsdp2xtp2``, ``pp2``, ...) are parsed by :func:`parse_layout` into a
 :class:`LayoutSpec`, which gives a :class:`Sharded` tensor its per-rank regions using
 :func:`keyinit.layouts.dtensor_region` for the DTensor placements that FSDP2, HSDP, TP and FSDP2xTP
-would give each parameter. The model walk and pipeline-stage cuts live in :mod:`keyinit.tensors`.
+would give each parameter. The model walk and pipeline-stage cuts live in :mod:`keyinit.walk`.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ import torch
 from keyinit._engine.progress import Progress
 from keyinit.cli._common import CLIError, add_subcommand, bitwise_equal, build_model, format_table, load_factory, take_region
 from keyinit.cli._layout_specs import ROWWISE_NAMES, LayoutSpec, Sharded, parse_layout
-from keyinit.tensors import StageError, aliases, cut_stage, stage_assignment, tensors
+from keyinit.walk import StageError, aliases, cut_stage, stage_assignment, tensors
 
 __all__ = ["add_parser", "run", "verify"]
 

@@ -30,7 +30,7 @@ import torch
 
 from keyinit._draw import dispatch
 from keyinit.keys import DEFAULT_STREAM
-from keyinit._draw.dropout_geometry import Geometry, plan
+from keyinit._draw.dropout_geometry import Geometry, make_geometry as plan
 
 __all__ = ["dropout", "run", "call"]
 

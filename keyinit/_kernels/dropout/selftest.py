@@ -85,7 +85,7 @@ def run(dropout: Callable[[torch.Tensor, torch.Tensor, Any, int], bool]) -> list
 
     ``dropout(x, out, geometry, threads)`` is the implementation under test.
     """
-    from keyinit._draw.dropout_geometry import layout_for, plan
+    from keyinit._draw.dropout_geometry import layout_for, make_geometry
     from keyinit.regions import make_region
 
     failed = []
@@ -93,7 +93,7 @@ def run(dropout: Callable[[torch.Tensor, torch.Tensor, Any, int], bool]) -> list
         local = make_region(shape, region).region_shape
         x = inputs(local, dtype, values)
         layout = layout_for(local, shape, region)
-        geometry = plan(local, *KEY_WORDS, p, layout.gstrides, layout.starts, layout.indices)
+        geometry = make_geometry(local, *KEY_WORDS, p, layout.gstrides, layout.starts, layout.indices)
         out = torch.full_like(x, 7.0)
         if not dropout(x, out, geometry, threads) or digest(out) != GOLDEN.get(name):
             failed.append(name)

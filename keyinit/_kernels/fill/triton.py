@@ -47,7 +47,7 @@ from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
 from keyinit._draw.geometry import geometry
 from keyinit._kernels.fill.launch import BLOCK, MAX_DIMS, NB
 
-__all__ = ["available", "fill", "MAX_DIMS", "RUN_MIN", "launch_plan"]
+__all__ = ["available", "fill", "MAX_DIMS", "RUN_MIN", "launch_args"]
 
 #: Shortest row of a multi-row region that takes the RUN path (shorter rows waste most of a RUN program).
 RUN_MIN = 256
@@ -81,7 +81,7 @@ def _storage_view(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def launch_plan(out: torch.Tensor, region: Region, words_per_element: int) -> Optional[dict]:
+def launch_args(out: torch.Tensor, region: Region, words_per_element: int) -> Optional[dict]:
     """The kernel's geometry arguments and grid for filling ``out``, or ``None`` if it cannot take it.
 
     Returns ``{"run", "run_len", "tiles", "grid", "base", "dims", "index"}``: ``dims``
@@ -137,8 +137,8 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, int
         return False
     if out.numel() == 0:
         return True
-    plan = launch_plan(out, region, dist.words_per_element)
-    if plan is None:
+    launch = launch_args(out, region, dist.words_per_element)
+    if launch is None:
         return False
     fa = fb = p_low = p_span = lower = upper = 0.0
     flip = threshold = ilow = ispan = 0
@@ -153,19 +153,19 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, int
         threshold = dist.threshold
     elif isinstance(dist, Randint):
         ilow, ispan = dist.low, dist.span
-    if plan["index"] is not None:
-        index = plan["index"].to(out.device)
+    if launch["index"] is not None:
+        index = launch["index"].to(out.device)
     else:  # never read (every dim is a slice), but the kernel needs a pointer
         index = torch.empty(1, dtype=torch.int64, device=out.device)
     k0, k1 = key.words
-    dims = plan["dims"]
+    dims = launch["dims"]
     geometry_args = [d[0] for d in dims] + [d[1] for d in dims] + [d[2] for d in dims] + [d[3] for d in dims]
-    args = (_storage_view(out), index, out.numel(), plan["base"], k0, k1, dist_id,
+    args = (_storage_view(out), index, out.numel(), launch["base"], k0, k1, dist_id,
             float(fa), float(fb), float(p_low), float(p_span), float(lower), float(upper),
-            flip, threshold, ilow, ispan, plan["run_len"], plan["tiles"], *geometry_args)
+            flip, threshold, ilow, ispan, launch["run_len"], launch["tiles"], *geometry_args)
     options = dict(FAMILY=_FAMILY[type(dist)], W=dist.words_per_element, OUT=out_kind, NB=NB, BLOCK=BLOCK,
-                   RUN=plan["run"], enable_fp_fusion=False)
-    grid = (plan["grid"],)
+                   RUN=launch["run"], enable_fp_fusion=False)
+    grid = (launch["grid"],)
     if out.device.type == "cuda":
         with torch.cuda.device(out.device):
             kernel[grid](*args, **options)
