@@ -148,3 +148,33 @@ def test_the_checker_sees_cycles_through_lazy_and_type_checking_imports():
     # a string naming a module is a reference: the kernel table's references, the kernels' registrations
     assert "keyinit._draw.reference_fill" in imports_of("keyinit._draw.dispatch")
     assert "keyinit._kernels.fill.cpu" in imports_of("keyinit._kernels")
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def test_the_architecture_doc_draws_these_floors():
+    """docs/architecture.md's diagram is FLOORS: the floors a reader sees are the ones the test holds."""
+    diagram = ARCHITECTURE.read_text().split("```")[1]
+    drawn = {}
+    for line in diagram.splitlines():
+        match = re.match(r"^\s*(\d+)\s+(.+?)(?:\s{2,}.*)?$", line)
+        if match:
+            rooms = re.sub(r"\(.*?\)", "", match.group(2))
+            drawn[int(match.group(1))] = {room.strip().rstrip("/") for room in rooms.split("·")}
+    assert drawn == {level: set(rooms) for level, rooms in enumerate(FLOORS)}
+
+
+def test_every_module_the_architecture_doc_names_exists():
+    text = ARCHITECTURE.read_text()
+    paths = set(re.findall(r"`(keyinit/[\w/]*?(?:\.py|/))`", text))
+    files = set(re.findall(r"`([a-z_]+\.py)`", text))
+    assert len(paths) >= 20 and len(files) >= 15  # the doc names its modules: the check checks something
+    root = PACKAGE.parent
+    missing = sorted(p for p in paths if not (root / p).exists())
+    missing += sorted(f for f in files if not any(PACKAGE.rglob(f)))
+    assert missing == []
+    # every room of the package is named in the doc
+    unnamed = sorted(room for room in {_room(m) for m in MODULES} - {None}
+                     if f"keyinit/{room}.py" not in text and f"keyinit/{room}/" not in text and room != "__main__")
+    assert unnamed == []
