@@ -116,4 +116,4 @@ def test_a_kernel_source_does_not_compile_without_the_table(tmp_path):
     for module in (_cpu, _dropout_cpu):
         proc = subprocess.run([*cc, "-fsyntax-only", "-std=c11", str(module.KERNEL.source)], capture_output=True,
                               text=True)
-        assert proc.returncode != 0 and "_ids.py" in proc.stderr, module.KERNEL.source.name
+        assert proc.returncode != 0 and "common/ids.py" in proc.stderr, module.KERNEL.source.name

@@ -1,7 +1,7 @@
 /*
  * Distribution and dtype ids of the C kernels. They come from ONE table,
- * keyinit/_kernels/_ids.py, which the Triton kernels import too; the build
- * (keyinit/_kernels/_build.py) passes it to every compile as -D definitions:
+ * keyinit/_kernels/common/ids.py, which the Triton kernels import too; the build
+ * (keyinit/_kernels/common/build.py) passes it to every compile as -D definitions:
  *
  *   KI_DIST_BITS, KI_DIST_UNIFORM, KI_DIST_NORMAL, KI_DIST_TRUNCATED_NORMAL,
  *   KI_DIST_BERNOULLI, KI_DIST_RANDINT, KI_DIST_COUNT;
@@ -15,7 +15,7 @@
 #define KEYINIT_IDS_H
 
 #if !defined(KI_DIST_COUNT) || !defined(KI_DTYPE_COUNT) || !defined(KI_DIST_RANDINT) || !defined(KI_DTYPE_UINT8)
-#error "the kernel ids come from keyinit/_kernels/_ids.py: build through keyinit._kernels._build"
+#error "the kernel ids come from keyinit/_kernels/common/ids.py: build through keyinit._kernels.common.build"
 #endif
 
 #endif /* KEYINIT_IDS_H */

@@ -9,7 +9,7 @@ defined here and nowhere else:
   ``ids.h`` refuses to compile without them), so a C source holds no ids of its own;
 - the Triton kernels and the Python side of every kernel import this module
   (:data:`DIST_IDS`, :data:`DTYPE_IDS`, and the ``tl.constexpr`` globals that
-  ``_triton_impl`` and ``triton_dropout`` derive from :data:`DIST` and :data:`DTYPE`).
+  ``fill.triton_impl`` and ``dropout.triton`` derive from :data:`DIST` and :data:`DTYPE`).
 
 Ids are positions in :data:`DISTRIBUTIONS` and :data:`DTYPES`, so they are
 ``0 .. count - 1``. They are an internal calling convention, never stored

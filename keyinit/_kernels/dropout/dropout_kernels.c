@@ -1,7 +1,7 @@
 /*
  * keyinit keyed dropout, CPU: the keep-mask and its application in one pass.
  *
- * Built on first use by keyinit/_kernels/_dropout_cpu.py through _build.py, with
+ * Built on first use by keyinit/_kernels/dropout/cpu.py through common/build.py, with
  * the same flags as the init kernel (-O3 -std=c11 -ffp-contract=off ... and
  * -march=native where accepted). Never -ffast-math.
  *

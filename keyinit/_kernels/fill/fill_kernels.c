@@ -1,7 +1,7 @@
 /*
  * keyinit compiled CPU kernel: stream v1, bit-identical to keyinit._draw.reference_fill.fill.
  *
- * Built on first use by keyinit/_kernels/_build.py with
+ * Built on first use by keyinit/_kernels/common/build.py with
  *     cc -O3 -std=c11 -ffp-contract=off -fno-math-errno -fno-trapping-math -fPIC -shared -pthread
  * plus -march=native where the compiler accepts it. AVX-512 and AVX2 targets get
  * explicit Philox code (philox.h), other targets a portable loop; all give the same integers.

@@ -3,7 +3,7 @@
  * log_f32 and the PPND7 normal quantile (ndtri_tail_batch), operation for operation as the
  * reference computes them (docs/spec.md). Every operation is an IEEE-754 binary32 operation
  * in the reference's order: include it only in sources compiled with -ffp-contract=off and
- * without -ffast-math (keyinit/_kernels/_build.py does both).
+ * without -ffast-math (keyinit/_kernels/common/build.py does both).
  *
  * The includer defines TILE (the most elements one call of ndtri_tail_batch takes) and
  * includes convert.h (ki_bits, ki_float) first.
