@@ -168,6 +168,14 @@ def _index(index_ptr, ix, p):
     return p
 
 
+@triton.jit
+def _digit(rest, n, index_ptr, ix, gs, os):
+    """One dimension of a row-major position, innermost first: ``(rest // n, global offset, output offset)``
+    of its digit ``rest % n`` (a dim of size ``n``, global stride ``gs``, output stride ``os``)."""
+    p = rest % n
+    return rest // n, _index(index_ptr, ix, p) * gs, p * os
+
+
 _INTS = ["numel", "base", "k0", "k1", "dist", "flip", "threshold", "ilow", "ispan", "run_len", "tiles",
          "n0", "n1", "n2", "n3", "os0", "os1", "os2", "os3", "gs0", "gs1", "gs2", "gs3",
          "ix0", "ix1", "ix2", "ix3"]
@@ -210,15 +218,11 @@ def _run_path(out_ptr, index_ptr, pid, base, k0, k1, dist, fa, fb, p_low, p_span
     E: tl.constexpr = 4 // W  # elements per Philox block
     row = pid // tiles
     tile = pid - row * tiles
-    rest = row
-    p = rest % n2
-    rest = rest // n2
-    g_row = base + _index(index_ptr, ix2, p) * gs2
-    o_row = p * os2
-    p = rest % n1
-    rest = rest // n1
-    g_row += _index(index_ptr, ix1, p) * gs1
-    o_row += p * os1
+    rest, g, o_row = _digit(row, n2, index_ptr, ix2, gs2, os2)
+    g_row = base + g
+    rest, g, o = _digit(rest, n1, index_ptr, ix1, gs1, os1)
+    g_row += g
+    o_row += o
     g_row += _index(index_ptr, ix0, rest) * gs0
     o_row += rest * os0
     # the row holds global indices g_row .. g_row + run_len - 1, in order
@@ -246,21 +250,16 @@ def _general_path(out_ptr, index_ptr, pid, numel, base, k0, k1, dist, fa, fb, p_
     """GENERAL: program ``pid`` owns BLOCK consecutive region elements; each decodes its own position."""
     position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = position < numel
-    rest = tl.where(mask, position, 0)
-    p = rest % n3
-    rest = rest // n3
-    g = base + _index(index_ptr, ix3, p) * gs3
-    o = p * os3
+    rest, g3, o = _digit(tl.where(mask, position, 0), n3, index_ptr, ix3, gs3, os3)
+    g = base + g3
     if n2 != 1:
-        p = rest % n2
-        rest = rest // n2
-        g += _index(index_ptr, ix2, p) * gs2
-        o += p * os2
+        rest, g2, o2 = _digit(rest, n2, index_ptr, ix2, gs2, os2)
+        g += g2
+        o += o2
     if n1 != 1:
-        p = rest % n1
-        rest = rest // n1
-        g += _index(index_ptr, ix1, p) * gs1
-        o += p * os1
+        rest, g1, o1 = _digit(rest, n1, index_ptr, ix1, gs1, os1)
+        g += g1
+        o += o1
     g += _index(index_ptr, ix0, rest) * gs0
     o += rest * os0
     word = g * W
