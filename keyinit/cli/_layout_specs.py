@@ -1,7 +1,7 @@
 """The CLI's layout specs: ``--layouts`` parsed, and which region of each tensor each rank of a layout holds.
 
 Layout names (``fsdp4``, ``fsdp2xtp2``, ``pp2``, ...) are parsed by :func:`parse_layout` into a
-:class:`LayoutSpec`, which gives a :class:`Sharded` tensor its per-rank regions using
+:class:`LayoutSpec`, which gives a tensor (a :class:`keyinit.PlanEntry`) its per-rank regions using
 :func:`keyinit.layouts.dtensor_region` for the DTensor placements that FSDP2, HSDP, TP and FSDP2xTP
 would give each parameter. The model walk and pipeline-stage cuts live in :mod:`keyinit.walk`.
 """
@@ -18,11 +18,11 @@ import attrs
 import torch
 
 from keyinit.cli._common import CLIError
+from keyinit.model import PlanEntry
 from keyinit.regions import Region, make_region
 
 __all__ = [
     "LayoutSpec",
-    "Sharded",
     "parse_layout",
     "ROWWISE_NAMES",
     "tp_shard_dim",
@@ -39,24 +39,7 @@ ROWWISE_NAMES = frozenset({"wo", "w2", "o_proj", "down_proj", "out_proj", "c_pro
 # --------------------------------------------------------------------------- layouts
 
 
-@attrs.frozen(eq=False)
-class Sharded:
-    """What a layout needs of one tensor to place it: its FQN, kind, global shape and owning module."""
-
-    fqn: str
-    kind: str  # "parameter" or a buffer
-    shape: tuple[int, ...]
-    module: torch.nn.Module
-    attr: str
-
-    @classmethod
-    def of(cls, entry: Any) -> Sharded:
-        """The tensor of a :class:`keyinit.PlanEntry` (at its owner's attribute)."""
-        module, attr = entry.locations[0]
-        return cls(entry.fqn, entry.kind, tuple(entry.global_shape), module, attr)
-
-
-def tp_shard_dim(tensor: Sharded, rowwise: frozenset) -> Optional[int]:
+def tp_shard_dim(tensor: PlanEntry, rowwise: frozenset) -> Optional[int]:
     """The tensor dim tensor parallelism shards (torchtitan-style plans), or None for replicated.
 
     ``nn.Linear``: weight ``Shard(0)`` (column-wise) or ``Shard(1)`` (row-wise, when the
@@ -64,7 +47,7 @@ def tp_shard_dim(tensor: Sharded, rowwise: frozenset) -> Optional[int]:
     (row-wise). ``nn.Embedding``: ``Shard(0)``. Any other tensor of 2 or more dims:
     ``Shard(0)``. 1-D and 0-D tensors of other modules (norms): replicated.
     """
-    module, attr = tensor.module, tensor.attr
+    module, attr = tensor.locations[0]  # its owner
     leaf = tensor.fqn.rsplit(".", 2)[-2] if tensor.fqn.count(".") >= 1 else ""
     if isinstance(module, torch.nn.Linear):
         is_row = leaf in rowwise
@@ -75,7 +58,7 @@ def tp_shard_dim(tensor: Sharded, rowwise: frozenset) -> Optional[int]:
         return None
     if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and attr == "weight":
         return 0
-    if len(tensor.shape) >= 2:
+    if len(tensor.global_shape) >= 2:
         return 0
     return None
 
@@ -101,7 +84,7 @@ class LayoutSpec:
     def world_size(self) -> int:
         return self.pp * math.prod(self.mesh_shape)
 
-    def placements(self, tensor: Sharded) -> tuple[Any, ...]:
+    def placements(self, tensor: PlanEntry) -> tuple[Any, ...]:
         """The DTensor placements this layout gives ``tensor`` (one per mesh dim).
 
         FSDP2: ``Shard(0)`` (``_StridedShard(0, split_factor=tp)`` over a TP ``Shard(0)``,
@@ -119,7 +102,7 @@ class LayoutSpec:
             if kind == "replicate":
                 out.append(Replicate())
             elif kind == "fsdp":
-                if not tensor.shape:
+                if not tensor.global_shape:
                     out.append(Replicate())
                 elif tp_dim == 0:
                     out.append(_StridedShard(0, split_factor=tp_size))
@@ -129,25 +112,25 @@ class LayoutSpec:
                 out.append(Replicate() if tp_dim is None else Shard(tp_dim))
         return tuple(out)
 
-    def region(self, tensor: Sharded, coordinate: tuple[int, ...]) -> Region:
+    def region(self, tensor: PlanEntry, coordinate: tuple[int, ...]) -> Region:
         from torch.distributed.tensor.placement_types import _StridedShard
 
         from keyinit.layouts import dtensor_region
 
         if not self.mesh_shape:
-            return make_region(tensor.shape, None)
+            return make_region(tensor.global_shape, None)
         placements = self.placements(tensor)
         strided = any(isinstance(p, _StridedShard) for p in placements)
-        return dtensor_region(tensor.shape, self.mesh_shape, coordinate, placements,
+        return dtensor_region(tensor.global_shape, self.mesh_shape, coordinate, placements,
                               strided_shard_as_shard_order=True if strided else None)
 
-    def distinct_regions(self, tensor: Sharded) -> list[tuple[Region, tuple[int, ...], int]]:
+    def distinct_regions(self, tensor: PlanEntry) -> list[tuple[Region, tuple[int, ...], int]]:
         """``(region, a mesh coordinate holding it, how many coordinates hold it)`` for each distinct
         region ranks of this layout hold of ``tensor``: costs grow with the number of distinct shards,
         not with the number of ranks (a mesh dim of size ``k`` that shards a dim of size ``n < k``
         gives ``n`` non-empty chunks and empty ones, which are all alike)."""
         if not self.mesh_shape:
-            return [(make_region(tensor.shape, None), (), 1)]
+            return [(make_region(tensor.global_shape, None), (), 1)]
         from torch.distributed.tensor.placement_types import Replicate
 
         placements = self.placements(tensor)
@@ -156,7 +139,7 @@ class LayoutSpec:
             if isinstance(placement, Replicate):
                 choices.append([(0, size)])
                 continue
-            bound = tensor.shape[placement.dim] if tensor.shape else 0
+            bound = tensor.global_shape[placement.dim] if tensor.global_shape else 0
             if size <= bound + 1:
                 choices.append([(c, 1) for c in range(size)])
             else:  # coordinates >= bound all hold empty chunks

@@ -52,7 +52,7 @@ import torch
 
 from keyinit._engine.progress import Progress
 from keyinit.cli._common import CLIError, add_subcommand, bitwise_equal, build_model, format_table, load_factory, take_region
-from keyinit.cli._layout_specs import ROWWISE_NAMES, LayoutSpec, Sharded, parse_layout
+from keyinit.cli._layout_specs import ROWWISE_NAMES, LayoutSpec, parse_layout
 from keyinit.walk import StageError, aliases, cut_stage, stage_assignment, tensors
 
 __all__ = ["add_parser", "run", "verify"]
@@ -97,7 +97,7 @@ def _check(plan: Any, entry: Any, layout: LayoutSpec, expected: torch.Tensor, st
     """Replay ``entry``'s tensor for every distinct region ``layout`` gives it (``plan.values``);
     return (bad ranks, ranks holding it, largest region)."""
     bad, held, largest = [], 0, 0
-    for region, coordinate, count in layout.distinct_regions(Sharded.of(entry)):
+    for region, coordinate, count in layout.distinct_regions(entry):
         rank = stage_rank * stage_ranks + (_ravel(coordinate, layout.mesh_shape) if coordinate else 0)
         out = plan.values(entry.fqn, region)
         held += count
