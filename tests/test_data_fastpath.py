@@ -1,6 +1,6 @@
 """keyed_samples' fast path (random ops intercepted by dispatch key, common draws keyed without a
 program) gives exactly the values of the general path (a dispatch mode seeing every op, every draw
-through the program of keyinit._random_ops): the stream of existing keyed values is unchanged."""
+through the program of keyinit._engine.random_ops): the stream of existing keyed values is unchanged."""
 
 from __future__ import annotations
 

@@ -151,9 +151,9 @@ def parametrization_start(module: torch.nn.Module, parent: Optional[torch.nn.Mod
 
 
 def child_fqn(module: torch.nn.Module, fqn: str, name: str) -> str:
-    from keyinit.fqn import WRAPPER_ATTRIBUTES, _is_data_parallel
+    from keyinit.fqn import WRAPPER_ATTRIBUTES, is_data_parallel
 
-    if name in WRAPPER_ATTRIBUTES or (_is_data_parallel(module) and name == "module"):
+    if name in WRAPPER_ATTRIBUTES or (is_data_parallel(module) and name == "module"):
         return fqn
     return f"{fqn}.{name}" if fqn else name
 

@@ -68,7 +68,7 @@ class LazyTensor(torch.Tensor):
     def __torch_function__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         if func in _NEEDS_VALUES or (func in _SCALAR_CONVERSIONS and _python_dispatch_excluded()):
-            capture = next(a._capture for a in _leaves((args, kwargs)) if isinstance(a, LazyTensor))
+            capture = next(a._capture for a in tensor_leaves((args, kwargs)) if isinstance(a, LazyTensor))
             concrete = tree_map(lambda x: capture.concrete(x, getattr(func, "__name__", "value"))
                                 if isinstance(x, LazyTensor) else x, (args, kwargs))
             return func(*concrete[0], **concrete[1])
@@ -77,7 +77,7 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        running = next((a._capture for a in _leaves((args, kwargs or {})) if isinstance(a, LazyTensor)), None)
+        running = next((a._capture for a in tensor_leaves((args, kwargs or {})) if isinstance(a, LazyTensor)), None)
         site = running.site if running is not None and running.site != "<init code>" else None
         raise CaptureError(
             (f"{site}: " if site else "") + f"a keyinit stand-in tensor was used outside keyinit's capture ({func})"
@@ -87,7 +87,7 @@ class LazyTensor(torch.Tensor):
                if site else ""))
 
 
-def _leaves(tree: Any) -> list[Any]:
+def tensor_leaves(tree: Any) -> list[Any]:
     """The leaves of aten arguments (tuples, lists, dicts of tensors and scalars): a fast
     ``tree_flatten(...)[0]`` for the structures aten ops take and return."""
     out: list[Any] = []

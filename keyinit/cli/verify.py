@@ -50,9 +50,10 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit.cli._common import CLIError, Progress, bitwise_equal, build_model, format_table, load_factory, take_region
-from keyinit.cli._virtual import ROWWISE_NAMES, LayoutSpec, parse_layout
-from keyinit.tensors import ModelTensor, StageError, aliases, cut_stage, stage_assignment, tensors
+from keyinit._engine.progress import Progress
+from keyinit.cli._common import CLIError, add_subcommand, bitwise_equal, build_model, format_table, load_factory, take_region
+from keyinit.cli._layout_specs import ROWWISE_NAMES, LayoutSpec, parse_layout
+from keyinit.walk import StageError, aliases, cut_stage, stage_assignment, tensors
 
 __all__ = ["add_parser", "run", "verify"]
 
@@ -60,13 +61,9 @@ DEFAULT_LAYOUTS = "fsdp4,tp2,fsdp2xtp2,pp2,fsdp8x8"
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "verify",
-        help="check, in one process, that MODULE:FACTORY's model initializes bit-identically under "
-             "FSDP/HSDP/TP/PP layouts",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_subcommand(sub, "verify", __doc__,
+                       "check, in one process, that MODULE:FACTORY's model initializes bit-identically under "
+                       "FSDP/HSDP/TP/PP layouts")
     p.add_argument("factory", help="MODULE:FACTORY (or path/to/file.py:FACTORY); the factory returns an "
                                    "nn.Module, or (nn.Module, init_model kwargs); it is called through "
                                    "keyinit.deferred (see --build), and twice eagerly on CPU for fidelity")
@@ -95,17 +92,12 @@ def _init_kwargs(kwargs: dict[str, Any], init_method: Any) -> dict[str, Any]:
     return out
 
 
-def _slot(entry: Any) -> ModelTensor:
-    return ModelTensor(entry.fqn, entry.kind, [(m, a, entry.fqn) for m, a in entry.locations],
-                       tuple(entry.global_shape), entry.dtype, False)
-
-
 def _check(plan: Any, entry: Any, layout: LayoutSpec, expected: torch.Tensor, stage_rank: int,
            stage_ranks: int) -> tuple[list[int], int, int]:
     """Replay ``entry``'s tensor for every distinct region ``layout`` gives it (``plan.values``);
     return (bad ranks, ranks holding it, largest region)."""
     bad, held, largest = [], 0, 0
-    for region, coordinate, count in layout.distinct_regions(_slot(entry)):
+    for region, coordinate, count in layout.distinct_regions(entry):
         rank = stage_rank * stage_ranks + (_ravel(coordinate, layout.mesh_shape) if coordinate else 0)
         out = plan.values(entry.fqn, region)
         held += count
@@ -162,7 +154,8 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
     cells: dict[str, dict[str, list[int]]] = {e.fqn: {} for e in entries}  # fqn -> layout -> bad ranks
     held: dict[str, dict[str, int]] = {e.fqn: {} for e in entries}  # fqn -> layout -> ranks holding it
     summaries = []
-    bar = Progress(len(layouts), "keyinit verify", enabled=None if progress else False)
+    bar = Progress(len(layouts), "keyinit verify", enabled=None if progress else False,
+                   log=lambda line: print(line, file=sys.stderr))
     for layout in layouts:
         start = time.perf_counter()
         max_local = 0
@@ -248,10 +241,10 @@ def _stage_plan(factory: Any, spec: str, layout: LayoutSpec, stage: int, seed: i
     kept = cut_stage(model, found, assignment, stage)
     ties = dict(kwargs.get("ties") or {})
     names = {s.fqn for s in kept}
-    for slot in kept:
-        first = ref_aliases.get(slot.fqn)
+    for tensor in kept:
+        first = ref_aliases.get(tensor.fqn)
         if first is not None and first not in names:
-            ties.setdefault(slot.fqn, first)  # tied across stages: key it as the first name
+            ties.setdefault(tensor.fqn, first)  # tied across stages: key it as the first name
     kwargs["ties"] = ties
     kwargs["strict"] = False  # a stage holds only some of the FQNs the rules name
     try:

@@ -5,7 +5,7 @@ Inside the wrapped ``__getitem__``:
 - every random aten op (``torch.rand``, ``randn``, ``randint``, ``randperm``, ``bernoulli``,
   ``multinomial``, ``normal``, ``Tensor.uniform_``/``normal_``/``random_``/``bernoulli_``/
   ``exponential_``, ..., with or without ``generator=``) is replaced by its keyed equivalent
-  (the table of :mod:`keyinit._random_ops`, shared with captured init code) under the key
+  (the table of :mod:`keyinit._engine.random_ops`, shared with captured init code) under the key
   ``fold_in(sample_key(seed, epoch, index), c)``, ``c`` the op's ordinal in this call;
   the op's generator (and the global one) is neither read nor advanced;
 - Python's ``random`` and ``numpy.random`` global state are seeded from the sample key
@@ -30,11 +30,11 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from keyinit.data import _fast, _intercept
 from keyinit.data._index import SampleIndex
-from keyinit.keys import Key, _as_uint64, fold_in, key
+from keyinit.keys import Key, as_uint64, fold_in, key
 
 __all__ = ["AUGMENT_DOMAIN", "SampleRef", "KeyedBatch", "sample_key", "keyed_samples", "KeyedSamples", "keyed_randomness"]
 
@@ -52,8 +52,8 @@ class SampleRef(NamedTuple):
 def sample_key(seed: Union[int, Key], epoch: int, index: int) -> Key:
     """The key of sample ``index``'s randomness in epoch ``epoch``."""
     root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
-    epoch = _as_uint64(epoch, "epoch")
-    index = _as_uint64(index, "sample index")
+    epoch = as_uint64(epoch, "epoch")
+    index = as_uint64(index, "sample index")
     return _fast.fold(_epoch_key(_domain_key(root), epoch), index)
 
 
@@ -76,7 +76,7 @@ def _to_meta(x: Any) -> Any:
 
 
 def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) -> Any:
-    from keyinit._random_ops import bind_arguments, keyed_effects
+    from keyinit._engine.random_ops import bind_arguments, keyed_effects
     from keyinit.errors import UnkeyedRandomnessError
     from keyinit._engine.program import Literal, Node, Random
     from keyinit._engine.replay import Evaluator
@@ -167,7 +167,7 @@ class _KeyedMode(TorchDispatchMode):
         self.keyer = keyer
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        from keyinit._random_ops import is_random
+        from keyinit._engine.random_ops import is_random
 
         kwargs = kwargs or {}
         if not is_random(func):

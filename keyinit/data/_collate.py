@@ -3,7 +3,7 @@
 A DataLoader over ``keyed_samples(dataset, seed)`` hands its ``collate_fn`` a :class:`KeyedBatch`,
 which says each item's ``(epoch, index)``. Inside the wrapped collate function, the ``c``-th random
 aten op of the call (counted once per call, from 0) must return one row per sample: a result whose
-first dimension is the batch's rows. Its ``j``-th draw (the table of :mod:`keyinit._random_ops`: one
+first dimension is the batch's rows. Its ``j``-th draw (the table of :mod:`keyinit._engine.random_ops`: one
 for most ops) is drawn under
 
     collate_key(seed, epoch, c, j) = fold_in(fold_in(fold_in(fold_in(key(seed), COLLATE_DOMAIN), epoch), c), j)
@@ -37,7 +37,7 @@ import torch
 from keyinit.data import _augment, _fast
 from keyinit.data._augment import _Interception
 from keyinit.data._numpy_state import numpy_watch
-from keyinit.keys import Key, _as_uint64, fold_in, key
+from keyinit.keys import Key, as_uint64, fold_in, key
 
 __all__ = ["COLLATE_DOMAIN", "collate_key", "keyed_collate", "KeyedCollate"]
 
@@ -64,7 +64,7 @@ def collate_key(seed: Union[int, Key], epoch: int, call: int, draw: int = 0) -> 
     """The key of draw ``draw`` of random op ``call`` in the collate calls of epoch ``epoch``; row
     ``r`` (sample ``index``) takes its elements at global flat indices ``index * 2**24 + e``."""
     root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
-    parts = [_as_uint64(v, what) for v, what in ((epoch, "epoch"), (call, "call"), (draw, "draw"))]
+    parts = [as_uint64(v, what) for v, what in ((epoch, "epoch"), (call, "call"), (draw, "draw"))]
     return fold_in(fold_in(_epoch_key(_domain_key(root), parts[0]), parts[1]), parts[2])
 
 

@@ -2,7 +2,7 @@
 
 :func:`plan` recognizes ``uniform_``, ``normal_``, ``rand``, ``randn``, ``rand_like``, ``randn_like``,
 ``randint``, ``random_``, ``bernoulli``/``bernoulli_`` (scalar or tensor ``p``) and ``randperm`` with
-arguments the table of :mod:`keyinit._random_ops` maps to plain samplers, and returns a
+arguments the table of :mod:`keyinit._engine.random_ops` maps to plain samplers, and returns a
 :class:`Recipe`: the draws the keyed equivalent makes (sampler, dtype, shape, in the order
 :func:`keyinit.data._augment._keyed_call` numbers them) and how the result is made from them. The
 values are those of the table, bit for bit: the same samplers, the same arithmetic; only the
@@ -71,12 +71,12 @@ _LIBRARY: list = []  # the CPU kernel library once loaded (loading it checks it:
 def kernel_library() -> Any:
     """The CPU fill kernel's library, or None where kernels are disabled (``KEYINIT_DISABLE_KERNELS``,
     read on every call) or unavailable (resolve once per keyed call)."""
-    from keyinit._kernels import kernels_disabled
+    from keyinit._draw.dispatch import kernels_disabled
 
     if kernels_disabled():
         return None
     if not _LIBRARY:
-        from keyinit._kernels._cpu import library
+        from keyinit._kernels.fill.cpu import library
 
         lib = library()
         if lib is None:
@@ -99,7 +99,7 @@ class Geometry:
     __slots__ = ("rows", "row_stride", "numel", "args")
 
     def __init__(self, shape: tuple[int, ...], rows: Optional[torch.Tensor] = None, row_stride: int = 0) -> None:
-        from keyinit._kernels._plan import coalesce
+        from keyinit._draw.geometry import coalesce
 
         self.rows, self.row_stride, self.numel = rows, row_stride, math.prod(shape)
         if rows is None:
@@ -114,7 +114,7 @@ class Geometry:
 
 @functools.lru_cache(maxsize=64)
 def _params(dist: Any) -> tuple:
-    from keyinit._kernels._cpu import _params as params
+    from keyinit._kernels.fill.cpu import _params as params
 
     f, i = params(dist)
     return (ctypes.c_double * 6)(*f), (ctypes.c_int64 * 4)(*i)
@@ -124,16 +124,16 @@ def fill(lib: Any, out: torch.Tensor, dist: Any, key: Key, geometry: Optional[Ge
     """Write ``dist``'s values into ``out`` (a new contiguous CPU tensor) at ``geometry`` (default: all
     of ``out`` from flat index 0) of ``key``'s stream.
 
-    The values of ``keyinit._dispatch.fill`` with the matching region (the kernel called directly,
+    The values of ``keyinit._draw.dispatch.fill`` with the matching region (the kernel called directly,
     without building the region and its checks); the reference where ``lib`` is None.
     """
     if out.numel() == 0:
         return
-    from keyinit._kernels._cpu import DIST_IDS, DTYPE_IDS, MIN_PARALLEL_ELEMENTS
+    from keyinit._kernels.fill.cpu import DIST_IDS, DTYPE_IDS, MIN_PARALLEL_ELEMENTS
 
     dist_id, dtype_id = DIST_IDS.get(type(dist)), DTYPE_IDS.get(out.dtype)
     if lib is None or key.stream != "v1" or dist_id is None or dtype_id is None:
-        from keyinit import _dispatch
+        from keyinit._draw import dispatch as _dispatch
 
         if geometry is None or geometry.rows is None:
             region = make_region(tuple(out.shape), None)

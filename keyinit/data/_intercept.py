@@ -45,7 +45,7 @@ def _handler() -> Optional[Handler]:
 
 
 def _random_op_names() -> list[str]:
-    from keyinit._random_ops import is_random
+    from keyinit._engine.random_ops import is_random
 
     names = []
     for qualified in torch._C._dispatch_get_all_op_names():

@@ -125,7 +125,7 @@ _ALPHA = 1.7580993408473766  # SELU's -alpha * scale, as in torch's alpha_dropou
 def _element_dropout(input: torch.Tensor, p: float, key, rec: Optional[Batch]) -> torch.Tensor:
     """Element-wise keyed dropout of ``input`` whose batch is ``rec`` (None: replicated)."""
     from keyinit.nn import functional as KF
-    from keyinit.nn._geometry import Layout
+    from keyinit._draw.dropout_geometry import Layout
     from keyinit.regions import row_major_strides
 
     if rec is None:
@@ -150,8 +150,8 @@ def _element_dropout(input: torch.Tensor, p: float, key, rec: Optional[Batch]) -
 def _keyed_masked(ctx: "Keyed", kind: str, mask: str, input: torch.Tensor, p: float, key,
                   rec: Optional[Batch]) -> torch.Tensor:
     from keyinit.nn import functional as KF
-    from keyinit.nn._geometry import constants
-    from keyinit.nn._reference import apply_mask
+    from keyinit._draw.dropout_geometry import constants
+    from keyinit._draw.reference_dropout import apply_mask
     from keyinit.random import bernoulli
 
     if mask == "element":

@@ -25,7 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from keyinit.fqn import canonical_modules
-from keyinit.keys import Key, _as_uint64, key
+from keyinit.keys import Key, as_uint64, key
 from keyinit.nn._batch import Batch, annotate, declare, declared, record
 from keyinit.nn._intercept import _Frame
 from keyinit.nn._forward import (
@@ -129,7 +129,7 @@ def _resolve_sample_offset(model: torch.nn.Module, sample_offset: Optional[int])
                 "DTensor activations add their own placements)"
             )
         return 0
-    offset = _as_uint64(sample_offset, "sample_offset")
+    offset = as_uint64(sample_offset, "sample_offset")
     if offset == 0 and _world() > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -186,7 +186,7 @@ class Keyed:
         #: The root of every dropout key (:func:`keyinit.nn.dropout_key`'s ``seed``); ``key`` checks an int.
         self.root = seed if isinstance(seed, Key) else key(seed)
         self.seed = seed  # as given, for the repr
-        self.step = _as_uint64(step, "step")
+        self.step = as_uint64(step, "step")
         self.sample_offset = _resolve_sample_offset(model, sample_offset)
         self._handles: list[Any] = []
         self._thread: Optional[int] = None
@@ -396,7 +396,7 @@ class Keyed:
         is ``offset`` rows after this context's ``sample_offset``. Its masks are then the
         ones the whole batch's forward draws for those rows.
         """
-        return _MicroBatch(self, _as_uint64(offset, "offset"))
+        return _MicroBatch(self, as_uint64(offset, "offset"))
 
     def _leave_frames(self) -> None:
         owner = self._owner

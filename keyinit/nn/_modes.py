@@ -276,7 +276,7 @@ class _BatchMode(TorchDispatchMode):
                       for t, r in records], out_ndim, func)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from keyinit._random_ops import is_random
+        from keyinit._engine.random_ops import is_random
 
         kwargs = kwargs or {}
         frame = self.ctx._current_frame()

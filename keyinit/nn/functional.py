@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit.keys import Key, _require_key
-from keyinit.nn._geometry import Layout, dtensor_layout, layout_for, rows_layout
+from keyinit.keys import Key, require_key
+from keyinit._draw.dropout_geometry import Layout, dtensor_layout, layout_for, rows_layout
 
 __all__ = ["dropout", "scaled_dot_product_attention"]
 
@@ -46,7 +46,7 @@ def _check_input(input: Any) -> None:
 
 
 def _dtensor_class() -> Optional[type]:
-    from keyinit.layouts import _dtensor_class as find
+    from keyinit.layouts import dtensor_class as find
 
     return find()
 
@@ -103,7 +103,7 @@ def dropout(
     a compile-time constant; regions of step-1 slices).
     """
     p = _check_p(p)
-    key = _require_key(rng_key, "rng_key")
+    key = require_key(rng_key, "rng_key")
     _check_input(input)
     if _is_dtensor(input):
         if global_shape is not None or region is not None:
@@ -172,7 +172,7 @@ def scaled_dot_product_attention(
     from the key. DTensor inputs take their regions from their placements.
     """
     p = _check_p(dropout_p)
-    rng_key = _require_key(rng_key, "rng_key")
+    rng_key = require_key(rng_key, "rng_key")
     for tensor in (query, key, value):
         _check_input(tensor)
     from keyinit.nn._attention import attend
