@@ -204,6 +204,12 @@ class _Interception:
 _GLOBAL_STATE_LOCK = threading.RLock()
 
 
+def global_state_lock() -> threading.RLock:
+    """The lock held while Python's ``random`` and ``numpy.random`` are keyed (by a keyed sample, a keyed
+    collate or a keyed forward): one per process, a fresh one in a forked child."""
+    return _GLOBAL_STATE_LOCK
+
+
 def _new_lock_after_fork() -> None:
     # a DataLoader worker forked while another thread held the lock starts with a free one
     global _GLOBAL_STATE_LOCK

@@ -168,7 +168,7 @@ class KeyedCollate:
 def _call_refusing_global_draws(fn: Callable[[Any], Any], batch: Any, keyer: _RowKeyer, site: str) -> Any:
     """``fn(batch)`` with torch's random ops sent to ``keyer``; a draw from ``random``/``numpy.random``
     is refused (detected by comparing their states before and after; the states are restored)."""
-    with _augment._GLOBAL_STATE_LOCK:
+    with _augment.global_state_lock():
         watch = numpy_watch()
         py_state = _py_random.getstate()
         np_before = watch.look()

@@ -1,12 +1,12 @@
 """The pieces of a keyed block: root forwards, micro-batches, named blocks, and checkpoint recomputes.
 
-- :class:`_Forward`: one root forward (an outermost module execution): the rows it
+- :class:`Forward`: one root forward (an outermost module execution): the rows it
   holds (``start``, ``count``), its repeat count, its tensors' batch records
   (:mod:`keyinit.nn._batch`), the keys of its calls and of its host generators;
 - :func:`remember` / :func:`recomputed`: how a forward that activation
   checkpointing recomputes in backward finds its first execution (non-reentrant:
   the same input tensors; reentrant: the memory of the detached inputs);
-- :class:`_MicroBatch` (``ctx.micro_batch(offset)``) and :class:`_Named`
+- :class:`MicroBatch` (``ctx.micro_batch(offset)``) and :class:`Named`
   (``keyed("a.name", ...)``).
 
 The context that uses them is :mod:`keyinit.nn._keyed`.
@@ -23,10 +23,10 @@ from keyinit.keys import Key, fold_in
 from keyinit.nn._batch import annotate, record
 from keyinit.nn._keys import keyed_call_key, keyed_module_key
 
-__all__ = ["_Forward", "_MicroBatch", "_Named", "_input_tensors", "_sequence_first_module", "remember", "recomputed"]
+__all__ = ["Forward", "MicroBatch", "Named", "input_tensors", "sequence_first_module", "remember", "recomputed"]
 
 
-class _Forward:
+class Forward:
     """One root forward: an outermost module execution in a keyed block, and the rows it holds.
 
     ``start`` is the global sample of its inputs' row 0 (``sample_offset`` plus the
@@ -64,7 +64,7 @@ class _Forward:
         return k
 
 
-def _sequence_first_module(module: torch.nn.Module) -> bool:
+def sequence_first_module(module: torch.nn.Module) -> bool:
     """torch's transformer modules built sequence-first (``batch_first=False``, torch's default)."""
     nn = torch.nn
     if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
@@ -74,11 +74,11 @@ def _sequence_first_module(module: torch.nn.Module) -> bool:
     if isinstance(module, nn.Transformer):
         return not module.batch_first
     if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and len(module.layers):
-        return _sequence_first_module(module.layers[0])
+        return sequence_first_module(module.layers[0])
     return False
 
 
-def _input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
 
     def visit(value: Any, depth: int) -> None:
@@ -99,16 +99,16 @@ def _input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 def _replay_key(fqn: str, t: torch.Tensor) -> tuple:
     return (fqn, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
-def remember(ctx: Any, fqn: str, forward: "_Forward", args: tuple, kwargs: dict) -> None:
+def remember(ctx: Any, fqn: str, forward: "Forward", args: tuple, kwargs: dict) -> None:
     """A module run with autograd off inside a forward that had it on (reentrant activation
     checkpointing): its input tensors are remembered, for the recompute in backward to find this
     forward and their batch records."""
-    for t in _input_tensors(args, kwargs):
+    for t in input_tensors(args, kwargs):
         ctx._replays[_replay_key(fqn, t)] = (weakref.ref(t), forward)
 
-def recomputed(ctx: Any, fqn: str, args: tuple, kwargs: dict) -> Optional["_Forward"]:
+def recomputed(ctx: Any, fqn: str, args: tuple, kwargs: dict) -> Optional["Forward"]:
     """The forward whose execution of module ``fqn`` a forward run in backward recomputes, or None."""
-    tensors = _input_tensors(args, kwargs)
+    tensors = input_tensors(args, kwargs)
     for t in tensors:  # non-reentrant checkpointing: the very input tensors of the first execution
         holders = [forward for forward in ctx._forwards
                    if (entry := forward.records.get(id(t))) is not None and entry[0]() is t]
@@ -123,7 +123,7 @@ def recomputed(ctx: Any, fqn: str, args: tuple, kwargs: dict) -> Optional["_Forw
             annotate(t, found_forward, record(original, found_forward))
     return found_forward
 
-class _Named(torch.nn.Module):
+class Named(torch.nn.Module):
     """The stand-in module of a named block (``keyed("name", ...)``): its FQN is the name."""
 
     _keyinit_block = True
@@ -133,7 +133,7 @@ class _Named(torch.nn.Module):
         self.name = name
 
 
-class _MicroBatch:
+class MicroBatch:
     __slots__ = ("ctx", "offset", "saved")
 
     def __init__(self, ctx: Any, offset: int) -> None:

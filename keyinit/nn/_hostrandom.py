@@ -35,7 +35,7 @@ class HostRandom:
     def __enter__(self) -> "HostRandom":
         from keyinit.data import _augment  # the one lock of the process's global generators
 
-        self._lock = _augment._GLOBAL_STATE_LOCK
+        self._lock = _augment.global_state_lock()
         self._lock.acquire()
         try:
             self._py = _py_random.getstate()

@@ -1,7 +1,7 @@
 """``keyed(model, seed, step=..., sample_offset=...)``: every random op in ``model``'s forward, keyed.
 
 The context: module hooks that open a frame per module execution (its FQN and
-call counter), the root forwards (:class:`_Forward`: the rows a forward holds,
+call counter), the root forwards (:class:`Forward`: the rows a forward holds,
 its repeat count, its tensors' batch records), the two modes entered by the
 outermost forward (:mod:`keyinit.nn._modes`), micro-batches, named blocks, and
 the recomputes of activation checkpointing, found again in backward (also after
@@ -27,18 +27,18 @@ from torch.overrides import TorchFunctionMode
 from keyinit.fqn import canonical_modules
 from keyinit.keys import Key, as_uint64, key
 from keyinit.nn._batch import Batch, annotate, declare, declared, record
-from keyinit.nn._intercept import _Frame
+from keyinit.nn._intercept import Frame
 from keyinit.nn._forward import (
-    _Forward,
-    _input_tensors,
-    _MicroBatch,
-    _Named,
-    _sequence_first_module,
+    Forward,
+    input_tensors,
+    MicroBatch,
+    Named,
+    sequence_first_module,
     recomputed,
     remember,
 )
 from keyinit.nn._hostrandom import HostRandom
-from keyinit.nn._modes import _BatchMode, _FunctionMode
+from keyinit.nn._modes import BatchMode, FunctionMode
 
 __all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward", "batch_dim"]
 
@@ -88,13 +88,13 @@ class _ThreadState:
     __slots__ = ("frames", "modes", "foreign", "pending")
 
     def __init__(self, ctx: "Keyed", foreign: bool) -> None:
-        self.frames: list[_Frame] = []
-        self.modes: list[Any] = [_FunctionMode(ctx), _BatchMode(ctx)]
+        self.frames: list[Frame] = []
+        self.modes: list[Any] = [FunctionMode(ctx), BatchMode(ctx)]
         self.foreign = foreign
         self.pending: Any = None  # the batch of the factory the function mode is running
 
 
-def current_forward() -> Optional[_Forward]:
+def current_forward() -> Optional[Forward]:
     """The root forward running in this thread inside an active ``keyed``, or None."""
     for ctx in reversed(_active()):
         frame = ctx._current_frame()
@@ -173,7 +173,7 @@ class Keyed:
             self._inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
             if not all(isinstance(t, torch.Tensor) for t in self._inputs):
                 raise TypeError("keyed: inputs must be tensors (the block's batch-holding tensors)")
-            model = _Named(model)
+            model = Named(model)
         elif inputs != ():
             raise TypeError("keyed: inputs= is for a named block (keyed('name', ...)); a model's inputs are its "
                             "forward's arguments")
@@ -198,8 +198,8 @@ class Keyed:
         self._rows = 0  # the running micro-batch's first sample, relative to sample_offset (micro_batch)
         self._probing = False  # root forwards now are shape probes (keyinit.nn.micro_batches between chunks)
         self._history: dict[str, list[tuple[int, int]]] = {}  # root module FQN -> rows of its root forwards
-        self._replays: dict[tuple, tuple[Any, "_Forward"]] = {}  # see _remember
-        self._forwards: list[_Forward] = []  # the root forwards of the block (for recomputes in backward)
+        self._replays: dict[tuple, tuple[Any, "Forward"]] = {}  # see _remember
+        self._forwards: list[Forward] = []  # the root forwards of the block (for recomputes in backward)
         self._constants: frozenset[int] = frozenset()
 
     def __repr__(self) -> str:
@@ -212,17 +212,17 @@ class Keyed:
             state = self._local.state = _ThreadState(self, foreign=threading.get_ident() != self._thread)
         return state
 
-    def _current_frame(self) -> Optional[_Frame]:
+    def _current_frame(self) -> Optional[Frame]:
         state = getattr(self._local, "state", None)
         if state is not None and state.frames:
             return state.frames[-1]
         return None
 
-    def _root_forward(self, module: torch.nn.Module, fqn: str, args: tuple, kwargs: dict) -> "_Forward":
+    def _root_forward(self, module: torch.nn.Module, fqn: str, args: tuple, kwargs: dict) -> "Forward":
         """A new root forward: its rows, its repeat count, and its inputs' batch records."""
         start = self.sample_offset + self._rows
-        tensors = _input_tensors(args, kwargs)
-        default_dim = 1 if _sequence_first_module(module) else 0
+        tensors = input_tensors(args, kwargs)
+        default_dim = 1 if sequence_first_module(module) else 0
         count = None
         dims: list[Optional[int]] = []
         for t in tensors:
@@ -234,7 +234,7 @@ class Keyed:
         count = count or 0
         rows = self._history.get(fqn, [])
         repeat = sum(1 for a, b in rows if a < start + count and start < b) if count else len(rows)
-        forward = _Forward(self, fqn, start, count, repeat)
+        forward = Forward(self, fqn, start, count, repeat)
         forward.probe = self._probing or any(t.device.type == "meta" for t in tensors)
         self._forwards.append(forward)
         if self.index == "tracked":
@@ -244,10 +244,10 @@ class Keyed:
                     annotate(t, forward, Batch(dim, int(t.shape[dim]), start))
         return forward
 
-    def _check_sequence_first(self, module: torch.nn.Module, frame: _Frame, args: tuple, kwargs: dict) -> None:
+    def _check_sequence_first(self, module: torch.nn.Module, frame: Frame, args: tuple, kwargs: dict) -> None:
         """A sequence-first torch layer inside the model whose input's batch is its dimension 0: the model's
         inputs were read batch-first, which this layer contradicts."""
-        tensors = _input_tensors(args, kwargs)
+        tensors = input_tensors(args, kwargs)
         if not tensors:
             return
         rec = record(tensors[0], frame.forward)
@@ -281,7 +281,7 @@ class Keyed:
                     forward = self._root_forward(module, fqn, args, kwargs)
                     if not torch.is_grad_enabled():
                         remember(self, fqn, forward, args, kwargs)
-            frame = _Frame(module, fqn, foreign, forward)
+            frame = Frame(module, fqn, foreign, forward)
             if not state.frames and self.index == "tracked" and not foreign:
                 host = HostRandom(forward.host_key(self))
                 host.__enter__()
@@ -294,7 +294,7 @@ class Keyed:
                     mode.__enter__()
                     frame.pushed.append(mode)
             state.frames.append(frame)
-            if self.index == "tracked" and len(state.frames) > 1 and _sequence_first_module(module):
+            if self.index == "tracked" and len(state.frames) > 1 and sequence_first_module(module):
                 try:
                     self._check_sequence_first(module, frame, args, kwargs)
                 except BaseException:
@@ -360,7 +360,7 @@ class Keyed:
         self._thread = threading.get_ident()
         self._owner = self._thread_state()
         self._constants = frozenset(id(b) for b in self.model.buffers())
-        if isinstance(self.model, _Named):  # one root forward for the whole block, its inputs as given
+        if isinstance(self.model, Named):  # one root forward for the whole block, its inputs as given
             _active().append(self)
             with _entered_lock:
                 _entered.append(self)
@@ -388,7 +388,7 @@ class Keyed:
             raise
         return self
 
-    def micro_batch(self, offset: int) -> "_MicroBatch":
+    def micro_batch(self, offset: int) -> "MicroBatch":
         """Context manager: root forwards inside hold the rows from ``sample_offset + offset`` on.
 
         For several forwards of one keyed block over different rows of the step's batch
@@ -396,7 +396,7 @@ class Keyed:
         is ``offset`` rows after this context's ``sample_offset``. Its masks are then the
         ones the whole batch's forward draws for those rows.
         """
-        return _MicroBatch(self, as_uint64(offset, "offset"))
+        return MicroBatch(self, as_uint64(offset, "offset"))
 
     def _leave_frames(self) -> None:
         owner = self._owner
@@ -426,7 +426,7 @@ class Keyed:
         self._state = "exited"
 
     def __exit__(self, *exc_info: Any) -> None:
-        if isinstance(self.model, _Named):
+        if isinstance(self.model, Named):
             self._post_hook()(self.model, (), None)
         if self._handles and exc_info[0] is None and any(ref() is not None for f in self._forwards
                                                                  for ref, _ in f.records.values()):

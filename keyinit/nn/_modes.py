@@ -1,11 +1,11 @@
 """The two modes of a keyed forward: torch-function routing and ATen-level batch tracking and draws.
 
-- :class:`_FunctionMode` (a ``TorchFunctionMode``) answers the dropout family, SDPA
+- :class:`FunctionMode` (a ``TorchFunctionMode``) answers the dropout family, SDPA
   with ``dropout_p > 0`` and multi-head attention with keyed masks
   (:mod:`keyinit.nn._intercept`), gives ``x.shape``/``x.size()`` of batch-holding
   tensors as :class:`keyinit.nn._batch.BatchSize`, and tells the dispatch mode the
   batch of a factory sized by one;
-- :class:`_BatchMode` (a ``TorchDispatchMode``) carries each op's batch from its
+- :class:`BatchMode` (a ``TorchDispatchMode``) carries each op's batch from its
   inputs to its outputs (:mod:`keyinit.nn._batch_rules`) and answers every random
   ATen op (``torch.Tag.nondeterministic_seeded``: ``rand``, ``bernoulli_``,
   ``normal_``, ``exponential_``, ``randperm``, ...) with keyed values
@@ -25,16 +25,16 @@ from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, a
 from keyinit.nn._batch_rules import propagate, restride_keeps_elements
 from keyinit.nn._intercept import (
     Keyed,
-    _arg,
-    _dropout_family,
-    _Frame,
-    _handle_dropout,
-    _keyed_mha,
-    _keyed_sdpa,
-    _refuse_foreign,
+    argument,
+    dropout_family,
+    Frame,
+    handle_dropout,
+    keyed_mha,
+    keyed_sdpa,
+    refuse_foreign,
 )
 
-__all__ = ["_FunctionMode", "_BatchMode", "_GuardSuspended"]
+__all__ = ["FunctionMode", "BatchMode", "GuardSuspended"]
 
 _SHAPE = torch.Tensor.shape
 _SIZE = torch.Tensor.size
@@ -96,13 +96,13 @@ def _shape_of(t: torch.Tensor, sizes: Any, forward: Any) -> Any:
     value = BatchSize(n, rec, forward.escaped) if rec.inner == 1 and n == rec.count else DerivedSize(n)
     return torch.Size(tuple(sizes[:d]) + (value,) + tuple(sizes[d + 1:]))
 
-class _FunctionMode(TorchFunctionMode):
+class FunctionMode(TorchFunctionMode):
     """Keyed dropout and attention, batch sizes that carry the batch, and the batch of sized factories."""
 
     def __init__(self, ctx: "Keyed") -> None:
         super().__init__()
         self.ctx = ctx
-        self.family = _dropout_family()
+        self.family = dropout_family()
         self.sdpa = torch.nn.functional.scaled_dot_product_attention
         self.mha = torch.nn.functional.multi_head_attention_forward
 
@@ -150,27 +150,27 @@ class _FunctionMode(TorchFunctionMode):
         if entry is not None:
             frame = self.ctx._current_frame()
             if frame is not None:
-                with _GuardSuspended(self.ctx):
-                    return _handle_dropout(self.ctx, frame, *entry, args, kwargs)
+                with GuardSuspended(self.ctx):
+                    return handle_dropout(self.ctx, frame, *entry, args, kwargs)
         elif func is self.sdpa:
-            dropout_p = _arg(args, kwargs, 4, "dropout_p", 0.0)
+            dropout_p = argument(args, kwargs, 4, "dropout_p", 0.0)
             frame = self.ctx._current_frame()
             if frame is not None and dropout_p:
-                from keyinit.nn.functional import _check_p
+                from keyinit.nn.functional import check_p
 
-                with _GuardSuspended(self.ctx):
-                    return _keyed_sdpa(self.ctx, frame, _check_p(dropout_p), args, kwargs)
+                with GuardSuspended(self.ctx):
+                    return keyed_sdpa(self.ctx, frame, check_p(dropout_p), args, kwargs)
         elif func is self.mha:
             frame = self.ctx._current_frame()
             if frame is not None:
-                with _GuardSuspended(self.ctx):
-                    out = _keyed_mha(self.ctx, frame, args, kwargs)
+                with GuardSuspended(self.ctx):
+                    out = keyed_mha(self.ctx, frame, args, kwargs)
                 if out is not None:
                     return out
         return func(*args, **kwargs)
 
 
-class _GuardSuspended:
+class GuardSuspended:
     """Leaves this thread's seeded-op guard while keyinit's own code (which draws nothing unkeyed) runs.
 
     Every ATen op under a Python dispatch mode costs a trip through Python, and the
@@ -201,23 +201,23 @@ def _current_dispatch_mode() -> Any:
     return _get_current_dispatch_mode()
 
 
-def _draws_nothing(func, args: tuple, kwargs: dict) -> bool:
+def draws_nothing(func, args: tuple, kwargs: dict) -> bool:
     """A seeded op that provably draws nothing: ``dropout_p``/``p`` equal to 0, or ``train``/``training`` False."""
     schema = getattr(func, "_schema", None)
     if schema is None:
         return False
-    for position, argument in enumerate(schema.arguments):
-        if argument.name not in ("dropout_p", "p", "train", "training"):
+    for position, schema_argument in enumerate(schema.arguments):
+        if schema_argument.name not in ("dropout_p", "p", "train", "training"):
             continue
         if position < len(args):
             value = args[position]
-        elif argument.name in kwargs:
-            value = kwargs[argument.name]
-        elif argument.has_default_value():
-            value = argument.default_value
+        elif schema_argument.name in kwargs:
+            value = kwargs[schema_argument.name]
+        elif schema_argument.has_default_value():
+            value = schema_argument.default_value
         else:
             continue
-        if argument.name in ("train", "training"):
+        if schema_argument.name in ("train", "training"):
             if value is False:
                 return True
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
@@ -249,7 +249,7 @@ def _tensor_inputs(args: tuple, kwargs: dict) -> list:
     return found
 
 
-class _BatchMode(TorchDispatchMode):
+class BatchMode(TorchDispatchMode):
     """Tracks each tensor's batch through the forward's ATen ops, and keys every random op."""
 
     @classmethod
@@ -262,7 +262,7 @@ class _BatchMode(TorchDispatchMode):
         super().__init__()
         self.ctx = ctx
 
-    def _output_record(self, func: Any, frame: _Frame, args: tuple, kwargs: dict, records: list) -> Any:
+    def _output_record(self, func: Any, frame: Frame, args: tuple, kwargs: dict, records: list) -> Any:
         """The batch of a random op's output: the sized factory's, the input's (``*_like``, in place), or the
         inputs' broadcast (``bernoulli(p)``, ``normal(mean, std)``, ``multinomial``)."""
         name = func._schema.name
@@ -285,7 +285,7 @@ class _BatchMode(TorchDispatchMode):
         forward = frame.forward
         tensors = _tensor_inputs(args, kwargs)
         records = [(t, record(t, forward)) for t in tensors]
-        if is_random(func) and not (_draws_nothing(func, args, kwargs) and func._schema.name not in _ANSWERED):
+        if is_random(func) and not (draws_nothing(func, args, kwargs) and func._schema.name not in _ANSWERED):
             return self._draw(func, frame, args, kwargs, records)
         if func is _AS_STRIDED_ and records and records[0][1] is not None:
             # in place: whether it keeps the elements is known only before it runs
@@ -309,15 +309,15 @@ class _BatchMode(TorchDispatchMode):
             annotate(leaf, forward, rec)
         return out
 
-    def _draw(self, func: Any, frame: _Frame, args: tuple, kwargs: dict, records: list) -> Any:
+    def _draw(self, func: Any, frame: Frame, args: tuple, kwargs: dict, records: list) -> Any:
         from keyinit.nn._draws import keyed_draw
         from keyinit.nn._keys import DROPOUT_DOMAIN
         from keyinit.keys import key as make_key
 
         ctx = self.ctx
         if frame.foreign:
-            _refuse_foreign(ctx, frame, str(func))
-        nothing = _draws_nothing(func, args, kwargs)
+            refuse_foreign(ctx, frame, str(func))
+        nothing = draws_nothing(func, args, kwargs)
         if ctx.index == "dim0" and not nothing:
             raise UnkeyedRandomnessError(
                 f"{frame.describe()}: {func} inside a keyinit.nn.keyed(index='dim0') forward: that rule keys only "
