@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit.errors import UnkeyedRandomnessError
 
-__all__ = ["watched"]
+__all__ = ["watched", "ThreadDrawsRefused"]
 
 
 class _Watch:
@@ -115,3 +115,52 @@ def watched(site: str) -> Iterator[None]:
             f"by the tensor it lands in) or keyinit.random; the generator's state was put back")
     if watch.refused:
         raise UnkeyedRandomnessError(_thread_message(site, watch.refused[0]))
+
+
+class _RefuseDrawsInThread(TorchDispatchMode):
+    """Pushed in a thread started inside a keyed sample: while the sample runs, every random op there is
+    refused (deterministic ops, such as decoding, run)."""
+
+    def __init__(self, watch: _Watch) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
+        from keyinit._engine.random_ops import is_random
+
+        if self.watch.open and is_random(func):
+            name = threading.current_thread().name
+            self.watch.refused.append(name)
+            raise UnkeyedRandomnessError(
+                f"{self.watch.site}: a random op ({func}) in a thread started while the sample was read ({name}); "
+                "keyinit keys the randomness of the thread that reads the sample, so this draw would come from "
+                "torch's global RNG and differ on every read: augment in the calling thread")
+        return func(*args, **(kwargs or {}))
+
+
+class ThreadDrawsRefused:
+    """Context manager: a random torch op in a thread started inside the block is an
+    :class:`UnkeyedRandomnessError` naming ``site`` (refused before it draws; ``threading.setprofile``
+    is set for the block and put back)."""
+
+    __slots__ = ("watch", "previous")
+
+    def __init__(self, site: str) -> None:
+        self.watch = _Watch(site)
+        self.previous: Optional[Any] = None
+
+    def __enter__(self) -> "ThreadDrawsRefused":
+        watch = self.watch
+        self.previous = previous = threading.getprofile()
+
+        def start(frame: Any, event: str, arg: Any) -> None:  # the first event of each thread started here
+            sys.setprofile(previous)
+            if watch.open:
+                _RefuseDrawsInThread(watch).__enter__()  # for the thread's life; passes ops once the block ends
+
+        threading.setprofile(start)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        threading.setprofile(self.previous)
+        self.watch.open = False

@@ -32,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from keyinit._engine.outside import ThreadDrawsRefused
 from keyinit.data import _fast, _intercept
 from keyinit.data._index import SampleIndex
 from keyinit.keys import Key, as_uint64, fold_in, key
@@ -255,9 +256,12 @@ class keyed_randomness:
             self._np_seeded = self._watch.snapshot()
         self._mode = _Interception(_Keyer(self.sample, self.site))
         self._mode.__enter__()
+        self._threads = ThreadDrawsRefused(self.site)  # a thread started here cannot be keyed: refused
+        self._threads.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         try:
+            self._threads.__exit__(*exc)
             self._mode.__exit__(*exc)
         finally:
             try:
