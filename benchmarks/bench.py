@@ -63,7 +63,7 @@ if str(REPO) not in sys.path:
 
 import keyinit  # noqa: E402
 from keyinit import random as kr  # noqa: E402
-from keyinit._kernels import _cpu  # noqa: E402
+from keyinit._kernels.fill import cpu as _cpu  # noqa: E402
 
 KEY = keyinit.key(1234)
 
@@ -421,7 +421,7 @@ def bench_gpu(rounds: int, dry_run: bool) -> None:
         if not torch.cuda.is_available():
             print("\n## 6. GPU targets\n\nskipped: no CUDA device on this machine")
             return
-        from keyinit._kernels import triton_kernel
+        from keyinit._kernels.fill import triton as triton_kernel
 
         if not triton_kernel.available():
             print("\n## 6. GPU targets\n\nskipped: triton is not installed")
@@ -487,7 +487,7 @@ sys.path.insert(0, sys.argv[1])
 from triton import compile as triton_compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from keyinit._kernels import _triton_impl as impl
+from keyinit._kernels.fill import triton_impl as impl
 
 fn = impl._fill_kernel
 params = inspect.signature(fn.fn).parameters

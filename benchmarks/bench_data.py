@@ -19,6 +19,12 @@ Sections:
 4. ``keyed_samples``: the time per sample of the dataset's own randomness, unkeyed vs keyed, on
    one thread: one ``torch.rand(4)``, and a ``torchvision.transforms.v2`` ImageNet-style pipeline
    (RandomResizedCrop 256->224, flip, ColorJitter, RandAugment, RandomErasing) when torchvision imports.
+5. Issue 25's cost targets, side by side in one run, one thread: (a) ``keyed_samples`` vs the unwrapped
+   ``__getitem__`` on RandomResizedCrop(224), RandomHorizontalFlip, ColorJitter, ToDtype, RandomErasing
+   over a 3x256x256 uint8 image (and, for comparison, the general path: a dispatch mode seeing every op
+   and a program per draw, what keyed_samples did before); (b) ``keyed_collate`` vs the plain HF
+   ``DataCollatorForLanguageModeling`` per batch of 32 (a WordLevel tokenizer built in code, sequences
+   of 21-50 tokens). Wall-clock and this thread's CPU time (``time.thread_time``), both medians.
 
 Timings alternate peer and keyinit and report the MEDIAN of the repeats. This is not a test.
 """
@@ -156,8 +162,12 @@ def section3(args) -> dict:
                                    lambda: batch_epoch(KeyedSampler(n, 0, global_batch_size=batch)), args.repeats)
     alone_random, alone_keyed = median_pair(lambda: list(torch.utils.data.RandomSampler(data, generator=g)),
                                             lambda: list(KeyedSampler(n, 0, global_batch_size=batch)), args.repeats)
+    alone_random2, alone_plain = median_pair(
+        lambda: list(torch.utils.data.RandomSampler(data, generator=g)),
+        lambda: list(KeyedSampler(n, 0, global_batch_size=batch, yield_epoch=False)), args.repeats)
     return {"n": n, "batch": batch, "random_sampler_s": random_t, "keyed_sampler_s": keyed_t,
             "sampler_alone_random_s": alone_random, "sampler_alone_keyed_s": alone_keyed,
+            "sampler_alone_random_s_2": alone_random2, "sampler_alone_keyed_plain_ints_s": alone_plain,
             "keyed_sampler_share_of_epoch": alone_keyed / keyed_t,
             "added_vs_random_sampler": keyed_t / random_t - 1, "sequential_sampler_s": seq_t,
             "keyed_sampler_s_2": keyed2_t, "added_vs_sequential_sampler": keyed2_t / seq_t - 1,
@@ -212,6 +222,99 @@ def section4(args) -> dict:
     return out
 
 
+def median_pair_both(peer, mine, repeats: int) -> dict:
+    """Medians of interleaved repeats, wall clock and this thread's CPU time (less moved by other jobs)."""
+    peer()
+    mine()
+    times: dict = {"peer_wall": [], "mine_wall": [], "peer_cpu": [], "mine_cpu": []}
+    for _ in range(repeats):
+        for fn, name in ((peer, "peer"), (mine, "mine")):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            fn()
+            times[f"{name}_cpu"].append(time.thread_time() - cpu)
+            times[f"{name}_wall"].append(time.perf_counter() - wall)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _mlm_collator():
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(200)]
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                      special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                  sep_token="[SEP]", mask_token="[MASK]")
+    examples = [tok(" ".join(words[(i * 7) % 200:(i * 7) % 200 + 19 + i % 30])) for i in range(32)]
+    return DataCollatorForLanguageModeling(tok, mlm_probability=0.15), examples
+
+
+def section5(args) -> dict:
+    """Issue 25's targets: keyed __getitem__ <= 1.2x, keyed_collate <= 1.5x, measured side by side."""
+    from keyinit.data import KeyedBatch, keyed_collate, keyed_samples
+    from keyinit.data import _fast, _intercept
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict = {"threads": 1, "repeats": args.repeats}
+    try:
+        try:
+            from tests._vision import define_torchvision_schemas
+
+            define_torchvision_schemas()
+            from torchvision.transforms import v2
+        except ImportError as exc:
+            out["augment"] = f"skipped: {exc}"
+        else:
+            transform = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(),
+                                    v2.ColorJitter(0.4, 0.4, 0.4, 0.1), v2.ToDtype(torch.float32, scale=True),
+                                    v2.RandomErasing(p=0.5)])
+            plain = _Augmented(transform)
+            keyed = keyed_samples(plain, 0)
+            count = 10 if args.quick else 40
+            t = median_pair_both(lambda: [plain[i] for i in range(count)],
+                                 lambda: [keyed[(i, 0)] for i in range(count)], args.repeats)
+            available, plan = _intercept.available, _fast.plan
+            _intercept.available = lambda: False  # the general path: dispatch mode, a program per draw
+            _fast.plan = lambda *a, **k: None
+            try:
+                g = median_pair_both(lambda: [plain[i] for i in range(count)],
+                                     lambda: [keyed[(i, 0)] for i in range(count)], max(3, args.repeats // 3))
+            finally:
+                _intercept.available, _fast.plan = available, plan
+            out["augment"] = {
+                "pipeline": "RandomResizedCrop(224), RandomHorizontalFlip, ColorJitter, ToDtype, RandomErasing",
+                "plain_ms_per_sample_wall": t["peer_wall"] / count * 1e3,
+                "keyed_ms_per_sample_wall": t["mine_wall"] / count * 1e3, "ratio_wall": t["mine_wall"] / t["peer_wall"],
+                "plain_ms_per_sample_cpu": t["peer_cpu"] / count * 1e3,
+                "keyed_ms_per_sample_cpu": t["mine_cpu"] / count * 1e3, "ratio_cpu": t["mine_cpu"] / t["peer_cpu"],
+                "general_path_ratio_wall": g["mine_wall"] / g["peer_wall"],
+                "general_path_ratio_cpu": g["mine_cpu"] / g["peer_cpu"]}
+        try:
+            collator, examples = _mlm_collator()
+        except ImportError as exc:
+            out["collate"] = f"skipped: {exc}"
+        else:
+            keyed_c = keyed_collate(collator, 0)
+            batch = KeyedBatch(examples, tuple((0, i) for i in range(len(examples))))
+            count = 10 if args.quick else 40
+            c = median_pair_both(lambda: [collator(examples) for _ in range(count)],
+                                 lambda: [keyed_c(batch) for _ in range(count)], args.repeats)
+            out["collate"] = {
+                "collator": "DataCollatorForLanguageModeling(mlm_probability=0.15), batch 32",
+                "padded_shape": list(collator(examples)["input_ids"].shape),
+                "plain_ms_per_batch_wall": c["peer_wall"] / count * 1e3,
+                "keyed_ms_per_batch_wall": c["mine_wall"] / count * 1e3, "ratio_wall": c["mine_wall"] / c["peer_wall"],
+                "plain_ms_per_batch_cpu": c["peer_cpu"] / count * 1e3,
+                "keyed_ms_per_batch_cpu": c["mine_cpu"] / count * 1e3, "ratio_cpu": c["mine_cpu"] / c["peer_cpu"]}
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -226,7 +329,7 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, device {args.device}")
     results = {}
-    for number, fn in ((1, section1), (2, section2), (3, section3), (4, section4)):
+    for number, fn in ((1, section1), (2, section2), (3, section3), (4, section4), (5, section5)):
         if args.only and number not in args.only:
             continue
         if args.device != "cpu" and number != 1:

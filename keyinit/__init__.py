@@ -6,23 +6,31 @@ keys. See ``docs/spec.md`` for the stream contract and ``docs/`` for the guide.
 """
 
 from keyinit import init, layouts, random
-from keyinit.keys import DEFAULT_STREAM, STREAM_VERSIONS, Key, fold_in, key, key_for, split
+from keyinit.keys import DEFAULT_STREAM, Key, fold_in, key, key_for, split
 from keyinit._engine.deferred import deferred
 from keyinit._engine.init_code import call_once, per_module
 from keyinit.model import InitReport, Plan, TensorRecord, init_model, materialize, plan_init
 from keyinit.rules import REGISTRY, Registry, RuleContext, register, register_pattern
 from keyinit.errors import InitError, PlanError, SharedDrawWarning, UnkeyedRandomnessError
 from keyinit import nn
+from keyinit import _kernels
+
+_kernels.register()  # stream v1's kernels into the dispatch table: names only, nothing built or imported
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``keyinit.data`` is imported on first use (it pulls in torch.utils.data)."""
+    """``keyinit.data`` is imported on first use (it pulls in torch.utils.data); ``STREAM_VERSIONS`` is read
+    from the stream registry at each access."""
     if name == "data":
         import importlib
 
         return importlib.import_module("keyinit.data")
+    if name == "STREAM_VERSIONS":
+        from keyinit import keys
+
+        return keys.STREAM_VERSIONS
     raise AttributeError(f"module 'keyinit' has no attribute {name!r}")
 
 __all__ = [
@@ -35,6 +43,7 @@ __all__ = [
     "init",
     "layouts",
     "nn",
+    "data",
     "deferred",
     "per_module",
     "call_once",

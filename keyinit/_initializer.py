@@ -19,7 +19,8 @@ from keyinit.distributions import FLOAT_DTYPES
 from keyinit.keys import Key
 from keyinit.layouts import Target
 
-__all__ = ["Axes", "Initializer", "calculate_fan_in_and_fan_out", "calculate_gain"]
+__all__ = ["Axes", "Initializer", "calculate_fan_in_and_fan_out", "calculate_gain", "real_number", "non_negative", "fan_axes",
+           "require_float", "named_initializer", "target_fans", "uniform_fill", "normal_fill", "empty"]
 
 Axes = Union[int, tuple[int, ...]]
 
@@ -41,7 +42,7 @@ class Initializer:
 # --------------------------------------------------------------------------- helpers
 
 
-def _real(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def real_number(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     """attrs validator: a finite int or float (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
@@ -51,12 +52,12 @@ def _real(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{type(instance).__name__}: {attribute.name} must be finite, got {value}")
 
 
-def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value < 0:
         raise ValueError(f"{type(instance).__name__}: {attribute.name} must be >= 0, got {value}")
 
 
-def _axes(value: Any) -> Axes:
+def fan_axes(value: Any) -> Axes:
     """attrs converter: an int, or a tuple of ints from any sequence of ints."""
     if isinstance(value, bool):
         raise TypeError(f"axes must be an int or a sequence of ints, got {value!r}")
@@ -69,7 +70,7 @@ def _axes(value: Any) -> Axes:
     raise TypeError(f"axes must be an int or a sequence of ints, got {value!r}")
 
 
-def _require_float(target: Target, name: str) -> None:
+def require_float(target: Target, name: str) -> None:
     dtype = target.out.dtype
     if dtype not in FLOAT_DTYPES:
         raise TypeError(
@@ -79,7 +80,7 @@ def _require_float(target: Target, name: str) -> None:
 
 
 @contextlib.contextmanager
-def _named(fqn: str) -> Iterator[None]:
+def named_initializer(fqn: str) -> Iterator[None]:
     """Prefix errors raised by a sampler with the tensor's FQN."""
     try:
         yield
@@ -120,9 +121,9 @@ def calculate_fan_in_and_fan_out(
             f"fan in and fan out can not be computed for a tensor with fewer than 2 dimensions, "
             f"got shape {shape}"
         )
-    ins = _normalize_axes(_axes(in_axis), len(shape), "in_axis")
-    outs = _normalize_axes(_axes(out_axis), len(shape), "out_axis")
-    batches = _normalize_axes(_axes(batch_axis), len(shape), "batch_axis")
+    ins = _normalize_axes(fan_axes(in_axis), len(shape), "in_axis")
+    outs = _normalize_axes(fan_axes(out_axis), len(shape), "out_axis")
+    batches = _normalize_axes(fan_axes(batch_axis), len(shape), "batch_axis")
     used = [*ins, *outs, *batches]
     if len(set(used)) != len(used):
         raise ValueError(
@@ -132,7 +133,7 @@ def calculate_fan_in_and_fan_out(
     return math.prod(shape[d] for d in ins) * receptive, math.prod(shape[d] for d in outs) * receptive
 
 
-def _target_fans(target: Target, in_axis: Axes = 1, out_axis: Axes = 0, batch_axis: Axes = ()) -> tuple[int, int]:
+def target_fans(target: Target, in_axis: Axes = 1, out_axis: Axes = 0, batch_axis: Axes = ()) -> tuple[int, int]:
     try:
         return calculate_fan_in_and_fan_out(target.global_shape, in_axis, out_axis, batch_axis)
     except ValueError as error:
@@ -179,19 +180,19 @@ def calculate_gain(nonlinearity: str, param: Union[int, float, None] = None) -> 
     raise ValueError(f"Unsupported nonlinearity {nonlinearity}")
 
 
-def _uniform_fill(key: Key, target: Target, low: float, high: float) -> None:
+def uniform_fill(key: Key, target: Target, low: float, high: float) -> None:
     """``U(low, high)`` into the target; ``low == high`` gives the constant ``low`` (as torch's ``uniform_``)."""
     if low == high:
         target.out.fill_(low)
         return
-    with _named(target.fqn):
+    with named_initializer(target.fqn):
         random.uniform(key, target.global_shape, low=low, high=high, region=target.region, out=target.out)
 
 
-def _normal_fill(key: Key, target: Target, mean: float, std: float) -> None:
-    with _named(target.fqn):
+def normal_fill(key: Key, target: Target, mean: float, std: float) -> None:
+    with named_initializer(target.fqn):
         random.normal(key, target.global_shape, mean=mean, std=std, region=target.region, out=target.out)
 
 
-def _empty(target: Target) -> bool:
+def empty(target: Target) -> bool:
     return math.prod(target.global_shape) == 0

@@ -56,22 +56,22 @@ def _strided_chunk(indices: torch.Tensor, split_factor: int, num_chunks: int, in
 # DTensor placements, as a pure function of (global shape, mesh shape, coordinate, placements).
 
 
-def _placement_classes() -> tuple[type, type, type, type]:
+def placement_classes() -> tuple[type, type, type, type]:
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
     return Shard, _StridedShard, Replicate, Partial
 
 
-def _placement_str(placement: Any) -> str:
-    _, strided_cls, _, _ = _placement_classes()
+def placement_str(placement: Any) -> str:
+    _, strided_cls, _, _ = placement_classes()
     if isinstance(placement, strided_cls):
         return f"_StridedShard({placement.dim}, sf={int(placement.split_factor)})"
     return repr(placement).replace("dim=", "")
 
 
-def _partial_error(fqn: str, placement: Any, mesh_dim: int) -> ValueError:
+def partial_error(fqn: str, placement: Any, mesh_dim: int) -> ValueError:
     return ValueError(
-        f"keyinit cannot initialize {fqn} ({_placement_str(placement)} on mesh dim {mesh_dim}): "
+        f"keyinit cannot initialize {fqn} ({placement_str(placement)} on mesh dim {mesh_dim}): "
         "a Partial tensor has no element-wise global values (each rank holds a summand); "
         "redistribute it to Shard/Replicate placements first"
     )
@@ -93,7 +93,7 @@ def _decode_shard_order(
     mesh dims to its right whose sizes multiply to ``sf``. Returns ``None`` when
     the split factors match no order.
     """
-    shard_cls, strided_cls, _, _ = _placement_classes()
+    shard_cls, strided_cls, _, _ = placement_classes()
     order: dict[int, list[int]] = {}
     for mesh_dim in reversed(range(len(placements))):
         placement = placements[mesh_dim]
@@ -164,11 +164,11 @@ def dtensor_region(
         raise ValueError(f"{len(placements)} placements for a {len(mesh_shape)}-D mesh {mesh_shape}")
     if any(size < 1 for size in mesh_shape):
         raise ValueError(f"mesh shape {mesh_shape} must have positive sizes")
-    shard_cls, strided_cls, replicate_cls, partial_cls = _placement_classes()
+    shard_cls, strided_cls, replicate_cls, partial_cls = placement_classes()
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, partial_cls):
             raise ValueError(
-                f"{_placement_str(placement)} on mesh dim {mesh_dim}: a Partial tensor has no element-wise "
+                f"{placement_str(placement)} on mesh dim {mesh_dim}: a Partial tensor has no element-wise "
                 "global values; redistribute it to Shard/Replicate placements first"
             )
         if not isinstance(placement, (shard_cls, strided_cls, replicate_cls)):
@@ -203,7 +203,7 @@ def dtensor_region(
                 if not isinstance(placement, (shard_cls, strided_cls)) or _norm_dim(placement.dim, ndim) != tensor_dim:
                     raise ValueError(
                         f"shard order puts mesh dim {mesh_dim} on tensor dim {tensor_dim}, "
-                        f"but its placement is {_placement_str(placement)}"
+                        f"but its placement is {placement_str(placement)}"
                     )
 
     indices = [torch.arange(size, dtype=torch.int64, device="cpu") for size in shape]

@@ -3,11 +3,11 @@
 Each distribution is an immutable value holding its parameters already
 prepared for the device (binary32 constants, integer thresholds), plus
 ``words_per_element`` (``w``): element ``i`` of a tensor consumes stream words
-``w*i .. w*i + w - 1`` (see :func:`keyinit._philox.stream_words`).
+``w*i .. w*i + w - 1`` (see :func:`keyinit._bits.philox.stream_words`).
 
 ``transform`` is the reference definition of each distribution: it maps the
 words of a batch of elements (int64 tensors holding uint32 values) to values.
-Float distributions are always computed in binary32 (see ``_fp32math``) and
+Float distributions are always computed in binary32 (see ``keyinit._bits.fp32math``) and
 then converted to the requested dtype with round-to-nearest-even, so a
 bfloat16 or float16 draw is the float32 draw rounded, and a float64 draw is
 the float32 draw widened exactly. Fast kernels must reproduce these bits.
@@ -21,8 +21,8 @@ from typing import ClassVar
 import attrs
 import torch
 
-from keyinit._fp32math import f32, ndtri_f32, ndtri_tail_f32
-from keyinit._hostmath import normal_cdf64
+from keyinit._bits.fp32math import f32, ndtri_f32, ndtri_tail_f32
+from keyinit._bits.hostmath import normal_cdf64
 
 __all__ = [
     "Distribution",
@@ -174,7 +174,7 @@ def _inward_bound(value: float, dtype: torch.dtype, upward: bool) -> float:
 class TruncatedNormal(Distribution):
     """The normal ``N(mean, std**2)`` restricted to ``[a, b]`` (absolute bounds), by inversion.
 
-    On the host, in binary64 with :func:`keyinit._hostmath.normal_cdf64`:
+    On the host, in binary64 with :func:`keyinit._bits.hostmath.normal_cdf64`:
     ``alpha = (a - mean) / std``, ``beta = (b - mean) / std``; if
     ``alpha + beta > 0`` the interval is mirrored (``flip``) so its longer
     tail lies below the median, where binary32 resolves small probabilities;

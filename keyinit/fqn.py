@@ -30,7 +30,7 @@ WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoin
 FqnMap = Union[Mapping[str, str], Callable[[str], str]]
 
 
-def _is_data_parallel(module: torch.nn.Module) -> bool:
+def is_data_parallel(module: torch.nn.Module) -> bool:
     parallel_types: list[type] = [torch.nn.DataParallel]
     try:
         from torch.nn.parallel import DistributedDataParallel
@@ -55,7 +55,7 @@ def canonical_modules(root: torch.nn.Module) -> Iterator[tuple[str, str, torch.n
     def walk(module: torch.nn.Module, raw: str, canonical: str,
              renamed: Optional[Mapping[str, str]]) -> Iterator[tuple[str, str, torch.nn.Module]]:
         yield raw, canonical, module
-        strip_module = _is_data_parallel(module)
+        strip_module = is_data_parallel(module)
         experts = expert_child_names(module, canonical)  # megatron-core: {local: global expert index}
         for name, child in module._modules.items():
             if child is None:

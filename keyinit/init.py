@@ -59,15 +59,15 @@ from keyinit import random
 from keyinit._initializer import (
     Axes,
     Initializer,
-    _axes,
-    _empty,
-    _named,
-    _non_negative,
-    _normal_fill,
-    _real,
-    _require_float,
-    _target_fans,
-    _uniform_fill,
+    fan_axes,
+    empty,
+    named_initializer,
+    non_negative,
+    normal_fill,
+    real_number,
+    require_float,
+    target_fans,
+    uniform_fill,
     calculate_fan_in_and_fan_out,
     calculate_gain,
 )
@@ -120,8 +120,8 @@ class uniform(Initializer):  # noqa: N801 - named like torch.nn.init.uniform_
     ``low == high`` fills the constant ``low``, as ``torch.nn.init.uniform_``.
     """
 
-    low: float = attrs.field(default=0.0, validator=_real)
-    high: float = attrs.field(default=1.0, validator=_real)
+    low: float = attrs.field(default=0.0, validator=real_number)
+    high: float = attrs.field(default=1.0, validator=real_number)
 
     def __attrs_post_init__(self) -> None:
         if self.low > self.high:
@@ -129,8 +129,8 @@ class uniform(Initializer):  # noqa: N801 - named like torch.nn.init.uniform_
 
     @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
-        _require_float(target, "uniform")
-        _uniform_fill(key, target, self.low, self.high)
+        require_float(target, "uniform")
+        uniform_fill(key, target, self.low, self.high)
 
 
 @attrs.frozen
@@ -140,13 +140,13 @@ class normal(Initializer):  # noqa: N801 - named like torch.nn.init.normal_
     As :func:`keyinit.random.normal` (inverse-CDF, float32, tails to about 6.3 std).
     """
 
-    mean: float = attrs.field(default=0.0, validator=_real)
-    std: float = attrs.field(default=1.0, validator=[_real, _non_negative])
+    mean: float = attrs.field(default=0.0, validator=real_number)
+    std: float = attrs.field(default=1.0, validator=[real_number, non_negative])
 
     @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
-        _require_float(target, "normal")
-        _normal_fill(key, target, self.mean, self.std)
+        require_float(target, "normal")
+        normal_fill(key, target, self.mean, self.std)
 
 
 @attrs.frozen
@@ -160,10 +160,10 @@ class truncated_normal(Initializer):  # noqa: N801 - torch.nn.init.trunc_normal_
     distribution, one stream word per element, every value in ``[a, b]``.
     """
 
-    mean: float = attrs.field(default=0.0, validator=_real)
-    std: float = attrs.field(default=1.0, validator=[_real, _non_negative])
-    a: float = attrs.field(default=-2.0, validator=_real)
-    b: float = attrs.field(default=2.0, validator=_real)
+    mean: float = attrs.field(default=0.0, validator=real_number)
+    std: float = attrs.field(default=1.0, validator=[real_number, non_negative])
+    a: float = attrs.field(default=-2.0, validator=real_number)
+    b: float = attrs.field(default=2.0, validator=real_number)
 
     def __attrs_post_init__(self) -> None:
         if not self.a < self.b:
@@ -171,8 +171,8 @@ class truncated_normal(Initializer):  # noqa: N801 - torch.nn.init.trunc_normal_
 
     @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
-        _require_float(target, "truncated_normal")
-        with _named(target.fqn):
+        require_float(target, "truncated_normal")
+        with named_initializer(target.fqn):
             random.truncated_normal(
                 key, target.global_shape, mean=self.mean, std=self.std, a=self.a, b=self.b,
                 region=target.region, out=target.out,
@@ -337,17 +337,17 @@ class xavier_uniform(Initializer):  # noqa: N801 - named like torch.nn.init.xavi
     ``a = sqrt(3) * std``), fans from the global shape in torch's convention.
     """
 
-    gain: float = attrs.field(default=1.0, validator=[_real, _non_negative])
+    gain: float = attrs.field(default=1.0, validator=[real_number, non_negative])
 
     @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
-        _require_float(target, "xavier_uniform")
-        fan_in, fan_out = _target_fans(target)
-        if _empty(target):
+        require_float(target, "xavier_uniform")
+        fan_in, fan_out = target_fans(target)
+        if empty(target):
             return
         std = self.gain * math.sqrt(2.0 / float(fan_in + fan_out))
         a = math.sqrt(3.0) * std
-        _uniform_fill(key, target, -a, a)
+        uniform_fill(key, target, -a, a)
 
 
 @attrs.frozen
@@ -360,16 +360,16 @@ class xavier_normal(Initializer):  # noqa: N801 - named like torch.nn.init.xavie
     fans from the global shape in torch's convention.
     """
 
-    gain: float = attrs.field(default=1.0, validator=[_real, _non_negative])
+    gain: float = attrs.field(default=1.0, validator=[real_number, non_negative])
 
     @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
-        _require_float(target, "xavier_normal")
-        fan_in, fan_out = _target_fans(target)
-        if _empty(target):
+        require_float(target, "xavier_normal")
+        fan_in, fan_out = target_fans(target)
+        if empty(target):
             return
         std = self.gain * math.sqrt(2.0 / float(fan_in + fan_out))
-        _normal_fill(key, target, 0.0, std)
+        normal_fill(key, target, 0.0, std)
 
 
 @attrs.frozen
@@ -387,7 +387,7 @@ class kaiming_uniform(Initializer):  # noqa: N801 - named like torch.nn.init.kai
     and ``nn.ConvNd``. A tensor with no elements is left alone.
     """
 
-    a: float = attrs.field(default=0, validator=_real)
+    a: float = attrs.field(default=0, validator=real_number)
     mode: str = attrs.field(default="fan_in", validator=_check_mode)
     nonlinearity: str = attrs.field(default="leaky_relu")
 
@@ -396,14 +396,14 @@ class kaiming_uniform(Initializer):  # noqa: N801 - named like torch.nn.init.kai
 
     @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
-        _require_float(target, "kaiming_uniform")
-        fan_in, fan_out = _target_fans(target)
-        if _empty(target):
+        require_float(target, "kaiming_uniform")
+        fan_in, fan_out = target_fans(target)
+        if empty(target):
             return
         fan = fan_in if self.mode == "fan_in" else fan_out
         std = calculate_gain(self.nonlinearity, self.a) / math.sqrt(fan)
         bound = math.sqrt(3.0) * std
-        _uniform_fill(key, target, -bound, bound)
+        uniform_fill(key, target, -bound, bound)
 
 
 @attrs.frozen
@@ -417,7 +417,7 @@ class kaiming_normal(Initializer):  # noqa: N801 - named like torch.nn.init.kaim
     torch's convention. A tensor with no elements is left alone.
     """
 
-    a: float = attrs.field(default=0, validator=_real)
+    a: float = attrs.field(default=0, validator=real_number)
     mode: str = attrs.field(default="fan_in", validator=_check_mode)
     nonlinearity: str = attrs.field(default="leaky_relu")
 
@@ -426,13 +426,13 @@ class kaiming_normal(Initializer):  # noqa: N801 - named like torch.nn.init.kaim
 
     @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
-        _require_float(target, "kaiming_normal")
-        fan_in, fan_out = _target_fans(target)
-        if _empty(target):
+        require_float(target, "kaiming_normal")
+        fan_in, fan_out = target_fans(target)
+        if empty(target):
             return
         fan = fan_in if self.mode == "fan_in" else fan_out
         std = calculate_gain(self.nonlinearity, self.a) / math.sqrt(fan)
-        _normal_fill(key, target, 0.0, std)
+        normal_fill(key, target, 0.0, std)
 
 
 _VS_MODES = ("fan_in", "fan_out", "fan_avg")
@@ -462,12 +462,12 @@ class variance_scaling(Initializer):  # noqa: N801 - named like jax.nn.initializ
     defaults); ``batch_axis`` dimensions count in neither fan.
     """
 
-    scale: float = attrs.field(validator=_real)
+    scale: float = attrs.field(validator=real_number)
     mode: str = attrs.field()
     distribution: str = attrs.field()
-    in_axis: Axes = attrs.field(default=1, converter=_axes)
-    out_axis: Axes = attrs.field(default=0, converter=_axes)
-    batch_axis: Axes = attrs.field(default=(), converter=_axes)
+    in_axis: Axes = attrs.field(default=1, converter=fan_axes)
+    out_axis: Axes = attrs.field(default=0, converter=fan_axes)
+    batch_axis: Axes = attrs.field(default=(), converter=fan_axes)
 
     def __attrs_post_init__(self) -> None:
         if not self.scale > 0:
@@ -490,23 +490,23 @@ class variance_scaling(Initializer):  # noqa: N801 - named like jax.nn.initializ
 
     @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
-        _require_float(target, "variance_scaling")
-        _target_fans(target, self.in_axis, self.out_axis, self.batch_axis)  # errors name the FQN
-        if _empty(target):
+        require_float(target, "variance_scaling")
+        target_fans(target, self.in_axis, self.out_axis, self.batch_axis)  # errors name the FQN
+        if empty(target):
             return
         variance = self.variance(target.global_shape)
         if self.distribution == "truncated_normal":
             stddev = math.sqrt(variance) / _TRUNCATED_NORMAL_STDDEV
-            with _named(target.fqn):
+            with named_initializer(target.fqn):
                 random.truncated_normal(
                     key, target.global_shape, mean=0.0, std=stddev, a=-2.0 * stddev, b=2.0 * stddev,
                     region=target.region, out=target.out,
                 )
         elif self.distribution == "normal":
-            _normal_fill(key, target, 0.0, math.sqrt(variance))
+            normal_fill(key, target, 0.0, math.sqrt(variance))
         else:
             limit = math.sqrt(3.0 * variance)
-            _uniform_fill(key, target, -limit, limit)
+            uniform_fill(key, target, -limit, limit)
 
 
 def lecun_normal(in_axis: Axes = 1, out_axis: Axes = 0, batch_axis: Axes = ()) -> variance_scaling:
@@ -575,7 +575,7 @@ class orthogonal(Initializer):  # noqa: N801 - named like torch.nn.init.orthogon
 
     element_local: ClassVar[bool] = False
 
-    gain: float = attrs.field(default=1.0, validator=[_real, _non_negative])
+    gain: float = attrs.field(default=1.0, validator=[real_number, non_negative])
 
     def matrix(self, key: Key, global_shape: Sequence[int]) -> torch.Tensor:
         """The full float64 result for ``global_shape`` (at least 2-D, no zero sizes)."""
@@ -592,13 +592,13 @@ class orthogonal(Initializer):  # noqa: N801 - named like torch.nn.init.orthogon
 
     @torch.no_grad()
     def __call__(self, key: Key, target: Target) -> None:
-        _require_float(target, "orthogonal")
+        require_float(target, "orthogonal")
         shape = target.global_shape
         if len(shape) < 2:
             raise ValueError(
                 f"{target.fqn}: orthogonal needs a tensor with 2 or more dimensions, got global shape {shape}"
             )
-        if _empty(target) or target.out.numel() == 0:
+        if empty(target) or target.out.numel() == 0:
             return
         full = self.matrix(key, shape)
         target.out.copy_(_take_region(full, target).to(target.out.device))

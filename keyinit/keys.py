@@ -2,7 +2,7 @@
 
 A :class:`Key` is two 32-bit words plus the name of the stream version that
 interprets them. Keys never change; deriving a key makes a new one. The name
-resolves to the version's registered :class:`keyinit._streams.Stream`
+resolves to the version's registered :class:`keyinit._bits.streams.Stream`
 (``key.impl``), which says how a seed becomes a key, how keys are derived and
 which kernels draw from them; every key derived from a key keeps its version.
 
@@ -27,13 +27,11 @@ from typing import Union
 
 import attrs
 
-from keyinit import _streams
+from keyinit._bits import streams
 
-__all__ = ["Key", "key", "split", "fold_in", "key_for", "STREAM_VERSIONS", "DEFAULT_STREAM"]
+__all__ = ["Key", "key", "split", "fold_in", "key_for", "STREAM_VERSIONS", "DEFAULT_STREAM", "as_int", "as_uint64",
+           "require_key"]
 
-#: Stream versions this release ships (registered in :data:`keyinit._streams.STREAMS`). A version,
-#: once shipped, never changes.
-STREAM_VERSIONS: tuple[str, ...] = ("v1",)
 DEFAULT_STREAM = "v1"
 
 _TAG_SPLIT = 1
@@ -49,13 +47,21 @@ def _check_uint32(value: int) -> int:
     return value
 
 
-def _resolve_stream(stream: Union[str, _streams.Stream]) -> _streams.Stream:
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``STREAM_VERSIONS``: the names of the registered stream versions (:data:`keyinit._bits.streams.STREAMS`,
+    the one source of truth), read at each access so a :func:`~keyinit._bits.streams.register_stream` shows."""
+    if name == "STREAM_VERSIONS":
+        return streams.stream_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _resolve_stream(stream: Union[str, streams.Stream]) -> streams.Stream:
     """The registered stream version named ``stream`` (or ``stream`` itself, if it is a registered one)."""
-    return _streams.get_stream(stream.name if isinstance(stream, _streams.Stream) else stream)
+    return streams.get_stream(stream.name if isinstance(stream, streams.Stream) else stream)
 
 
-def _check_stream(stream: Union[str, _streams.Stream]) -> str:
-    """The name of a registered stream version (a :class:`keyinit._streams.Stream` gives its name)."""
+def _check_stream(stream: Union[str, streams.Stream]) -> str:
+    """The name of a registered stream version (a :class:`keyinit._bits.streams.Stream` gives its name)."""
     return _resolve_stream(stream).name
 
 
@@ -77,9 +83,9 @@ class Key:
         return (self.k0, self.k1)
 
     @property
-    def impl(self) -> _streams.Stream:
-        """The registered :class:`keyinit._streams.Stream` of this key's version (``self.stream`` is its name)."""
-        return _streams.get_stream(self.stream)
+    def impl(self) -> streams.Stream:
+        """The registered :class:`keyinit._bits.streams.Stream` of this key's version (``self.stream`` is its name)."""
+        return streams.get_stream(self.stream)
 
     def __repr__(self) -> str:
         return f"Key(0x{self.k0:08x}, 0x{self.k1:08x}, stream={self.stream!r})"
@@ -106,7 +112,7 @@ def as_int(value: object, what: str) -> int:
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
 
 
-def _as_uint64(value: object, what: str) -> int:
+def as_uint64(value: object, what: str) -> int:
     try:
         value = as_int(value, what)
     except TypeError:
@@ -124,18 +130,18 @@ def key(seed: int, *, stream: str = DEFAULT_STREAM) -> Key:
     ``seed`` is an int in ``[0, 2**64)``; bools, floats, strings and negative
     numbers are rejected.
     """
-    seed = _as_uint64(seed, "seed")
+    seed = as_uint64(seed, "seed")
     impl = _resolve_stream(stream)
     k0, k1 = impl.seed(seed)
     return Key(k0, k1, impl.name)
 
 
 def _derive(parent: Key, tag: int, x0: int, x1: int, x3: int) -> Key:
-    k0, k1 = _streams.get_stream(parent.stream).derive(parent.words, tag, (x0, x1, x3))
+    k0, k1 = streams.get_stream(parent.stream).derive(parent.words, tag, (x0, x1, x3))
     return Key(k0, k1, parent.stream)
 
 
-def _require_key(value: object, what: str = "key") -> Key:
+def require_key(value: object, what: str = "key") -> Key:
     if not isinstance(value, Key):
         raise TypeError(
             f"{what} must be a keyinit.Key (make one with keyinit.key(seed)), "
@@ -149,7 +155,7 @@ def split(parent: Key, num: int = 2) -> tuple[Key, ...]:
 
     ``split(k, n)[i]`` does not depend on ``n``, so ``split(k, 3)[:2] == split(k, 2)``.
     """
-    parent = _require_key(parent)
+    parent = require_key(parent)
     try:
         num = as_int(num, "num")
     except TypeError:
@@ -171,12 +177,12 @@ def fold_in(parent: Key, data: Union[int, str]) -> Key:
     int, folding a str and splitting are domain-separated, so ``fold_in(k, 1)``,
     ``fold_in(k, "1")`` and ``split(k)[1]`` are unrelated keys.
     """
-    parent = _require_key(parent)
+    parent = require_key(parent)
     if isinstance(data, str):
         h0, h1, h2 = _string_words(data)
         return _derive(parent, _TAG_FOLD_STR, h0, h1, h2)
     try:
-        value = _as_uint64(data, "fold_in data")
+        value = as_uint64(data, "fold_in data")
     except TypeError:
         raise TypeError(
             f"fold_in data must be an int in [0, 2**64) or a str, got {type(data).__name__} {data!r}"

@@ -40,7 +40,7 @@ import attrs
 import torch
 
 from keyinit import _megatron
-from keyinit._placements import _partial_error, _placement_classes, _placement_str, chunk_bounds, dtensor_region
+from keyinit._placements import partial_error, placement_classes, placement_str, chunk_bounds, dtensor_region
 from keyinit.errors import PlanError
 from keyinit.regions import Region, RegionEntry, make_region, normalize_shape
 
@@ -97,7 +97,7 @@ class LayoutAdapter(Protocol):
         ...
 
 
-def _dtensor_class() -> Optional[type]:
+def dtensor_class() -> Optional[type]:
     try:
         import torch.distributed as dist
 
@@ -134,17 +134,17 @@ class _DTensorLayout:
     """A DTensor holds the region its mesh coordinate and placements select; ``out`` is its local tensor."""
 
     def target(self, tensor: torch.Tensor, *, fqn: str, module: torch.nn.Module, name: str) -> Optional[Target]:
-        dtensor_cls = _dtensor_class()
+        dtensor_cls = dtensor_class()
         if dtensor_cls is None or not isinstance(tensor, dtensor_cls):
             return None
         spec = tensor._spec
         mesh = spec.mesh
         placements = tuple(spec.placements)
-        _, _, _, partial_cls = _placement_classes()
+        _, _, _, partial_cls = placement_classes()
         for mesh_dim, placement in enumerate(placements):
             if isinstance(placement, partial_cls):
-                raise _partial_error(fqn, placement, mesh_dim)
-        description = f"DTensor[{', '.join(_placement_str(p) for p in placements)}] {_mesh_str(mesh)}"
+                raise partial_error(fqn, placement, mesh_dim)
+        description = f"DTensor[{', '.join(placement_str(p) for p in placements)}] {_mesh_str(mesh)}"
         coordinate = _plain_coordinate(mesh.get_coordinate(), fqn)
         local = tensor._local_tensor
         region = dtensor_region(
@@ -220,7 +220,7 @@ class ManualShard:
 
     def check(self, tensor: torch.Tensor, what: str) -> None:
         """Raise unless ``tensor`` is a plain tensor shaped like the region; errors name ``what``."""
-        dtensor_cls = _dtensor_class()
+        dtensor_cls = dtensor_class()
         if dtensor_cls is not None and isinstance(tensor, dtensor_cls):
             raise TypeError(
                 f"{what} is a DTensor, whose layout keyinit reads from its placements; "

@@ -1,4 +1,4 @@
-"""The model walker: ``init_model`` and ``materialize``.
+"""The public face of model initialization: ``plan_init``, ``Plan``, ``PlanEntry``, ``init_model`` and ``materialize``.
 
 ``init_model(model, seed)`` gives every parameter (and every buffer a rule or
 init code covers) the values
@@ -12,17 +12,14 @@ It works in two phases. *Plan* (:mod:`keyinit._engine.plan`): find every tensor,
 canonical FQN, ties and global shape; resolve rules; capture the model's own
 init code on global-shape stand-ins; fail with a list of FQNs if anything is
 uncovered, unkeyable or cannot be filled. Nothing is allocated or written
-while planning. *Write*: replay each tensor's program for the region this
-process holds (:mod:`keyinit._engine.replay`), lowest precedence first (built-in
-defaults, init code, module rules, FQN patterns), so a failure part-way leaves
-an exact record of what was written.
+while planning. *Write* (:mod:`keyinit._engine.writer`): replay each tensor's
+program for the region this process holds (:mod:`keyinit._engine.replay`),
+lowest precedence first (built-in defaults, init code, module rules, FQN
+patterns), so a failure part-way leaves an exact record of what was written.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -32,265 +29,15 @@ import torch
 
 from keyinit.errors import InitError, PlanError
 from keyinit.fqn import FqnMap
-from keyinit.init import Initializer
-from keyinit._engine.program import Const, Random, iter_nodes
 from keyinit.keys import DEFAULT_STREAM, Key
-from keyinit._engine.plan import InitMethod, Rules, plan_model
+from keyinit._engine.options import InitMethod, InitOptions, Rules
+from keyinit._engine.plan import plan_model
 from keyinit._engine.planned import ModelPlan, PlannedTensor
+from keyinit._engine.kept import refuse_allocated
+from keyinit._engine.writer import InitReport, TensorRecord, materialize_plan, write_plan
 from keyinit.rules import REGISTRY, Registry
 
 __all__ = ["init_model", "materialize", "plan_init", "Plan", "PlanEntry", "InitReport", "TensorRecord", "InitError", "PlanError"]
-
-logger = logging.getLogger("keyinit")
-
-
-@attrs.frozen
-class TensorRecord:
-    """One line of the report: how a tensor was initialized."""
-
-    fqn: str
-    key_fqn: str
-    kind: str  # "parameter" or "buffer"
-    source: str  # which rule wrote it last, or "kept"
-    global_numel: int
-    local_numel: int
-    layout: str
-    element_local: bool = True
-
-
-@attrs.frozen
-class InitReport:
-    """What ``init_model`` did. ``str(report)`` is a table."""
-
-    seed: int
-    stream: str
-    records: tuple[TensorRecord, ...]
-    seconds: float
-    notes: tuple[str, ...] = ()  # e.g. init code that failed where rules cover everything it writes
-
-    @property
-    def parameters(self) -> int:
-        return sum(r.kind == "parameter" and r.source != "kept" for r in self.records)
-
-    @property
-    def elements(self) -> int:
-        """Global elements of the initialized tensors."""
-        return sum(r.global_numel for r in self.records if r.source != "kept")
-
-    @property
-    def local_elements(self) -> int:
-        """Elements this process generated."""
-        return sum(r.local_numel for r in self.records if r.source != "kept")
-
-    @property
-    def non_local(self) -> tuple[str, ...]:
-        """Tensors whose values are computed whole on every process (orthogonal, reductions in init code)."""
-        return tuple(r.fqn for r in self.records if not r.element_local)
-
-    @property
-    def defaults(self) -> tuple[str, ...]:
-        """Tensors that got torch.nn's default initialization (``default Linear``, ...), not the
-        model's own init code: build the model with :func:`keyinit.deferred` to record its
-        constructor's init, or pass ``init_method=``."""
-        return tuple(r.fqn for r in self.records if r.source.startswith("default "))
-
-    def by_source(self) -> dict[str, list[str]]:
-        grouped: dict[str, list[str]] = {}
-        for r in self.records:
-            grouped.setdefault(r.source, []).append(r.fqn)
-        return grouped
-
-    def __str__(self) -> str:
-        width = max([len(r.fqn) for r in self.records] + [3])
-        source_width = max([len(r.source) for r in self.records] + [6])
-        lines = [
-            f"keyinit: seed={self.seed} stream={self.stream} tensors={len(self.records)} "
-            f"parameters={self.parameters} elements={self.elements} local={self.local_elements} "
-            f"time={self.seconds:.3f}s",
-            f"{'fqn':<{width}}  {'source':<{source_width}} {'local/global':>21}  layout",
-        ]
-        for r in self.records:
-            flag = "  [draws full tensor on every rank]" if not r.element_local else ""
-            tied = f" (key of {r.key_fqn})" if r.key_fqn != r.fqn else ""
-            lines.append(
-                f"{r.fqn:<{width}}  {r.source:<{source_width}} {r.local_numel:>10}/{r.global_numel:<10}  {r.layout}{tied}{flag}"
-            )
-        lines.extend(f"note: {note}" for note in self.notes)
-        return "\n".join(lines)
-
-
-class _Writer:
-    """Writes every planned tensor into its target (this process's region), lowest precedence first."""
-
-    def __init__(self, plan: ModelPlan, progress: Optional[bool], device: Union[torch.device, str, None] = None) -> None:
-        self.plan = plan
-        self.device = device
-        self.written: list[PlannedTensor] = []
-        self.partial: Optional[str] = None  # a tensor a failed write may have left partly written
-        self.layouts: dict[int, tuple[str, int]] = {}
-        self._total = sum(math.prod(t.global_shape) for t in plan.tensors if t.program is not None)
-        self._done = 0
-        self._started = time.perf_counter()
-        self._last_tick = 0.0
-        self._show_progress = progress if progress is not None else self._total >= 1 << 28
-
-    def order(self) -> list[PlannedTensor]:
-        rank = {name: i for i, name in enumerate(("constructor", "default", "code", "rule", "pattern"))}
-        todo = [t for t in self.plan.tensors if t.program is not None]
-        return sorted(todo, key=lambda t: rank.get(t.origin, 0))  # stable: model order within a class
-
-    def run(self) -> None:
-        try:
-            with torch.no_grad():
-                for tensor in self.order():
-                    self._write(tensor)
-        except Exception as exc:
-            written = tuple(t.fqn for t in self.written)
-            raise InitError(
-                f"initialization failed part-way ({type(exc).__name__}: {exc}); these tensors were already "
-                f"written: {list(written) or 'none'}; "
-                + (f"{self.partial} may be partly written; " if self.partial else "")
-                + "every other tensor is unchanged",
-                written,
-            ) from exc
-        finally:
-            self._finish_progress()
-
-    def _write(self, tensor: PlannedTensor) -> None:
-        undo = _Undo(tensor, self.plan, keep_values=self.device is None and _may_fail_part_way(tensor))
-        try:
-            self._write_unguarded(tensor)
-        except BaseException:
-            undo()  # the failing tensor is put back as it was: InitError.written stays exact
-            if undo.saved is None and self.device is None and not (tensor.new or tensor.recreated):
-                self.partial = tensor.fqn  # a keyinit initializer stopped by an interrupt or out of memory
-            raise
-
-    def _write_unguarded(self, tensor: PlannedTensor) -> None:
-        if tensor.new:
-            self._create(tensor)
-        elif tensor.recreated:
-            self._recreate(tensor)
-        target = self.plan.target(tensor)
-        self.plan.write(tensor, target)
-        for module, attr in tensor.distinct_alias_tensors():
-            self.plan.write(tensor, self.plan.target(tensor, module, attr))
-        local = self.plan.element_local(tensor)
-        self.layouts[id(tensor)] = (target.description, target.out.numel() if local else math.prod(target.global_shape))
-        self.written.append(tensor)
-        self._tick(tensor)
-
-    @staticmethod
-    def _recreate(tensor: PlannedTensor) -> None:
-        """Init code assigned a buffer of a new shape or dtype: give the module a plain tensor of it."""
-        old = tensor.tensor
-        local = getattr(old, "_local_tensor", old)
-        fresh = torch.empty(tensor.global_shape, dtype=tensor.dtype, device=local.device)
-        for module, attr in tensor.locations():
-            if attr in module._parameters:
-                module._parameters[attr] = torch.nn.Parameter(fresh, requires_grad=old.requires_grad)
-            else:
-                module._buffers[attr] = fresh
-
-    def _create(self, tensor: PlannedTensor) -> None:
-        """A tensor init code created where there was none: a plain tensor on the module's device."""
-        module = tensor.module
-        device = self.device
-        if device is None:
-            existing = next(iter([*module.parameters(), *module.buffers()]), None)
-            local = getattr(existing, "_local_tensor", existing)
-            device = local.device if local is not None else "cpu"
-        fresh = torch.empty(tensor.global_shape, dtype=tensor.dtype, device=device)
-        if tensor.kind == "parameter":
-            module.register_parameter(tensor.attr, torch.nn.Parameter(fresh))
-        elif tensor.kind.startswith("buffer"):
-            module.register_buffer(tensor.attr, fresh, persistent=tensor.kind == "buffer")
-        else:
-            setattr(module, tensor.attr, fresh)
-
-    def _tick(self, tensor: PlannedTensor) -> None:
-        self._done += math.prod(tensor.global_shape)
-        if not self._show_progress:
-            return
-        now = time.perf_counter()
-        if now - self._last_tick < 0.5 and self._done < self._total:
-            return
-        self._last_tick = now
-        fraction = self._done / max(self._total, 1)
-        if sys.stderr.isatty():
-            bar = "#" * int(30 * fraction)
-            sys.stderr.write(f"\rkeyinit [{bar:<30}] {100 * fraction:5.1f}% {tensor.fqn[:40]:<40}")
-            sys.stderr.flush()
-        else:
-            logger.info("keyinit: %.1f%% (%s)", 100 * fraction, tensor.fqn)
-
-    def _finish_progress(self) -> None:
-        if self._show_progress and sys.stderr.isatty():
-            sys.stderr.write("\n")
-
-    def report(self, seconds: float) -> InitReport:
-        records = []
-        for t in self.plan.tensors:
-            layout, local = self.layouts.get(id(t), (None, 0))
-            if layout is None and t.new:
-                layout = "not created"
-            elif layout is None:
-                tensor = t.tensor
-                layout = "meta" if tensor.device.type == "meta" else self.plan.target(t).description
-            source = t.source if id(t) in self.layouts else "kept"
-            records.append(TensorRecord(t.fqn, t.key_fqn, t.kind, source, math.prod(t.global_shape), local, layout,
-                                        self.plan.element_local(t)))
-        return InitReport(self.plan.seed, self.plan.root_key.stream, tuple(records), seconds, self.plan.notes)
-
-
-class _Undo:
-    """What puts one tensor back as it was before the writer touched it: its module entries (init code
-    may re-create or create it) and, for ``init_model``, its local values (a fill that fails part-way
-    must not leave it half-written)."""
-
-    def __init__(self, tensor: PlannedTensor, plan: ModelPlan, keep_values: bool) -> None:
-        self.entries = [(module, attr, module._parameters.get(attr, _ABSENT), module._buffers.get(attr, _ABSENT),
-                         vars(module).get(attr, _ABSENT), attr in module._non_persistent_buffers_set)
-                        for module, attr in tensor.locations()]
-        self.saved = None
-        if keep_values and not tensor.new and not tensor.recreated:
-            out = plan.target(tensor).out
-            self.saved = (out, out.detach().clone())
-
-    def __call__(self) -> None:
-        with torch.no_grad():
-            if self.saved is not None:
-                self.saved[0].copy_(self.saved[1])
-        for module, attr, parameter, buffer, plain, non_persistent in self.entries:
-            for table, old in ((module._parameters, parameter), (module._buffers, buffer)):
-                if old is _ABSENT:
-                    table.pop(attr, None)
-                else:
-                    table[attr] = old
-            if plain is _ABSENT:
-                vars(module).pop(attr, None)
-            else:
-                vars(module)[attr] = plain
-            if non_persistent:
-                module._non_persistent_buffers_set.add(attr)
-            else:
-                module._non_persistent_buffers_set.discard(attr)
-
-
-_ABSENT = object()
-
-
-def _may_fail_part_way(tensor: PlannedTensor) -> bool:
-    """Whether writing ``tensor`` runs code that can fail after writing part of it: anything but keyinit
-    initializers, keyed draws and constants, which planning already checked (their tensors are not
-    copied first; only an interrupt or running out of memory can stop them, and the InitError says so)."""
-    if tensor.program is None or tensor.new or tensor.recreated:
-        return False
-    if tensor.origin in ("rule", "pattern", "default") and tensor.rule is not None:
-        return not isinstance(tensor.rule[2], Initializer)
-    # init code: only keyed draws and constants (kernel fills, checked while planning) need no copy
-    return not all(isinstance(node, (Random, Const)) for node in iter_nodes(tensor.program.roots()))
-
 
 def init_model(
     model: torch.nn.Module,
@@ -342,10 +89,9 @@ def init_model(
             keyinit cannot key.
         InitError: writing failed part-way; ``.written`` lists exactly what was written.
     """
+    options = InitOptions.pick(locals())
     _reject_meta(model)
-    return plan_init(model, seed, rules=rules, init_method=init_method, init_kwargs=init_kwargs, ties=ties,
-                     fqn_prefix=fqn_prefix, fqn_map=fqn_map, shards=shards, strict=strict, stream=stream,
-                     registry=registry, progress=progress).apply()
+    return _plan(model, seed, options, False, progress).apply()
 
 
 def _reject_meta(model: torch.nn.Module) -> None:
@@ -385,11 +131,9 @@ def materialize(
     memory is ever left behind. The other arguments are :func:`init_model`'s. ``device``
     defaults to ``"cuda"`` when available, else ``"cpu"``.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"materialize expects an nn.Module, got {type(model).__name__}")
-    return plan_init(model, seed, materializing=True, rules=rules, init_method=init_method,
-                     init_kwargs=init_kwargs, ties=ties, fqn_prefix=fqn_prefix, fqn_map=fqn_map, shards=shards,
-                     strict=strict, stream=stream, registry=registry, progress=progress).apply(device=device)
+    options = InitOptions.pick(locals())
+    refuse_allocated(model)  # not a module, or nothing on meta (materialize called twice): an error
+    return _plan(model, seed, options, True, progress).apply(device=device)
 
 
 @attrs.frozen(eq=False)
@@ -522,10 +266,8 @@ class Plan:
         if not self._materializing:
             if device is not None:
                 raise ValueError("device= is for a meta-device model (materialize); this model is allocated")
-            writer = _Writer(self._engine, self._progress)
-            writer.run()
-            return writer.report(time.perf_counter() - self._started)
-        return _materialize(self._engine, self._progress, device, self._started)
+            return write_plan(self._engine, self._progress, self._started)
+        return materialize_plan(self._engine, self._progress, device, self._started)
 
 
 def plan_init(model: torch.nn.Module, seed: Union[int, Key], *, materializing: Optional[bool] = None,
@@ -535,64 +277,14 @@ def plan_init(model: torch.nn.Module, seed: Union[int, Key], *, materializing: O
     Takes :func:`init_model`'s keyword arguments. ``materializing`` (default: whether any tensor
     is on the meta device) plans for :func:`materialize`: every buffer must be covered too.
     """
-    started = time.perf_counter()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"plan_init expects an nn.Module, got {type(model).__name__}")
     if materializing is None:
         materializing = any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
-    options = _plan_kwargs({**options, "progress": progress}, "plan_init")
-    options.pop("progress")
-    engine = plan_model(model, seed, materializing=bool(materializing), **options)
-    return Plan(engine, bool(materializing), progress, started)
+    return _plan(model, seed, InitOptions.of(options, "plan_init()"), bool(materializing), progress)
 
 
-def _materialize(plan: ModelPlan, progress: Optional[bool], device: Union[torch.device, str, None],
-                 started: float) -> InitReport:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = plan.model
-    writer = _Writer(plan, progress, device)
-    marks = [(t, dict(vars(t.tensor))) for t in plan.tensors if not t.new]
-    undo_created = [_Undo(t, plan, keep_values=False) for t in plan.tensors if t.new or t.recreated]
-    try:
-        model.to_empty(device=device)
-        _retie(plan)
-        for tensor, attributes in marks:  # to_empty makes new tensors: keep their markers (megatron's, HF's)
-            for name, value in attributes.items():
-                if not hasattr(tensor.tensor, name):
-                    setattr(tensor.tensor, name, value)
-        writer.run()
-    except BaseException as exc:
-        for undo in undo_created:  # what init code created or re-created: the model's own tensors again
-            undo()
-        torch.nn.Module.to_empty(model, device="meta")  # the base method: an override may be what failed
-        for tensor in plan.tensors:
-            if tensor.new and tensor.kind == "attribute" and tensor.attr in vars(tensor.module):
-                delattr(tensor.module, tensor.attr)
-        if not isinstance(exc, Exception):
-            raise  # KeyboardInterrupt, SystemExit: the model is back on meta
-        written = exc.written if isinstance(exc, InitError) else ()
-        raise InitError(f"{exc} -- the model was returned to the meta device; nothing is left uninitialized",
-                        written) from exc
-    return writer.report(time.perf_counter() - started)
-
-
-def _retie(plan: ModelPlan) -> None:
-    """Re-tie plain parameters that ``to_empty`` untied, restoring the model's sharing."""
-    for tensor in plan.tensors:
-        if tensor.new:
-            continue
-        first = tensor.tensor
-        for module, attr in tensor.distinct_alias_tensors():
-            if isinstance(first, torch.nn.Parameter) and type(first) is torch.nn.Parameter:
-                setattr(module, attr, first)
-
-
-def _plan_kwargs(kwargs: dict[str, Any], caller: str) -> dict[str, Any]:
-    allowed = {"rules": None, "init_method": None, "init_kwargs": None, "ties": None, "fqn_prefix": None,
-               "fqn_map": None, "shards": None, "strict": True, "stream": DEFAULT_STREAM, "registry": REGISTRY,
-               "progress": None}
-    unknown = set(kwargs) - set(allowed)
-    if unknown:
-        raise TypeError(f"{caller}() got unexpected keyword arguments {sorted(unknown)}")
-    return {**allowed, **kwargs}
+def _plan(model: torch.nn.Module, seed: Union[int, Key], options: InitOptions, materializing: bool,
+          progress: Optional[bool]) -> Plan:
+    started = time.perf_counter()
+    return Plan(plan_model(model, seed, options, materializing=materializing), materializing, progress, started)

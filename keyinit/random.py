@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from keyinit import _dispatch
+from keyinit._draw import dispatch
 from keyinit.distributions import (
     Bernoulli,
     Bits,
@@ -33,7 +33,7 @@ from keyinit.distributions import (
     TruncatedNormal,
     Uniform,
 )
-from keyinit.keys import Key, _require_key, as_int
+from keyinit.keys import Key, require_key, as_int
 from keyinit.regions import RegionEntry, make_region, normalize_shape
 
 __all__ = ["bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint", "sample"]
@@ -54,7 +54,7 @@ def sample(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Draw ``full[region]`` of distribution ``dist`` (a :mod:`keyinit.distributions` value)."""
-    key = _require_key(key)
+    key = require_key(key)
     shape = normalize_shape(shape)
     dtype = _resolve_dtype(dtype, out, dist.dtypes[0])
     dist.check_dtype(dtype)
@@ -64,7 +64,7 @@ def sample(
     else:
         _check_out(out, normalized.region_shape, dtype)
     with torch.no_grad():
-        _dispatch.fill(out, dist, key, normalized)
+        dispatch.fill(out, dist, key, normalized)
     return out
 
 

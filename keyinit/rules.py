@@ -94,7 +94,7 @@ class Registry:
 
     Module rules are keyed by type and looked up along the module's MRO; FQN
     rules are glob patterns tried newest first. With the stream-version registry
-    (``keyinit._streams.STREAMS``) it is the only global mutable state in
+    (``keyinit._bits.streams.STREAMS``) it is the only global mutable state in
     keyinit. Tests and libraries that need isolation pass their own
     ``Registry()`` to ``init_model(registry=...)``.
     """

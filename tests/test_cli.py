@@ -14,7 +14,7 @@ import torch
 
 import keyinit
 from keyinit.cli import main
-from keyinit.cli._virtual import parse_layout
+from keyinit.cli._layout_specs import parse_layout
 from keyinit.cli.slicing import parse_selector
 
 ROOT = Path(__file__).resolve().parents[1]

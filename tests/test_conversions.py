@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from keyinit._kernels import _cpu, _dropout_cpu
+from keyinit._kernels.fill import cpu as _cpu
+from keyinit._kernels.dropout import cpu as _dropout_cpu
 
 _ON_CI = os.environ.get("CI", "").lower() == "true"
 _FILL = _cpu.unchecked_library()

@@ -26,7 +26,7 @@ if __name__ == "__main__":  # the generator
 
 import keyinit
 from keyinit.data import KeyedSampler, inverse_permutation, permutation, sample_key
-from keyinit.data._feistel import PERMUTE_DOMAIN, permutation_key
+from keyinit._draw.reference_permutation import PERMUTE_DOMAIN, permutation_key
 from keyinit.data._augment import AUGMENT_DOMAIN
 
 GOLDEN = pathlib.Path(__file__).with_name("golden_data_v1.json")

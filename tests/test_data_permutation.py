@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keyinit
-from keyinit._kernels import _permutation_cpu
-from keyinit.data import _feistel, inverse_permutation, permutation
+from keyinit._kernels.permutation import cpu as _permutation_cpu
+from keyinit._draw import reference_permutation
+from keyinit.data import inverse_permutation, permutation
 
 
 def _chi2(counts: torch.Tensor) -> tuple[float, int]:
@@ -50,7 +51,7 @@ def test_reference_equals_kernel_and_random_access():
     for n in (101, 1000, 12345, 10**9, 2**40 + 3, 2**61 + 1, 2**62):
         m = min(n, 600)
         pos = torch.arange(m) * (n // m) + (n % m) // 2
-        want = _feistel.permute_reference(k, n, pos)
+        want = reference_permutation.permute_reference(k, n, pos)
         assert torch.equal(permutation(k, n, pos), want), n
         assert torch.equal(permutation(k, n, range(int(pos[0]), n, n // m)[:m]), want), n
         assert torch.equal(inverse_permutation(k, n, want), pos), n
@@ -66,7 +67,7 @@ def test_reference_equals_kernel_and_random_access():
 def test_kernel_variants_and_threads_agree():
     k = keyinit.key(3)
     n = 10**9 + 7
-    kp = _feistel.permutation_key(k, n).words
+    kp = reference_permutation.permutation_key(k, n).words
     want = permutation(k, n, range(0, 20000))
     lib = _permutation_cpu.build_library(native=False)
     for threads in (1, 3):
@@ -188,7 +189,7 @@ def test_any_n_random_positions_kernel_equals_reference_and_inverts(n, seed, dat
     got = permutation(k, n, pos)
     assert got.shape == pos.shape and bool(((got >= 0) & (got < max(n, 1))).all())
     if n:
-        assert torch.equal(got, _feistel.permute_reference(k, n, pos))
+        assert torch.equal(got, reference_permutation.permute_reference(k, n, pos))
     assert torch.equal(inverse_permutation(k, n, got), pos)
     # distinct positions, distinct values (a bijection restricted to them)
     assert len(set(got.tolist())) == len(set(positions))

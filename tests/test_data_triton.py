@@ -35,15 +35,15 @@ CASES = {  # name: (seed, n, positions: "range" or "tensor", inverse)
 
 def _run_case(case, run_fn, device):
     import keyinit
-    from keyinit.data import _feistel
+    from keyinit._draw import reference_permutation
 
     seed, n, kind, inverse = case
     k = keyinit.key(seed)
     m = min(n, 2000)
     positions = torch.arange(m, dtype=torch.int64) * (n // m)
-    walk = _feistel.unpermute_reference if inverse else _feistel.permute_reference
+    walk = reference_permutation.unpermute_reference if inverse else reference_permutation.permute_reference
     want = walk(k, n, positions)
-    kp = _feistel.permutation_key(k, n).words
+    kp = reference_permutation.permutation_key(k, n).words
     out = torch.empty(m, dtype=torch.int64, device=device)
     if kind == "range":
         ok = run_fn(kp, n, inverse, out, start=0, step=n // m)
@@ -74,7 +74,7 @@ def test_gpu_kernel_is_bit_exact_and_used_by_permutation():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 in this process")
     import keyinit
-    from keyinit._kernels import triton_permutation
+    from keyinit._kernels.permutation import triton as triton_permutation
     from keyinit.data import permutation
 
     results = {case_id: _run_case(case, triton_permutation.run, "cuda") for case_id, case in CASES.items()}
@@ -86,7 +86,7 @@ def test_gpu_kernel_is_bit_exact_and_used_by_permutation():
 
 def _worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from keyinit._kernels import triton_permutation
+    from keyinit._kernels.permutation import triton as triton_permutation
 
     def run_fn(*args, **kwargs):
         return triton_permutation.run(*args, interpret_ok=True, **kwargs)

@@ -1,27 +1,25 @@
-"""keyinit._dispatch: the one seam between keyinit and its kernels, for every kernel family."""
+"""keyinit._draw.dispatch: the one seam between keyinit and its kernels, for every kernel family."""
 
 from __future__ import annotations
 
 import torch
 
 import keyinit
-from keyinit import _dispatch
+from keyinit._draw import dispatch
 from keyinit import random as kr
-from keyinit._streams import V1
 from keyinit.nn import functional as KF
 
 
 def _spy(monkeypatch):
     calls = []
-    original = _dispatch.Kernels.run
+    original = dispatch.Kernels.run
 
     def run(self, device, *args, **kwargs):
-        family = {id(V1.fill): "fill", id(V1.dropout): "dropout",
-                  id(V1.permutation): "permutation"}.get(id(self), "other")
+        family = {id(dispatch.kernels("v1", name)): name for name in dispatch.FAMILIES}.get(id(self), "other")
         calls.append((family, device))
         return original(self, device, *args, **kwargs)
 
-    monkeypatch.setattr(_dispatch.Kernels, "run", run)
+    monkeypatch.setattr(dispatch.Kernels, "run", run)
     return calls
 
 
@@ -50,6 +48,6 @@ def test_kernels_disabled_give_the_same_bits_for_every_family(monkeypatch):
 
 
 def test_kernel_refs_import_nothing_until_called():
-    ref = _dispatch.KernelRef("keyinit._no_such_module", "fill")
+    ref = dispatch.KernelRef("keyinit._no_such_module", "fill")
     assert ref.resolve() is None
-    assert V1.fill.devices["cpu"].resolve() is keyinit._kernels._cpu.fill
+    assert dispatch.kernels("v1", "fill").devices["cpu"].resolve() is keyinit._kernels.fill.cpu.fill

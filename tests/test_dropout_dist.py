@@ -152,8 +152,9 @@ def _data_parallel_run(model, wrapped):
 
 
 @pytest.mark.slow
-def test_data_parallel_ddp_and_fsdp2_equal_one_process():
-    per_rank = run_distributed(_data_parallel, 2, timeout=240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_ddp_and_fsdp2_equal_one_process(world):
+    per_rank = run_distributed(_data_parallel, world, timeout=240)
     logits, taps = tapped(build(), tokens(), step=3)
     for results in per_rank:
         for name in ("ddp", "fsdp2"):

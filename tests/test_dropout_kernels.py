@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import keyinit
-from keyinit._kernels import _dropout_cpu
-from keyinit._philox import philox4x32
-from keyinit.nn import _reference, dropout_key
-from keyinit.nn._geometry import layout_for, plan
+from keyinit._kernels.dropout import cpu as _dropout_cpu
+from keyinit._bits.philox import philox4x32
+from keyinit._draw import reference_dropout
+from keyinit.nn import dropout_key
+from keyinit._draw.dropout_geometry import layout_for, make_geometry as plan
 
 try:
     from tests.conftest import assert_bits_equal
@@ -91,7 +92,7 @@ def test_kernel_and_reference_equal_the_bernoulli_mask(name, dtype):
     assert _dropout_cpu.run(x, got, geometry)
     assert_bits_equal(got, want)
     ref = torch.empty_like(x)
-    _reference.dropout(x, ref, geometry, chunk_elements=97)  # odd chunks: chunking changes nothing
+    reference_dropout.dropout(x, ref, geometry, chunk_elements=97)  # odd chunks: chunking changes nothing
     assert_bits_equal(ref, want)
 
 

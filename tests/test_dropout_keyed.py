@@ -437,8 +437,10 @@ def test_keyed_arguments_and_single_use():
         knn.keyed(model, 0, step=1.5)
     with pytest.raises(ValueError, match="sample_offset"):
         knn.keyed(model, 0, step=0, sample_offset=-1)
-    with pytest.raises(TypeError, match="nn.Module"):
-        knn.keyed("model", 0, step=0)
+    with pytest.raises(TypeError, match="nn.Module or a block name"):
+        knn.keyed(3, 0, step=0)
+    with pytest.raises(TypeError, match="inputs= is for a named block"):
+        knn.keyed(model, 0, step=0, inputs=(torch.ones(2),))
     ctx = knn.keyed(model, 0, step=0)
     with ctx:
         with pytest.raises(RuntimeError, match="already inside"):

@@ -46,7 +46,7 @@ def _cases():
 def _run_case(case, run_fn, device):
     import keyinit
     from keyinit.nn import dropout_key
-    from keyinit.nn._geometry import layout_for, plan
+    from keyinit._draw.dropout_geometry import layout_for, make_geometry as plan
 
     dtype, p, shape, region = case
     key = dropout_key(5, step=2**40, fqn="layers.7.attention", ordinal=3)
@@ -91,7 +91,7 @@ def test_interpreter_kernel_is_bit_exact(interpreter_results, case_id):
 def test_gpu_kernel_is_bit_exact_forward_and_backward():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 in this process")
-    from keyinit._kernels import triton_dropout
+    from keyinit._kernels.dropout import triton as triton_dropout
     from keyinit.nn import dropout_key
     from keyinit.nn import functional as KF
 
@@ -109,8 +109,8 @@ def test_gpu_kernel_is_bit_exact_forward_and_backward():
 def test_run_declines_cpu_tensors_outside_the_interpreter():
     code = (
         "import torch\n"
-        "from keyinit._kernels import triton_dropout\n"
-        "from keyinit.nn._geometry import plan\n"
+        "from keyinit._kernels.dropout import triton as triton_dropout\n"
+        "from keyinit._draw.dropout_geometry import make_geometry as plan\n"
         "g = plan((4,), 1, 2, 0.5, [1], [0], [None])\n"
         "assert triton_dropout.run(torch.ones(4), torch.empty(4), g) is False\n"
     )
@@ -121,7 +121,7 @@ def test_run_declines_cpu_tensors_outside_the_interpreter():
 
 def _worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from keyinit._kernels import triton_dropout
+    from keyinit._kernels.dropout import triton as triton_dropout
 
     def run_fn(x, out, geometry):
         return triton_dropout.run(x, out, geometry, interpret_ok=True)

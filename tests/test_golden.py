@@ -214,7 +214,7 @@ def spec_constants() -> dict:
 
 
 def test_spec_constant_table_matches_code():
-    from keyinit._fp32math import V1_CONSTANTS
+    from keyinit._bits.fp32math import V1_CONSTANTS
 
     table = spec_constants()
     assert set(table) == set(V1_CONSTANTS)
@@ -225,7 +225,7 @@ def test_spec_constant_table_matches_code():
 
 
 def test_spec_philox_kat_table_matches():
-    from keyinit._philox import philox4x32
+    from keyinit._bits.philox import philox4x32
 
     rows = re.findall(r"^\| `([0-9a-f ]{35})` +\| `([0-9a-f ]{17})` +\| `([0-9a-f ]{35})` +\|$",
                       SPEC.read_text(encoding="utf-8"), flags=re.M)
@@ -383,7 +383,7 @@ def _neighbours(value: float, count: int = 3) -> list:
 
 
 def test_spec_ndtri_at_branch_boundaries(correct_sqrt):
-    from keyinit._fp32math import ndtri_f32, ndtri_tail_f32
+    from keyinit._bits.fp32math import ndtri_f32, ndtri_tail_f32
 
     central_edge = np.float32(0.5) - _c("PPND_SPLIT_CENTRAL")  # q == 0.425 exactly
     tail_edge = np.float32(math.exp(-25.0))  # r == 5 nearby
@@ -446,7 +446,7 @@ def test_spec_truncated_normal(stream, correct_sqrt, mean, std, a, b):
 
 def test_reference_sqrt_is_correctly_rounded():
     """torch.sqrt(float32) is 1 ulp off for ~0.6% of inputs on MKL builds; sqrt_f32 must never be."""
-    from keyinit._fp32math import sqrt_f32
+    from keyinit._bits.fp32math import sqrt_f32
 
     x = torch.cat([torch.linspace(0.5, 30.0, 200_001, dtype=torch.float32),
                    torch.tensor([0.0, 1.0, 4.0, 2.0**-126, 2.0**-149, 3.4e38])])

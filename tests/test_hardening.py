@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 import keyinit
-from keyinit import _reference
+from keyinit._draw import reference_fill
 from keyinit import random as kr
-from keyinit._fp32math import f32
+from keyinit._bits.fp32math import f32
 from keyinit.distributions import Normal
 from keyinit.regions import Region, make_region
 
@@ -191,7 +191,7 @@ _META_FIRST_LOAD_CHILD = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import keyinit
-from keyinit._kernels import _cpu
+from keyinit._kernels.fill import cpu as _cpu
 torch.set_default_device("meta")
 x = keyinit.random.normal(keyinit.key(0), (8, 8), device="cpu")   # first use: build, load, self-test
 torch.set_default_device(None)
@@ -262,13 +262,13 @@ def test_negative_bit_views_get_the_values_not_their_negation(complex_dtype):
 
 def test_meta_outputs_compute_nothing():
     calls = []
-    original = _reference.fill
+    original = reference_fill.fill
     try:
-        _reference.fill = lambda *a, **k: (calls.append(1), original(*a, **k))
+        reference_fill.fill = lambda *a, **k: (calls.append(1), original(*a, **k))
         with torch.device("meta"):
             out = kr.normal(K, (4, 4))
     finally:
-        _reference.fill = original
+        reference_fill.fill = original
     assert out.device.type == "meta" and calls == []
 
 

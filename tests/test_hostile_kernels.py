@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from keyinit._kernels import _build, _cpu, _dropout_cpu, _dropout_selftest
-from keyinit.nn import _reference as dropout_reference
-from keyinit.nn._geometry import layout_for, plan
+from keyinit._kernels.common import build as _build
+from keyinit._kernels.fill import cpu as _cpu
+from keyinit._kernels.dropout import cpu as _dropout_cpu
+from keyinit._kernels.dropout import selftest as _dropout_selftest
+from keyinit._draw import reference_dropout as dropout_reference
+from keyinit._draw.dropout_geometry import layout_for, make_geometry
 from keyinit.regions import make_region
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,13 +33,14 @@ def _child(code: str, cache: Path) -> subprocess.CompletedProcess:
 
 _DRAW = (
     "import torch\n"
-    "from keyinit import _reference, random as kr\n"
-    "from keyinit._kernels import _cpu\n"
+    "from keyinit import random as kr\n"
+    "from keyinit._draw import reference_fill\n"
+    "from keyinit._kernels.fill import cpu as _cpu\n"
     "from keyinit.distributions import Normal\n"
     "from keyinit.keys import key\n"
     "from keyinit.regions import make_region\n"
     "got = kr.normal(key(5), (3000,))\n"
-    "want = torch.empty(3000); _reference.fill(want, Normal.create(0.0, 1.0), key(5), make_region((3000,), None))\n"
+    "want = torch.empty(3000); reference_fill.fill(want, Normal.create(0.0, 1.0), key(5), make_region((3000,), None))\n"
     "assert _cpu.available(), _cpu.failure_reason()\n"
     "assert torch.equal(got, want)\n"
     "print('ok')\n"
@@ -56,7 +60,7 @@ def built_cache(tmp_path_factory):
 def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, built_cache):
     """A truncated library can pass dlopen and die with SIGBUS on its first call: it must never be loaded."""
     shutil.copytree(built_cache, tmp_path / "cache")
-    [library] = list((tmp_path / "cache").glob("keyinit_kernels-*.so"))
+    [library] = list((tmp_path / "cache").glob("fill_kernels-*.so"))
     data = library.read_bytes()
     library.write_bytes(data[: len(data) // 2])
     assert not _build.verified(library)
@@ -68,7 +72,7 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, built_cache)
 @needs_compiler
 def test_the_build_record_holds_size_and_hash_and_any_change_fails_it(tmp_path, built_cache):
     shutil.copytree(built_cache, tmp_path / "cache")
-    [library] = list((tmp_path / "cache").glob("keyinit_kernels-*.so"))
+    [library] = list((tmp_path / "cache").glob("fill_kernels-*.so"))
     record = library.with_name(library.name + ".sha256")
     data = library.read_bytes()
     assert record.read_text() == f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"
@@ -101,7 +105,7 @@ def test_dropout_selftest_golden_digests_are_the_reference_values():
         local = make_region(shape, region).region_shape
         x = _dropout_selftest.inputs(local, dtype, values)
         layout = layout_for(local, shape, region)
-        geometry = plan(local, *_dropout_selftest.KEY_WORDS, p, layout.gstrides, layout.starts, layout.indices)
+        geometry = make_geometry(local, *_dropout_selftest.KEY_WORDS, p, layout.gstrides, layout.starts, layout.indices)
         out = torch.full_like(x, 7.0)
         dropout_reference.dropout(x, out, geometry, chunk_elements=997)
         assert _dropout_selftest.digest(out) == _dropout_selftest.GOLDEN[name], name

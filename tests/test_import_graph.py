@@ -1,12 +1,16 @@
-"""keyinit's own import graph has no cycle, counting every import: module level, under
-``TYPE_CHECKING`` and inside functions (a lazy import is still a dependency; hiding a cycle in a
-function is still a cycle). With no cycle the modules have an order in which each imports only
-modules before it: key -> region -> stream -> transform -> tensor, engine below the public face.
+"""keyinit's own import graph has no cycle and no reference up the floors, counting every import:
+module level, under ``TYPE_CHECKING`` and inside functions (a lazy import is still a dependency;
+hiding a cycle in a function is still a cycle), and every string that names a keyinit module (a
+module imported by name through ``importlib`` is a dependency too).
+
+The floors are those of ``docs/architecture.md``: each room (a top-level module or subpackage)
+references only rooms on its own floor or below.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "keyinit"
@@ -27,8 +31,12 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
+_MODULE_STRING = re.compile(r"^keyinit(\.[A-Za-z_]\w*)+$")
+
+
 def imports_of(module: str) -> set[str]:
-    """Every keyinit module ``module`` imports, wherever in the file the import statement is."""
+    """Every keyinit module ``module`` imports, wherever in the file the import statement is, and every
+    keyinit module one of its string constants names (``"keyinit._kernels.fill.cpu"``)."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
@@ -46,6 +54,8 @@ def imports_of(module: str) -> set[str]:
                 for alias in node.names:
                     full = f"{base}.{alias.name}"
                     found.add(full if full in MODULES else _resolve(base))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_STRING.match(node.value):
+            found.add(_resolve(node.value))
     found.discard(None)
     found.discard(module)
     return found  # type: ignore[return-value]
@@ -86,9 +96,43 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+#: The floors of docs/architecture.md, bottom up: each room references only rooms on its floor or below.
+FLOORS = (
+    ("_bits", "errors", "_megatron"),  # the stream's math and registry; errors; megatron facts (duck-typed)
+    ("keys", "regions", "distributions", "_placements", "fqn"),
+    ("layouts", "walk"),
+    ("_draw",),  # dispatch (the kernel table), geometries, references
+    ("_kernels", "random"),  # kernels register into _draw's table; samplers draw through it
+    ("_initializer",),
+    ("init",),
+    ("rules", "nn_defaults"),
+    ("_engine",),
+    ("data", "model", "nn"),
+    ("cli", "__main__"),
+)
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None  # the package itself (keyinit/__init__) is the roof
+
+
 def test_the_import_graph_has_no_cycle():
     graph = {m: imports_of(m) for m in MODULES}
     assert cycles(graph) == []
+
+
+def test_every_reference_stays_on_its_floor_or_below():
+    floor = {room: level for level, rooms in enumerate(FLOORS) for room in rooms}
+    rooms = {_room(m) for m in MODULES} - {None}
+    assert rooms <= set(floor), f"rooms on no floor (add them to FLOORS and docs/architecture.md): {rooms - set(floor)}"
+    upward = sorted(
+        f"{m} -> {target}"
+        for m in MODULES if _room(m) is not None
+        for target in imports_of(m)
+        if _room(target) is not None and floor[_room(target)] > floor[_room(m)]
+    )
+    assert upward == []
 
 
 def test_the_checker_sees_cycles_through_lazy_and_type_checking_imports():
@@ -101,3 +145,36 @@ def test_the_checker_sees_cycles_through_lazy_and_type_checking_imports():
     assert "keyinit.fqn" in planned  # an import inside a function
     layouts = imports_of("keyinit.layouts")
     assert "keyinit._megatron" in layouts
+    # a string naming a module is a reference: the kernel table's references, the kernels' registrations
+    assert "keyinit._draw.reference_fill" in imports_of("keyinit._draw.dispatch")
+    assert "keyinit._kernels.fill.cpu" in imports_of("keyinit._kernels")
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def test_the_architecture_doc_draws_these_floors():
+    """docs/architecture.md's diagram is FLOORS: the floors a reader sees are the ones the test holds."""
+    diagram = ARCHITECTURE.read_text().split("```")[1]
+    drawn = {}
+    for line in diagram.splitlines():
+        match = re.match(r"^\s*(\d+)\s+(.+?)(?:\s{2,}.*)?$", line)
+        if match:
+            rooms = re.sub(r"\(.*?\)", "", match.group(2))
+            drawn[int(match.group(1))] = {room.strip().rstrip("/") for room in rooms.split("·")}
+    assert drawn == {level: set(rooms) for level, rooms in enumerate(FLOORS)}
+
+
+def test_every_module_the_architecture_doc_names_exists():
+    text = ARCHITECTURE.read_text()
+    paths = set(re.findall(r"`(keyinit/[\w/]*?(?:\.py|/))`", text))
+    files = set(re.findall(r"`([a-z_]+\.py)`", text))
+    assert len(paths) >= 20 and len(files) >= 15  # the doc names its modules: the check checks something
+    root = PACKAGE.parent
+    missing = sorted(p for p in paths if not (root / p).exists())
+    missing += sorted(f for f in files if not any(PACKAGE.rglob(f)))
+    assert missing == []
+    # every room of the package is named in the doc
+    unnamed = sorted(room for room in {_room(m) for m in MODULES} - {None}
+                     if f"keyinit/{room}.py" not in text and f"keyinit/{room}/" not in text and room != "__main__")
+    assert unnamed == []

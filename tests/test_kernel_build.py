@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from keyinit import _reference
-from keyinit._kernels import _build, _cpu, _selftest
+from keyinit._draw import reference_fill
+from keyinit._kernels.common import build as _build
+from keyinit._kernels.fill import cpu as _cpu
+from keyinit._kernels.fill import selftest as _selftest
 from keyinit.keys import Key
 from keyinit.regions import make_region
 
@@ -50,8 +52,10 @@ _FAST_MATH_CHILD = r"""
 import json, warnings
 warnings.simplefilter("always")
 import torch
-from keyinit import _reference, random as kr
-from keyinit._kernels import _build, _cpu
+from keyinit import random as kr
+from keyinit._draw import reference_fill
+from keyinit._kernels.common import build as _build
+from keyinit._kernels.fill import cpu as _cpu
 from keyinit.distributions import Uniform, Normal
 from keyinit.keys import key
 from keyinit.regions import make_region
@@ -61,8 +65,8 @@ with warnings.catch_warnings(record=True) as caught:
     tiny = kr.uniform(key(3), (300,), low=0.0, high=1e-40)   # subnormal values
     normal = kr.normal(key(3), (1000,))
     kr.normal(key(4), (10,))
-expected_tiny = torch.empty(300); _reference.fill(expected_tiny, Uniform.create(0.0, 1e-40), key(3), make_region((300,), None))
-expected_normal = torch.empty(1000); _reference.fill(expected_normal, Normal.create(0.0, 1.0), key(3), make_region((1000,), None))
+expected_tiny = torch.empty(300); reference_fill.fill(expected_tiny, Uniform.create(0.0, 1e-40), key(3), make_region((300,), None))
+expected_normal = torch.empty(1000); reference_fill.fill(expected_normal, Normal.create(0.0, 1.0), key(3), make_region((1000,), None))
 print(json.dumps({
     "available": _cpu.available(),
     "reason": _cpu.failure_reason(),
@@ -114,15 +118,16 @@ def test_probe_ignores_the_callers_flush_to_zero(tmp_path, monkeypatch):
     """A process that chose flush-to-zero itself still gets a working kernel with v1 values."""
     proc = _python(
         "import torch; torch.set_flush_denormal(True)\n"
-        "from keyinit import _reference, random as kr\n"
-        "from keyinit._kernels import _cpu\n"
+        "from keyinit import random as kr\n"
+        "from keyinit._draw import reference_fill\n"
+        "from keyinit._kernels.fill import cpu as _cpu\n"
         "from keyinit.distributions import Uniform\n"
         "from keyinit.keys import key\n"
         "from keyinit.regions import make_region\n"
         "assert _cpu.available(), _cpu.failure_reason()\n"
         "got = kr.uniform(key(3), (300,), low=0.0, high=1e-40)\n"
         "torch.set_flush_denormal(False)\n"
-        "exp = torch.empty(300); _reference.fill(exp, Uniform.create(0.0, 1e-40), key(3), make_region((300,), None))\n"
+        "exp = torch.empty(300); reference_fill.fill(exp, Uniform.create(0.0, 1e-40), key(3), make_region((300,), None))\n"
         "assert torch.equal(got, exp) and bool((got != 0).all())\n"
         "print('ok')\n",
         {"KEYINIT_CACHE_DIR": str(tmp_path)},
@@ -144,7 +149,7 @@ def test_multi_word_cc_is_honoured(tmp_path, monkeypatch):
     assert shlex.split(_build.find_compiler()) == [str(wrapper), "gcc"]
     path = _build.build()
     calls = log.read_text().splitlines()
-    assert any(c.startswith("gcc ") and "-o" in c and "keyinit_kernels.c" in c for c in calls), calls
+    assert any(c.startswith("gcc ") and "-o" in c and "fill_kernels.c" in c for c in calls), calls
     lib = _cpu.declare(_build.load())  # the same, now cached build
     assert _build.build() == path
     out = torch.empty(4, dtype=torch.int64)
@@ -223,7 +228,7 @@ def test_selftest_golden_digests_are_the_reference_values():
     for name, dist, dtype, shape, region, layout, _threads in _selftest.cases():
         reg = make_region(shape, region)
         out = _selftest._empty(reg.region_shape, dtype, layout)
-        _reference.fill(out, dist, key, reg)
+        reference_fill.fill(out, dist, key, reg)
         assert _selftest.digest(out) == _selftest.GOLDEN[name], name
         names.append(name)
     assert sorted(names) == sorted(_selftest.GOLDEN)
@@ -244,10 +249,10 @@ def test_failed_selftest_means_reference_with_one_warning(monkeypatch):
     assert "golden self-test (normal-f32)" in _cpu.failure_reason()
     with pytest.warns(RuntimeWarning, match="golden self-test"):
         out = torch.empty(8)
-        from keyinit import _dispatch
+        from keyinit._draw import dispatch
         from keyinit.distributions import Normal
 
-        _dispatch.fill(out, Normal.create(0, 1), Key(1, 2), make_region((8,), None))
+        dispatch.fill(out, Normal.create(0, 1), Key(1, 2), make_region((8,), None))
     expected = torch.empty(8)
-    _reference.fill(expected, Normal.create(0, 1), Key(1, 2), make_region((8,), None))
+    reference_fill.fill(expected, Normal.create(0, 1), Key(1, 2), make_region((8,), None))
     assert torch.equal(out, expected)

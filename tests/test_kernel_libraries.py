@@ -1,4 +1,4 @@
-"""The one loader of the C kernel libraries (``keyinit._kernels._library``) and the permutation self-test."""
+"""The one loader of the C kernel libraries (``keyinit._kernels.common.library``) and the permutation self-test."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ import pytest
 import torch
 
 import keyinit
-from keyinit._kernels import _build, _cpu, _dropout_cpu, _permutation_cpu, _permutation_selftest
-from keyinit._kernels._library import CompiledLibrary
-from keyinit.data import _feistel
+from keyinit._kernels.common import build as _build
+from keyinit._kernels.fill import cpu as _cpu
+from keyinit._kernels.dropout import cpu as _dropout_cpu
+from keyinit._kernels.permutation import cpu as _permutation_cpu
+from keyinit._kernels.permutation import selftest as _permutation_selftest
+from keyinit._kernels.common.library import CompiledLibrary
+from keyinit._draw import reference_permutation
 from keyinit.keys import Key
 
 ON_CI = os.environ.get("CI", "").lower() == "true"
@@ -26,7 +30,7 @@ def test_every_library_goes_through_the_one_loader():
         assert isinstance(module.KERNEL, CompiledLibrary)
         assert module.LIBRARY is module.KERNEL.checked and module.UNCHECKED is module.KERNEL.unchecked
         sources.add(module.KERNEL.source.name)
-    assert sources == {path.name for path in _cpu.KERNEL.source.parent.glob("*.c")}
+    assert sources == {path.name for path in _cpu.KERNEL.source.parents[1].glob("*/*.c")}
 
 
 def test_permutation_selftest_golden_digests_are_the_reference_values():
@@ -35,7 +39,7 @@ def test_permutation_selftest_golden_digests_are_the_reference_values():
     for name, n, spec, inverse, _threads in _permutation_selftest.cases():
         index, r = _permutation_selftest.positions(n, spec)
         pos = index if index is not None else torch.tensor(list(r), dtype=torch.int64)
-        walk = _feistel.unpermute_reference if inverse else _feistel.permute_reference
+        walk = reference_permutation.unpermute_reference if inverse else reference_permutation.permute_reference
         assert _permutation_selftest.digest(walk(root, n, pos)) == _permutation_selftest.GOLDEN[name], name
         names.append(name)
     assert sorted(names) == sorted(_permutation_selftest.GOLDEN)
@@ -87,7 +91,8 @@ def test_a_permutation_library_failing_its_selftest_is_refused_with_one_warning(
 
 
 def test_the_kernel_ids_are_one_table():
-    from keyinit._kernels import _ids, triton_kernel
+    from keyinit._kernels.common import ids as _ids
+    from keyinit._kernels.fill import triton as triton_kernel
 
     assert _cpu.DIST_IDS is _ids.DIST_IDS and _cpu.DTYPE_IDS is _ids.DTYPE_IDS
     assert all(_dropout_cpu.DTYPE_IDS[dtype] == _ids.DTYPE_IDS[dtype] for dtype in _dropout_cpu.DTYPE_IDS)
@@ -97,7 +102,7 @@ def test_the_kernel_ids_are_one_table():
     defines = _ids.c_defines()
     assert "-DKI_DIST_TRUNCATED_NORMAL=3" in defines and "-DKI_DTYPE_BFLOAT16=2" in defines
     # no kernel source keeps ids of its own "in sync" with another file
-    for path in sorted(_cpu.KERNEL.source.parent.iterdir()):
+    for path in sorted(_cpu.KERNEL.source.parents[1].rglob("*")):
         if path.suffix in (".c", ".h", ".py"):
             assert "keep in sync" not in path.read_text().lower(), path.name
 
@@ -111,4 +116,4 @@ def test_a_kernel_source_does_not_compile_without_the_table(tmp_path):
     for module in (_cpu, _dropout_cpu):
         proc = subprocess.run([*cc, "-fsyntax-only", "-std=c11", str(module.KERNEL.source)], capture_output=True,
                               text=True)
-        assert proc.returncode != 0 and "_ids.py" in proc.stderr, module.KERNEL.source.name
+        assert proc.returncode != 0 and "common/ids.py" in proc.stderr, module.KERNEL.source.name

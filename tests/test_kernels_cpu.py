@@ -1,7 +1,7 @@
 """The compiled CPU kernel reproduces the reference bit for bit.
 
-Every comparison calls the reference (:func:`keyinit._reference.fill`) and the
-kernel (:func:`keyinit._kernels._cpu.fill`) directly, never the dispatcher.
+Every comparison calls the reference (:func:`keyinit._draw.reference_fill.fill`) and the
+kernel (:func:`keyinit._kernels.fill.cpu.fill`) directly, never the dispatcher.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from keyinit import _dispatch, _fp32math, _reference
-from keyinit._kernels import _build, _cpu
+from keyinit._bits import fp32math
+from keyinit._draw import dispatch, reference_fill
+from keyinit._kernels.common import build as _build
+from keyinit._kernels.fill import cpu as _cpu
 from keyinit.distributions import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -89,7 +91,7 @@ def assert_same(dist, shape, region=None, out_factory=None, threads=None, k=KEY)
     else:
         make = lambda: out_factory(reg.region_shape)  # noqa: E731
     expected = make()
-    _reference.fill(expected, dist, k, reg)
+    reference_fill.fill(expected, dist, k, reg)
     got = make()
     got.zero_()
     assert _cpu.fill(got, dist, k, reg, threads=threads)
@@ -106,7 +108,7 @@ def assert_same(dist, shape, region=None, out_factory=None, threads=None, k=KEY)
 def test_constants_match_fp32math():
     buf = (ctypes.c_float * 64)()
     n = _cpu.library().keyinit_constants(buf, 64)
-    c = _fp32math
+    c = fp32math
     expected = [c.SQRT2, c.LN2_HI, c.LN2_LO, *c.LOG_ATANH, c.PPND_SPLIT_CENTRAL, c.PPND_CENTRAL_R0,
                 *c.PPND_A, *c.PPND_B, c.PPND_SPLIT_TAIL, c.PPND_TAIL_SHIFT, *c.PPND_C, *c.PPND_D,
                 *c.PPND_E, *c.PPND_F, c.SMALLEST_NORMAL]
@@ -222,7 +224,7 @@ def test_threads_agree_on_runs_lists_and_strides(threads):
 
 
 def test_geometry_merges_slices_and_keeps_index_lists():
-    from keyinit._kernels._plan import geometry
+    from keyinit._draw.geometry import geometry
 
     out = torch.empty(64, 32)
     assert geometry(out, make_region((64, 32), None)) == (0, [[2048, 1, 1, None]])  # one run
@@ -258,8 +260,8 @@ def test_region_index_tensor_changed_after_construction_is_refused():
 
 
 def test_ndtri_tail_matches_reference_at_branch_edges_and_across_tails():
-    """The kernel's normal magnitudes equal _fp32math.ndtri_tail_f32 for every branch, at its edges."""
-    from keyinit._fp32math import PPND_SPLIT_CENTRAL, ndtri_tail_f32
+    """The kernel's normal magnitudes equal fp32math.ndtri_tail_f32 for every branch, at its edges."""
+    from keyinit._bits.fp32math import PPND_SPLIT_CENTRAL, ndtri_tail_f32
 
     def around(value, count=300):
         center = torch.tensor([value], dtype=torch.float32).view(torch.int32)
@@ -327,7 +329,7 @@ def test_destination_with_storage_offset_and_neighbours_untouched():
     reg = make_region((100, 100), (slice(40, 52), slice(0, 29, 2)))
     assert _cpu.fill(view, Normal.create(0, 1), KEY, reg)
     expected = torch.empty(view.shape)
-    _reference.fill(expected, Normal.create(0, 1), KEY, reg)
+    reference_fill.fill(expected, Normal.create(0, 1), KEY, reg)
     assert torch.equal(view, expected)
     mask = torch.ones_like(storage, dtype=torch.bool)
     mask[7:19, 11:40:2] = False
@@ -348,7 +350,7 @@ def _cpu_flags() -> set[str]:
 
 
 def test_philox_blocks_match_reference_philox():
-    from keyinit._philox import philox4x32
+    from keyinit._bits.philox import philox4x32
 
     lib = _cpu.library()
     k0, k1 = 0x9E3779B9, 0x0BADF00D
@@ -378,7 +380,7 @@ def test_build_variants_agree(variant, native, extra, tmp_path, monkeypatch):
         got = torch.empty(reg.region_shape, dtype=dist.dtypes[0])
         assert _cpu.fill(got, dist, KEY, reg, threads=2, lib=lib)
         expected = torch.empty_like(got)
-        _reference.fill(expected, dist, KEY, reg)
+        reference_fill.fill(expected, dist, KEY, reg)
         assert torch.equal(_bits(got), _bits(expected))
 
 
@@ -477,15 +479,15 @@ def test_float32_conversions_match_torch_exhaustively():
 
 def test_dispatch_uses_kernel_and_env_var_forces_reference(monkeypatch):
     calls = []
-    original = _reference.fill
-    monkeypatch.setattr(_reference, "fill", lambda *a, **k: (calls.append(1), original(*a, **k)))
+    original = reference_fill.fill
+    monkeypatch.setattr(reference_fill, "fill", lambda *a, **k: (calls.append(1), original(*a, **k)))
     reg = make_region((64,), None)
     out = torch.empty(64)
-    _dispatch.fill(out, Uniform.create(0, 1), KEY, reg)
+    dispatch.fill(out, Uniform.create(0, 1), KEY, reg)
     assert calls == []
     monkeypatch.setenv("KEYINIT_DISABLE_KERNELS", "1")
     forced = torch.empty(64)
-    _dispatch.fill(forced, Uniform.create(0, 1), KEY, reg)
+    dispatch.fill(forced, Uniform.create(0, 1), KEY, reg)
     assert calls == [1]
     assert torch.equal(out, forced)
 
@@ -498,13 +500,13 @@ def test_unbuildable_kernel_warns_once_and_falls_back(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         a = torch.empty(10)
-        _dispatch.fill(a, Uniform.create(0, 1), KEY, reg)
+        dispatch.fill(a, Uniform.create(0, 1), KEY, reg)
         b = torch.empty(10)
-        _dispatch.fill(b, Uniform.create(0, 1), KEY, reg)
+        dispatch.fill(b, Uniform.create(0, 1), KEY, reg)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "reference" in messages[0] and "no C compiler" in messages[0]
     expected = torch.empty(10)
-    _reference.fill(expected, Uniform.create(0, 1), KEY, reg)
+    reference_fill.fill(expected, Uniform.create(0, 1), KEY, reg)
     assert torch.equal(a, expected) and torch.equal(b, expected)
 
 

@@ -96,17 +96,17 @@ def _cases():
 
 
 def _run_case(case, fill_fn, device):
-    from keyinit import _reference
+    from keyinit._draw import reference_fill
     from keyinit.keys import key
     from keyinit.regions import make_region
 
-    from keyinit._kernels import triton_kernel
+    from keyinit._kernels.fill import triton as triton_kernel
 
     dist, dtype, shape, region, layout, run_min = case
     reg = make_region(shape, region)
     k = key(2**40 + 12345)
     expected = torch.empty(reg.region_shape, dtype=dtype)
-    _reference.fill(expected, dist, k, reg)
+    reference_fill.fill(expected, dist, k, reg)
     if layout == "transposed":
         got = torch.zeros(tuple(reversed(reg.region_shape)), dtype=dtype, device=device).t()
     else:
@@ -151,14 +151,14 @@ def test_interpreter_kernel_equals_reference(interpreter_results, case_id):
 def test_gpu_kernel_equals_reference():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 in this process: the compiled GPU path is not exercised")
-    from keyinit._kernels import triton_kernel
+    from keyinit._kernels.fill import triton as triton_kernel
 
     results = {case_id: _run_case(case, triton_kernel.fill, "cuda") for case_id, case in _cases().items()}
     assert {k: v for k, v in results.items() if v != "ok"} == {}
 
 
 def test_kernel_declines_cpu_tensors_outside_the_interpreter():
-    from keyinit._kernels import triton_kernel
+    from keyinit._kernels.fill import triton as triton_kernel
     from keyinit.distributions import Uniform
     from keyinit.keys import key
     from keyinit.regions import make_region
@@ -169,7 +169,7 @@ def test_kernel_declines_cpu_tensors_outside_the_interpreter():
 
 def _worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from keyinit._kernels import triton_kernel
+    from keyinit._kernels.fill import triton as triton_kernel
 
     assert triton_kernel.available(), "triton could not be imported"
 
@@ -190,7 +190,8 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
 
 
 def test_launch_plan_takes_the_run_path_for_runs_and_the_general_path_otherwise(monkeypatch):
-    from keyinit._kernels import _triton_impl, triton_kernel
+    from keyinit._kernels.fill import triton_impl as _triton_impl
+    from keyinit._kernels.fill import triton as triton_kernel
     from keyinit.regions import make_region
 
     assert (triton_kernel.NB, triton_kernel.BLOCK, triton_kernel.MAX_DIMS) == (
@@ -198,7 +199,7 @@ def test_launch_plan_takes_the_run_path_for_runs_and_the_general_path_otherwise(
 
     def plan(shape, region=None, out=None, w=1):
         reg = make_region(shape, region)
-        return triton_kernel.launch_plan(torch.empty(reg.region_shape) if out is None else out, reg, w)
+        return triton_kernel.launch_args(torch.empty(reg.region_shape) if out is None else out, reg, w)
 
     full = plan((4096, 4096))  # one run of 2**24 consecutive indices
     assert full["run"] == 1 and full["run_len"] == 2**24 and full["dims"][:3] == [[1, 0, 0, -1]] * 3
@@ -228,7 +229,7 @@ def _compile_for_cuda(family: int, words: int, out_type: str, arch: int, run: in
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from keyinit._kernels import _triton_impl as impl
+    from keyinit._kernels.fill import triton_impl as impl
 
     fn = impl._fill_kernel
     params = inspect.signature(fn.fn).parameters
@@ -267,7 +268,7 @@ def test_kernel_compiles_for_cuda_with_ieee_arithmetic_only(tmp_path, monkeypatc
 def test_kernel_arguments_cannot_make_new_variants():
     """Every runtime integer is typed int64 (Triton would otherwise type it i32 or i64 by value, so
     a key word above 2**31 compiled a second kernel) and none is specialized on its value."""
-    from keyinit._kernels import _triton_impl as impl
+    from keyinit._kernels.fill import triton_impl as impl
 
     fn = impl._fill_kernel
     constexprs = {"FAMILY", "W", "OUT", "NB", "BLOCK", "RUN"}

@@ -54,6 +54,7 @@ def _timm_models():
     from tests._vision_zoo import _timm
 
     timm = _timm()
+    torch.manual_seed(0)  # (under fork_rng: the same weights whatever ran before)
     yield "vit", timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=8, depth=2, embed_dim=18,
                                    num_heads=3, mlp_ratio=2.0, num_classes=7, drop_path_rate=0.2), 16
     yield "convnext", timm.create_model("convnext_atto", depths=(1, 1, 1, 1), dims=(8, 12, 16, 22), num_classes=7,
@@ -69,7 +70,9 @@ def test_timm_drop_path_is_keyed_per_sample_and_split_invariant():
     from tests._vision import define_torchvision_schemas
 
     define_torchvision_schemas()
-    for name, model, size in _timm_models():
+    with torch.random.fork_rng(devices=[]):
+        models = list(_timm_models())
+    for name, model, size in models:
         drop_paths = [(n, m) for n, m in model.named_modules() if type(m).__name__ == "DropPath"]
         assert drop_paths, f"{name}: no DropPath built"
         model.train()
@@ -99,7 +102,7 @@ def test_timm_drop_path_is_keyed_per_sample_and_split_invariant():
             handle.remove()
         _assert_rng_untouched(before)
         scale = eval_out.abs().max()  # (tinynet's logits are ~1e-5 at init)
-        assert (outputs[0] - eval_out).abs().max() > 1e-2 * scale, f"{name}: DropPath is not live"
+        assert max((o - eval_out).abs().max() for o in outputs) > 1e-3 * scale, f"{name}: DropPath is not live"
         dropped = [p for p in patterns if any(any(call) for call in p)]
         assert dropped and len(patterns) > 1, f"{name}: no sample dropped, or the same paths at every step"
 

@@ -12,7 +12,7 @@ import torch
 
 import keyinit
 from keyinit import Key, fold_in, key, key_for, split
-from keyinit._philox import philox4x32
+from keyinit._bits.philox import philox4x32
 
 MASK32 = 0xFFFFFFFF
 

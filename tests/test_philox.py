@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import keyinit
-from keyinit._philox import M0, M1, ROUNDS, W0, W1, philox4x32, stream_words
+from keyinit._bits.philox import M0, M1, ROUNDS, W0, W1, philox4x32, stream_words
 
 # Random123 tests/kat_vectors, philox4x32 with 10 rounds: (counter, key, output).
 KAT = [

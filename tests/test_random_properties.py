@@ -191,7 +191,7 @@ def test_truncated_normal_transform_formula():
     words = kr.bits(keyinit.key(1), (64,))
     u = (((words >> 9) << 1) | 1).to(torch.float32) * 2.0**-24
     p = dist.p_low + u * dist.p_span
-    from keyinit._fp32math import ndtri_f32
+    from keyinit._bits.fp32math import ndtri_f32
 
     expected = torch.clamp(0.0 + 1.0 * -ndtri_f32(p), min=1.0, max=3.0)
     assert_bits_equal(dist.transform([words]), expected)

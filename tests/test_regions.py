@@ -20,8 +20,8 @@ try:  # tests/ as a package (tests/__init__.py) or as a plain directory
     from tests.conftest import assert_bits_equal, index_full
 except ImportError:
     from conftest import assert_bits_equal, index_full
-from keyinit import _reference
-from keyinit._philox import stream_words
+from keyinit._draw import reference_fill
+from keyinit._bits.philox import stream_words
 from keyinit.distributions import Normal, Randint
 from keyinit.regions import MAX_NUMEL, Region, make_region
 
@@ -149,7 +149,7 @@ def test_results_independent_of_chunking(base_sampler):
     dist = _dist_of(base_sampler, expected.dtype)
     for chunk in (1, 5, 16):
         out = torch.empty_like(expected)
-        _reference.fill(out, dist, k, region, chunk_elements=chunk)
+        reference_fill.fill(out, dist, k, region, chunk_elements=chunk)
         assert_bits_equal(out, expected)
 
 
@@ -232,7 +232,7 @@ def test_far_region_of_huge_shape_matches_stream_words():
 def test_last_elements_of_largest_shape():
     # numel == MAX_NUMEL == 2**62 is allowed; its last element is word 2**62 - 1 (bits) or
     # words 2**63 - 2 and 2**63 - 1 (randint): the Philox block counter uses its high word.
-    from keyinit._philox import philox4x32
+    from keyinit._bits.philox import philox4x32
 
     k = keyinit.key(2**64 - 1)
     shape = (2**31, 2**31)

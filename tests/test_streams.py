@@ -1,4 +1,4 @@
-"""Stream versions are registered objects (keyinit._streams): a Key names one, and everything resolves through it."""
+"""Stream versions are registered objects (keyinit._bits.streams): a Key names one, and everything resolves through it."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ import pytest
 import torch
 
 import keyinit
-from keyinit import _streams
+from keyinit._bits import streams
 from keyinit import random as kr
-from keyinit._streams import STREAMS, V1, KernelRef, Kernels, Stream
+from keyinit._bits.streams import STREAMS, V1, Stream
+from keyinit._draw import dispatch
+from keyinit._draw.dispatch import KERNELS, KernelRef, Kernels
 from keyinit.nn import functional as KF
 
 
 def test_v1_is_the_registered_default():
-    assert STREAMS == {"v1": V1} and _streams.stream_names() == keyinit.STREAM_VERSIONS == ("v1",)
+    assert STREAMS == {"v1": V1} and streams.stream_names() == keyinit.STREAM_VERSIONS == ("v1",)
     k = keyinit.key(7)
     assert k.stream == "v1" == keyinit.DEFAULT_STREAM and k.impl is V1
     assert keyinit.Key(1, 2, stream=V1) == keyinit.Key(1, 2) and keyinit.Key(1, 2, stream=V1).stream == "v1"
@@ -32,14 +34,14 @@ def test_unknown_versions_are_refused():
     with pytest.raises(ValueError, match="unknown stream version"):
         keyinit.Key(0, 0, "v9")
     with pytest.raises(ValueError, match="unknown stream version"):
-        _streams.get_stream(None)
+        streams.get_stream(None)
 
 
 def test_a_version_is_registered_once():
     with pytest.raises(ValueError, match="already registered"):
-        _streams.register_stream(V1)
+        streams.register_stream(V1)
     with pytest.raises(TypeError):
-        _streams.register_stream("v1")
+        streams.register_stream("v1")
 
 
 # A toy second version: everything of v1 except its key derivation and its dropout reference,
@@ -57,15 +59,18 @@ def _toy_dropout(x, out, geometry):
     out.copy_(x)
 
 
-TOY = attrs.evolve(V1, name="toy-test", derive=_toy_derive,
-                   dropout=Kernels(KernelRef(__name__, "_toy_dropout"), {}))
+TOY = attrs.evolve(V1, name="toy-test", derive=_toy_derive)
+TOY_DROPOUT = Kernels(KernelRef(__name__, "_toy_dropout"), {})
 
 
 @pytest.fixture
 def toy():
-    assert _streams.register_stream(TOY) is TOY
+    assert streams.register_stream(TOY) is TOY
+    dispatch.register_family("toy-test", "fill", dispatch.kernels("v1", "fill"))
+    dispatch.register_family("toy-test", "dropout", TOY_DROPOUT)
     yield TOY
     del STREAMS["toy-test"]
+    del KERNELS["toy-test"]
 
 
 def test_a_new_version_is_a_registration(toy):
@@ -75,6 +80,11 @@ def test_a_new_version_is_a_registration(toy):
     v1_child = keyinit.fold_in(keyinit.key(3), "layer")
     assert child.stream == "toy-test" and child.words == v1_child.words[::-1]
     assert k != keyinit.key(3) and repr(TOY) == "Stream('toy-test')"
+    assert keyinit.STREAM_VERSIONS == keyinit.keys.STREAM_VERSIONS == ("v1", "toy-test")  # derived from the registry
+    with pytest.raises(ValueError, match="already has its 'dropout' kernels"):
+        dispatch.register_family("toy-test", "dropout", TOY_DROPOUT)
+    with pytest.raises(ValueError, match="has no 'permutation' kernels registered"):
+        dispatch.kernels("toy-test", "permutation")
     # its fills are v1's kernels here: the same values for the same words
     assert torch.equal(kr.normal(child, (100,)), kr.normal(keyinit.Key(*child.words), (100,)))
 
@@ -92,6 +102,7 @@ def test_dropout_keeps_the_keys_version(toy):
 def test_stream_objects_are_frozen():
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         V1.name = "v0"
-    assert isinstance(V1, Stream) and isinstance(V1.fill.devices, type(TOY.fill.devices))
+    v1_fill = dispatch.kernels("v1", "fill")
+    assert isinstance(V1, Stream) and isinstance(v1_fill.devices, type(TOY_DROPOUT.devices))
     with pytest.raises(TypeError):
-        V1.fill.devices["cpu"] = None
+        v1_fill.devices["cpu"] = None

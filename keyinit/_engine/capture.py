@@ -11,7 +11,7 @@ capture's ``TorchDispatchMode`` every aten op the code issues is recorded into
   buffer of their base; in-place ops, ``copy_`` and ``out=`` become writes into it;
 - factories (``empty``, ``zeros``, ``arange``, ``torch.tensor``) become new buffers;
 - element-wise ops, ``cat``/``stack`` and everything else become nodes over their inputs;
-- random ops become keyed draws (:mod:`keyinit._random_ops`). ``nn.init.trunc_normal_``
+- random ops become keyed draws (:mod:`keyinit._engine.random_ops`). ``nn.init.trunc_normal_``
   and ``nn.init.orthogonal_``, whose torch algorithms draw in loops, are recognised by
   their frames and recorded as the :mod:`keyinit.init` initializer of the same
   distribution (the draw keyinit gives every rule); the rest of their body is suppressed;
@@ -41,25 +41,14 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from keyinit import init as _init
-from keyinit._random_ops import Effects, bind_arguments, is_random, keyed_effects
+from keyinit._engine.random_ops import Effects, bind_arguments, is_random, keyed_effects
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit._engine.program import (
-    Alloc,
-    Cat,
-    Const,
-    StridedView,
-    Item,
-    Literal,
-    Node,
-    Pointwise,
-    Random,
-    Read,
-    Storage,
-    Suppressed,
-    Whole,
+    Alloc, Cat, Const, StridedView, Item, Literal, Node, Pointwise, Random, Read, Storage, Suppressed, Whole,
 )
+from keyinit._engine.outside import watched
 from keyinit._engine.replay import Evaluator
-from keyinit._engine.standin import CaptureError, LazyTensor, _leaves, tree_map
+from keyinit._engine.standin import CaptureError, LazyTensor, tensor_leaves, tree_map
 
 __all__ = ["LazyTensor", "Capture", "CaptureError"]
 
@@ -141,6 +130,8 @@ class Capture:
         self._claimed: list[types.FrameType] = []
         self._recognised = _recognised()
         self.emptied: dict[int, str] = {}  # id(storage) -> the site whose to_empty forgot its contents
+        self.made: list = []  # weak references to the stand-ins made (escape.sweep_escaped)
+        self.made_limit = 1024
         self.site = "<init code>"
         self.label = "init code"
         self._mode = _Mode(self)
@@ -189,7 +180,7 @@ class Capture:
         before = (self.site, self.label)
         self.site, self.label = site, label
         try:
-            with torch.no_grad(), self._mode:
+            with watched(site), torch.no_grad(), self._mode:  # Python's and numpy's generators, threads
                 yield
         finally:
             self.site, self.label = before
@@ -251,9 +242,12 @@ class Capture:
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        stack = self._stack()
+        if any(f.f_code in _LOADERS for f in stack) and not any(isinstance(x, LazyTensor) for x in tensor_leaves(args)):
+            with _disable_current_modes():  # torch.load's tensors are real: constants where they land
+                return func(*args, **kwargs)
         if torch.Tag.inplace_view in getattr(func, "tags", ()):
             return self._inplace_view(func, args, kwargs)
-        stack = self._stack()
         if self._suppressed(stack):
             return self._run_suppressed(func, args, kwargs)
         if func in _VALUE_OPS:
@@ -264,7 +258,7 @@ class Capture:
             if self._claim(stack):
                 return self._run_suppressed(func, args, kwargs)
             return self._record(func, args, kwargs, random=True)
-        flat = _leaves((args, kwargs))
+        flat = tensor_leaves((args, kwargs))
         if _DATA_DEPENDENT & set(getattr(func, "tags", ())) and any(isinstance(x, LazyTensor) for x in flat):
             # allclose, nonzero, unique: what they return depends on the values, so they are computed
             # on real values (deterministic ones; a draw's values cannot be known: UnkeyedRandomnessError)
@@ -338,7 +332,7 @@ class Capture:
         if func in _VALUE_OPS:
             return False if func is not aten._local_scalar_dense.default else 0
         out = self._run_meta(func, args, kwargs)
-        outputs = [o for o in _leaves(out) if isinstance(o, torch.Tensor)]
+        outputs = [o for o in tensor_leaves(out) if isinstance(o, torch.Tensor)]
         returns = [Suppressed(tuple(o.shape), o.dtype) for o in outputs]
         return self._wrap(args, kwargs, bind_arguments(func, args, kwargs), _mutated_args(func), out, returns)
 
@@ -364,7 +358,7 @@ class Capture:
         if any(StridedView.of(t._meta) != g for t, g in zip(mutated, before)):
             raise CaptureError(f"{self.site}: init code's {_op_name(func)} resizes the tensor it writes into (an out= "
                                f"argument of another shape); keyinit captures writes into tensors of fixed shape")
-        outputs = [o for o in _leaves(out) if isinstance(o, torch.Tensor)]
+        outputs = [o for o in tensor_leaves(out) if isinstance(o, torch.Tensor)]
         if random:
             effects = keyed_effects(func, args, kwargs, outputs, self.site, self.node)
             names = _mutated_args(func)
@@ -489,6 +483,8 @@ class Capture:
         # not an input, so an out= tensor fresh from torch.empty is not a read of uninitialized memory
         inputs = tuple(Const(tuple(flat[i].shape), flat[i].dtype, 0) if j in out_at else self.node(flat[i])
                        for j, i in enumerate(positions))
+        # ``call`` gets every tensor as a value: the program keeps no stand-in alive (escape.sweep_escaped)
+        flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
 
         def call(*values: torch.Tensor) -> Any:
             rebuilt = list(flat)
@@ -522,13 +518,13 @@ class Capture:
             if any(a.name == "device" for a in func._schema.arguments):
                 k["device"] = torch.device("cpu")
             result = func(*args, **k)
-        return [Literal(r.contiguous()) for r in _leaves(result) if isinstance(r, torch.Tensor)]
+        return [Literal(r.contiguous()) for r in tensor_leaves(result) if isinstance(r, torch.Tensor)]
 
     def _wrap(self, args: tuple, kwargs: dict, bound: dict[str, Any], mutated: list[str], out: Any,
               returns: list[Optional[Node]]) -> Any:
         """Turn meta results into stand-ins: views and mutated arguments share their input's buffer."""
         by_storage = {}
-        for x in _leaves((args, kwargs)):
+        for x in tensor_leaves((args, kwargs)):
             if isinstance(x, LazyTensor):
                 by_storage.setdefault(x._meta.untyped_storage()._cdata, x)
         written = [bound[m] for m in mutated if isinstance(bound.get(m), LazyTensor)]
@@ -550,6 +546,11 @@ class Capture:
             return LazyTensor(meta, self)
 
         return tree_map(wrap, out)
+
+
+#: Code whose tensors are data, not init: run for real under a capture (``timm.create_model(pretrained=True)``
+#: from a local file loads a state dict in the constructor).
+_LOADERS = {torch.serialization.load.__code__, torch.serialization._load.__code__}
 
 
 def _returns_self(func: Any) -> bool:

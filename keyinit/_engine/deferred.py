@@ -33,10 +33,10 @@ import torch
 
 from keyinit._engine.megatron_records import whole_node
 from keyinit._engine.capture import Capture, LazyTensor
-from keyinit._engine.escape import concretize_attributes
+from keyinit._engine.escape import concretize_attributes, sweep_escaped
 from keyinit._engine.program import StridedView, Literal, Node, Read, Storage, Write
 
-__all__ = ["deferred", "ConstructorRecord", "record_of", "origin_of", "seed_storage", "RECORD_ATTRIBUTE"]
+__all__ = ["deferred", "ConstructorRecord", "record_of", "origin_of", "renumbered_as", "seed_storage", "RECORD_ATTRIBUTE"]
 
 #: The module attribute holding its :class:`ConstructorRecord`.
 RECORD_ATTRIBUTE = "_keyinit_record"
@@ -60,9 +60,28 @@ class ConstructorRecord:
 
     values: Mapping[str, Node]
     builder: str
+    #: attribute name -> the tensor's FQN in the model ``builder`` returned (what a renumbered
+    #: ``ModuleList`` changes: :func:`renumbered_as`)
+    fqns: Mapping[str, str] = attrs.field(factory=dict)
 
     def value(self, name: str) -> Optional[Node]:
         return self.values.get(name)
+
+
+def renumbered_as(fqn: str, built: Optional[str]) -> Optional[str]:
+    """The FQN ``fqn`` had when it was built, if only a ``ModuleList``/``Sequential`` index of it changed
+    since (``del stage.layers[0]``: torch renumbers the rest), else ``None``. ``built`` is its FQN in the
+    model :func:`deferred` returned; a model built alone and placed in another keeps its own names
+    under a prefix (``layers.3.`` + ``weight``), which is not a renumbering."""
+    if built is None or fqn == built or fqn.endswith("." + built):
+        return None
+    now, then = fqn.split("."), built.split(".")
+    if len(then) > len(now):
+        return None
+    head, tail = now[: len(now) - len(then)], now[len(now) - len(then):]
+    if all(a == b or (a.isdigit() and b.isdigit()) for a, b in zip(tail, then)):
+        return ".".join(head + then)
+    return None
 
 
 def record_of(module: torch.nn.Module) -> Optional[ConstructorRecord]:
@@ -104,7 +123,9 @@ def deferred(fn: Callable[..., M], /, *args: Any, **kwargs: Any) -> M:
     Raises:
         TypeError: ``fn`` does not return an ``nn.Module``.
         UnkeyedRandomnessError: the constructor stored a tensor computed from random draws
-            in a plain attribute (not a parameter or buffer), where no key can reach it.
+            in a plain attribute (not a parameter or buffer), where no key can reach it; drew from
+            Python's or numpy's global generator (put back); or ran torch ops in threads it started
+            (:mod:`keyinit._engine.outside`). On any error the modules ``fn`` was given keep their tensors.
     """
     if not callable(fn):
         raise TypeError(f"keyinit.deferred expects a callable that builds an nn.Module, got {type(fn).__name__}")
@@ -124,11 +145,18 @@ def deferred(fn: Callable[..., M], /, *args: Any, **kwargs: Any) -> M:
 
 
 def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
-    """Swap every stand-in of ``model`` for a meta tensor and leave each module its record."""
+    """Swap every stand-in of ``model`` for a meta tensor and leave each module its record.
+
+    Everything that can fail (a record, a stand-in in a plain attribute that holds a draw) runs
+    before any table is touched: when it raises, every module the builder was given (a real
+    pretrained backbone) keeps its own tensors."""
     replaced: dict[int, torch.Tensor] = {}
     values: dict[int, Node] = {}
+    installs: list[tuple[torch.nn.Module, ConstructorRecord, list[tuple[dict, str, torch.Tensor]]]] = []
     for module_fqn, module in model.named_modules(remove_duplicate=True):
         record: dict[str, Node] = {}
+        built: dict[str, str] = {}
+        swaps: list[tuple[dict, str, torch.Tensor]] = []
         for table in (module._parameters, module._buffers):
             for name, tensor in list(table.items()):
                 if tensor is None:
@@ -142,12 +170,18 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
                     replaced[id(tensor)] = _meta_like(tensor, is_parameter=table is module._parameters)
                     setattr(replaced[id(tensor)], ORIGIN_ATTRIBUTE, values[id(tensor)])
                 record[name] = values[id(tensor)]
-                table[name] = replaced[id(tensor)]
-        object.__setattr__(module, RECORD_ATTRIBUTE, ConstructorRecord(record, builder))
-    # Plain attributes last: one that refers to a parameter or buffer (nn.LSTM's _flat_weights)
+                built[name] = fqn
+                swaps.append((table, name, replaced[id(tensor)]))
+        installs.append((module, ConstructorRecord(record, builder, built), swaps))
+    # Plain attributes: one that refers to a parameter or buffer (nn.LSTM's _flat_weights)
     # gets its meta replacement; any other stand-in its real value.
     for module_fqn, module in model.named_modules(remove_duplicate=True):
         concretize_attributes(capture, module, module_fqn, replaced)
+    sweep_escaped(capture, replaced, f"{builder}(...)")  # an lru_cache, a hook's closure, a class attribute
+    for module, record, swaps in installs:  # nothing below can fail
+        for table, name, meta in swaps:
+            table[name] = meta
+        object.__setattr__(module, RECORD_ATTRIBUTE, record)
 
 
 def _value_node(tensor: torch.Tensor, capture: Capture, fqn: str) -> Node:
@@ -166,6 +200,11 @@ def _meta_like(tensor: torch.Tensor, *, is_parameter: bool) -> torch.Tensor:
     meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
     if is_parameter:
         meta = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
+    if meta.requires_grad:  # the constructor's gradient hooks (a mask freezing rows) live on in the new tensor
+        for hook in (getattr(tensor, "_backward_hooks", None) or {}).values():
+            meta.register_hook(hook)
+        for hook in (getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values():
+            meta.register_post_accumulate_grad_hook(hook)
     for name, value in vars(tensor).items():  # markers (megatron's partition_dim, HF's flags)
         if name.startswith("_") and name not in ("_is_hf_initialized",):
             continue

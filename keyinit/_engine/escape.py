@@ -5,21 +5,32 @@ Init code and constructors keep computed tensors in plain attributes, lists, dic
 objects (OLMo-core's RoPE ``BufferCache``, nn.LSTM's ``_flat_weights``). After a capture,
 :func:`concretize_attributes` walks a module's attributes and replaces every
 :class:`~keyinit._engine.capture.LazyTensor` found there by the value eager torch would hold,
-so nothing fails at the first forward with a stand-in in hand.
+so nothing fails at the first forward with a stand-in in hand. The tensor torch's hook-based
+``weight_norm``, ``spectral_norm`` and pruning keep in a plain attribute (``weight``, computed from
+``weight_g``/``weight_v`` or ``weight_orig``/``weight_mask``) is a meta tensor until the model's
+tensors hold values; then :func:`keyinit._engine.kept.recompute_derived` computes it, as the hook does.
+
+Stand-ins kept where no walk of the model reaches them (a ``functools.lru_cache`` helper's table, a
+closure cell of a hook, a ``functools.partial`` forward hook, a class attribute cache) are found by
+:func:`sweep_escaped` (the capture keeps a weak reference to each stand-in it makes: those still alive
+when the build ends escaped it) and turned into real tensors in place
+(``torch.utils.swap_tensors``), so every reference sees the values eager torch would hold.
 """
 
 from __future__ import annotations
 
+import functools
+import gc
 import types
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Optional
 
 import torch
 
-from keyinit._engine.capture import Capture, LazyTensor
+from keyinit._engine.capture import Capture, CaptureError, LazyTensor
 from keyinit.errors import UnkeyedRandomnessError
 
-__all__ = ["concretize_attributes"]
+__all__ = ["concretize_attributes", "derived_attributes", "sweep_escaped"]
 
 #: nn.Module's own bookkeeping attributes (its parameter, buffer, module and hook tables).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
@@ -48,13 +59,35 @@ def concretize_attributes(capture: Capture, module: torch.nn.Module, module_fqn:
     modules hold (a cache shared by every block) is walked once, and a stand-in or tuple held in
     two places becomes one real value."""
     seen = {} if seen is None else seen
+    derived = derived_attributes(module)
     for name, value in list(vars(module).items()):
         if name in _MODULE_INTERNALS:
+            continue
+        if name in derived and isinstance(value, LazyTensor):  # torch's hook recomputes it from the parameters
+            with torch.utils._python_dispatch._disable_current_modes():
+                object.__setattr__(module, name, torch.empty(value.shape, dtype=value.dtype, device="meta"))
             continue
         where = f"{module_fqn}.{name}" if module_fqn else name
         converted = _concrete_tree(capture, value, where, replaced or {}, seen, _WALK_DEPTH)
         if converted is not value:
             object.__setattr__(module, name, converted)
+
+
+def _recomputing_hooks() -> tuple[type, ...]:
+    from torch.nn.utils import prune
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return WeightNorm, SpectralNorm, prune.BasePruningMethod
+
+
+def derived_attributes(module: torch.nn.Module) -> dict[str, Any]:
+    """``{attribute: hook}`` of the tensors torch's hook-based ``weight_norm``, ``spectral_norm`` and pruning
+    keep in a plain attribute of ``module`` and recompute from its parameters before every forward."""
+    hooks = _recomputing_hooks()
+    return {getattr(h, "name", None) or h._tensor_name: h for h in module._forward_pre_hooks.values()
+            if isinstance(h, hooks)}
+
 
 def _concrete_tree(capture: Capture, value: Any, where: str, replaced: Mapping[int, torch.Tensor],
                    seen: dict[int, Any], depth: int) -> Any:
@@ -108,3 +141,75 @@ def _concrete_tree(capture: Capture, value: Any, where: str, replaced: Mapping[i
             if new is not v:
                 attributes[name] = new
     return value
+
+
+def _alive(capture: Capture, replaced: Mapping[int, torch.Tensor]) -> list[Any]:
+    """Weak references to the stand-ins of ``capture`` still alive that are not model tensors."""
+    return [r for r in capture.made if (t := r()) is not None and id(t) not in replaced]
+
+
+def _holders(tensor: torch.Tensor, found: list) -> str:
+    """What refers to ``tensor`` (but ``found``), in words (a closure cell is named by its function)."""
+    names = []
+    for holder in gc.get_referrers(tensor):
+        if isinstance(holder, types.FrameType) or holder is tensor or holder is found:
+            continue
+        if type(holder).__name__ == "cell":
+            functions = [f for f in gc.get_referrers(holder) if isinstance(f, tuple)]
+            owners = [g.__qualname__ for t in functions for g in gc.get_referrers(t)
+                      if isinstance(g, types.FunctionType) and g.__closure__ is t]
+            names.append(f"a closure of {owners[0]}" if owners else "a closure")
+        else:
+            names.append(f"a {type(holder).__module__}.{type(holder).__qualname__}")
+    return ", ".join(dict.fromkeys(names)) or "an object keyinit cannot name"
+
+
+def _referrers(obj: Any, found: list, depth: int) -> list[Any]:
+    """What refers to ``obj``, and what refers to those, ``depth`` levels up (frames and ``found`` left out)."""
+    level, seen, out = [obj], {id(obj), id(found)}, []
+    for _ in range(depth):
+        level = [h for o in level for h in gc.get_referrers(o)
+                 if id(h) not in seen and not isinstance(h, types.FrameType) and h is not level and h is not out]
+        seen.update(id(h) for h in level)
+        out.extend(level)
+    return out
+
+
+def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: str) -> None:
+    """Give every stand-in of ``capture`` still alive outside the model its real value, in place; one
+    whose value depends on a random draw is an :class:`UnkeyedRandomnessError` naming what holds it
+    (nothing is changed then). Stand-ins of model tensors (``replaced``) are left alone."""
+    if not _alive(capture, replaced):
+        capture.made.clear()
+        return
+    gc.collect()  # only what is still referenced counts (weak references do not keep it)
+    found = [t for r in _alive(capture, replaced) if (t := r()) is not None]
+    capture.made.clear()  # swap_tensors refuses a tensor with weak references
+    values = []
+    for lazy in found:
+        try:
+            values.append(capture.concrete(lazy, "a tensor stored outside the model"))
+        except UnkeyedRandomnessError as exc:
+            holders = _holders(lazy, found)
+            for cache in _referrers(lazy, found, depth=3):  # a cache: cleared, so later calls compute again
+                if isinstance(cache, functools._lru_cache_wrapper):
+                    cache.cache_clear()
+            raise UnkeyedRandomnessError(
+                f"{site}: code stored a tensor of shape {tuple(lazy.shape)} computed from random draws outside the "
+                f"model's parameters and buffers, in {holders}; keyinit keys a draw by the parameter or "
+                f"buffer it lands in: register it as a buffer (register_buffer) or a parameter") from exc
+    # views first: once swapped, a view's old stand-in (left in ``pairs``) is dropped, and with it its hold
+    # on its base, which swap_tensors needs gone
+    pairs = sorted(zip(found, values), key=lambda pair: pair[0]._base is None)
+    del found, values
+    for i in range(len(pairs)):
+        lazy, value = pairs[i]
+        pairs[i] = None
+        value.requires_grad_(lazy.requires_grad)
+        try:
+            torch.utils.swap_tensors(lazy, value)
+        except RuntimeError as exc:
+            raise CaptureError(f"{site}: code stored a tensor of shape {tuple(lazy.shape)} outside the model's "
+                               f"parameters and buffers, where keyinit cannot give it its values in place ({exc}); "
+                               f"register it as a buffer") from exc
+        del lazy, value

@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from keyinit._random_ops import is_random
+from keyinit._engine.random_ops import is_random
 from keyinit.errors import PlanError, UnkeyedRandomnessError
 
 __all__ = ["ModelState", "model_kept", "no_writes", "run_fill", "storages_of"]
@@ -81,7 +81,9 @@ class ModelState:
     _TABLES = ("_parameters", "_buffers", "_modules")
 
     def __init__(self, modules: Iterable[torch.nn.Module], named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.tables = [(m, table, dict(getattr(m, table))) for m in modules for table in self._TABLES]
+        # a torch.jit.script module's tables are C++ wrappers, which Python code cannot re-assign: not kept
+        self.tables = [(m, table, dict(getattr(m, table))) for m in modules for table in self._TABLES
+                       if not isinstance(m, torch.jit.ScriptModule)]
         self.tensors = [(name, t, t.data, _data_state(t)) for name, t in named]
 
     def changes(self) -> tuple[list[str], list[str]]:

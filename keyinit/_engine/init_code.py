@@ -151,9 +151,9 @@ def parametrization_start(module: torch.nn.Module, parent: Optional[torch.nn.Mod
 
 
 def child_fqn(module: torch.nn.Module, fqn: str, name: str) -> str:
-    from keyinit.fqn import WRAPPER_ATTRIBUTES, _is_data_parallel
+    from keyinit.fqn import WRAPPER_ATTRIBUTES, is_data_parallel
 
-    if name in WRAPPER_ATTRIBUTES or (_is_data_parallel(module) and name == "module"):
+    if name in WRAPPER_ATTRIBUTES or (is_data_parallel(module) and name == "module"):
         return fqn
     return f"{fqn}.{name}" if fqn else name
 
@@ -222,7 +222,7 @@ class Installed:
         fqns = {id(m): fqn for m, fqn in self.modules}
         for module, attributes, parameters, buffers, non_persistent in self.snapshots:
             for kind, table, before in (("parameter", module._parameters, parameters), ("buffer", module._buffers, buffers)):
-                for name in list(table):
+                for name in list(table.keys()):  # keys(): a torch.jit.script module's table iterates by index
                     if name not in before and isinstance(table[name], LazyTensor):
                         persistent = name not in module._non_persistent_buffers_set
                         self._assigned.append((module, fqns[id(module)], name,

@@ -47,19 +47,18 @@ from keyinit._engine.init_code import (
     through_right_inverse,
 )
 from keyinit.errors import PlanError, UnkeyedRandomnessError
-from keyinit.fqn import FqnMap, apply_fqn_mapping, canonical_modules
-from keyinit.keys import DEFAULT_STREAM, Key, key
-from keyinit._engine.plan_checks import check_plan, unused_init_code_note
+from keyinit.fqn import apply_fqn_mapping, canonical_modules
+from keyinit.keys import Key, key
+from keyinit._engine.plan_checks import check_plan, check_scripted, check_shared_memory, unused_init_code_note
+from keyinit._engine.options import InitOptions
 from keyinit._engine.planned import ModelPlan, PlannedTensor
-from keyinit._engine.deferred import origin_of, record_of, seed_storage
+from keyinit._engine.deferred import origin_of, record_of, renumbered_as, seed_storage
+from keyinit._engine.escape import derived_attributes
 from keyinit._engine.program import Alloc, Node, Random, Read, SlotProgram, Storage, StridedView
-from keyinit.rules import REGISTRY, ModuleRule, Registry, RuleContext, initializer_problem
-from keyinit.tensors import tensors as model_tensors
+from keyinit.rules import ModuleRule, RuleContext, initializer_problem
+from keyinit.walk import tensors as model_tensors
 
-__all__ = ["plan_model", "InitMethod", "Rules"]
-
-InitMethod = Union[str, Callable[..., Any], None]
-Rules = Optional[Mapping[Union[str, type], Any]]
+__all__ = ["plan_model"]
 
 def _is_hf_pretrained(module: Any) -> bool:
     """An instance of transformers' ``PreTrainedModel`` (checked by class, without importing transformers)."""
@@ -75,7 +74,10 @@ def _nn_defaults() -> Mapping[type, ModuleRule]:
 
 
 def _default_rule(module: torch.nn.Module) -> Optional[tuple[type, ModuleRule]]:
-    """The built-in rule for ``module``, unless its class overrides ``reset_parameters``."""
+    """The built-in rule for ``module``, unless its class overrides ``reset_parameters`` or torch's hook-based
+    weight_norm / spectral_norm / pruning replaced the parameter it writes (``weight`` became ``weight_g``...)."""
+    if derived_attributes(module):
+        return None
     defaults = _nn_defaults()
     for cls in type(module).__mro__:
         if cls in defaults:
@@ -119,25 +121,23 @@ def _check_tie_shapes(ties: Mapping[str, str], by_fqn: Mapping[str, PlannedTenso
 
 
 class _Planner:
-    def __init__(self, model: torch.nn.Module, seed: Union[int, Key], *, rules: Rules, init_method: InitMethod,
-                 init_kwargs: Optional[Mapping[str, Any]], ties: Optional[Mapping[str, str]],
-                 fqn_prefix: Optional[str], fqn_map: Optional[FqnMap], shards: Optional[Mapping[str, Any]],
-                 strict: bool, stream: str, registry: Registry) -> None:
+    def __init__(self, model: torch.nn.Module, seed: Union[int, Key], options: InitOptions) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"init_model expects an nn.Module, got {type(model).__name__}")
         self.model = model
-        self.root_key, self.seed = _root_key(seed, stream)
-        self.rules = dict(rules or {})
-        self.init_method = init_method
+        self.root_key, self.seed = _root_key(seed, options.stream)
+        self.rules = dict(options.rules or {})
+        self.init_method = options.init_method
+        init_kwargs = options.init_kwargs
         if init_kwargs is not None and not isinstance(init_kwargs, Mapping):
             raise PlanError(f"init_kwargs must be a mapping of keyword arguments, got {type(init_kwargs).__name__}")
         self.init_kwargs = dict(init_kwargs or {})
-        self.ties = dict(ties or {})
-        self.fqn_prefix = fqn_prefix
-        self.fqn_map = fqn_map
-        self.shards = dict(shards or {})
-        self.strict = strict
-        self.registry = registry
+        self.ties = dict(options.ties or {})
+        self.fqn_prefix = options.fqn_prefix
+        self.fqn_map = options.fqn_map
+        self.shards = dict(options.shards or {})
+        self.strict = options.strict
+        self.registry = options.registry
         self.tensors: list[PlannedTensor] = []
         self.notes: list[str] = []
         self.emptied: dict[str, str] = {}  # fqn -> the init code whose to_empty left it with nothing written
@@ -177,6 +177,8 @@ class _Planner:
                 raise PlanError(message, (t.fqn,)) from exc
             t.dtype = t.tensor.dtype
         _check_tie_shapes(self.ties, self.by_fqn)
+        check_scripted(self.tensors)
+        check_shared_memory(self.tensors)
         self._find_records()
 
     def _find_records(self) -> None:
@@ -185,6 +187,8 @@ class _Planner:
         A record that wrote nothing (``torch.empty`` left for later init code) is no record. A
         record of another shape (the tensor was replaced after construction) is not used."""
         self.constructed: set[int] = set()  # modules built by keyinit.deferred whose records hold values
+        renumbered: list[str] = []
+        raw_names = {id(m): raw for raw, _canonical, m in canonical_modules(self.model)}
         for t in self.tensors:
             found: list[tuple[torch.nn.Module, str, Node]] = []
             for module, attr in t.locations():
@@ -213,6 +217,17 @@ class _Planner:
                                       f"which one it was built as (replaced since); the record of {t.fqn} is used")
             t.record = node
             self.constructed.update(id(m) for m, _, _ in found)
+            raw = f"{raw_names[id(module)]}.{attr}" if raw_names.get(id(module)) else attr
+            built = renumbered_as(raw, record_of(module).fqns.get(attr))
+            # only where the canonical name is the module path (megatron's experts are renamed to their global index)
+            if built is not None and raw == t.fqn == t.key_fqn and not (self.fqn_prefix or self.fqn_map):
+                t.key_fqn = built  # its constructor built it as `built` (depth-scaled inits): that model's values
+                renumbered.append(f"{t.fqn} as {built}")
+        if renumbered:
+            self.notes.append(f"{len(renumbered)} tensors sit at other ModuleList indices than they were built at "
+                              f"(renumbered after construction, as `del layers[0]` does) and are keyed by the names "
+                              f"they were built with, so they get the full model's values: "
+                              f"{', '.join(renumbered[:4])}{' ...' if len(renumbered) > 4 else ''}")
 
     def _resolve_ties(self) -> None:
         for alias, target in self.ties.items():
@@ -581,38 +596,21 @@ class _Planner:
             raise PlanError(f"{site}: {label} failed while keyinit captured it on global-shape stand-ins: "
                             f"{type(exc).__name__}: {exc}", tuple(exposed)) from exc
 
-    # ------------------------------------------------------------------ checks
 
-def plan_model(
-    model: torch.nn.Module,
-    seed: Union[int, Key],
-    *,
-    rules: Rules = None,
-    init_method: InitMethod = None,
-    init_kwargs: Optional[Mapping[str, Any]] = None,
-    ties: Optional[Mapping[str, str]] = None,
-    fqn_prefix: Optional[str] = None,
-    fqn_map: Optional[FqnMap] = None,
-    shards: Optional[Mapping[str, Any]] = None,
-    strict: bool = True,
-    stream: str = DEFAULT_STREAM,
-    registry: Registry = REGISTRY,
-    materializing: bool = False,
-) -> ModelPlan:
-    """Plan every tensor of ``model`` (see the module docstring); takes :func:`keyinit.init_model`'s options.
+def plan_model(model: torch.nn.Module, seed: Union[int, Key], options: InitOptions = InitOptions(), *,
+               materializing: bool = False) -> ModelPlan:
+    """Plan every tensor of ``model`` (see the module docstring) with :func:`keyinit.init_model`'s ``options``.
 
     ``materializing``: every buffer must be covered too (``materialize`` has no old values to keep).
     Nothing is allocated or written; the model is left exactly as it was.
     """
-    planner = _Planner(model, seed, rules=rules, init_method=init_method, init_kwargs=init_kwargs, ties=ties,
-                       fqn_prefix=fqn_prefix, fqn_map=fqn_map, shards=shards, strict=strict, stream=stream,
-                       registry=registry)
+    planner = _Planner(model, seed, options)
     planner.collect()
     planner.resolve_rules()
     planner.capture(materializing)
     check_plan(planner.tensors, materializing=materializing, emptied=planner.emptied, model=model,
-               init_method=init_method, stream=planner.root_key.stream)
-    note = unused_init_code_note(model, planner.tensors, init_method)
+               init_method=options.init_method, stream=planner.root_key.stream)
+    note = unused_init_code_note(model, planner.tensors, options.init_method)
     if note is not None:
         planner.notes.append(note)
     warn_shared_draws(planner.tensors)

@@ -25,7 +25,7 @@ from keyinit.init import Initializer
 from keyinit.keys import Key
 from keyinit.regions import make_region
 
-__all__ = ["check_plan", "unused_init_code_note"]
+__all__ = ["check_plan", "check_scripted", "check_shared_memory", "unused_init_code_note"]
 
 #: Method names of init code a model may have that nothing runs unless asked (HF, torchtitan, OLMo-core).
 _INIT_METHOD_NAMES = ("_init_weights", "init_weights")
@@ -52,6 +52,7 @@ def check_plan(tensors: Sequence[PlannedTensor], *, materializing: bool, emptied
             "no rule or init method covers these tensors: " + ", ".join(missing) + ". "
             + _missing_advice(model, tensors, init_method), tuple(missing)
         )
+    _check_added_after_construction(model, tensors, init_method)
     partial = [t.fqn for t in tensors if t.program is not None and not t.program.complete]
     if partial and materializing:
         raise PlanError("init code writes only part of these tensors (the rest would be uninitialized memory): "
@@ -68,6 +69,96 @@ def check_plan(tensors: Sequence[PlannedTensor], *, materializing: bool, emptied
     for t in tensors:
         if t.program is not None:
             _dry_run(t, stream)
+
+
+def _check_added_after_construction(model: torch.nn.Module, tensors: Sequence[PlannedTensor], init_method: Any) -> None:
+    """A model built by ``keyinit.deferred`` with HF's ``_init_weights`` on its root, where modules added or
+    replaced afterwards (HF's ``resize_token_embeddings`` on the meta model, which runs ``_init_weights`` on
+    them: nothing on meta) would get torch.nn's defaults (N(0, 1) embeddings) instead: a :class:`PlanError`
+    naming them."""
+    from keyinit._engine.deferred import record_of
+
+    if init_method is not None or not any(record_of(m) is not None for m in model.modules()):
+        return
+    # HF's _init_weights on the root: HF's own code (resize_token_embeddings) runs it on the modules it adds, where
+    # eager torch gives them that init; a head a user assigns (timm's init_weights models) gets torch.nn's defaults
+    own = [f"{type(model).__name__}._init_weights"] if callable(getattr(model, "_init_weights", None)) else []
+    def built(module: torch.nn.Module, attr: str, t: PlannedTensor) -> bool:  # its constructor made it this shape
+        node = record_of(module).value(attr) if record_of(module) is not None else None
+        return node is not None and tuple(node.shape) == tuple(t.global_shape)
+
+    added = [t.fqn for t in tensors if t.origin == "default" and not any(built(m, a, t) for m, a in t.locations())]
+    if own and added:
+        raise PlanError(
+            f"these tensors were added or replaced after keyinit.deferred built the model (HF's "
+            f"resize_token_embeddings on the meta model does this) and would get torch.nn's defaults, not the "
+            f"model's own init ({', '.join(own)}): {', '.join(added)}. Make the change inside the builder "
+            f"(keyinit.deferred(lambda: resized(Model(config)))), so it is recorded, or give them a rule "
+            f"(rules={{'{added[0]}': keyinit.init.normal(std=0.02)}})", tuple(added))
+
+
+def check_scripted(tensors: Sequence[PlannedTensor]) -> None:
+    """Tensors held by a ``torch.jit.script`` module are a :class:`PlanError` naming them: its parameter
+    and buffer tables are C++ objects keyinit cannot swap stand-ins into or put back. A scripted module
+    without tensors (an activation) is fine."""
+    scripted = [t.fqn for t in tensors if any(isinstance(m, torch.jit.ScriptModule) for m, _ in t.locations())]
+    if scripted:
+        raise PlanError(f"these tensors belong to a torch.jit.script module, whose tables keyinit cannot swap or "
+                        f"restore: {', '.join(scripted)}; initialize the model first and script the module "
+                        f"afterwards (torch.jit.script(model.sub) after init_model / materialize)", tuple(scripted))
+
+
+def check_shared_memory(tensors: Sequence[PlannedTensor]) -> None:
+    """Two different tensors of the model whose elements share memory (``a = Parameter(base)``,
+    ``b = Parameter(base[:2])``) are a :class:`PlanError` naming both: each is written with its own
+    key, so on a plain model one's values land in the other's elements, while a sharded layout keeps
+    them apart; the layouts would disagree. One tensor under two names (a tie) is not this, nor are
+    views of one buffer that share no element (an LSTM's flattened weights)."""
+    spans: list[tuple[int, int, int, str, torch.Tensor]] = []
+    for t in tensors:
+        if t.new:
+            continue
+        for module, attr in t.locations():
+            tensor = getattr(module, attr, None)
+            local = getattr(tensor, "_local_tensor", tensor)
+            if not isinstance(local, torch.Tensor) or local.device.type == "meta" or local.numel() == 0 \
+                    or local.layout != torch.strided:
+                continue
+            size = local.element_size()
+            start = local.storage_offset() * size
+            end = start + (1 + sum((n - 1) * s for n, s in zip(local.shape, local.stride()))) * size
+            spans.append((local.untyped_storage().data_ptr(), start, end, t.fqn, local))
+    by_storage: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
+    for ptr, start, end, fqn, local in spans:
+        by_storage.setdefault(ptr, []).append((start, end, fqn, local))
+    for group in by_storage.values():
+        for i, (start, end, fqn, local) in enumerate(group):
+            for start2, end2, fqn2, local2 in group[i + 1:]:
+                if fqn != fqn2 and start < end2 and start2 < end and _elements_meet(local, local2):
+                    _refuse_shared(fqn, fqn2)
+
+
+def _refuse_shared(fqn: str, fqn2: str) -> None:
+    raise PlanError(
+        f"{fqn} and {fqn2} are different tensors sharing memory (views of one storage): keyinit writes each "
+        f"with its own key, so on a plain model one's values would land in the other's elements while a "
+        f"sharded layout keeps them apart. Give each its own storage (.clone()) or make them one tensor (a "
+        f"tie: the same Parameter under both names)", (fqn, fqn2))
+
+
+def _elements_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two strided views of one storage share a byte (exact up to a size limit, else assumed)."""
+    if a.numel() + b.numel() > _READ_CHECK_LIMIT:
+        return True
+
+    def offsets(t: torch.Tensor) -> torch.Tensor:
+        at = torch.full((), t.storage_offset() * t.element_size(), dtype=torch.int64)
+        for n, s in zip(t.shape, t.stride()):
+            at = at.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * (s * t.element_size())
+        at = at.reshape(-1, 1) + torch.arange(t.element_size(), dtype=torch.int64)
+        return at.reshape(-1)
+
+    return bool(torch.isin(offsets(a), offsets(b)).any())
 
 
 def unused_init_code_note(model: torch.nn.Module, tensors: Sequence[PlannedTensor], init_method: Any) -> Optional[str]:

@@ -34,26 +34,8 @@ from keyinit.keys import Key
 from keyinit._engine.guard import run_fill
 from keyinit.layouts import Target
 from keyinit._engine.program import (
-    Alloc,
-    Cat,
-    Const,
-    StridedView,
-    Item,
-    Literal,
-    Node,
-    Pointwise,
-    Random,
-    Read,
-    SlotProgram,
-    Suppressed,
-    Version,
-    Whole,
-    Write,
-    iter_nodes,
-    ravel,
-    unravel,
-    root_of,
-    written_mask,
+    Alloc, Cat, Const, StridedView, Item, Literal, Node, Pointwise, Random, Read, SlotProgram, Suppressed,
+    Version, Whole, Write, iter_nodes, ravel, unravel, root_of, written_mask,
 )
 from keyinit.regions import make_region, row_major_strides
 

@@ -11,6 +11,7 @@ recorded ``clone``. Also the small pytree helpers the capture uses on aten argum
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -36,6 +37,12 @@ class LazyTensor(torch.Tensor):
         )
         tensor._meta = meta
         tensor._capture = capture
+        made = getattr(capture, "made", None)
+        if made is not None:  # what is still alive when a deferred build ends escaped it (escape.sweep_escaped)
+            made.append(weakref.ref(tensor))
+            if len(made) >= capture.made_limit:
+                made[:] = [r for r in made if r() is not None]
+                capture.made_limit = max(1024, 2 * len(made))
         return tensor
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
@@ -61,7 +68,7 @@ class LazyTensor(torch.Tensor):
     def __torch_function__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         if func in _NEEDS_VALUES or (func in _SCALAR_CONVERSIONS and _python_dispatch_excluded()):
-            capture = next(a._capture for a in _leaves((args, kwargs)) if isinstance(a, LazyTensor))
+            capture = next(a._capture for a in tensor_leaves((args, kwargs)) if isinstance(a, LazyTensor))
             concrete = tree_map(lambda x: capture.concrete(x, getattr(func, "__name__", "value"))
                                 if isinstance(x, LazyTensor) else x, (args, kwargs))
             return func(*concrete[0], **concrete[1])
@@ -70,7 +77,7 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        running = next((a._capture for a in _leaves((args, kwargs or {})) if isinstance(a, LazyTensor)), None)
+        running = next((a._capture for a in tensor_leaves((args, kwargs or {})) if isinstance(a, LazyTensor)), None)
         site = running.site if running is not None and running.site != "<init code>" else None
         raise CaptureError(
             (f"{site}: " if site else "") + f"a keyinit stand-in tensor was used outside keyinit's capture ({func})"
@@ -80,7 +87,7 @@ class LazyTensor(torch.Tensor):
                if site else ""))
 
 
-def _leaves(tree: Any) -> list[Any]:
+def tensor_leaves(tree: Any) -> list[Any]:
     """The leaves of aten arguments (tuples, lists, dicts of tensors and scalars): a fast
     ``tree_flatten(...)[0]`` for the structures aten ops take and return."""
     out: list[Any] = []

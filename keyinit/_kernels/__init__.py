@@ -1,33 +1,49 @@
-"""Fast implementations of stream v1, each bit-identical to :mod:`keyinit._reference`.
+"""Fast implementations of stream v1, each bit-identical to its reference in :mod:`keyinit._draw`.
 
-- C kernels for CPU tensors, called through ctypes: the init kernel
-  (``keyinit_kernels.c``, :mod:`~keyinit._kernels._cpu`), keyed dropout
-  (``dropout_kernels.c``, :mod:`~keyinit._kernels._dropout_cpu`) and the keyed
-  permutation (``permutation_kernels.c``, :mod:`~keyinit._kernels._permutation_cpu`).
-  They share one Philox (``philox.h``), one set of float conversions
-  (``convert.h``) and one thread pool (``parallel.h``); the init kernel's binary32
-  transforms (log, the normal quantile) are ``fp32math.h``. All are loaded by
-  one loader (:class:`~keyinit._kernels._library.CompiledLibrary`): compiled on
-  first use by ``_build`` (which refuses builds that change floating-point
-  semantics and verifies cached builds), then proved against golden digests
-  (``_selftest``, ``_dropout_selftest``, ``_permutation_selftest``);
-- Triton kernels for CUDA tensors (``triton_kernel``, ``triton_dropout``,
-  ``triton_permutation``), used when the optional ``triton`` package is installed.
+One folder per kernel family, each with the same four parts: ``cpu.py`` (its C kernel, called
+through ctypes), the C source, ``triton.py`` (its Triton kernel for CUDA tensors, used when the
+optional ``triton`` package is installed) and ``selftest.py`` (the golden digests a compiled
+library must reproduce before it is used):
 
-The fill kernels take their geometry from :mod:`keyinit._kernels._plan`: slices
+- ``fill/``: a distribution's values for a region (``fill_kernels.c``; its binary32 transforms,
+  log and the normal quantile, are ``fill/fp32math.h``);
+- ``dropout/``: keyed dropout (``dropout_kernels.c``);
+- ``permutation/``: the keyed permutation (``permutation_kernels.c``).
+
+``common/`` is what they share: one Philox (``philox.h``; ``triton_philox.py`` for Triton), one
+set of float conversions (``convert.h``), one thread pool (``parallel.h``), the distribution and
+dtype ids (``ids.py``, given to the C sources as ``-D`` definitions, ``ids.h`` checks them), and
+one loader (:class:`~keyinit._kernels.common.library.CompiledLibrary`, which holds the names a
+kernel module gives its library): compiled on first use by ``common/build.py`` (which refuses
+builds that change floating-point semantics and verifies cached builds), then proved against the
+family's golden digests.
+
+The fill and dropout kernels take their geometry from :mod:`keyinit._draw.geometry`: slices
 stay ``(start, step, count)``, so a contiguous run of a region shares Philox blocks.
-:mod:`keyinit._dispatch` chooses among them and the reference.
-
-Set ``KEYINIT_DISABLE_KERNELS=1`` to force the reference implementation.
+:func:`register` puts them in :mod:`keyinit._draw.dispatch`'s table (importing keyinit calls it once:
+nothing is imported, built or loaded until a kernel is first called), and the dispatcher chooses
+among them and the reference. Set ``KEYINIT_DISABLE_KERNELS=1`` to force the reference implementation.
 """
 
 from __future__ import annotations
 
-import os
+from keyinit._draw.dispatch import KernelRef, register_kernel
 
-__all__ = ["kernels_disabled"]
+__all__ = ["register"]
+
+#: Stream v1's kernels: (family, device type, module, function).
+_V1 = (
+    ("fill", "cpu", "keyinit._kernels.fill.cpu", "fill"),
+    ("fill", "cuda", "keyinit._kernels.fill.triton", "fill"),
+    ("dropout", "cpu", "keyinit._kernels.dropout.cpu", "run"),
+    ("dropout", "cuda", "keyinit._kernels.dropout.triton", "run"),
+    ("permutation", "cpu", "keyinit._kernels.permutation.cpu", "run"),
+    ("permutation", "cuda", "keyinit._kernels.permutation.triton", "run"),
+)
 
 
-def kernels_disabled() -> bool:
-    """True when ``KEYINIT_DISABLE_KERNELS`` is set to a true value (1, true, yes, on)."""
-    return os.environ.get("KEYINIT_DISABLE_KERNELS", "").strip().lower() in ("1", "true", "yes", "on")
+def register() -> None:
+    """Register stream v1's kernels in :data:`keyinit._draw.dispatch.KERNELS` (again: no change). Each is
+    named by module and imported on its first call."""
+    for family, device, module, name in _V1:
+        register_kernel("v1", family, device, KernelRef(module, name))

@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import hashlib
 import importlib
 import importlib.util
 import os
 import sys
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 
+from keyinit._engine.options import InitOptions
+
 __all__ = [
     "CLIError",
+    "add_subcommand",
     "load_factory",
     "build_model",
     "bitwise_equal",
     "digest",
     "format_table",
-    "Progress",
 ]
 
 
@@ -29,7 +30,9 @@ class CLIError(Exception):
     """A user-facing error: printed as one line on stderr, exit code 2."""
 
 
-_INIT_KWARGS = {"rules", "init_method", "init_kwargs", "ties", "fqn_prefix", "fqn_map", "shards", "strict", "stream", "registry"}
+def add_subcommand(sub: Any, name: str, doc: Optional[str], help: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``: ``help`` in ``keyinit --help``, the module's ``doc`` as its description."""
+    return sub.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def load_factory(spec: str) -> Any:
@@ -119,7 +122,7 @@ def build_model(factory: Any, spec: str, *, build: str = "meta") -> tuple[torch.
     except Exception as exc:
         raise CLIError(f"{spec}() raised {type(exc).__name__}: {exc}") from exc
     kwargs = extra.get("kwargs", {})
-    unknown = set(kwargs) - _INIT_KWARGS
+    unknown = set(kwargs) - InitOptions.names()
     if unknown:
         raise CLIError(f"{spec}() returned init_model kwargs it does not take: {sorted(unknown)}")
     return model, kwargs
@@ -177,52 +180,3 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, align
     lines += [fmt(r) for r in cells]
     return "\n".join(lines)
 
-
-class Progress:
-    """Progress on stderr for long runs: a bar on a terminal, a line every few seconds otherwise."""
-
-    def __init__(self, total: int, label: str, *, enabled: Optional[bool] = None, min_seconds: float = 2.0) -> None:
-        self.total = max(total, 1)
-        self.label = label
-        self.done = 0
-        self.start = time.perf_counter()
-        self.last = self.start
-        self.enabled = enabled
-        self.min_seconds = min_seconds
-        self.tty = sys.stderr.isatty()
-        self.shown = False
-
-    def update(self, step: int = 1, note: str = "") -> None:
-        self.done += step
-        now = time.perf_counter()
-        if self.enabled is False:
-            return
-        if self.enabled is None and now - self.start < self.min_seconds:
-            return
-        interval = 0.2 if self.tty else 5.0
-        if now - self.last < interval and self.done < self.total:
-            return
-        self.last = now
-        self.shown = True
-        frac = self.done / self.total
-        if self.tty:
-            bar = "#" * int(30 * frac)
-            sys.stderr.write(f"\r{self.label} [{bar:<30}] {self.done}/{self.total} {note[:40]:<40}")
-        else:
-            sys.stderr.write(f"{self.label}: {self.done}/{self.total} ({100 * frac:.0f}%) {note}\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.shown and self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
-@contextlib.contextmanager
-def timer() -> Iterator[dict[str, float]]:
-    out = {"seconds": 0.0}
-    start = time.perf_counter()
-    try:
-        yield out
-    finally:
-        out["seconds"] = time.perf_counter() - start

@@ -281,7 +281,7 @@ def check_fidelity(plan: Any, keyed: Mapping[str, torch.Tensor], factory: Callab
     prefix, fqn_map = kwargs.get("fqn_prefix"), kwargs.get("fqn_map")
 
     def tensors_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        from keyinit.tensors import tensors
+        from keyinit.walk import tensors
 
         return {apply_fqn_mapping(t.fqn, prefix, fqn_map): t.tensor for t in tensors(model)}
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from keyinit.cli._common import CLIError, digest, format_table
+from keyinit.cli._common import CLIError, add_subcommand, digest, format_table
 
 __all__ = ["add_parser", "run", "LAYOUTS"]
 
@@ -35,13 +35,9 @@ LAYOUTS = ("fsdp", "hsdp", "tp", "fsdp_tp", "pp")
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="initialize a small Llama-like model under FSDP2, HSDP, TP, FSDP2xTP and PP on local CPU ranks "
-             "and check the weights are bit-identical to one process, with zero collectives",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_subcommand(sub, "demo", __doc__,
+                       "initialize a small Llama-like model under FSDP2, HSDP, TP, FSDP2xTP and PP on local CPU ranks "
+                       "and check the weights are bit-identical to one process, with zero collectives")
     p.add_argument("--world-size", type=int, default=4, help="number of CPU ranks to spawn (default 4)")
     p.add_argument("--seed", type=int, default=0, help="the seed (default 0)")
     p.add_argument("--model-size", default="tiny", help="tiny (default), small, medium, large")
@@ -63,19 +59,19 @@ def _build(size: str):
     return model, llama_rules(model.args)
 
 
-def _check(model: torch.nn.Module, layout: str, world: int) -> tuple[dict[str, str], int, int, int]:
+def _check(model: torch.nn.Module, plan: Any, layout: str, world: int) -> tuple[dict[str, str], int, int, int]:
     """Gather every parameter (``full_tensor()``), outside the counted init.
 
     Returns the digests of the FULL values, the collectives the gather issued, and how
     many DTensor parameters' local shards ``keyinit verify``'s simulated layout predicts
-    exactly (``full[predicted region] == local shard``), out of how many.
+    exactly (``full[predicted region] == local shard``), out of how many; ``plan`` is the
+    :class:`keyinit.Plan` that initialized ``model``.
     """
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
     from keyinit.cli._common import bitwise_equal, take_region
-    from keyinit.cli._virtual import LayoutSpec
-    from keyinit.tensors import ModelTensor
+    from keyinit.cli._layout_specs import LayoutSpec
 
     kinds = {"fsdp": ("fsdp",), "hsdp": ("replicate", "fsdp"), "tp": ("tp",), "fsdp_tp": ("fsdp", "tp")}.get(layout)
     digests: dict[str, str] = {}
@@ -89,13 +85,10 @@ def _check(model: torch.nn.Module, layout: str, world: int) -> tuple[dict[str, s
             digests[fqn] = digest(full)
             if kinds is None:
                 continue
-            owner, _, attr = fqn.rpartition(".")
-            module = model.get_submodule(owner)
             mesh_shape = tuple(param.device_mesh.shape)
             # under FSDP2xTP, tensors TP leaves alone are sharded by FSDP2 on the 1-D dp mesh only
             spec = LayoutSpec(layout, 1, kinds[: len(mesh_shape)], mesh_shape)
-            slot = ModelTensor(fqn, "parameter", [(module, attr, fqn)], tuple(param.shape), param.dtype, True)
-            region = spec.region(slot, tuple(param.device_mesh.get_coordinate()))
+            region = spec.region(plan.entry(fqn), tuple(param.device_mesh.get_coordinate()))
             total += 1
             predicted += bitwise_equal(take_region(full, region), param.to_local())
     return digests, comm.get_total_counts(), predicted, total
@@ -176,10 +169,11 @@ def _worker(layouts: list[str], size: str, seed: int) -> dict[str, Any]:
         dist.barrier()
         with CommDebugMode() as comm:
             start = time.perf_counter()
-            keyinit.materialize(model, seed, device="cpu", **kwargs)
+            plan = keyinit.plan_init(model, seed, materializing=True, **kwargs)  # materialize, keeping its plan
+            plan.apply(device="cpu")
             seconds = time.perf_counter() - start
         init_comms = comm.get_total_counts()
-        digests, gather_comms, predicted, dtensors = _check(model, layout, world)
+        digests, gather_comms, predicted, dtensors = _check(model, plan, layout, world)
         results[layout] = {"label": label, "digests": digests, "init_comms": init_comms,
                            "gather_comms": gather_comms, "seconds": seconds, "predicted": predicted,
                            "dtensors": dtensors}

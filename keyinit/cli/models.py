@@ -248,7 +248,7 @@ def pipeline_stage(model: Transformer, stage: int, num_stages: int) -> Transform
     first stage) and ``norm``/``output`` (all but the last) to None. Layers are
     split into contiguous, near-equal runs.
     """
-    from keyinit.tensors import stage_blocks
+    from keyinit.walk import stage_blocks
 
     names = list(model.layers)
     owned = set(stage_blocks(names, num_stages)[stage])

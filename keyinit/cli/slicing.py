@@ -27,20 +27,16 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit.cli._common import CLIError, build_model, digest, load_factory
+from keyinit.cli._common import CLIError, add_subcommand, build_model, digest, load_factory
 from keyinit.regions import make_region
 
 __all__ = ["add_parser", "run", "parse_selector", "compute_slice"]
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "slice",
-        help="print or save any slice of any parameter as a training run would initialize it, "
-             "without allocating the model",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_subcommand(sub, "slice", __doc__,
+                       "print or save any slice of any parameter as a training run would initialize it, "
+                       "without allocating the model")
     p.add_argument("factory", help="MODULE:FACTORY (or path/to/file.py:FACTORY), called under torch.device('meta')")
     p.add_argument("selector", help="FQN or 'FQN[index]', e.g. 'layers.0.attention.wq.weight[0:4, :8]'")
     p.add_argument("--seed", type=int, default=0, help="the seed (default 0)")

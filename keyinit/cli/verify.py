@@ -50,9 +50,10 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit.cli._common import CLIError, Progress, bitwise_equal, build_model, format_table, load_factory, take_region
-from keyinit.cli._virtual import ROWWISE_NAMES, LayoutSpec, parse_layout
-from keyinit.tensors import ModelTensor, StageError, aliases, cut_stage, stage_assignment, tensors
+from keyinit._engine.progress import Progress
+from keyinit.cli._common import CLIError, add_subcommand, bitwise_equal, build_model, format_table, load_factory, take_region
+from keyinit.cli._layout_specs import ROWWISE_NAMES, LayoutSpec, parse_layout
+from keyinit.walk import StageError, aliases, cut_stage, stage_assignment, tensors
 
 __all__ = ["add_parser", "run", "verify"]
 
@@ -60,13 +61,9 @@ DEFAULT_LAYOUTS = "fsdp4,tp2,fsdp2xtp2,pp2,fsdp8x8"
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "verify",
-        help="check, in one process, that MODULE:FACTORY's model initializes bit-identically under "
-             "FSDP/HSDP/TP/PP layouts",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_subcommand(sub, "verify", __doc__,
+                       "check, in one process, that MODULE:FACTORY's model initializes bit-identically under "
+                       "FSDP/HSDP/TP/PP layouts")
     p.add_argument("factory", help="MODULE:FACTORY (or path/to/file.py:FACTORY); the factory returns an "
                                    "nn.Module, or (nn.Module, init_model kwargs); it is called through "
                                    "keyinit.deferred (see --build), and twice eagerly on CPU for fidelity")
@@ -95,17 +92,12 @@ def _init_kwargs(kwargs: dict[str, Any], init_method: Any) -> dict[str, Any]:
     return out
 
 
-def _slot(entry: Any) -> ModelTensor:
-    return ModelTensor(entry.fqn, entry.kind, [(m, a, entry.fqn) for m, a in entry.locations],
-                       tuple(entry.global_shape), entry.dtype, False)
-
-
 def _check(plan: Any, entry: Any, layout: LayoutSpec, expected: torch.Tensor, stage_rank: int,
            stage_ranks: int) -> tuple[list[int], int, int]:
     """Replay ``entry``'s tensor for every distinct region ``layout`` gives it (``plan.values``);
     return (bad ranks, ranks holding it, largest region)."""
     bad, held, largest = [], 0, 0
-    for region, coordinate, count in layout.distinct_regions(_slot(entry)):
+    for region, coordinate, count in layout.distinct_regions(entry):
         rank = stage_rank * stage_ranks + (_ravel(coordinate, layout.mesh_shape) if coordinate else 0)
         out = plan.values(entry.fqn, region)
         held += count
@@ -162,10 +154,12 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
     cells: dict[str, dict[str, list[int]]] = {e.fqn: {} for e in entries}  # fqn -> layout -> bad ranks
     held: dict[str, dict[str, int]] = {e.fqn: {} for e in entries}  # fqn -> layout -> ranks holding it
     summaries = []
-    bar = Progress(len(layouts), "keyinit verify", enabled=None if progress else False)
+    bar = Progress(len(layouts), "keyinit verify", enabled=None if progress else False,
+                   log=lambda line: print(line, file=sys.stderr))
     for layout in layouts:
         start = time.perf_counter()
         max_local = 0
+        stage_elements: list[int] = []
         mesh_ranks = math.prod(layout.mesh_shape) if layout.mesh_shape else 1
         for stage in range(layout.pp):
             stage_plan, stage_tensors = plan, entries
@@ -175,6 +169,7 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
                 if stage_note:
                     notes.append(stage_note)
             local_numel = 0
+            stage_elements.append(sum(math.prod(t.global_shape) for t in stage_tensors))
             for tensor in stage_tensors:
                 ref_fqn = ref_aliases.get(tensor.fqn, tensor.fqn)
                 if ref_fqn not in reference:
@@ -189,7 +184,8 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
         missing = [fqn for fqn in cells if not held[fqn].get(layout.name)]
         summaries.append({"layout": layout.name, "description": layout.describe(), "ranks": layout.world_size,
                           "identical": good, "total": len(cells), "missing": missing,
-                          "max_local_elements": max_local, "seconds": seconds})
+                          "max_local_elements": max_local, "seconds": seconds, "stage_elements": stage_elements,
+                          "unbalanced": _unbalanced(stage_elements)})
         bar.update(note=layout.name)
     bar.close()
     params = []
@@ -206,6 +202,22 @@ def verify(factory: Any, layouts: "list[LayoutSpec | str]", seed: int = 0, *, in
     total_numel = sum(math.prod(e.global_shape) for e in entries)
     return {"params": params, "layouts": summaries, "ok": ok, "layouts_ok": layouts_ok, "fidelity": faithful,
             "numel": total_numel, "seed": seed, "notes": notes, "build": build}
+
+
+#: A pipeline layout whose largest stage holds more than this share of the elements tested little of the cut.
+UNBALANCED_SHARE = 0.9
+
+
+def _unbalanced(stage_elements: list[int]) -> "str | None":
+    """Why a pipeline cut is one stage holding nearly every element (``None`` if it is not, or not a cut)."""
+    total = sum(stage_elements)
+    if len(stage_elements) < 2 or not total:
+        return None
+    stage = max(range(len(stage_elements)), key=stage_elements.__getitem__)
+    share = stage_elements[stage] / total
+    if share <= UNBALANCED_SHARE:
+        return None
+    return f"stage {stage} holds {stage_elements[stage]:,} of {total:,} elements ({share:.0%})"
 
 
 def _stage_plan(factory: Any, spec: str, layout: LayoutSpec, stage: int, seed: int, init_method: Any,
@@ -229,10 +241,10 @@ def _stage_plan(factory: Any, spec: str, layout: LayoutSpec, stage: int, seed: i
     kept = cut_stage(model, found, assignment, stage)
     ties = dict(kwargs.get("ties") or {})
     names = {s.fqn for s in kept}
-    for slot in kept:
-        first = ref_aliases.get(slot.fqn)
+    for tensor in kept:
+        first = ref_aliases.get(tensor.fqn)
         if first is not None and first not in names:
-            ties.setdefault(slot.fqn, first)  # tied across stages: key it as the first name
+            ties.setdefault(tensor.fqn, first)  # tied across stages: key it as the first name
     kwargs["ties"] = ties
     kwargs["strict"] = False  # a stage holds only some of the FQNs the rules name
     try:
@@ -288,10 +300,13 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for s in result["layouts"]:
         status = "ok" if s["identical"] == s["total"] else "MISMATCH"
-        rows.append([s["description"], f"{s['identical']}/{s['total']}", f"{s['max_local_elements']:,}",
+        if s["unbalanced"]:
+            status += " (UNBALANCED: " + s["unbalanced"] + ")"
+        stages = " / ".join(f"{n:,}" for n in s["stage_elements"]) if len(s["stage_elements"]) > 1 else "-"
+        rows.append([s["description"], f"{s['identical']}/{s['total']}", f"{s['max_local_elements']:,}", stages,
                      f"{s['seconds']:.2f}s", status])
-    print(format_table(["layout", "tensors bit-identical", "max elements on a rank", "time", ""], rows,
-                       align="lrrrl"))
+    print(format_table(["layout", "tensors bit-identical", "max elements on a rank", "elements per stage", "time",
+                        ""], rows, align="lrrrrl"))
     faithful = result["fidelity"]
     if faithful is not None:
         _print_fidelity(faithful, summary=args.summary)
@@ -308,7 +323,14 @@ def _print_fidelity(faithful: Any, *, summary: bool = False) -> None:
         print(f"  not checked: {faithful.skipped}")
         return
     counts = faithful.counts()
-    print("  " + ", ".join(f"{n} {check}" for check, n in counts.items()))
+    compared = {check: n for check, n in counts.items() if check != "not compared"}
+    verdicts = {status: len(faithful.with_status(status)) for status in ("ok", "explained", "DIFFERS")}
+    print(f"  {sum(compared.values())} tensors compared ("
+          + ", ".join(f"{n} {'exactly' if check == 'exact' else 'by ' + check}" for check, n in compared.items())
+          + "): "
+          f"{verdicts['ok']} follow it, {verdicts['explained']} explained by the rules/init_method given, "
+          f"{verdicts['DIFFERS']} differ" + (f"; {counts['not compared']} not compared" if "not compared" in counts
+                                             else ""))
     listed = [t for t in faithful.tensors if t.status in (("DIFFERS",) if summary else ("DIFFERS", "explained"))]
     if listed:
         rows = [[t.fqn, "x".join(map(str, t.shape)) or "scalar", t.check,
@@ -323,6 +345,10 @@ def _print_fidelity(faithful: Any, *, summary: bool = False) -> None:
 
 def _verdict(result: dict[str, Any], faithful: Any) -> int:
     layouts_ok = result["layouts_ok"]
+    unbalanced = [f"{s['layout']} ({s['unbalanced']})" for s in result["layouts"] if s.get("unbalanced")]
+    if unbalanced:
+        print(f"\nUNBALANCED: a pipeline cut left nearly every element on one stage, so it tested little of the "
+              f"cut: {'; '.join(unbalanced)}.")
     if not layouts_ok:
         print("\nMISMATCH: some simulated ranks differ from the single-process values (see DIFF above).")
     if faithful is not None and not faithful.ok:
@@ -330,6 +356,7 @@ def _verdict(result: dict[str, Any], faithful: Any) -> int:
         print(f"\nFIDELITY: {n} {'tensors do' if n != 1 else 'tensor does'} not follow the model's own eager init and no "
               f"rule or init_method given explains it (see DIFFERS above).")
     if not result["ok"]:
+        print("\n" + _summary(result, faithful))
         return 1
     if faithful is None:
         print("\nOK: bit-identical under every layout (not compared with the model's own eager init: --no-fidelity).")
@@ -342,3 +369,25 @@ def _verdict(result: dict[str, Any], faithful: Any) -> int:
                 f"the rules/init_method given" if explained else "")
         print(f"\nOK: bit-identical under every layout, and every tensor follows the model's own eager init{tail}.")
     return 0
+
+
+def _summary(result: dict[str, Any], faithful: Any) -> str:
+    """One line: what failed, then what passed (and what was not checked)."""
+    n = len(result["layouts"])
+    layouts = (f"bit-identical under every layout ({n})" if result["layouts_ok"] else
+               f"bit-identical under {sum(1 for s in result['layouts'] if s['identical'] == s['total'])} of {n} "
+               f"layouts")
+    failed, passed = [], []
+    (passed if result["layouts_ok"] else failed).append(layouts)
+    if faithful is None:
+        passed.append("fidelity not checked (--no-fidelity)")
+    elif faithful.skipped:
+        passed.append("fidelity not checked")
+    else:
+        differ = len(faithful.with_status("DIFFERS"))
+        follow = len(faithful.tensors) - differ - len(faithful.with_status("not compared"))
+        if differ:
+            failed.append(f"fidelity: {differ} tensor{'s' if differ != 1 else ''} differ from the model's own eager "
+                          f"init")
+        passed.append(f"fidelity: {follow} tensor{'s' if follow != 1 else ''} follow it")
+    return f"FAILED: {'; '.join(failed)}. Passed: {'; '.join(passed)}."

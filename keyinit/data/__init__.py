@@ -10,8 +10,11 @@
 See ``docs/data.md`` and ``docs/spec.md`` section 16.
 """
 
-from keyinit.data._augment import SampleRef, keyed_samples, sample_key
+from keyinit.data._augment import KeyedBatch, SampleRef, keyed_samples, sample_key
+from keyinit.data._collate import KeyedCollate, collate_key, keyed_collate
+from keyinit.data._index import SampleIndex, sample_index
 from keyinit.data._permutation import inverse_permutation, permutation
 from keyinit.data._sampler import KeyedSampler
 
-__all__ = ["permutation", "inverse_permutation", "KeyedSampler", "keyed_samples", "sample_key", "SampleRef"]
+__all__ = ["permutation", "inverse_permutation", "KeyedSampler", "keyed_samples", "sample_key", "SampleRef",
+           "SampleIndex", "sample_index", "KeyedBatch", "keyed_collate", "collate_key", "KeyedCollate"]

@@ -1,7 +1,7 @@
 """``permutation`` and ``inverse_permutation``: a keyed bijection of ``range(n)`` with random access.
 
-Values are those of :mod:`keyinit.data._feistel` (``docs/spec.md`` section 16);
-:func:`keyinit._dispatch.permute` runs them: CPU tensors through the compiled
+Values are those of :mod:`keyinit._draw.reference_permutation` (``docs/spec.md`` section 16);
+:func:`keyinit._draw.dispatch.permute` runs them: CPU tensors through the compiled
 kernel, CUDA tensors through the Triton kernel when triton is installed,
 anything else through the reference. All three give the same bits.
 """
@@ -13,9 +13,9 @@ from typing import Optional, Union
 
 import torch
 
-from keyinit import _dispatch
-from keyinit.data import _feistel
-from keyinit.keys import Key, _require_key
+from keyinit._draw import dispatch
+from keyinit._draw import reference_permutation
+from keyinit.keys import Key, require_key
 
 __all__ = ["permutation", "inverse_permutation", "Positions"]
 
@@ -30,7 +30,7 @@ def _check_n(n: object) -> int:
         n = operator.index(n)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"n must be an int in [0, 2**62], got {type(n).__name__} {n!r}") from None
-    if not 0 <= n <= _feistel.MAX_N:
+    if not 0 <= n <= reference_permutation.MAX_N:
         raise ValueError(f"n must be an int in [0, 2**62], got {n}")
     return n
 
@@ -47,7 +47,7 @@ def _as_range(positions: Union[range, slice, None], n: int, what: str) -> range:
 
 
 def _run(key: Key, n: int, positions: Positions, device: DeviceLike, inverse: bool, what: str) -> torch.Tensor:
-    key = _require_key(key)
+    key = require_key(key)
     n = _check_n(n)
     if isinstance(positions, (range, slice)) or positions is None:
         r = _as_range(positions, n, what)
@@ -78,7 +78,7 @@ def _run(key: Key, n: int, positions: Positions, device: DeviceLike, inverse: bo
         return out
     if n == 1:
         return out.zero_()
-    return _dispatch.permute(key, n, inverse, out, positions=indexed, start=start, step=step)
+    return dispatch.permute(key, n, inverse, out, positions=indexed, start=start, step=step)
 
 
 def permutation(key: Key, n: int, positions: Positions = None, *, device: DeviceLike = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Sampler
 
 from keyinit.data._augment import SampleRef
+from keyinit.data._index import epoch_class
 from keyinit.data._permutation import permutation
 from keyinit.keys import Key, fold_in, key
 
@@ -61,25 +62,40 @@ def sample_indices(root: Key, n: int, positions: torch.Tensor, shuffle: bool = T
     return out, epochs
 
 
+def _items(index_list: list[int], epochs: torch.Tensor, yield_epoch: Optional[bool]) -> list[Any]:
+    """The yielded items of ``index_list``: :class:`SampleIndex` ints (``yield_epoch`` None),
+    ``SampleRef`` pairs (True) or plain ints (False)."""
+    first, last = int(epochs[0]), int(epochs[-1])
+    if yield_epoch:
+        return list(map(SampleRef, index_list, epochs.tolist()))
+    if yield_epoch is False:
+        return index_list
+    if first == last:  # one epoch: ints of that epoch's class, built in C
+        return list(map(epoch_class(first), index_list))
+    return [epoch_class(e)(i) for i, e in zip(index_list, epochs.tolist())]
+
+
 class KeyedSampler(Sampler[int]):
     """A ``torch.utils.data.Sampler`` for one rank of a keyed global batch stream.
 
     ``n`` samples, ``seed`` (an int or a :class:`~keyinit.Key`), ``global_batch_size`` ``B``
     (divisible by ``world_size``). Iterating yields this rank's ``B / world_size`` sample
-    indices of each step from the current step (``start_step`` at first) for ``num_steps``
-    steps (default ``ceil(n / B)``, about one epoch), and advances the current step as it
+    indices (:class:`~keyinit.data.SampleIndex`: ints that carry their epoch) of each step
+    from the current step (``start_step`` at first) for ``num_steps`` steps (default ``ceil(n / B)``, about one epoch), and advances the current step as it
     goes, so the next iteration continues where this one stopped. A state saved in the
     middle of an iteration (torchdata's ``StatefulDataLoader``) restores it: the next
-    iteration finishes it. With
-    ``yield_epoch=True`` it yields :class:`SampleRef` ``(index, epoch)`` pairs for
-    :func:`keyinit.data.keyed_samples`. ``shuffle=False`` gives the order ``p % n``.
+    iteration finishes it. The indices are plain ints to a plain dataset and tell
+    :func:`keyinit.data.keyed_samples` and :func:`keyinit.data.keyed_collate` their epoch;
+    ``yield_epoch=True`` (kept for compatibility) yields :class:`SampleRef` ``(index, epoch)``
+    pairs instead, and ``yield_epoch=False`` plain ints (for plain datasets only; cheaper to make,
+    see docs/benchmarks.md). ``shuffle=False`` gives the order ``p % n``.
 
     ``rank``/``world_size`` default to torch.distributed's when it is initialized, else 0 and 1.
     """
 
     def __init__(self, n: int, seed: Union[int, Key], *, global_batch_size: int, rank: Optional[int] = None,
                  world_size: Optional[int] = None, start_step: int = 0, shuffle: bool = True,
-                 num_steps: Optional[int] = None, yield_epoch: bool = False) -> None:
+                 num_steps: Optional[int] = None, yield_epoch: Optional[bool] = None) -> None:
         self.n = _int(n, "n", 1)
         if self.n > 1 << 62:
             raise ValueError(f"n must be at most 2**62, got {self.n}")
@@ -105,7 +121,7 @@ class KeyedSampler(Sampler[int]):
         self.shuffle = bool(shuffle)
         self.num_steps = math.ceil(self.n / self.global_batch_size) if num_steps is None \
             else _int(num_steps, "num_steps", 0)
-        self.yield_epoch = bool(yield_epoch)
+        self.yield_epoch = None if yield_epoch is None else bool(yield_epoch)
 
     # ------------------------------------------------------------------ positions
     def _check_steps(self, first_step: int, steps: int) -> None:
@@ -151,19 +167,12 @@ class KeyedSampler(Sampler[int]):
             steps = min(per_chunk, stop - self.step)
             indices, epochs = sample_indices(self.root, self.n, self._positions(self.step, steps), self.shuffle)
             index_list = indices.tolist()
-            epoch_list = epochs.tolist() if self.yield_epoch else None
+            items = _items(index_list, epochs, self.yield_epoch)
             local = self.local_batch_size
             for s in range(steps):
-                row = slice(s * local, (s + 1) * local - 1)
-                last = (s + 1) * local - 1
-                if epoch_list is None:
-                    yield from index_list[row]
-                    self.step += 1  # the step is done once its last sample is handed out
-                    yield index_list[last]
-                else:
-                    yield from map(SampleRef, index_list[row], epoch_list[row])
-                    self.step += 1
-                    yield SampleRef(index_list[last], epoch_list[last])
+                yield from items[s * local:(s + 1) * local - 1]
+                self.step += 1  # the step is done once its last sample is handed out
+                yield items[(s + 1) * local - 1]
 
     def set_epoch(self, epoch: int) -> None:
         """``DistributedSampler.set_epoch`` compatibility: the next iteration is pass ``epoch``.
@@ -189,12 +198,9 @@ class KeyedSampler(Sampler[int]):
         while self.step < stop:
             steps = min(per_chunk, stop - self.step)
             indices, epochs = sample_indices(self.root, self.n, self._positions(self.step, steps), self.shuffle)
-            index_list = indices.tolist()
-            epoch_list = epochs.tolist() if self.yield_epoch else None
+            items = _items(indices.tolist(), epochs, self.yield_epoch)
             for s in range(steps):
-                row = slice(s * local, (s + 1) * local)
-                batch = index_list[row] if epoch_list is None else \
-                    list(map(SampleRef, index_list[row], epoch_list[row]))
+                batch = items[s * local:(s + 1) * local]
                 self.step += 1
                 yield batch
 
@@ -227,9 +233,8 @@ class KeyedSampler(Sampler[int]):
         differ = [f"{k}: saved {theirs.get(k)!r}, this sampler {v!r}" for k, v in mine.items() if theirs.get(k) != v]
         if differ:
             raise ValueError("KeyedSampler state_dict does not match this sampler (" + "; ".join(differ) + ")")
-        self.step = _int(state["step"], "state_dict step", 0)
-        stop = state.get("stop")
-        self._stop = None if stop is None else _int(stop, "state_dict stop", self.step)
+        step, stop = _int(state["step"], "state_dict step", 0), state.get("stop")
+        self._stop, self.step = None if stop is None else _int(stop, "state_dict stop", step), step
 
 
 class _Batches(Sampler[list[Any]]):

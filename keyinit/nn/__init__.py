@@ -15,9 +15,9 @@ See ``docs/dropout.md``.
 """
 
 from keyinit.nn import functional
-from keyinit.nn._batch import batch_dim
-from keyinit.nn._keyed import Keyed, keyed
+from keyinit.nn._keyed import Keyed, batch_dim, keyed
+from keyinit.nn._pipeline import micro_batches
 from keyinit.nn._keys import DROPOUT_DOMAIN, dropout_key
 from keyinit.nn.modules import Dropout
 
-__all__ = ["functional", "Dropout", "keyed", "Keyed", "batch_dim", "dropout_key", "DROPOUT_DOMAIN"]
+__all__ = ["functional", "Dropout", "keyed", "Keyed", "batch_dim", "micro_batches", "dropout_key", "DROPOUT_DOMAIN"]

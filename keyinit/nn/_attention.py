@@ -31,7 +31,7 @@ Drop = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
-    from keyinit.layouts import _dtensor_class
+    from keyinit.layouts import dtensor_class as _dtensor_class
 
     cls = _dtensor_class()
     return cls is not None and isinstance(tensor, cls)

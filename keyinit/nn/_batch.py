@@ -33,12 +33,13 @@ it holds an unknown batch (``B * H`` does not say whether ``B`` is outer).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 import attrs
 import torch
 
-__all__ = ["Batch", "Unknown", "Foreign", "FOREIGN", "BatchSize", "DerivedSize", "batch_dim", "record", "annotate", "canonical"]
+__all__ = ["Batch", "Unknown", "Foreign", "FOREIGN", "BatchSize", "DerivedSize", "declare", "declared", "record", "annotate", "canonical"]
 
 
 @attrs.frozen
@@ -51,7 +52,7 @@ class Batch:
     inner: int = 1
 
     def moved(self, dim: Optional[int]) -> "Batch":
-        return attrs.evolve(self, dim=dim)
+        return self if dim == self.dim else Batch(dim, self.count, self.start, self.inner)
 
 
 @attrs.frozen
@@ -75,7 +76,6 @@ class Foreign:
 
 FOREIGN = Foreign()
 Record = Union[Batch, Unknown, Foreign, None]  # None: replicated (no batch)
-_MISSING = object()
 _DECLARED = "_keyinit_batch_dim"
 
 
@@ -83,11 +83,19 @@ class BatchSize(int):
     """The size of a batch dimension (an ``int``), as ``x.shape`` gives it inside a keyed forward."""
 
     batch: Batch
+    escaped: Optional[set]
 
-    def __new__(cls, value: int, batch: Batch) -> "BatchSize":
+    def __new__(cls, value: int, batch: Batch, escaped: Optional[set] = None) -> "BatchSize":
         self = super().__new__(cls, value)
         self.batch = batch
+        self.escaped = escaped  # the forward's sizes that lost their tag (int(), len()): see keyinit.nn._modes
         return self
+
+    def __int__(self) -> int:
+        value = int.__int__(self)
+        if self.escaped is not None:  # int(x.shape[0]) drops the tag: a factory sized by it is refused
+            self.escaped.add(value)
+        return value
 
     def __repr__(self) -> str:
         return int.__repr__(self)
@@ -110,32 +118,13 @@ class DerivedSize(BatchSize):
     def __new__(cls, value: int) -> "DerivedSize":  # type: ignore[override]
         self = int.__new__(cls, value)
         self.batch = None  # type: ignore[assignment]
+        self.escaped = None
         return self
 
 
-def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
-    """Declare where ``tensor``'s batch is for :func:`keyinit.nn.keyed`; returns ``tensor``.
-
-    Before the forward (a model input): ``dim`` is the dimension that indexes the
-    samples (``0`` is the default for every input whose dimension 0 has the batch's
-    size), or ``None`` for an input that holds no batch (replicated: the same for
-    every sample, e.g. a position table). Inside a keyed forward: the tensor's
-    dimension ``dim`` holds the samples of the running forward, in order.
-    """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"batch_dim: tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if dim is not None:
-        if isinstance(dim, bool) or not isinstance(dim, int) or not -tensor.dim() <= dim < tensor.dim():
-            raise ValueError(f"batch_dim: dim must be None or a dimension of the {tensor.dim()}-D tensor, got {dim!r}")
-        dim %= tensor.dim()
+def declare(tensor: torch.Tensor, dim: Optional[int]) -> None:
+    """Mark ``tensor`` as holding its samples in dimension ``dim`` (None: replicated)."""
     setattr(tensor, _DECLARED, ("declared", dim))
-    from keyinit.nn._keyed import current_forward
-
-    forward = current_forward()
-    if forward is not None:
-        record = None if dim is None else Batch(dim, int(tensor.shape[dim]), forward.start)
-        annotate(tensor, forward, record)
-    return tensor
 
 
 def declared(tensor: torch.Tensor) -> Any:
@@ -145,9 +134,9 @@ def declared(tensor: torch.Tensor) -> Any:
 
 def record(tensor: Any, forward: Any) -> Record:
     """The batch record of ``tensor`` in ``forward`` (None: replicated)."""
-    found = forward.records.get(tensor, _MISSING)
-    if found is not _MISSING:
-        return found
+    entry = forward.records.get(id(tensor))
+    if entry is not None and entry[0]() is tensor:
+        return entry[1]
     mark = getattr(tensor, _DECLARED, None)
     if mark is not None:  # declared with batch_dim before the forward: its rows are the forward's
         dim = mark[1]
@@ -182,13 +171,13 @@ def _dtensor_record(tensor: Any, local: Record) -> Record:
 
 def annotate(tensor: Any, forward: Any, value: Record) -> None:
     if isinstance(tensor, torch.Tensor):
-        forward.records[tensor] = value
+        forward.records[id(tensor)] = (weakref.ref(tensor), value)
 
 
 # ----------------------------------------------------------------------------- rules
 
 
-def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what: str) -> Record:
+def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what: Any) -> Record:
     """The record of a broadcast result of ``ndim`` dims from ``(record, input ndim, size at its batch dim)``."""
     found: Record = None
     foreign = False
@@ -220,7 +209,7 @@ def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what:
     return found
 
 
-def reshape(rec: Batch, old: Sequence[int], new: Sequence[int], what: str) -> Record:
+def reshape(rec: Batch, old: Sequence[int], new: Sequence[int], what: Any) -> Record:
     """The record after a row-major reshape from ``old`` to ``new``."""
     if rec.dim is None:
         return rec
@@ -239,7 +228,7 @@ def reshape(rec: Batch, old: Sequence[int], new: Sequence[int], what: str) -> Re
     return Unknown(f"{what} splits the batch dimension across dimensions ({tuple(old)} -> {tuple(new)})")
 
 
-def sliced(rec: Batch, dim: int, size: int, start: int, end: int, step: int, what: str) -> Record:
+def sliced(rec: Batch, dim: int, size: int, start: int, end: int, step: int, what: Any) -> Record:
     if rec.dim != dim:
         return rec
     outer = size // (rec.count * rec.inner)

@@ -27,7 +27,7 @@ from keyinit.nn._batch import FOREIGN, Batch, Foreign, Record, Unknown, merge, r
 from keyinit.nn._batch_rules_nn import NN_RULES
 from keyinit.nn._batch_rules_nn import arg as _arg
 
-__all__ = ["propagate"]
+__all__ = ["propagate", "restride_keeps_elements"]
 
 
 def _dims(dims: Any, ndim: int) -> list[int]:
@@ -46,7 +46,7 @@ def _pointwise(func: Any, args: tuple, kwargs: dict, outs: list, records: list) 
     """Every output broadcast from every tensor input."""
     inputs = [(rec, t.dim(), (int(t.shape[rec.dim]) if isinstance(rec, Batch) and rec.dim is not None else None))
               for t, rec in records]
-    return [merge(inputs, o.dim(), str(func)) if isinstance(o, torch.Tensor) else None for o in outs]
+    return [merge(inputs, o.dim(), func) if isinstance(o, torch.Tensor) else None for o in outs]
 
 
 def _first(records: list) -> tuple[torch.Tensor, Record]:
@@ -72,9 +72,9 @@ def _removed(rec: Record, removed: Sequence[int], keepdim: bool) -> Record:
 
 def _rule_view(func, args, kwargs, outs, records):
     t, rec = records[0]
-    if isinstance(rec, Unknown) or rec is None:
+    if not isinstance(rec, Batch):
         return [rec]
-    return [reshape(rec, tuple(t.shape), tuple(outs[0].shape), str(func))]
+    return [reshape(rec, tuple(t.shape), tuple(outs[0].shape), func)]
 
 
 def _rule_transpose(func, args, kwargs, outs, records):
@@ -144,7 +144,7 @@ def _rule_slice(func, args, kwargs, outs, records):
     end = size if end is None else int(end)
     start = start + size if start < 0 else start
     end = end + size if end < 0 else end
-    return [sliced(rec, dim, size, start, end, step, str(func))]
+    return [sliced(rec, dim, size, start, end, step, func)]
 
 
 def _rule_split(func, args, kwargs, outs, records):
@@ -163,7 +163,7 @@ def _rule_split(func, args, kwargs, outs, records):
     result, offset, size = [], 0, int(t.shape[dim])
     for piece in pieces:
         n = int(piece.shape[dim])
-        result.append(sliced(rec, dim, size, offset, offset + n, 1, str(func)))
+        result.append(sliced(rec, dim, size, offset, offset + n, 1, func))
         offset += n
     return result
 
@@ -183,9 +183,9 @@ def _rule_cat(func, args, kwargs, outs, records):
     batches = [r for _, r in live if isinstance(r, Batch)]
     if not batches:
         return [None]
-    if all(r is None or (isinstance(r, Batch) and r.dim != dim) for _, r in live):
-        # joined along another dimension: index i of the batch dimension is the same sample in every piece
-        # (a replicated piece, e.g. an expanded class token, is the same for every sample)
+    if all(r.dim is not None and r.dim != dim for r in batches):
+        # joined along another dimension: position b of the batch dimension is sample b in every piece
+        # (a replicated piece, such as an expanded class token, holds the same values for each sample)
         first = batches[0]
         if all(r == first for r in batches):
             return [first]
@@ -218,7 +218,7 @@ def _rule_gather(func, args, kwargs, outs, records):
     if isinstance(rec, Batch) and rec.dim == dim:
         return [Unknown(f"{func} gathers along the batch dimension")]
     return [merge([(rec, t.dim(), None if not isinstance(rec, Batch) or rec.dim is None else int(t.shape[rec.dim])),
-                   (irec, index.dim(), None)], outs[0].dim(), str(func))]
+                   (irec, index.dim(), None)], outs[0].dim(), func)]
 
 
 def _rule_embedding(func, args, kwargs, outs, records):
@@ -251,7 +251,7 @@ def _rule_mm(func, args, kwargs, outs, records):
         rbias = rec.get(id(bias))
         cands.append((rbias, bias.dim(), None if not isinstance(rbias, Batch) or rbias.dim is None
                       else int(bias.shape[rbias.dim])))
-    return [merge(cands, nd, str(func))]
+    return [merge(cands, nd, func)]
 
 
 def _rule_reduce(func, args, kwargs, outs, records):
@@ -332,6 +332,23 @@ def _rule_collective_dim0(func, args, kwargs, outs, records):
     return [rec]
 
 
+def restride_keeps_elements(t: torch.Tensor, args: tuple) -> bool:
+    """True when ``as_strided(t, size, stride[, offset])`` views the same elements at the same positions."""
+    size, stride = list(args[1]), list(args[2])
+    offset = args[3] if len(args) > 3 and args[3] is not None else t.storage_offset()
+    return (list(t.shape) == size and offset == t.storage_offset()
+            and all(n == 1 or a == b for n, a, b in zip(size, t.stride(), stride)))
+
+
+def _rule_restride(func, args, kwargs, outs, records):
+    """``as_strided``/``as_strided_`` that keeps the size, the storage offset and the stride of every
+    dimension of size > 1 (a memory-format fix-up, as adaptive pooling does): the same elements."""
+    t, rec = records[0]
+    if restride_keeps_elements(t, args) or not isinstance(rec, Batch):
+        return [rec]
+    return NN_RULES["aten::as_strided"](func, args, kwargs, outs, records)  # a new view of contiguous memory
+
+
 _SAME = {
     "_c10d_functional::all_reduce", "_c10d_functional::wait_tensor", "_c10d_functional::broadcast",
     "_c10d_functional::all_reduce_", "_c10d_functional::broadcast_", "_c10d_functional::_wrap_tensor_autograd",
@@ -373,7 +390,7 @@ _RULES: dict[str, Callable] = {
     "aten::argsort": _rule_along, "aten::cummax": _rule_along,
     "aten::cummin": _rule_along, "aten::logcumsumexp": _rule_along,
     "aten::constant_pad_nd": _rule_pad, "aten::flip": _rule_flip, "aten::roll": _rule_flip,
-    "aten::repeat": _rule_repeat,
+    "aten::repeat": _rule_repeat, "aten::as_strided": _rule_restride,
     "_c10d_functional::all_gather_into_tensor": _rule_collective_dim0,
     "_c10d_functional::reduce_scatter_tensor": _rule_collective_dim0,
     "aten::_safe_softmax": _rule_along, "aten::median": _rule_reduce, "aten::nanmedian": _rule_reduce,
@@ -381,6 +398,7 @@ _RULES: dict[str, Callable] = {
     "aten::kthvalue": _rule_reduce, "aten::view_as_real": _rule_complex_view,
     "aten::view_as_complex": _rule_complex_view,
     **NN_RULES,
+    "aten::as_strided": _rule_restride,
 }
 
 

@@ -1,7 +1,7 @@
 """Keyed values of a random ATen op run inside a keyed forward: per sample, or replicated.
 
 The op's distribution and transform are those of captured init code
-(:func:`keyinit._random_ops.keyed_effects`, ``docs/spec.md`` section 15); only
+(:func:`keyinit._engine.random_ops.keyed_effects`, ``docs/spec.md`` section 15); only
 the stream positions differ (``docs/spec.md`` section 14.6):
 
 - **replicated** (the output holds no batch): the output's row-major index, as
@@ -85,12 +85,19 @@ def keyed_draw(func: Any, args: tuple, kwargs: dict, key: Key, batch: Optional[B
     """``func(*args, **kwargs)`` (a random ATen op) with keyinit's values for ``key``; ``batch`` is the
     output's batch (None: replicated). In-place ops write their argument and return it."""
     from keyinit._engine.program import Literal, Node, Random
-    from keyinit._random_ops import bind_arguments, keyed_effects
+    from keyinit._engine.random_ops import bind_arguments, keyed_effects
 
     meta_out = func(*[_meta(a) for a in args], **{k: (torch.device("meta") if k == "device" else _meta(v))
                                                     for k, v in kwargs.items()})
     outputs = [t for t in tree_flatten(meta_out)[0] if isinstance(t, torch.Tensor)]
     shape = tuple(outputs[0].shape) if outputs else ()
+    if batch is not None and func._schema.name == "aten::randperm":
+        raise UnkeyedRandomnessError(
+            f"{site}: randperm({shape[0] if shape else 0}) sized by the batch is one joint draw over the whole "
+            "local batch (a pairing or shuffle of its rows), so its values would depend on how the batch is split; "
+            "keyinit keys only draws made per sample or replicated ones (draw per-sample keys, e.g. "
+            "torch.rand(x.shape[0]), and argsort them, or shuffle outside the keyed forward)"
+        )
     if batch is not None:
         split, order, sample_shape = canonical(shape, batch)
         local = (batch.count,) + sample_shape

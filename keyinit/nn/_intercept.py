@@ -1,6 +1,6 @@
 """What ``keyinit.nn.keyed`` does at a dropout or attention call: frames, keyed masks, each activation's batch.
 
-- :class:`_Frame`: one execution of one module's forward (its FQN, its call counter
+- :class:`Frame`: one execution of one module's forward (its FQN, its call counter
   and the root forward it belongs to);
 - the dropout family (``F.dropout``, ``torch.dropout``, the channel-wise and alpha
   forms) answered with keyed masks over the activation's tracked batch
@@ -35,15 +35,15 @@ class Keyed(Protocol):
     _local: threading.local
     _sequence_first: frozenset[int]  # ids of modules whose activations are (sequence, batch, ...)
 
-    def _current_frame(self) -> Optional["_Frame"]: ...
+    def _current_frame(self) -> Optional["Frame"]: ...
 
     def _thread_state(self) -> Any: ...
 
 
-__all__ = ["_Frame", "activation_batch"]
+__all__ = ["Frame", "activation_batch"]
 
 
-class _Frame:
+class Frame:
     __slots__ = ("module", "fqn", "calls", "pushed", "foreign", "forward")
 
     def __init__(self, module: torch.nn.Module, fqn: str, foreign: bool, forward: Any) -> None:
@@ -52,7 +52,7 @@ class _Frame:
         self.calls = 0
         self.pushed: list[Any] = []  # the modes this forward entered (exited by its post-hook)
         self.foreign = foreign  # a forward in a thread other than the one that entered the context
-        self.forward = forward  # the root forward (keyinit.nn._keyed._Forward) this execution belongs to
+        self.forward = forward  # the root forward (keyinit.nn._keyed.Forward) this execution belongs to
 
     def key(self, ctx: "Keyed") -> Any:
         """The key of this frame's next random call (its ordinal counted)."""
@@ -61,11 +61,13 @@ class _Frame:
         return self.forward.call_key(ctx, self.fqn, ordinal)
 
     def describe(self) -> str:
+        if getattr(self.module, "_keyinit_block", False):
+            return f"keyed block '{self.fqn}'"
         name = f"module '{self.fqn}'" if self.fqn else "the root module"
         return f"{name} ({type(self.module).__name__})"
 
 
-def _refuse_foreign(ctx: "Keyed", frame: _Frame, what: str) -> None:
+def refuse_foreign(ctx: "Keyed", frame: Frame, what: str) -> None:
     raise UnkeyedRandomnessError(
         f"{frame.describe()}: {what} in thread {threading.current_thread().name!r}, while {ctx!r} was entered in "
         "another thread. A keyed context keys the forwards of the thread that entered it; in any other thread "
@@ -78,7 +80,7 @@ def _refuse_foreign(ctx: "Keyed", frame: _Frame, what: str) -> None:
 # ----------------------------------------------------------------------------- the dropout family
 
 
-def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+def argument(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
     if len(args) > index:
         return args[index]
     return kwargs.get(name, default)
@@ -96,7 +98,7 @@ def _feature_input(kind: str, input: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return input, False
 
 
-def _dropout_family() -> dict[Callable, tuple[str, str, bool]]:
+def dropout_family() -> dict[Callable, tuple[str, str, bool]]:
     """``{function: (kind, mask, inplace)}``; ``mask`` is ``element``, ``feature`` or their alpha forms."""
     F = torch.nn.functional
     table: dict[Callable, tuple[str, str, bool]] = {
@@ -123,17 +125,17 @@ _ALPHA = 1.7580993408473766  # SELU's -alpha * scale, as in torch's alpha_dropou
 def _element_dropout(input: torch.Tensor, p: float, key, rec: Optional[Batch]) -> torch.Tensor:
     """Element-wise keyed dropout of ``input`` whose batch is ``rec`` (None: replicated)."""
     from keyinit.nn import functional as KF
-    from keyinit.nn._geometry import Layout
+    from keyinit._draw.dropout_geometry import Layout
     from keyinit.regions import row_major_strides
 
     if rec is None:
         return KF.dropout(input, p, rng_key=key)
     if rec.dim == 0 and rec.inner == 1 and (input.dim() == 0 or int(input.shape[0]) == rec.count):
-        return KF._dropout_rows(input, p, key, rec.start)  # stream v1's rows (docs/spec.md 14.4)
-    if KF._is_dtensor(input):
+        return KF.dropout_rows(input, p, key, rec.start)  # stream v1's rows (docs/spec.md 14.4)
+    if KF.is_dtensor(input):
         raise TypeError(f"keyinit.nn.keyed: dropout of a DTensor whose batch is {rec} (not its dimension 0) is not "
                         "supported; keep the batch in dimension 0 of DTensor activations")
-    KF._check_input(input)
+    KF.check_input(input)
     split, order, sample_shape = canonical(tuple(input.shape), rec)
     strides = row_major_strides((rec.start + rec.count,) + sample_shape)
     # the split dims (before..., outer, count, inner, after...) in the canonical (sample, before..., outer,
@@ -141,25 +143,25 @@ def _element_dropout(input: torch.Tensor, p: float, key, rec: Optional[Batch]) -
     gstrides = tuple(strides[order.index(i)] for i in range(len(split)))
     starts = tuple(rec.start if order.index(i) == 0 else 0 for i in range(len(split)))
     layout = Layout(gstrides, starts, (None,) * len(split))
-    out = KF._run(input.reshape(split).contiguous(), p, key, layout)
+    out = KF.run_layout(input.reshape(split).contiguous(), p, key, layout)
     return out.reshape(input.shape)
 
 
 def _keyed_masked(ctx: "Keyed", kind: str, mask: str, input: torch.Tensor, p: float, key,
                   rec: Optional[Batch]) -> torch.Tensor:
     from keyinit.nn import functional as KF
-    from keyinit.nn._geometry import constants
-    from keyinit.nn._reference import apply_mask
+    from keyinit._draw.dropout_geometry import constants
+    from keyinit._draw.reference_dropout import apply_mask
     from keyinit.random import bernoulli
 
     if mask == "element":
         return _element_dropout(input, p, key, rec)
-    if KF._is_dtensor(input):
+    if KF.is_dtensor(input):
         raise TypeError(
             f"keyinit.nn.keyed: {kind} of a DTensor is not supported (only element-wise dropout of DTensors is); "
             "call it on the local tensor with keyinit.nn.functional.dropout and an explicit region"
         )
-    KF._check_input(input)
+    KF.check_input(input)
     x, unsqueezed = _feature_input(kind, input) if mask == "feature" else (input, False)
     if x.dim() < 1 or (mask in ("feature", "feature_alpha") and x.dim() < 2):
         raise RuntimeError(f"{kind}: feature dropout needs at least 2 dimensions (batch, channel), got {x.dim()}")
@@ -192,28 +194,28 @@ def _keyed_masked(ctx: "Keyed", kind: str, mask: str, input: torch.Tensor, p: fl
     return torch.where(keep, x * a + _ALPHA * a * p, dropped)
 
 
-def _handle_dropout(ctx: "Keyed", frame: _Frame, kind: str, mask: str, inplace_op: bool, args: tuple,
+def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op: bool, args: tuple,
                     kwargs: dict) -> torch.Tensor:
-    from keyinit.nn.functional import _check_p
+    from keyinit.nn.functional import check_p
 
     ordinal = frame.calls
     frame.calls += 1
-    input = _arg(args, kwargs, 0, "input", None)
+    input = argument(args, kwargs, 0, "input", None)
     if kind.startswith("torch."):
-        p = _arg(args, kwargs, 1, "p", None)
-        training = _arg(args, kwargs, 2, "train", None)
+        p = argument(args, kwargs, 1, "p", None)
+        training = argument(args, kwargs, 2, "train", None)
         inplace = inplace_op
     else:
-        p = _arg(args, kwargs, 1, "p", 0.5)
-        training = _arg(args, kwargs, 2, "training", _FUNCTIONAL_DEFAULT_TRAINING.get(kind, True))
-        inplace = bool(_arg(args, kwargs, 3, "inplace", False))
-    p = _check_p(p)
+        p = argument(args, kwargs, 1, "p", 0.5)
+        training = argument(args, kwargs, 2, "training", _FUNCTIONAL_DEFAULT_TRAINING.get(kind, True))
+        inplace = bool(argument(args, kwargs, 3, "inplace", False))
+    p = check_p(p)
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{kind}: input must be a torch.Tensor, got {type(input).__name__}")
     if not training or p == 0.0:
         return input
     if frame.foreign:
-        _refuse_foreign(ctx, frame, f"{kind}(p={p})")
+        refuse_foreign(ctx, frame, f"{kind}(p={p})")
     key = frame.forward.call_key(ctx, frame.fqn, ordinal)
     rec = activation_batch(ctx, frame, input, kind)
     try:
@@ -229,7 +231,7 @@ def _handle_dropout(ctx: "Keyed", frame: _Frame, kind: str, mask: str, inplace_o
     return out
 
 
-def activation_batch(ctx: "Keyed", frame: _Frame, tensor: torch.Tensor, what: str) -> Optional[Batch]:
+def activation_batch(ctx: "Keyed", frame: Frame, tensor: torch.Tensor, what: str) -> Optional[Batch]:
     """The batch of ``tensor`` (None: replicated), or an UnkeyedRandomnessError when it is unknown.
 
     With ``index="dim0"`` (stream v1's first rule, kept selectable) dimension 0 is read as the batch
@@ -261,7 +263,7 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
-def _probs_start(ctx: "Keyed", frame: _Frame, query: torch.Tensor, batch_dim: int, what: str) -> tuple[int, Optional[Batch]]:
+def _probs_start(ctx: "Keyed", frame: Frame, query: torch.Tensor, batch_dim: int, what: str) -> tuple[int, Optional[Batch]]:
     """The global sample of the attention probabilities' row 0, from the query's batch."""
     rec = activation_batch(ctx, frame, query, what)
     if rec is None:
@@ -275,7 +277,7 @@ def _probs_start(ctx: "Keyed", frame: _Frame, query: torch.Tensor, batch_dim: in
     return rec.start, rec
 
 
-def _keyed_sdpa(ctx: "Keyed", frame: _Frame, p: float, args: tuple, kwargs: dict) -> torch.Tensor:
+def keyed_sdpa(ctx: "Keyed", frame: Frame, p: float, args: tuple, kwargs: dict) -> torch.Tensor:
     """SDPA with ``dropout_p > 0``: the next call ordinal of the module, probabilities dropped by rows."""
     from keyinit.nn import functional as KF
     from keyinit.nn._attention import attend
@@ -287,13 +289,13 @@ def _keyed_sdpa(ctx: "Keyed", frame: _Frame, p: float, args: tuple, kwargs: dict
     if extra:
         raise TypeError(f"scaled_dot_product_attention: unexpected arguments {sorted(extra)}")
     if frame.foreign:
-        _refuse_foreign(ctx, frame, f"scaled_dot_product_attention(dropout_p={p})")
+        refuse_foreign(ctx, frame, f"scaled_dot_product_attention(dropout_p={p})")
     key = frame.key(ctx)
     start, rec = _probs_start(ctx, frame, bound["query"], 0, "scaled_dot_product_attention")
-    drop = KF._probs_drop(p, key, None, start)
+    drop = KF.probs_drop(p, key, None, start)
     try:
         for name in ("query", "key", "value"):
-            KF._check_input(bound[name])
+            KF.check_input(bound[name])
         out = attend(bound["query"], bound["key"], bound["value"], bound["attn_mask"], bool(bound["is_causal"]),
                      bound["scale"], bool(bound["enable_gqa"]), drop)[0]
         annotate(out, frame.forward, rec)
@@ -302,23 +304,23 @@ def _keyed_sdpa(ctx: "Keyed", frame: _Frame, p: float, args: tuple, kwargs: dict
         raise type(exc)(f"{frame.describe()}: scaled_dot_product_attention under keyinit.nn.keyed: {exc}") from exc
 
 
-def _keyed_mha(ctx: "Keyed", frame: _Frame, args: tuple, kwargs: dict) -> Any:
+def keyed_mha(ctx: "Keyed", frame: Frame, args: tuple, kwargs: dict) -> Any:
     """``F.multi_head_attention_forward`` in training with dropout: answered by keyed attention, or None."""
     from keyinit.nn import functional as KF
     from keyinit.nn._attention import mha_arguments, mha_forward
 
     bound = mha_arguments(args, kwargs)
-    p = KF._check_p(bound["dropout_p"])
+    p = KF.check_p(bound["dropout_p"])
     if not bound["training"] or p == 0.0:
         return None
     if frame.foreign:
-        _refuse_foreign(ctx, frame, f"multi-head attention with dropout {p}")
+        refuse_foreign(ctx, frame, f"multi-head attention with dropout {p}")
     key = frame.key(ctx)
     query = bound["query"]
     # F.multi_head_attention_forward takes (L, B, E): nn.MultiheadAttention(batch_first=True) transposes first
     start, rec = _probs_start(ctx, frame, query, 1 if query.dim() == 3 else -1, "multi-head attention")
     try:
-        out = mha_forward(bound, KF._probs_drop(p, key, None, start))
+        out = mha_forward(bound, KF.probs_drop(p, key, None, start))
         if isinstance(out, tuple):
             annotate(out[0], frame.forward, rec)
             if rec is not None and out[1] is not None:

@@ -1,40 +1,16 @@
-"""``keyed(model, seed, step=..., sample_offset=...)``: every dropout in ``model``'s forward, keyed.
+"""``keyed(model, seed, step=..., sample_offset=...)``: every random op in ``model``'s forward, keyed.
 
-While the context is active in a thread, and only while one of ``model``'s
-modules is running its forward in that thread:
-
-* ``F.dropout``, ``torch.dropout`` (``nn.Dropout``, ``keyinit.nn.Dropout``, HF's
-  eager attention), ``F.dropout1d/2d/3d``, ``torch.feature_dropout``,
-  ``F.alpha_dropout``, ``F.feature_alpha_dropout`` (and their in-place forms)
-  are answered with keyed masks. Call number ``n`` (0, 1, ...) made directly in
-  the forward of the module with canonical FQN ``fqn`` uses
-  ``dropout_key(seed, step=step, fqn=fqn, ordinal=n)``; calls inside a child module's forward
-  belong to the child. The element index is global: dimension 0 of the
-  activation is the batch, and local row ``r`` is global sample
-  ``sample_offset + r``. DTensor activations add the placements of their other
-  dimensions (sequence parallelism).
-* ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` and
-  ``F.multi_head_attention_forward`` in training with dropout (``nn.MultiheadAttention``,
-  the ``nn.Transformer*Layer`` family) are computed by :mod:`keyinit.nn._attention`
-  with their attention probabilities dropped as the module's next call
-  (``docs/spec.md`` section 14.5): the same mask as an ``F.dropout`` of the
-  probabilities.
-* Any other random op raises :class:`~keyinit.errors.UnkeyedRandomnessError`
-  naming the module and the op: a ``TorchDispatchMode`` checks every ATen op for
-  ``torch.Tag.nondeterministic_seeded`` (``rand_like``, ``bernoulli_``,
-  ``randperm``, ``native_dropout`` called directly, ...). Ops whose
-  ``dropout_p``/``p`` is 0 or whose ``train`` flag is False draw nothing and pass.
-
-Module boundaries come from forward pre-hooks and ``always_call`` forward hooks
-registered on every module of ``model`` for the duration of the context. The two
-modes are entered by the outermost forward and left when it returns, so code
-outside the model's forwards (the loss, the backward pass, the optimizer) runs
-without them; a forward that activation checkpointing recomputes during
-backward enters them again. The global torch RNG is never read or advanced.
+The context: module hooks that open a frame per module execution (its FQN and
+call counter), the root forwards (:class:`Forward`: the rows a forward holds,
+its repeat count, its tensors' batch records), the two modes entered by the
+outermost forward (:mod:`keyinit.nn._modes`), micro-batches, named blocks, and
+the recomputes of activation checkpointing, found again in backward (also after
+the block: its hooks stay for them until the next ``keyed()``).
 
 A forward of the model in a thread other than the one that entered the context
 gets its own frames and modes, and refuses every draw there
-(:class:`~keyinit.errors.UnkeyedRandomnessError` naming the thread). A
+(:class:`~keyinit.errors.UnkeyedRandomnessError` naming the thread), except a
+recompute of one of its forwards (autograd's worker thread on CUDA). A
 ``keyed`` on a submodule entered inside a ``keyed`` on its model with the same
 values keys nothing more (the outer context keys the submodule by its FQN
 there); any other overlap of two active contexts is a ``RuntimeError``.
@@ -43,21 +19,28 @@ there); any other overlap of two active contexts is a ``RuntimeError``.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from keyinit.fqn import canonical_modules
-from keyinit.keys import Key, _as_uint64, fold_in, key
-from keyinit.nn._batch import Batch, annotate, declared, record
-from keyinit.nn._intercept import _Frame
-from keyinit.nn._keys import keyed_call_key
-from keyinit.nn._modes import _BatchMode, _FunctionMode
+from keyinit.keys import Key, as_uint64, key
+from keyinit.nn._batch import Batch, annotate, declare, declared, record
+from keyinit.nn._intercept import Frame
+from keyinit.nn._forward import (
+    Forward,
+    input_tensors,
+    MicroBatch,
+    Named,
+    sequence_first_module,
+    recomputed,
+    remember,
+)
+from keyinit.nn._hostrandom import HostRandom
+from keyinit.nn._modes import BatchMode, FunctionMode
 
-__all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward"]
+__all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward", "batch_dim"]
 
 INDEX_RULES = ("tracked", "dim0")
 
@@ -105,80 +88,19 @@ class _ThreadState:
     __slots__ = ("frames", "modes", "foreign", "pending")
 
     def __init__(self, ctx: "Keyed", foreign: bool) -> None:
-        self.frames: list[_Frame] = []
-        self.modes: list[Any] = [_FunctionMode(ctx), _BatchMode(ctx)]
+        self.frames: list[Frame] = []
+        self.modes: list[Any] = [FunctionMode(ctx), BatchMode(ctx)]
         self.foreign = foreign
         self.pending: Any = None  # the batch of the factory the function mode is running
 
 
-class _Forward:
-    """One root forward: an outermost module execution in a keyed block, and the rows it holds.
-
-    ``start`` is the global sample of its inputs' row 0 (``sample_offset`` plus the
-    micro-batch's offset); ``repeat`` counts the earlier root forwards of the same
-    module in the block whose rows overlap these (a double forward, R-Drop), and
-    is folded into every key of this forward when it is not 0.
-    """
-
-    __slots__ = ("start", "count", "repeat", "fqn", "constants", "owner", "grad", "drew", "records", "__weakref__")
-
-    def __init__(self, ctx: "Keyed", fqn: str, start: int, count: int, repeat: int) -> None:
-        self.fqn, self.start, self.count, self.repeat = fqn, start, count, repeat
-        self.constants = ctx._constants  # ids of the model's buffers: replicated unless computed otherwise
-        self.owner = weakref.ref(ctx)
-        self.grad = torch.is_grad_enabled()  # autograd on at the start (off inside: reentrant checkpointing)
-        self.drew = False  # a keyed draw was made: later forwards of these rows are repeats
-        self.records = WeakIdKeyDictionary()  # tensor -> its batch record (keyinit.nn._batch)
-
-    def call_key(self, ctx: "Keyed", fqn: str, ordinal: int) -> Key:
-        if not self.drew:
-            self.drew = True
-            ctx._history.setdefault(self.fqn, []).append((self.start, self.start + self.count))
-        k = keyed_call_key(ctx.root, ctx.step, fqn, ordinal)
-        if self.repeat:
-            k = fold_in(fold_in(k, "repeat"), self.repeat)
-        return k
-
-
-def current_forward() -> Optional[_Forward]:
+def current_forward() -> Optional[Forward]:
     """The root forward running in this thread inside an active ``keyed``, or None."""
     for ctx in reversed(_active()):
         frame = ctx._current_frame()
         if frame is not None:
             return frame.forward
     return None
-
-
-def _sequence_first_module(module: torch.nn.Module) -> bool:
-    """torch's transformer modules built sequence-first (``batch_first=False``, torch's default)."""
-    nn = torch.nn
-    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-        return not module.self_attn.batch_first
-    if isinstance(module, nn.MultiheadAttention):
-        return not module.batch_first
-    if isinstance(module, nn.Transformer):
-        return not module.batch_first
-    if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and len(module.layers):
-        return _sequence_first_module(module.layers[0])
-    return False
-
-
-def _input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def visit(value: Any, depth: int) -> None:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif depth < 2 and isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v, depth + 1)
-        elif depth < 2 and isinstance(value, dict):
-            for v in value.values():
-                visit(v, depth + 1)
-
-    visit(args, 0)
-    visit(kwargs, 0)
-    return found
 
 
 def _module_fqn(root: torch.nn.Module, module: torch.nn.Module) -> Optional[str]:
@@ -207,7 +129,7 @@ def _resolve_sample_offset(model: torch.nn.Module, sample_offset: Optional[int])
                 "DTensor activations add their own placements)"
             )
         return 0
-    offset = _as_uint64(sample_offset, "sample_offset")
+    offset = as_uint64(sample_offset, "sample_offset")
     if offset == 0 and _world() > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -239,10 +161,24 @@ def _sequence_first_dropouts(model: torch.nn.Module) -> frozenset[int]:
 class Keyed:
     """The context manager :func:`keyed` returns (single use; enter it with ``with``)."""
 
-    def __init__(self, model: torch.nn.Module, seed: Union[int, Key], step: int, sample_offset: Optional[int],
-                 index: str = "tracked") -> None:
+    def __init__(self, model: Union[torch.nn.Module, str], seed: Union[int, Key], step: int,
+                 sample_offset: Optional[int], index: str = "tracked", inputs: Any = ()) -> None:
+        self._inputs: tuple = ()
+        if isinstance(model, str):
+            from keyinit.nn._keys import _check_fqn
+
+            if model == "":
+                raise ValueError("keyed: a named block needs a non-empty name (dot-separated, like an FQN)")
+            _check_fqn(model)
+            self._inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+            if not all(isinstance(t, torch.Tensor) for t in self._inputs):
+                raise TypeError("keyed: inputs must be tensors (the block's batch-holding tensors)")
+            model = Named(model)
+        elif inputs != ():
+            raise TypeError("keyed: inputs= is for a named block (keyed('name', ...)); a model's inputs are its "
+                            "forward's arguments")
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"keyed: model must be a torch.nn.Module, got {type(model).__name__}")
+            raise TypeError(f"keyed: model must be a torch.nn.Module or a block name, got {type(model).__name__}")
         if index not in INDEX_RULES:
             raise ValueError(f"keyed: index must be one of {INDEX_RULES}, got {index!r}")
         self.index = index
@@ -250,7 +186,7 @@ class Keyed:
         #: The root of every dropout key (:func:`keyinit.nn.dropout_key`'s ``seed``); ``key`` checks an int.
         self.root = seed if isinstance(seed, Key) else key(seed)
         self.seed = seed  # as given, for the repr
-        self.step = _as_uint64(step, "step")
+        self.step = as_uint64(step, "step")
         self.sample_offset = _resolve_sample_offset(model, sample_offset)
         self._handles: list[Any] = []
         self._thread: Optional[int] = None
@@ -260,9 +196,10 @@ class Keyed:
         self._sequence_first: frozenset[int] = frozenset()  # see _sequence_first_dropouts
         self._state = "new"
         self._rows = 0  # the running micro-batch's first sample, relative to sample_offset (micro_batch)
+        self._probing = False  # root forwards now are shape probes (keyinit.nn.micro_batches between chunks)
         self._history: dict[str, list[tuple[int, int]]] = {}  # root module FQN -> rows of its root forwards
-        self._replays: dict[tuple, tuple[Any, "_Forward"]] = {}  # see _remember
-        self._forwards: list[_Forward] = []  # the root forwards of the block (for recomputes in backward)
+        self._replays: dict[tuple, tuple[Any, "Forward"]] = {}  # see _remember
+        self._forwards: list[Forward] = []  # the root forwards of the block (for recomputes in backward)
         self._constants: frozenset[int] = frozenset()
 
     def __repr__(self) -> str:
@@ -275,17 +212,17 @@ class Keyed:
             state = self._local.state = _ThreadState(self, foreign=threading.get_ident() != self._thread)
         return state
 
-    def _current_frame(self) -> Optional[_Frame]:
+    def _current_frame(self) -> Optional[Frame]:
         state = getattr(self._local, "state", None)
         if state is not None and state.frames:
             return state.frames[-1]
         return None
 
-    def _root_forward(self, module: torch.nn.Module, fqn: str, args: tuple, kwargs: dict) -> "_Forward":
+    def _root_forward(self, module: torch.nn.Module, fqn: str, args: tuple, kwargs: dict) -> "Forward":
         """A new root forward: its rows, its repeat count, and its inputs' batch records."""
         start = self.sample_offset + self._rows
-        tensors = _input_tensors(args, kwargs)
-        default_dim = 1 if _sequence_first_module(module) else 0
+        tensors = input_tensors(args, kwargs)
+        default_dim = 1 if sequence_first_module(module) else 0
         count = None
         dims: list[Optional[int]] = []
         for t in tensors:
@@ -297,7 +234,8 @@ class Keyed:
         count = count or 0
         rows = self._history.get(fqn, [])
         repeat = sum(1 for a, b in rows if a < start + count and start < b) if count else len(rows)
-        forward = _Forward(self, fqn, start, count, repeat)
+        forward = Forward(self, fqn, start, count, repeat)
+        forward.probe = self._probing or any(t.device.type == "meta" for t in tensors)
         self._forwards.append(forward)
         if self.index == "tracked":
             for t, dim in zip(tensors, dims):
@@ -306,10 +244,10 @@ class Keyed:
                     annotate(t, forward, Batch(dim, int(t.shape[dim]), start))
         return forward
 
-    def _check_sequence_first(self, module: torch.nn.Module, frame: _Frame, args: tuple, kwargs: dict) -> None:
+    def _check_sequence_first(self, module: torch.nn.Module, frame: Frame, args: tuple, kwargs: dict) -> None:
         """A sequence-first torch layer inside the model whose input's batch is its dimension 0: the model's
         inputs were read batch-first, which this layer contradicts."""
-        tensors = _input_tensors(args, kwargs)
+        tensors = input_tensors(args, kwargs)
         if not tensors:
             return
         rec = record(tensors[0], frame.forward)
@@ -323,44 +261,18 @@ class Keyed:
                 "with keyinit.nn.batch_dim(x, 1) before the forward, or build the layer with batch_first=True"
             )
 
-    def _replay_key(self, fqn: str, t: torch.Tensor) -> tuple:
-        return (fqn, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-
-    def _remember(self, fqn: str, forward: "_Forward", args: tuple, kwargs: dict) -> None:
-        """A module run with autograd off inside a forward that had it on (reentrant activation
-        checkpointing): its first input is remembered, for the recompute in backward to find this forward."""
-        tensors = _input_tensors(args, kwargs)
-        if tensors:
-            self._replays[self._replay_key(fqn, tensors[0])] = (weakref.ref(tensors[0]), forward)
-
-    def _recomputed(self, fqn: str, args: tuple, kwargs: dict) -> Optional["_Forward"]:
-        """The forward whose execution of module ``fqn`` a forward run in backward recomputes, or None."""
-        tensors = _input_tensors(args, kwargs)
-        for t in tensors:  # non-reentrant checkpointing: the very input tensors of the first execution
-            holders = [forward for forward in self._forwards if t in forward.records]
-            if holders:  # the root forward of this module itself, else the one it ran inside
-                return next((f for f in holders if f.fqn == fqn), holders[0])
-        if tensors:  # reentrant checkpointing: detached inputs, the same memory
-            found = self._replays.get(self._replay_key(fqn, tensors[0]))
-            if found is not None and found[0]() is not None:
-                forward = found[1]
-                for t in tensors:
-                    original = record(t, forward)
-                    annotate(t, forward, original)
-                return forward
-        return None
-
     def _pre_hook(self, fqn: str) -> Callable:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             state = self._thread_state()
             foreign = state.foreign
             if state.frames:
                 forward = state.frames[-1].forward
+                foreign = state.frames[-1].foreign  # a recompute's children are keyed as it is
                 if forward.grad and not torch.is_grad_enabled():
-                    self._remember(fqn, forward, args, kwargs)
+                    remember(self, fqn, forward, args, kwargs)
             else:
                 in_backward = torch._C._current_graph_task_id() != -1
-                forward = self._recomputed(fqn, args, kwargs) if in_backward else None
+                forward = recomputed(self, fqn, args, kwargs) if in_backward else None
                 if forward is not None:
                     foreign = False  # a recompute runs in autograd's thread, with the first execution's keys
                 elif self._state != "entered":
@@ -368,8 +280,12 @@ class Keyed:
                 else:
                     forward = self._root_forward(module, fqn, args, kwargs)
                     if not torch.is_grad_enabled():
-                        self._remember(fqn, forward, args, kwargs)
-            frame = _Frame(module, fqn, foreign, forward)
+                        remember(self, fqn, forward, args, kwargs)
+            frame = Frame(module, fqn, foreign, forward)
+            if not state.frames and self.index == "tracked" and not foreign:
+                host = HostRandom(forward.host_key(self))
+                host.__enter__()
+                frame.pushed.append(host)  # left by the post-hook, after the modes
             # The modes are active only while one of the model's forwards runs: entered by the outermost
             # forward (and again by a forward that activation checkpointing recomputes in backward, where
             # the autograd engine does not carry torch-function modes), exited by its post-hook.
@@ -378,7 +294,7 @@ class Keyed:
                     mode.__enter__()
                     frame.pushed.append(mode)
             state.frames.append(frame)
-            if self.index == "tracked" and len(state.frames) > 1 and _sequence_first_module(module):
+            if self.index == "tracked" and len(state.frames) > 1 and sequence_first_module(module):
                 try:
                     self._check_sequence_first(module, frame, args, kwargs)
                 except BaseException:
@@ -444,6 +360,16 @@ class Keyed:
         self._thread = threading.get_ident()
         self._owner = self._thread_state()
         self._constants = frozenset(id(b) for b in self.model.buffers())
+        if isinstance(self.model, Named):  # one root forward for the whole block, its inputs as given
+            _active().append(self)
+            with _entered_lock:
+                _entered.append(self)
+            try:
+                self._pre_hook(self.model.name)(self.model, self._inputs, {})
+            except BaseException:
+                self._teardown()
+                raise
+            return self
         seen: set[int] = set()
         try:
             for _, fqn, module in canonical_modules(self.model):
@@ -462,7 +388,7 @@ class Keyed:
             raise
         return self
 
-    def micro_batch(self, offset: int) -> "_MicroBatch":
+    def micro_batch(self, offset: int) -> "MicroBatch":
         """Context manager: root forwards inside hold the rows from ``sample_offset + offset`` on.
 
         For several forwards of one keyed block over different rows of the step's batch
@@ -470,7 +396,7 @@ class Keyed:
         is ``offset`` rows after this context's ``sample_offset``. Its masks are then the
         ones the whole batch's forward draws for those rows.
         """
-        return _MicroBatch(self, _as_uint64(offset, "offset"))
+        return MicroBatch(self, as_uint64(offset, "offset"))
 
     def _leave_frames(self) -> None:
         owner = self._owner
@@ -500,7 +426,10 @@ class Keyed:
         self._state = "exited"
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self._handles and exc_info[0] is None and any(len(f.records) for f in self._forwards):
+        if isinstance(self.model, Named):
+            self._post_hook()(self.model, (), None)
+        if self._handles and exc_info[0] is None and any(ref() is not None for f in self._forwards
+                                                                 for ref, _ in f.records.values()):
             # Tensors of its forwards are alive (saved for a backward outside the block): the hooks stay, and
             # key only the recomputes of those forwards that activation checkpointing runs in backward()
             # (see _pre_hook), until the next keyed() is entered.
@@ -515,56 +444,74 @@ class Keyed:
         self._state = "exited"
 
 
-class _MicroBatch:
-    __slots__ = ("ctx", "offset", "saved")
+def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+    """Declare where ``tensor``'s batch is for :func:`keyinit.nn.keyed`; returns ``tensor``.
 
-    def __init__(self, ctx: Keyed, offset: int) -> None:
-        self.ctx, self.offset, self.saved = ctx, offset, 0
+    Before the forward (a model input): ``dim`` is the dimension that indexes the
+    samples (``0`` is the default for every input whose dimension 0 has the batch's
+    size), or ``None`` for an input that holds no batch (replicated: the same for
+    every sample, e.g. a position table). Inside a keyed forward: the tensor's
+    dimension ``dim`` holds the samples of the running forward, in order.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"batch_dim: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if dim is not None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(f"batch_dim: dim must be None or a dimension of the {tensor.dim()}-D tensor, got {dim!r}")
+        dim %= tensor.dim()
+    declare(tensor, dim)
+    forward = current_forward()
+    if forward is not None:
+        record = None if dim is None else Batch(dim, int(tensor.shape[dim]), forward.start)
+        annotate(tensor, forward, record)
+    return tensor
 
-    def __enter__(self) -> Keyed:
-        self.saved = self.ctx._rows
-        self.ctx._rows = self.offset
-        return self.ctx
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.ctx._rows = self.saved
+def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: int,
+          sample_offset: Optional[int] = None, index: str = "tracked", inputs: Any = ()) -> Keyed:
+    """Key every random op in ``model``'s forward by (seed, step, module FQN, call ordinal, sample, place).
 
-
-def keyed(model: torch.nn.Module, seed: Union[int, Key], *, step: int, sample_offset: Optional[int] = None,
-          index: str = "tracked") -> Keyed:
-    """Key every dropout in ``model``'s forward by (seed, step, module FQN, call ordinal, global index).
-
-    Use it around each forward (and backward, if activation checkpointing
-    recomputes the forward there)::
+    Use it around each forward (and backward)::
 
         with keyinit.nn.keyed(model, seed, step=step, sample_offset=first_sample):
             loss = loss_fn(model(batch), target)
             loss.backward()
 
-    Inside, the ``n``-th dropout-family call made directly in the forward of the
-    module with canonical FQN ``fqn`` (``keyinit.fqn.canonical_modules``: wrappers
-    such as ``_orig_mod``, ``_checkpoint_wrapped_module`` and DDP's ``module`` are
-    stripped) drops element ``i`` iff ``keyinit.random.bernoulli`` with key
-    ``dropout_key(seed, step=step, fqn=fqn, ordinal=n)`` and ``p = 1 - p_drop`` is False at ``i``,
-    the element's GLOBAL row-major index, where dimension 0 is the batch and
-    local row ``r`` is global sample ``sample_offset + r``. So splitting a batch
-    across data-parallel ranks, micro-batches or gradient-accumulation steps (each
-    with its ``sample_offset``) never changes a mask; DTensor activations also
-    add their placements (sequence/tensor parallelism).
+    Inside, the ``n``-th random call made directly in the forward of the module
+    with canonical FQN ``fqn`` (``keyinit.fqn.canonical_modules``: wrappers such as
+    ``_orig_mod``, ``_checkpoint_wrapped_module`` and DDP's ``module`` are stripped)
+    uses ``dropout_key(seed, step=step, fqn=fqn, ordinal=n)``: the dropout family
+    (``nn.Dropout``, ``F.dropout*``, alpha dropout), attention dropout (SDPA,
+    ``nn.MultiheadAttention``) and every other random ATen op (``rand``,
+    ``bernoulli_``, ``normal_``, ``exponential_``, ...; ``docs/spec.md`` 14.7).
+    Each element is indexed by its global sample and its place within that
+    sample, tracked from the model's inputs through every op
+    (:mod:`keyinit.nn._batch`; ``docs/spec.md`` 14.6): the inputs' dimension 0 is
+    the batch, local row ``r`` global sample ``sample_offset + r``. So splitting a
+    batch across data-parallel ranks, micro-batches (``ctx.micro_batch(offset)``,
+    :func:`micro_batches` for pipelining schedules) or gradient-accumulation steps
+    never changes a value, nor does flattening the batch with heads or tokens.
+    A draw whose samples cannot be placed raises
+    :class:`keyinit.errors.UnkeyedRandomnessError` naming the module, the op and
+    why; :func:`batch_dim` declares a tensor's batch. Python's ``random`` and
+    ``numpy.random`` are seeded per root forward and restored after it.
+    Randomness outside the model's forwards is left alone; the global RNGs are
+    never read or advanced. ``index="dim0"`` keeps stream v1's first rule
+    (dimension 0 of each dropout input is the batch; other draws refused).
 
-    Any other random op in the forward raises
-    :class:`keyinit.errors.UnkeyedRandomnessError` naming the module and the op.
-    Randomness outside the model's forwards is left alone. The global RNG is
-    never read or advanced. ``seed`` is an int in ``[0, 2**64)`` or a
-    :class:`keyinit.Key` (the root of every dropout key, as for :func:`dropout_key`);
-    ``step`` and ``sample_offset`` are ints in ``[0, 2**64)``.
+    ``model`` may also be a name (``"diffusion.noise"``): the whole block is then
+    one root forward under that FQN, whose batch-holding tensors are ``inputs``
+    (randomness of a training loop: ``torch.randn_like(latents)``,
+    ``torch.randint(0, T, (latents.shape[0],))``).
 
-    ``sample_offset`` defaults to 0 in a single process. When ``torch.distributed``
-    is initialized with more than one rank it must be given (a ``ValueError``
-    otherwise): keyinit cannot tell data-parallel ranks (each with its own rows)
-    from tensor-parallel ones (all with the whole batch). A model wrapped in
-    ``DistributedDataParallel`` on a group rank other than 0 refuses
-    ``sample_offset=0``. Batch-sharded DTensor activations place their rows
-    themselves (their placements add to ``sample_offset``).
+    ``seed`` is an int in ``[0, 2**64)`` or a :class:`keyinit.Key` (the root of
+    every key, as for :func:`dropout_key`); ``step`` and ``sample_offset`` are ints
+    in ``[0, 2**64)``. ``sample_offset`` defaults to 0 in a single process. When
+    ``torch.distributed`` is initialized with more than one rank it must be given
+    (a ``ValueError`` otherwise): keyinit cannot tell data-parallel ranks (each
+    with its own rows) from tensor-parallel ones (all with the whole batch). A
+    model wrapped in ``DistributedDataParallel`` on a group rank other than 0
+    refuses ``sample_offset=0``. DTensor activations place their rows themselves
+    (their placements add to ``sample_offset``).
     """
-    return Keyed(model, seed, step, sample_offset, index)
+    return Keyed(model, seed, step, sample_offset, index, inputs)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Union
 
-from keyinit.keys import Key, _as_uint64, fold_in, key
+from keyinit.keys import Key, as_uint64, fold_in, key
 
 __all__ = ["DROPOUT_DOMAIN", "dropout_key"]
 
@@ -58,6 +58,11 @@ def keyed_call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
     return _call_key(root, step, fqn, ordinal)
 
 
+def keyed_module_key(root: Key, step: int, fqn: str) -> Key:
+    """``dropout_key`` before its ordinal fold: ``fold_in(fold_in(R, DROPOUT_DOMAIN), step)`` then fqn's parts."""
+    return _module_key(root, step, _check_fqn(fqn))
+
+
 def dropout_key(seed: Union[int, Key], *, step: int, fqn: str = "", ordinal: int = 0) -> Key:
     """The key of the dropout call number ``ordinal`` in the forward of module ``fqn`` at ``step``.
 
@@ -70,8 +75,8 @@ def dropout_key(seed: Union[int, Key], *, step: int, fqn: str = "", ordinal: int
         K = fold_in(K, step); K = fold_in(K, c) for c in fqn.split("."); K = fold_in(K, ordinal)
     """
     root = seed if isinstance(seed, Key) else key(seed)
-    step = _as_uint64(step, "step")
-    ordinal = _as_uint64(ordinal, "ordinal")
+    step = as_uint64(step, "step")
+    ordinal = as_uint64(ordinal, "ordinal")
     derived = fold_in(fold_in(root, DROPOUT_DOMAIN), step)
     for part in _check_fqn(fqn):
         derived = fold_in(derived, part)

@@ -1,11 +1,11 @@
 """The two modes of a keyed forward: torch-function routing and ATen-level batch tracking and draws.
 
-- :class:`_FunctionMode` (a ``TorchFunctionMode``) answers the dropout family, SDPA
+- :class:`FunctionMode` (a ``TorchFunctionMode``) answers the dropout family, SDPA
   with ``dropout_p > 0`` and multi-head attention with keyed masks
   (:mod:`keyinit.nn._intercept`), gives ``x.shape``/``x.size()`` of batch-holding
   tensors as :class:`keyinit.nn._batch.BatchSize`, and tells the dispatch mode the
   batch of a factory sized by one;
-- :class:`_BatchMode` (a ``TorchDispatchMode``) carries each op's batch from its
+- :class:`BatchMode` (a ``TorchDispatchMode``) carries each op's batch from its
   inputs to its outputs (:mod:`keyinit.nn._batch_rules`) and answers every random
   ATen op (``torch.Tag.nondeterministic_seeded``: ``rand``, ``bernoulli_``,
   ``normal_``, ``exponential_``, ``randperm``, ...) with keyed values
@@ -14,31 +14,32 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit.errors import UnkeyedRandomnessError
-from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, record
-from keyinit.nn._batch_rules import propagate
+from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
+from keyinit.nn._batch_rules import propagate, restride_keeps_elements
 from keyinit.nn._intercept import (
     Keyed,
-    _arg,
-    _dropout_family,
-    _Frame,
-    _handle_dropout,
-    _keyed_mha,
-    _keyed_sdpa,
-    _refuse_foreign,
-    activation_batch,
+    argument,
+    dropout_family,
+    Frame,
+    handle_dropout,
+    keyed_mha,
+    keyed_sdpa,
+    refuse_foreign,
 )
 
-__all__ = ["_FunctionMode", "_BatchMode", "_GuardSuspended"]
+__all__ = ["FunctionMode", "BatchMode", "GuardSuspended"]
 
 _SHAPE = torch.Tensor.shape
 _SIZE = torch.Tensor.size
+_LEN = torch.Tensor.__len__
+_NUMEL = torch.Tensor.numel
 _FACTORIES = {
     torch.rand, torch.randn, torch.randint, torch.empty, torch.zeros, torch.ones, torch.full, torch.normal,
     torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_full, torch.arange,
@@ -59,11 +60,15 @@ def _sizes(args: tuple, kwargs: dict) -> list:
     return list(size)
 
 
-def _factory_record(func: Any, args: tuple, kwargs: dict) -> Any:
+def _factory_record(func: Any, args: tuple, kwargs: dict, escaped: set) -> Any:
     """The batch of a factory's output from the sizes it was given (None: replicated)."""
     sizes = _sizes(args, kwargs)
     tagged = [(d, v) for d, v in enumerate(sizes) if isinstance(v, BatchSize)]
     if not tagged:
+        if any(isinstance(v, int) and v in escaped for v in sizes):
+            return Unknown(f"{getattr(func, '__name__', func)} is sized {sizes}, and the batch size of a tensor in this "
+                           "forward became one of these as a plain int (len(x) and int(x.shape[0]) drop the fact that "
+                           "it is the batch size); size it by x.shape[0] or x.size(0)")
         return None
     exact = [(d, v) for d, v in tagged if not isinstance(v, DerivedSize)]
     if len(exact) == 1 and len(tagged) == 1:
@@ -80,8 +85,10 @@ def _expanded_record(func: Any, t: torch.Tensor, out: torch.Tensor, rec: Any) ->
     """The batch of a replicated tensor expanded or repeated to a batch size (``pos.expand(L, x.shape[1], D)``):
     copies of the same values, one per sample, in the dimension sized by the ``BatchSize``; None if that
     dimension was not broadcast (a no-op expand)."""
+    if isinstance(rec, Unknown):  # arithmetic on the batch size, or a plain int that was one: placement unknown,
+        return Unknown(rec.why, constant=True)  # but copies of replicated values are the same for every sample
     if not isinstance(rec, Batch):
-        return rec  # None (no batch size among the sizes) or unknown (arithmetic on it)
+        return rec  # None: no batch size among the sizes
     padded = (1,) * (out.dim() - t.dim()) + tuple(t.shape)
     if func is torch.Tensor.repeat:
         return Batch(rec.dim, rec.count, rec.start, int(padded[rec.dim]))  # tile i of the dimension: sample i
@@ -91,6 +98,10 @@ def _expanded_record(func: Any, t: torch.Tensor, out: torch.Tensor, rec: Any) ->
 def _shape_of(t: torch.Tensor, sizes: Any, forward: Any) -> Any:
     """``t.shape``/``t.size()`` with the batch dimension's size as a :class:`BatchSize`."""
     rec = record(t, forward)
+    if isinstance(rec, Foreign) and not isinstance(sizes, int):
+        # a tensor of unknown origin: its sizes say nothing of where samples are (a factory sized by
+        # them holds an unknown batch)
+        return torch.Size(tuple(DerivedSize(int(n)) for n in sizes))
     if not isinstance(rec, Batch) or rec.dim is None:
         return sizes
     d = rec.dim
@@ -99,21 +110,34 @@ def _shape_of(t: torch.Tensor, sizes: Any, forward: Any) -> Any:
     if d >= len(sizes):
         return sizes
     n = int(sizes[d])
-    value = BatchSize(n, rec) if rec.inner == 1 and n == rec.count else DerivedSize(n)
+    value = BatchSize(n, rec, forward.escaped) if rec.inner == 1 and n == rec.count else DerivedSize(n)
     return torch.Size(tuple(sizes[:d]) + (value,) + tuple(sizes[d + 1:]))
 
-class _FunctionMode(TorchFunctionMode):
+class FunctionMode(TorchFunctionMode):
     """Keyed dropout and attention, batch sizes that carry the batch, and the batch of sized factories."""
 
     def __init__(self, ctx: "Keyed") -> None:
         super().__init__()
         self.ctx = ctx
-        self.family = _dropout_family()
+        self.family = dropout_family()
         self.sdpa = torch.nn.functional.scaled_dot_product_attention
         self.mha = torch.nn.functional.multi_head_attention_forward
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _LEN or func is _NUMEL:
+            out = func(*args, **kwargs)
+            frame = self.ctx._current_frame()
+            if frame is None or self.ctx.index == "dim0" or not args:
+                return out
+            rec = record(args[0], frame.forward)
+            if func is _LEN:
+                # len() hands Python a plain int whatever __len__ returns: remember the size, so that a
+                # factory sized by it is refused rather than drawn as replicated
+                if rec is not None:
+                    frame.forward.escaped.add(int(out))
+                return out
+            return out if rec is None else DerivedSize(out)  # sized by the batch, in a way that says not where
         if getattr(func, "__self__", None) is _SHAPE or func is _SIZE:
             out = func(*args, **kwargs)
             frame = self.ctx._current_frame()
@@ -130,14 +154,14 @@ class _FunctionMode(TorchFunctionMode):
             frame = self.ctx._current_frame()
             if frame is not None and self.ctx.index != "dim0" and isinstance(out, torch.Tensor) and \
                     record(out, frame.forward) is None:
-                rec = _expanded_record(func, args[0], out, _factory_record(func, args[1:], kwargs))
+                rec = _expanded_record(func, args[0], out, _factory_record(func, args[1:], kwargs, frame.forward.escaped))
                 if rec is not None:
                     annotate(out, frame.forward, rec)
             return out
         if func in _FACTORIES:
             frame = self.ctx._current_frame()
             if frame is not None and self.ctx.index != "dim0":
-                rec = _factory_record(func, args, kwargs)
+                rec = _factory_record(func, args, kwargs, frame.forward.escaped)
                 if rec is not None:
                     state = self.ctx._thread_state()
                     state.pending = rec
@@ -152,27 +176,27 @@ class _FunctionMode(TorchFunctionMode):
         if entry is not None:
             frame = self.ctx._current_frame()
             if frame is not None:
-                with _GuardSuspended(self.ctx):
-                    return _handle_dropout(self.ctx, frame, *entry, args, kwargs)
+                with GuardSuspended(self.ctx):
+                    return handle_dropout(self.ctx, frame, *entry, args, kwargs)
         elif func is self.sdpa:
-            dropout_p = _arg(args, kwargs, 4, "dropout_p", 0.0)
+            dropout_p = argument(args, kwargs, 4, "dropout_p", 0.0)
             frame = self.ctx._current_frame()
             if frame is not None and dropout_p:
-                from keyinit.nn.functional import _check_p
+                from keyinit.nn.functional import check_p
 
-                with _GuardSuspended(self.ctx):
-                    return _keyed_sdpa(self.ctx, frame, _check_p(dropout_p), args, kwargs)
+                with GuardSuspended(self.ctx):
+                    return keyed_sdpa(self.ctx, frame, check_p(dropout_p), args, kwargs)
         elif func is self.mha:
             frame = self.ctx._current_frame()
             if frame is not None:
-                with _GuardSuspended(self.ctx):
-                    out = _keyed_mha(self.ctx, frame, args, kwargs)
+                with GuardSuspended(self.ctx):
+                    out = keyed_mha(self.ctx, frame, args, kwargs)
                 if out is not None:
                     return out
         return func(*args, **kwargs)
 
 
-class _GuardSuspended:
+class GuardSuspended:
     """Leaves this thread's seeded-op guard while keyinit's own code (which draws nothing unkeyed) runs.
 
     Every ATen op under a Python dispatch mode costs a trip through Python, and the
@@ -203,23 +227,23 @@ def _current_dispatch_mode() -> Any:
     return _get_current_dispatch_mode()
 
 
-def _draws_nothing(func, args: tuple, kwargs: dict) -> bool:
+def draws_nothing(func, args: tuple, kwargs: dict) -> bool:
     """A seeded op that provably draws nothing: ``dropout_p``/``p`` equal to 0, or ``train``/``training`` False."""
     schema = getattr(func, "_schema", None)
     if schema is None:
         return False
-    for position, argument in enumerate(schema.arguments):
-        if argument.name not in ("dropout_p", "p", "train", "training"):
+    for position, schema_argument in enumerate(schema.arguments):
+        if schema_argument.name not in ("dropout_p", "p", "train", "training"):
             continue
         if position < len(args):
             value = args[position]
-        elif argument.name in kwargs:
-            value = kwargs[argument.name]
-        elif argument.has_default_value():
-            value = argument.default_value
+        elif schema_argument.name in kwargs:
+            value = kwargs[schema_argument.name]
+        elif schema_argument.has_default_value():
+            value = schema_argument.default_value
         else:
             continue
-        if argument.name in ("train", "training"):
+        if schema_argument.name in ("train", "training"):
             if value is False:
                 return True
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
@@ -229,6 +253,11 @@ def _draws_nothing(func, args: tuple, kwargs: dict) -> bool:
 
 
 
+# ops that draw nothing at p = 0 but whose torch kernels still advance the generator: answered by keyinit
+# (ops such as fused attention with dropout_p = 0 touch no generator and run as they are)
+_AS_STRIDED_ = torch.ops.aten.as_strided_.default
+_ANSWERED = {"aten::bernoulli", "aten::bernoulli_", "aten::native_dropout"}
+_NEW = {"aten::new_empty", "aten::new_zeros", "aten::new_ones", "aten::new_full", "aten::new_empty_strided"}
 _LIKE = {"aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::empty_like", "aten::zeros_like",
          "aten::ones_like", "aten::full_like"}
 
@@ -246,29 +275,34 @@ def _tensor_inputs(args: tuple, kwargs: dict) -> list:
     return found
 
 
-class _BatchMode(TorchDispatchMode):
+class BatchMode(TorchDispatchMode):
     """Tracks each tensor's batch through the forward's ATen ops, and keys every random op."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says no: a Python
+        # frame more per ATen op. Under keyed, compiled code runs eagerly anyway (docs/dropout.md).
+        return False
 
     def __init__(self, ctx: Keyed) -> None:
         super().__init__()
         self.ctx = ctx
 
-    def _output_record(self, func: Any, frame: _Frame, args: tuple, kwargs: dict, records: list) -> Any:
+    def _output_record(self, func: Any, frame: Frame, args: tuple, kwargs: dict, records: list) -> Any:
         """The batch of a random op's output: the sized factory's, the input's (``*_like``, in place), or the
         inputs' broadcast (``bernoulli(p)``, ``normal(mean, std)``, ``multinomial``)."""
         name = func._schema.name
         state = self.ctx._thread_state()
-        if not records:
+        if not records or name in _NEW:
             return state.pending
         if name.endswith("_") or name in _LIKE or name == "aten::native_dropout":
             return records[0][1]
-        live = [r for _, r in records if r is not None]
-        if not live:
-            return None
-        return _merged(func, records)
+        out_ndim = max(t.dim() for t, _ in records)
+        return merge([(r, t.dim(), int(t.shape[r.dim]) if isinstance(r, Batch) and r.dim is not None else None)
+                      for t, r in records], out_ndim, func)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from keyinit._random_ops import is_random
+        from keyinit._engine.random_ops import is_random
 
         kwargs = kwargs or {}
         frame = self.ctx._current_frame()
@@ -277,15 +311,19 @@ class _BatchMode(TorchDispatchMode):
         forward = frame.forward
         tensors = _tensor_inputs(args, kwargs)
         records = [(t, record(t, forward)) for t in tensors]
-        if is_random(func):
+        if is_random(func) and not (draws_nothing(func, args, kwargs) and func._schema.name not in _ANSWERED):
             return self._draw(func, frame, args, kwargs, records)
-        return self._tracked(func, forward, args, kwargs, tensors, records)
-
-    def _tracked(self, func: Any, forward: Any, args: tuple, kwargs: dict, tensors: list, records: list) -> Any:
-        """``func`` run as torch runs it, its outputs given their batch records."""
+        if func is _AS_STRIDED_ and records and records[0][1] is not None:
+            # in place: whether it keeps the elements is known only before it runs
+            keeps = restride_keeps_elements(args[0], args)
+            out = func(*args, **kwargs)
+            annotate(out, forward, records[0][1] if keeps else Unknown(f"{func} reinterprets the memory of a "
+                                                                        "batch-holding tensor"))
+            return out
         out = func(*args, **kwargs)
         state = self.ctx._thread_state()
-        if not tensors:
+        if not tensors or func._schema.name in _NEW:
+            # a factory: laid out by its sizes (a BatchSize among them: the function mode's pending batch)
             annotate(out, forward, state.pending)
             return out
         leaves = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -297,20 +335,16 @@ class _BatchMode(TorchDispatchMode):
             annotate(leaf, forward, rec)
         return out
 
-    def _draw(self, func: Any, frame: _Frame, args: tuple, kwargs: dict, records: list) -> Any:
+    def _draw(self, func: Any, frame: Frame, args: tuple, kwargs: dict, records: list) -> Any:
         from keyinit.nn._draws import keyed_draw
         from keyinit.nn._keys import DROPOUT_DOMAIN
         from keyinit.keys import key as make_key
 
         ctx = self.ctx
         if frame.foreign:
-            _refuse_foreign(ctx, frame, str(func))
-        name = func._schema.name
-        nothing = _draws_nothing(func, args, kwargs)
-        if nothing and name not in ("aten::bernoulli", "aten::bernoulli_", "aten::native_dropout"):
-            # e.g. fused attention with dropout_p = 0: no generator is touched; its outputs carry the batch
-            return self._tracked(func, frame.forward, args, kwargs, _tensor_inputs(args, kwargs), records)
-        if ctx.index == "dim0":
+            refuse_foreign(ctx, frame, str(func))
+        nothing = draws_nothing(func, args, kwargs)
+        if ctx.index == "dim0" and not nothing:
             raise UnkeyedRandomnessError(
                 f"{frame.describe()}: {func} inside a keyinit.nn.keyed(index='dim0') forward: that rule keys only "
                 "the dropout family and attention dropout; use the default index='tracked' to key every random op"
@@ -338,10 +372,3 @@ class _BatchMode(TorchDispatchMode):
                 annotate(leaf, frame.forward, rec)
         return out
 
-
-def _merged(func: Any, records: list) -> Any:
-    from keyinit.nn._batch import merge
-
-    out_ndim = max(t.dim() for t, _ in records)
-    return merge([(r, t.dim(), int(t.shape[r.dim]) if isinstance(r, Batch) and r.dim is not None else None)
-                  for t, r in records], out_ndim, str(func))

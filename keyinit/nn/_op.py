@@ -6,7 +6,7 @@
 returns the keyed dropout of ``input`` (contiguous, same shape and dtype) for the
 key ``(k0, k1)`` of stream version ``stream`` (the key's own: it is never reduced
 to its two words), with the input's elements placed in the global stream by the
-layout ``(gstrides, starts, indices)`` (see :mod:`keyinit.nn._geometry`).
+layout ``(gstrides, starts, indices)`` (see :mod:`keyinit._draw.dropout_geometry`).
 
 Autograd: the op is linear in ``input`` with a diagonal 0 / ``1/(1-p)`` Jacobian,
 so its backward is the same op applied to the gradient: the mask is
@@ -17,10 +17,10 @@ Being a custom op with a fake kernel, it traces under ``torch.compile``
 (``fullgraph=True``) as one opaque node; the key words and ``p`` are
 compile-time constants there, so a new key means a new graph.
 
-Implementations, all bit-identical, chosen by :func:`keyinit._dispatch.dropout`:
-the C kernel on CPU (:mod:`keyinit._kernels._dropout_cpu`), Triton on CUDA
-(:mod:`keyinit._kernels.triton_dropout`), and the torch reference
-(:mod:`keyinit.nn._reference`) anywhere else or with ``KEYINIT_DISABLE_KERNELS=1``.
+Implementations, all bit-identical, chosen by :func:`keyinit._draw.dispatch.dropout`:
+the C kernel on CPU (:mod:`keyinit._kernels.dropout.cpu`), Triton on CUDA
+(:mod:`keyinit._kernels.dropout.triton`), and the torch reference
+(:mod:`keyinit._draw.reference_dropout`) anywhere else or with ``KEYINIT_DISABLE_KERNELS=1``.
 """
 
 from typing import Optional
@@ -28,9 +28,9 @@ from typing import Optional
 import attrs
 import torch
 
-from keyinit import _dispatch
+from keyinit._draw import dispatch
 from keyinit.keys import DEFAULT_STREAM
-from keyinit.nn._geometry import Geometry, plan
+from keyinit._draw.dropout_geometry import Geometry, make_geometry as plan
 
 __all__ = ["dropout", "run", "call"]
 
@@ -42,8 +42,8 @@ _SCHEMA = ("(Tensor input, int k0, int k1, float p, int[] gstrides, int[] starts
 
 def run(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
     """Dropout of ``x`` by ``geometry`` with the best implementation for its device (a new contiguous tensor):
-    :func:`keyinit._dispatch.dropout`, the one seam of every kernel family."""
-    return _dispatch.dropout(x, geometry)
+    :func:`keyinit._draw.dispatch.dropout`, the one seam of every kernel family."""
+    return dispatch.dropout(x, geometry)
 
 
 @torch.library.custom_op("keyinit::dropout", mutates_args=(), schema=_SCHEMA)

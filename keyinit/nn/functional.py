@@ -19,15 +19,15 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit.keys import Key, _require_key
-from keyinit.nn._geometry import Layout, dtensor_layout, layout_for, rows_layout
+from keyinit.keys import Key, require_key
+from keyinit._draw.dropout_geometry import Layout, dtensor_layout, layout_for, rows_layout
 
 __all__ = ["dropout", "scaled_dot_product_attention"]
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def _check_p(p: Any) -> float:
+def check_p(p: Any) -> float:
     if isinstance(p, bool) or not isinstance(p, (int, float)):
         raise TypeError(f"dropout probability must be a float in [0, 1], got {type(p).__name__} {p!r}")
     p = float(p)
@@ -36,7 +36,7 @@ def _check_p(p: Any) -> float:
     return p
 
 
-def _check_input(input: Any) -> None:
+def check_input(input: Any) -> None:
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"dropout: input must be a torch.Tensor, got {type(input).__name__}")
     if input.dtype not in FLOAT_DTYPES:
@@ -46,17 +46,17 @@ def _check_input(input: Any) -> None:
 
 
 def _dtensor_class() -> Optional[type]:
-    from keyinit.layouts import _dtensor_class as find
+    from keyinit.layouts import dtensor_class as find
 
     return find()
 
 
-def _is_dtensor(input: torch.Tensor) -> bool:
+def is_dtensor(input: torch.Tensor) -> bool:
     cls = _dtensor_class()
     return cls is not None and isinstance(input, cls)
 
 
-def _run(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch.Tensor:
+def run_layout(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch.Tensor:
     from keyinit.nn import _op
 
     k0, k1 = key.words  # and the key's stream version, which the op keeps
@@ -68,7 +68,7 @@ def _dtensor_dropout(input: torch.Tensor, p: float, key: Key, row_offset: int) -
 
     layout = dtensor_layout(input, row_offset)
     spec = input._spec
-    out_local = _run(input.to_local(), p, key, layout)
+    out_local = run_layout(input.to_local(), p, key, layout)
     return DTensor.from_local(
         out_local, spec.mesh, spec.placements, run_check=False, shape=input.shape, stride=input.stride()
     )
@@ -102,10 +102,10 @@ def dropout(
     input's size is saved. Works under ``torch.compile(fullgraph=True)`` (the key is
     a compile-time constant; regions of step-1 slices).
     """
-    p = _check_p(p)
-    key = _require_key(rng_key, "rng_key")
-    _check_input(input)
-    if _is_dtensor(input):
+    p = check_p(p)
+    key = require_key(rng_key, "rng_key")
+    check_input(input)
+    if is_dtensor(input):
         if global_shape is not None or region is not None:
             raise TypeError(
                 "dropout: a DTensor's global shape and region come from its placements; "
@@ -117,30 +117,30 @@ def dropout(
     layout = layout_for(tuple(input.shape), global_shape, region)
     if not training or p == 0.0:
         return input
-    return _run(input, p, key, layout)
+    return run_layout(input, p, key, layout)
 
 
-def _dropout_rows(input: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:
+def dropout_rows(input: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:
     """Dropout with dimension 0 read as the batch: local row ``r`` is global row ``row_offset + r``.
 
     What :func:`keyinit.nn.keyed` applies to every activation (``p`` in ``(0, 1]``).
     A DTensor's own row ``r`` (after its placements) is global row ``row_offset + r``.
     """
-    _check_input(input)
-    if _is_dtensor(input):
+    check_input(input)
+    if is_dtensor(input):
         return _dtensor_dropout(input, p, key, row_offset)
-    return _run(input, p, key, rows_layout(tuple(input.shape), row_offset))
+    return run_layout(input, p, key, rows_layout(tuple(input.shape), row_offset))
 
 
-def _probs_drop(p: float, key: Key, layout: Optional[Layout], row_offset: int = 0):
+def probs_drop(p: float, key: Key, layout: Optional[Layout], row_offset: int = 0):
     """The dropout of attention probabilities: by ``layout`` (plain) or by placements (DTensor)."""
 
     def drop(probs: torch.Tensor) -> torch.Tensor:
-        if _is_dtensor(probs):
+        if is_dtensor(probs):
             return _dtensor_dropout(probs, p, key, row_offset)
         if layout is None:
-            return _run(probs, p, key, rows_layout(tuple(probs.shape), row_offset))
-        return _run(probs, p, key, layout)
+            return run_layout(probs, p, key, rows_layout(tuple(probs.shape), row_offset))
+        return run_layout(probs, p, key, layout)
 
     return drop
 
@@ -171,19 +171,19 @@ def scaled_dot_product_attention(
     are torch's (not batch-invariant bitwise); the backward regenerates the mask
     from the key. DTensor inputs take their regions from their placements.
     """
-    p = _check_p(dropout_p)
-    rng_key = _require_key(rng_key, "rng_key")
+    p = check_p(dropout_p)
+    rng_key = require_key(rng_key, "rng_key")
     for tensor in (query, key, value):
-        _check_input(tensor)
+        check_input(tensor)
     from keyinit.nn._attention import attend
 
     shape = (*query.shape[:-1], key.shape[-2])
-    if _is_dtensor(query):
+    if is_dtensor(query):
         if global_shape is not None or region is not None:
             raise TypeError("scaled_dot_product_attention: DTensor inputs take their region from their placements")
         layout, positions = None, None
     else:
         layout = layout_for(shape, global_shape, region)
         positions = (layout.starts[-2], layout.indices[-2], layout.starts[-1], layout.indices[-1])
-    drop = _probs_drop(p, rng_key, layout) if p > 0.0 else None
+    drop = probs_drop(p, rng_key, layout) if p > 0.0 else None
     return attend(query, key, value, attn_mask, is_causal, scale, enable_gqa, drop, positions)[0]

@@ -1,0 +1,241 @@
+"""Chooses the implementation of every kernel family: the one seam between keyinit and its kernels.
+
+Three families, each with one call here:
+
+- :func:`fill`: a distribution's values for a region (``keyinit.random``, the
+  initializers, replayed init code);
+- :func:`dropout`: keyed dropout of a tensor laid out by a
+  :class:`~keyinit._draw.dropout_geometry.Geometry` (the ``keyinit::dropout`` op and its
+  eager form, ``keyinit.nn._op``);
+- :func:`permute`: the keyed permutation at some positions (``keyinit.data``).
+
+Each stream version has each family as a :class:`Kernels` in :data:`KERNELS`,
+the kernel table: a reference that runs on any device and kernels by device
+type. Every kernel must produce exactly the reference's bits, and the tests hold
+them to it. The table is one of keyinit's documented registries. Stream v1's
+references are here, one floor below every kernel (``reference_fill``,
+``reference_dropout``, ``reference_permutation``); its kernels register
+themselves from above (:func:`keyinit._kernels.register`, which importing keyinit calls):
+
+- CPU tensors: the compiled C kernels (``keyinit._kernels.fill.cpu``,
+  ``dropout.cpu``, ``permutation.cpu``), built on first use; if one cannot be
+  built or fails its golden self-test, one ``RuntimeWarning`` and the reference;
+- CUDA tensors: the Triton kernels (``keyinit._kernels.fill.triton``,
+  ``dropout.triton``, ``permutation.triton``) when the optional ``triton``
+  package is installed;
+- anything else, or ``KEYINIT_DISABLE_KERNELS=1``: the reference.
+
+So nothing here names a module above it, by import or by string. Implementations
+are named by module and function (:class:`KernelRef`) and imported on first use,
+so importing keyinit builds, loads and registers nothing with torch. A new stream
+version registers its own families (:func:`register_family`); nothing here changes.
+
+The fast fill kernels write ``out``'s memory directly. A view with torch's
+negative bit (``x.conj().imag``) reads that memory negated, so it is filled
+through a plain temporary and ``copy_``, which applies the view's semantics. A
+meta ``out`` (a draw under ``torch.device("meta")``) has no memory: nothing is
+computed.
+
+A draw or permutation made while a ``TorchDispatchMode`` is active (keyinit's own capture:
+``nn.Parameter(keyinit.random.normal(...))`` in a constructor built with ``keyinit.deferred``,
+or in an ``init_method``) or into a tensor subclass (a stand-in, which has no memory) is
+computed with the modes off, kernel self-test included: into ``out`` itself when it is a plain
+tensor, else into a plain tensor then copied into ``out`` through the modes (the values are a pure
+function of the key, so the capture records them as constants). No kernel ever writes through a
+subclass's data pointer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Callable, Optional
+
+import attrs
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from keyinit._bits.streams import get_stream
+from keyinit._draw.reference_permutation import permutation_key
+from keyinit.distributions import Distribution
+from keyinit.keys import Key
+from keyinit.regions import Region
+
+__all__ = ["KernelRef", "Kernels", "KERNELS", "FAMILIES", "kernels", "register_family", "register_kernel",
+           "kernels_disabled", "fill", "dropout", "permute"]
+
+#: The kernel families every stream version has.
+FAMILIES = ("fill", "dropout", "permutation")
+
+
+def kernels_disabled() -> bool:
+    """True when ``KEYINIT_DISABLE_KERNELS`` is set to a true value (1, true, yes, on)."""
+    return os.environ.get("KEYINIT_DISABLE_KERNELS", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@attrs.frozen
+class KernelRef:
+    """An implementation named by ``module`` and ``name``, imported when first resolved.
+
+    Resolved at every call (a dictionary lookup once the module is imported), so
+    an implementation replaced on its module (a test's ``monkeypatch``) is the one
+    that runs.
+    """
+
+    module: str
+    name: str
+
+    def resolve(self) -> Optional[Callable[..., Any]]:
+        """The function, or ``None`` when its module cannot be imported (e.g. no ``triton``)."""
+        module = sys.modules.get(self.module)
+        if module is None:
+            try:
+                module = importlib.import_module(self.module)
+            except Exception:  # noqa: BLE001 - a kernel that cannot even be imported is unavailable
+                return None
+        return getattr(module, self.name)
+
+
+def _read_only(devices: Mapping[str, KernelRef]) -> Mapping[str, KernelRef]:
+    return MappingProxyType(dict(devices))
+
+
+@attrs.frozen
+class Kernels:
+    """One kernel family of a stream: the ``reference`` (any device) and a kernel per device type.
+
+    All take the same arguments. A kernel returns ``True`` when it wrote the
+    result and ``False`` when it cannot (nothing written; the reference runs);
+    the reference always writes it.
+    """
+
+    reference: KernelRef
+    devices: Mapping[str, KernelRef] = attrs.field(default=(), converter=_read_only)
+
+    def run(self, device: str, *args: Any, **kwargs: Any) -> None:
+        """The kernel for ``device`` unless kernels are disabled (``KEYINIT_DISABLE_KERNELS``) or it
+        declines, else the reference."""
+        if not kernels_disabled():
+            ref = self.devices.get(device)
+            kernel = ref.resolve() if ref is not None else None
+            if kernel is not None and kernel(*args, **kwargs):
+                return
+        reference = self.reference.resolve()
+        if reference is None:  # pragma: no cover - the references import nothing optional
+            raise ImportError(f"the reference {self.reference.module}.{self.reference.name} cannot be imported")
+        reference(*args, **kwargs)
+
+
+#: The kernel table: stream version name -> family -> :class:`Kernels`. The documented registry that
+#: :func:`register_family` (a new version's references) and :func:`register_kernel` (a device's kernel) fill.
+KERNELS: dict[str, dict[str, Kernels]] = {
+    "v1": {
+        "fill": Kernels(KernelRef("keyinit._draw.reference_fill", "fill")),
+        "dropout": Kernels(KernelRef("keyinit._draw.reference_dropout", "dropout")),
+        "permutation": Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into")),
+    },
+}
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; the families are {list(FAMILIES)}")
+
+
+def register_family(stream: str, family: str, kernels: Kernels) -> Kernels:
+    """Register ``kernels`` (a reference and kernels by device) as ``family`` of the stream version named
+    ``stream`` (returns it). A family already registered is refused: a released version never changes."""
+    _check_family(family)
+    if not isinstance(kernels, Kernels):
+        raise TypeError(f"register_family takes a Kernels, got {type(kernels).__name__}")
+    families = KERNELS.setdefault(stream, {})
+    if family in families:
+        raise ValueError(f"stream {stream!r} already has its {family!r} kernels; a registered version never changes")
+    families[family] = kernels
+    return kernels
+
+
+def register_kernel(stream: str, family: str, device: str, ref: KernelRef) -> None:
+    """Make ``ref`` the ``family`` kernel of ``stream`` for tensors on ``device`` (a device type). It must give
+    the reference's bits; registering the same kernel again changes nothing."""
+    current = kernels(stream, family)
+    KERNELS[stream][family] = attrs.evolve(current, devices={**current.devices, device: ref})
+
+
+def kernels(stream: str, family: str) -> Kernels:
+    """The registered ``family`` of the stream version named ``stream``."""
+    _check_family(family)
+    found = KERNELS.get(stream, {}).get(family)
+    if found is None:
+        get_stream(stream)  # an unknown version says so
+        raise ValueError(f"stream {stream!r} has no {family!r} kernels registered")
+    return found
+
+
+def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region) -> None:
+    """Fill ``out`` (shaped like ``region``) with ``dist``'s values from ``key``'s stream."""
+    family = kernels(key.stream, "fill")
+    if out.numel() == 0 or out.device.type == "meta":
+        return
+    if _intercepted(out):
+        with _disable_current_modes():
+            if not _subclass(out):  # a plain tensor: filled in place, as always (the kernel writes its memory)
+                fill(out, dist, key, region)
+                return
+            plain = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            fill(plain, dist, key, region)
+        out.copy_(plain)
+        return
+    if out.is_neg() or out.is_conj():
+        plain = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        fill(plain, dist, key, region)
+        out.copy_(plain)
+        return
+    family.run(out.device.type, out, dist, key, region)
+
+
+def _subclass(tensor: torch.Tensor) -> bool:
+    """``tensor`` is a ``__torch_dispatch__`` subclass (a stand-in, a fake or distributed tensor)."""
+    return type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def _intercepted(tensor: torch.Tensor) -> bool:
+    """Ops on ``tensor`` do not reach its memory directly: a dispatch mode is active, or it is a subclass."""
+    return torch._C._len_torch_dispatch_stack() > 0 or _subclass(tensor)
+
+
+def dropout(x: torch.Tensor, geometry: Any) -> torch.Tensor:
+    """Keyed dropout of ``x`` laid out by ``geometry`` (a :class:`keyinit._draw.dropout_geometry.Geometry`,
+    which carries the key's words and stream version): a new contiguous tensor."""
+    family = kernels(geometry.stream, "dropout")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    family.run(x.device.type, x, out, geometry)
+    return out
+
+
+def permute(key: Key, n: int, inverse: bool, out: torch.Tensor, *, positions: Optional[torch.Tensor] = None,
+            start: int = 0, step: int = 1) -> torch.Tensor:
+    """``out[k] = perm(p_k)`` (``inverse``: ``perm^-1(p_k)``) of the keyed permutation of ``range(n)``
+    (``2 <= n <= 2**62``), with ``p_k = positions[k]`` (an int64 tensor of ``out``'s shape, on its device)
+    or ``start + step * k``; returns ``out``."""
+    family = kernels(key.stream, "permutation")
+    if out.numel() and (_intercepted(out) or (positions is not None and _intercepted(positions))):
+        if positions is not None and _subclass(positions):
+            positions = torch.tensor(positions.tolist(), dtype=torch.int64)  # its values (a stand-in computes them)
+        with _disable_current_modes():
+            if not _subclass(out):
+                return permute(key, n, inverse, out, positions=positions, start=start, step=step)
+            plain = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            permute(key, n, inverse, plain, positions=positions, start=start, step=step)
+        out.copy_(plain)
+        return out
+    if out.numel():
+        kp = permutation_key(key, n).words  # derived in the key's own stream
+        family.run(out.device.type, kp, n, inverse, out, positions=positions, start=start, step=step)
+    return out

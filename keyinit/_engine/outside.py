@@ -1,0 +1,166 @@
+"""What a capture cannot record: Python's and numpy's global generators, and threads the code starts.
+
+A :class:`~keyinit._engine.capture.Capture` records the torch ops of the thread that runs the code.
+Two things escape it:
+
+- ``random.random()`` and ``numpy.random.permutation(...)`` draw from one global generator per
+  process: their values depend on its state (different on two ranks) and advance it;
+- a constructor that builds its layers in worker threads (``ThreadPoolExecutor``) runs them where
+  the capture's dispatch mode is not (it is per-thread): the threads would draw real weights from
+  torch's global RNG and advance it.
+
+:func:`watched` runs a capture's block so that both are an :class:`keyinit.UnkeyedRandomnessError`
+naming the code: the two global generators are put back as they were when the block advanced them,
+and every torch op in a thread started inside the block is refused before it runs (nothing of
+torch's RNG is read). Nothing is patched: ``threading.setprofile`` is set for the block and put back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any, Optional
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from keyinit.errors import UnkeyedRandomnessError
+
+__all__ = ["watched", "ThreadDrawsRefused"]
+
+
+class _Watch:
+    def __init__(self, site: str) -> None:
+        self.site = site
+        self.open = True
+        self.refused: list[str] = []
+
+
+class _RefuseInThread(TorchDispatchMode):
+    """Pushed in a thread started inside a capture: while the capture runs, every torch op there is refused."""
+
+    def __init__(self, watch: _Watch) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
+        if self.watch.open:
+            name = threading.current_thread().name
+            self.watch.refused.append(name)
+            raise UnkeyedRandomnessError(_thread_message(self.watch.site, name, func))
+        return func(*args, **(kwargs or {}))
+
+
+def _thread_message(site: str, thread: str, func: Any = None) -> str:
+    return (f"{site}: init code ran torch ops{f' ({func})' if func is not None else ''} in a thread it started "
+            f"({thread}); keyinit records the ops of the thread that runs the code, so these would draw from "
+            f"torch's global RNG and be kept as constants: build the modules in the calling thread")
+
+
+def _generator_states() -> dict[str, Any]:
+    states: dict[str, Any] = {}
+    python_random = sys.modules.get("random")
+    if python_random is not None:
+        states["Python's random"] = python_random.getstate()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy.random"] = numpy.random.get_state(legacy=False)
+    return states
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if type(a).__module__ == "numpy":
+        import numpy
+
+        return bool(numpy.array_equal(a, b))
+    return a == b
+
+
+def _restore(name: str, state: Any) -> None:
+    if name == "Python's random":
+        sys.modules["random"].setstate(state)
+    else:
+        sys.modules["numpy"].random.set_state(state)
+
+
+@contextlib.contextmanager
+def watched(site: str) -> Iterator[None]:
+    """Run a capture's block; a draw from Python's or numpy's global generator, or a torch op in a
+    thread started here, is an :class:`UnkeyedRandomnessError` naming ``site`` (the generators put back)."""
+    watch = _Watch(site)
+    before = _generator_states()
+    previous: Optional[Any] = threading.getprofile()
+
+    def start(frame: Any, event: str, arg: Any) -> None:  # the first event of each thread started here
+        sys.setprofile(previous)
+        if watch.open:
+            _RefuseInThread(watch).__enter__()  # for the thread's life; it passes ops through once the block ends
+
+    threading.setprofile(start)
+    try:
+        yield
+    finally:
+        threading.setprofile(previous)
+        watch.open = False
+        advanced = [name for name, state in before.items() if not _same(_generator_states().get(name), state)]
+        for name in advanced:
+            _restore(name, before[name])
+    if advanced:
+        raise UnkeyedRandomnessError(
+            f"{site}: init code drew from the global generator of {' and '.join(advanced)}: its values would depend on "
+            f"that generator's state (different on two ranks), and keyinit cannot key them; draw with torch (keyed "
+            f"by the tensor it lands in) or keyinit.random; the generator's state was put back")
+    if watch.refused:
+        raise UnkeyedRandomnessError(_thread_message(site, watch.refused[0]))
+
+
+class _RefuseDrawsInThread(TorchDispatchMode):
+    """Pushed in a thread started inside a keyed sample: while the sample runs, every random op there is
+    refused (deterministic ops, such as decoding, run)."""
+
+    def __init__(self, watch: _Watch) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
+        from keyinit._engine.random_ops import is_random
+
+        if self.watch.open and is_random(func):
+            name = threading.current_thread().name
+            self.watch.refused.append(name)
+            raise UnkeyedRandomnessError(
+                f"{self.watch.site}: a random op ({func}) in a thread started while the sample was read ({name}); "
+                "keyinit keys the randomness of the thread that reads the sample, so this draw would come from "
+                "torch's global RNG and differ on every read: augment in the calling thread")
+        return func(*args, **(kwargs or {}))
+
+
+class ThreadDrawsRefused:
+    """Context manager: a random torch op in a thread started inside the block is an
+    :class:`UnkeyedRandomnessError` naming ``site`` (refused before it draws; ``threading.setprofile``
+    is set for the block and put back)."""
+
+    __slots__ = ("watch", "previous")
+
+    def __init__(self, site: str) -> None:
+        self.watch = _Watch(site)
+        self.previous: Optional[Any] = None
+
+    def __enter__(self) -> "ThreadDrawsRefused":
+        watch = self.watch
+        self.previous = previous = threading.getprofile()
+
+        def start(frame: Any, event: str, arg: Any) -> None:  # the first event of each thread started here
+            sys.setprofile(previous)
+            if watch.open:
+                _RefuseDrawsInThread(watch).__enter__()  # for the thread's life; passes ops once the block ends
+
+        threading.setprofile(start)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        threading.setprofile(self.previous)
+        self.watch.open = False

@@ -1,0 +1,1 @@
+"""The keyed dropout family (C on CPU, Triton on CUDA, a golden self-test)."""

@@ -1,0 +1,100 @@
+"""Golden self-test of the compiled CPU dropout kernel, run once when it is loaded.
+
+The counterpart of :mod:`keyinit._kernels.fill.selftest` for ``dropout_kernels.c``:
+before :mod:`keyinit._kernels.dropout.cpu` uses a library, it runs the cases
+below and compares SHA-256 digests of the output bytes with :data:`GOLDEN`, the
+bytes the reference (:func:`keyinit._draw.reference_dropout.dropout`) produces;
+``tests/test_hostile_kernels.py`` recomputes them from the reference.
+
+The cases are small (about 150k elements) and cover what could differ: each
+dtype's scaling and rounding (fp16 overflow to infinity, subnormal products),
+runs that start off a Philox block boundary, merged and split dimensions, index
+vectors, flat indices near 2**62, ``p`` at 0 and near 1, and two threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["GOLDEN", "KEY_WORDS", "cases", "inputs", "run"]
+
+#: Key (k0, k1) of every case.
+KEY_WORDS = (0x13198A2E, 0x03707344)
+
+_BIG = 2**31
+
+
+def cases() -> list[tuple[str, torch.dtype, tuple[int, ...], Optional[tuple], float, int, str]]:
+    """``(name, dtype, global shape, region, p, threads, values)`` of every case."""
+    return [
+        ("f32-whole", torch.float32, (3, 37, 11), None, 0.3, 1, "mixed"),
+        ("f64-rows", torch.float64, (9, 37, 11), (slice(5, 8), slice(None), slice(None)), 0.1, 1, "mixed"),
+        ("bf16-index", torch.bfloat16, (9, 40, 11), ([0, 8, 3], list(range(39, 2, -1)), slice(None)), 0.5, 1,
+         "mixed"),
+        ("f16-overflow", torch.float16, (3, 37, 15), (slice(None), slice(None), [14, 0, 3, 3, 7, 1, 9]), 0.3, 1,
+         "huge"),
+        ("f32-subnormal", torch.float32, (4, 300), (slice(None), slice(3, 290)), 0.25, 1, "tiny"),
+        ("f32-near-2**62", torch.float32, (_BIG, _BIG), (slice(_BIG - 3, None), slice(_BIG - 407, None)), 0.3, 1,
+         "mixed"),
+        ("f64-p0", torch.float64, (1000,), None, 0.0, 1, "mixed"),
+        ("f32-p-near-1", torch.float32, (1000,), None, 1 - 1e-9, 1, "mixed"),
+        ("f32-two-threads", torch.float32, (20001,), None, 0.2, 2, "mixed"),
+    ]
+
+
+def inputs(shape: tuple[int, ...], dtype: torch.dtype, values: str) -> torch.Tensor:
+    """Deterministic inputs (no RNG): signed values, fp16-overflowing ones, or subnormal float32 ones."""
+    n = 1
+    for size in shape:
+        n *= size
+    k = torch.arange(n, dtype=torch.float64)
+    if values == "huge":
+        x = 40000.0 + (k % 7) * 4000.0
+    elif values == "tiny":
+        x = (k % 13 - 6) * 1e-40
+    else:
+        x = (k * 0.37) % 7 - 3.5
+    return x.to(dtype).reshape(shape)
+
+
+def digest(out: torch.Tensor) -> str:
+    """SHA-256 (16 hex digits) of ``out``'s values as row-major bytes."""
+    dense = out.contiguous().reshape(-1)
+    return hashlib.sha256(dense.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+#: sha256(output bytes)[:16] of each case, as the reference produces them.
+GOLDEN = {
+    "f32-whole": "7666d8fe9fbfcb3d",
+    "f64-rows": "3ad622b4ffbf8049",
+    "bf16-index": "25b6467a2628e0cc",
+    "f16-overflow": "66be3d7de1f94d89",
+    "f32-subnormal": "3c94a3f70fccd2e4",
+    "f32-near-2**62": "5a5ee57adeb2fd21",
+    "f64-p0": "3ffff53aa03ce267",
+    "f32-p-near-1": "fc19b19971194257",
+    "f32-two-threads": "939a617728ea225b",
+}
+
+
+def run(dropout: Callable[[torch.Tensor, torch.Tensor, Any, int], bool]) -> list[str]:
+    """Names of the cases whose digest is not :data:`GOLDEN` (empty: all pass).
+
+    ``dropout(x, out, geometry, threads)`` is the implementation under test.
+    """
+    from keyinit._draw.dropout_geometry import layout_for, make_geometry
+    from keyinit.regions import make_region
+
+    failed = []
+    for name, dtype, shape, region, p, threads, values in cases():
+        local = make_region(shape, region).region_shape
+        x = inputs(local, dtype, values)
+        layout = layout_for(local, shape, region)
+        geometry = make_geometry(local, *KEY_WORDS, p, layout.gstrides, layout.starts, layout.indices)
+        out = torch.full_like(x, 7.0)
+        if not dropout(x, out, geometry, threads) or digest(out) != GOLDEN.get(name):
+            failed.append(name)
+    return failed

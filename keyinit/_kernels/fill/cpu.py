@@ -1,0 +1,116 @@
+"""The compiled CPU kernel: planning a fill and calling ``keyinit_fill`` through ctypes.
+
+The kernel writes straight into ``out`` (any strides) with a bounded stack
+workspace per thread, and runs on ``torch.get_num_threads()`` threads; the
+values do not depend on that number. See ``fill_kernels.c`` for the
+element addressing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from keyinit.distributions import Bernoulli, Distribution, Normal, Randint, TruncatedNormal, Uniform
+from keyinit.keys import Key
+from keyinit.regions import Region
+
+from keyinit._kernels.fill import selftest as _selftest
+from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
+from keyinit._kernels.common.library import I64P, MAX_DIMS, CompiledLibrary
+from keyinit._draw.geometry import geometry
+
+__all__ = ["KERNEL", "available", "fill", "library", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
+
+#: Below this many elements one thread does the work (thread start-up would dominate).
+MIN_PARALLEL_ELEMENTS = 1 << 16
+
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the ctypes signatures of the kernel library's functions."""
+    lib.keyinit_fill.restype = ctypes.c_int
+    lib.keyinit_fill.argtypes = [
+        ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32,
+        ctypes.POINTER(ctypes.c_double), I64P,
+        ctypes.c_int, ctypes.c_int64, I64P, I64P, I64P,
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_int,
+    ]
+    lib.keyinit_constants.restype = ctypes.c_int
+    lib.keyinit_constants.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_int]
+    lib.keyinit_convert_f32.restype = None
+    lib.keyinit_convert_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.keyinit_ndtri_tail.restype = None
+    lib.keyinit_ndtri_tail.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.keyinit_philox_range.restype = None
+    lib.keyinit_philox_range.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32,
+                                         ctypes.c_void_p]
+    return lib
+
+
+def _selftest_run(lib: ctypes.CDLL) -> list[str]:
+    return _selftest.run(lambda out, dist, key, region, threads: fill(out, dist, key, region, threads=threads, lib=lib))
+
+
+#: The init kernel library (``fill_kernels.c``), loaded through the one loader.
+KERNEL = CompiledLibrary("the compiled CPU kernel", "fill/fill_kernels.c", declare, _selftest_run)
+#: Looked up at each call, so a test can patch it; ``LIBRARY``, ``UNCHECKED``, ``SOURCE``, ... are the loader's.
+library = KERNEL.library
+__getattr__ = KERNEL.module_attribute
+
+
+def _params(dist: Distribution) -> tuple[list[float], list[int]]:
+    f = [0.0] * 6
+    i = [0] * 4
+    if isinstance(dist, Uniform):
+        f[0], f[1] = dist.low, dist.span
+    elif isinstance(dist, Normal):
+        f[0], f[1] = dist.mean, dist.std
+    elif isinstance(dist, TruncatedNormal):
+        f[:6] = [dist.mean, dist.std, dist.p_low, dist.p_span, dist.lower, dist.upper]
+        i[0] = int(dist.flip)
+    elif isinstance(dist, Bernoulli):
+        i[1] = dist.threshold
+    elif isinstance(dist, Randint):
+        i[2], i[3] = dist.low, dist.span
+    return f, i
+
+
+def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, threads: Optional[int] = None,
+         lib: Optional[ctypes.CDLL] = None) -> bool:
+    """Fill ``out`` with the kernel; ``False`` (nothing written) if the kernel cannot do it.
+
+    ``threads`` defaults to ``torch.get_num_threads()`` (one thread for small fills);
+    ``lib`` to the library built for this machine (tests pass other builds).
+    """
+    dist_id = DIST_IDS.get(type(dist))
+    dtype_id = DTYPE_IDS.get(out.dtype)
+    if dist_id is None or dtype_id is None or out.device.type != "cpu" or out.dim() > MAX_DIMS:
+        return False
+    lib = lib if lib is not None else KERNEL.usable(library)
+    if lib is None:
+        return False
+    base, dims = geometry(out, region)
+    nd = len(dims)
+    sizes = (ctypes.c_int64 * nd)(*(d[0] for d in dims))
+    ostrides = (ctypes.c_int64 * nd)(*(d[1] for d in dims))
+    gstrides = (ctypes.c_int64 * nd)(*(d[2] for d in dims))
+    indices = (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims))
+    f, i = _params(dist)
+    fparams = (ctypes.c_double * 6)(*f)  # binary32 values, exact as doubles; the kernel converts
+    iparams = (ctypes.c_int64 * 4)(*i)
+    k0, k1 = key.words
+    if threads is None:
+        threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
+    keep_alive = [d[3] for d in dims]  # noqa: F841 - index vectors must outlive the call
+    rc = lib.keyinit_fill(
+        dist_id, dtype_id, k0, k1, fparams, iparams, nd, base, sizes, ostrides, gstrides, indices,
+        out.data_ptr(), threads,
+    )
+    if rc != 0:  # pragma: no cover - arguments are validated above
+        raise RuntimeError(f"keyinit_fill failed with code {rc}")
+    # The write bypassed torch, so bump the version counter as an in-place op would.
+    torch.autograd.graph.increment_version(out)
+    return True

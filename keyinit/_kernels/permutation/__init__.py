@@ -1,0 +1,1 @@
+"""The keyed permutation family (C on CPU, Triton on CUDA, a golden self-test)."""

@@ -1,0 +1,369 @@
+"""The common random ops of data pipelines, keyed without building a program.
+
+:func:`plan` recognizes ``uniform_``, ``normal_``, ``rand``, ``randn``, ``rand_like``, ``randn_like``,
+``randint``, ``random_``, ``bernoulli``/``bernoulli_`` (scalar or tensor ``p``) and ``randperm`` with
+arguments the table of :mod:`keyinit._engine.random_ops` maps to plain samplers, and returns a
+:class:`Recipe`: the draws the keyed equivalent makes (sampler, dtype, shape, in the order
+:func:`keyinit.data._augment._keyed_call` numbers them) and how the result is made from them. The
+values are those of the table, bit for bit: the same samplers, the same arithmetic; only the
+meta run, the program nodes and the evaluator are skipped. Anything else (other ops, other
+overloads, ``out=``, arguments the table refuses) is None, and callers take the general path.
+
+:func:`fold` is ``keyinit.fold_in`` of an int for stream v1 keys in plain Python integers
+(about 5x faster than the general derivation); other streams use ``fold_in``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+from typing import Any, Callable, Optional
+
+import torch
+
+from keyinit.distributions import FLOAT_DTYPES, INT_DTYPES, Bernoulli, Bits, Normal, Randint, Uniform
+from keyinit.keys import Key, fold_in
+from keyinit.regions import make_region
+
+__all__ = ["fold", "fold_str", "plan", "Recipe"]
+
+_M0, _M1, _W0, _W1, _MASK = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
+
+
+def _philox_key(k0: int, k1: int, c0: int, c1: int, c2: int, c3: int) -> Key:
+    """``Key(*Philox4x32-10((c0, c1, c2, c3), (k0, k1))[:2])`` in Python ints (spec sections 1 and 3)."""
+    for r in range(10):
+        if r:
+            k0 = (k0 + _W0) & _MASK
+            k1 = (k1 + _W1) & _MASK
+        p0 = _M0 * c0
+        p1 = _M1 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & _MASK, (p0 >> 32) ^ c3 ^ k1, p0 & _MASK
+    return Key(c0, c1, "v1")
+
+
+def fold(parent: Key, data: int) -> Key:
+    """``fold_in(parent, data)`` for an int ``data`` in ``[0, 2**64)`` (spec section 3, tag 2)."""
+    if parent.stream != "v1" or not 0 <= data < 1 << 64:
+        return fold_in(parent, data)
+    return _philox_key(parent.k0, parent.k1, data & _MASK, data >> 32, 2, 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _string_words(data: str) -> tuple[int, int, int]:
+    digest = hashlib.sha256(data.encode("utf-8")).digest()
+    return tuple(int.from_bytes(digest[4 * i: 4 * i + 4], "little") for i in range(3))  # type: ignore[return-value]
+
+
+def fold_str(parent: Key, data: str) -> Key:
+    """``fold_in(parent, data)`` for a str ``data`` (spec section 3, tag 3; the hash cached per string)."""
+    if parent.stream != "v1":
+        return fold_in(parent, data)
+    h0, h1, h2 = _string_words(data)
+    return _philox_key(parent.k0, parent.k1, h0, h1, 3, h2)
+
+
+_LIBRARY: list = []  # the CPU kernel library once loaded (loading it checks it: milliseconds)
+
+
+def kernel_library() -> Any:
+    """The CPU fill kernel's library, or None where kernels are disabled (``KEYINIT_DISABLE_KERNELS``,
+    read on every call) or unavailable (resolve once per keyed call)."""
+    from keyinit._draw.dispatch import kernels_disabled
+
+    if kernels_disabled():
+        return None
+    if not _LIBRARY:
+        from keyinit._kernels.fill.cpu import library
+
+        lib = library()
+        if lib is None:
+            return None
+        _LIBRARY.append(lib)
+    return _LIBRARY[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def draw_key(parent: Key, call: int, draw: int) -> Key:
+    """``fold(fold(parent, call), draw)``, remembered: collate keys repeat for every batch of an epoch."""
+    return fold(fold(parent, call), draw)
+
+
+class Geometry:
+    """Where a fill's elements lie in the stream: all of a contiguous ``out`` from flat index 0
+    (``rows`` None), or row ``b`` of an ``(B, R)`` ``out`` from flat index ``rows[b] * row_stride``;
+    the kernel's arguments are built once and reused for every draw of that geometry."""
+
+    __slots__ = ("rows", "row_stride", "numel", "args")
+
+    def __init__(self, shape: tuple[int, ...], rows: Optional[torch.Tensor] = None, row_stride: int = 0) -> None:
+        from keyinit._draw.geometry import coalesce
+
+        self.rows, self.row_stride, self.numel = rows, row_stride, math.prod(shape)
+        if rows is None:
+            base, dims = 0, [[self.numel, 1, 1, None]]
+        else:
+            base, dims = coalesce([(shape[0], shape[1], row_stride, 0, rows), (shape[1], 1, 1, 0, None)])
+        nd = len(dims)
+        self.args = (nd, base, (ctypes.c_int64 * nd)(*(d[0] for d in dims)),
+                     (ctypes.c_int64 * nd)(*(d[1] for d in dims)), (ctypes.c_int64 * nd)(*(d[2] for d in dims)),
+                     (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims)))
+
+
+@functools.lru_cache(maxsize=64)
+def _params(dist: Any) -> tuple:
+    from keyinit._kernels.fill.cpu import _params as params
+
+    f, i = params(dist)
+    return (ctypes.c_double * 6)(*f), (ctypes.c_int64 * 4)(*i)
+
+
+def fill(lib: Any, out: torch.Tensor, dist: Any, key: Key, geometry: Optional[Geometry] = None) -> None:
+    """Write ``dist``'s values into ``out`` (a new contiguous CPU tensor) at ``geometry`` (default: all
+    of ``out`` from flat index 0) of ``key``'s stream.
+
+    The values of ``keyinit._draw.dispatch.fill`` with the matching region (the kernel called directly,
+    without building the region and its checks); the reference where ``lib`` is None.
+    """
+    if out.numel() == 0:
+        return
+    from keyinit._kernels.fill.cpu import DIST_IDS, DTYPE_IDS, MIN_PARALLEL_ELEMENTS
+
+    dist_id, dtype_id = DIST_IDS.get(type(dist)), DTYPE_IDS.get(out.dtype)
+    if lib is None or key.stream != "v1" or dist_id is None or dtype_id is None:
+        from keyinit._draw import dispatch as _dispatch
+
+        if geometry is None or geometry.rows is None:
+            region = make_region(tuple(out.shape), None)
+        else:
+            region = make_region(((1 << 62) // geometry.row_stride, geometry.row_stride),
+                                 (geometry.rows, range(out.shape[1])))
+        _dispatch.fill(out, dist, key, region)
+        return
+    if geometry is None:
+        geometry = Geometry(tuple(out.shape))
+    fparams, iparams = _params(dist)
+    threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
+    rc = lib.keyinit_fill(dist_id, dtype_id, key.k0, key.k1, fparams, iparams, *geometry.args, out.data_ptr(),
+                          threads)
+    if rc != 0:  # pragma: no cover - the arguments are the ones _dispatch.fill would pass
+        raise RuntimeError(f"keyinit_fill failed with code {rc}")
+
+
+class Recipe:
+    """What a recognized random op draws and how its result is made.
+
+    ``draws``: ``(distribution, dtype, shape)`` per keyed draw ``j`` (None: a constant, no draw);
+    ``finish(values)``: the op's value (CPU) from the drawn tensors; ``write``: the tensor an
+    in-place op writes (None: the op returns a new tensor on ``device``).
+    """
+
+    __slots__ = ("shape", "draws", "finish", "write", "device")
+
+    def __init__(self, shape: tuple[int, ...], draws: list, finish: Callable[[list], torch.Tensor],
+                 write: Optional[torch.Tensor], device: Any) -> None:
+        self.shape, self.draws, self.finish, self.write, self.device = shape, draws, finish, write, device
+
+    def result(self, values: list) -> Any:
+        value = self.finish(values)
+        if self.write is not None:
+            with torch.no_grad():
+                self.write.copy_(value.to(self.write.device))
+            return self.write
+        return value.to(self.device) if self.device is not None else value
+
+
+def _sampler(dist: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> Optional[list]:
+    if dtype not in dist.dtypes:
+        return None
+    return [(dist, dtype, shape)]
+
+
+def _first(values: list) -> torch.Tensor:
+    return values[0]
+
+
+@functools.lru_cache(maxsize=512)
+def _schema(func: Any) -> tuple[tuple[str, bool], ...]:
+    return tuple((arg.name, arg.kwarg_only) for arg in func._schema.arguments)
+
+
+def _args(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound: dict[str, Any] = {}
+    for i, (name, kwarg_only) in enumerate(_schema(func)):
+        if i < len(args) and not kwarg_only:
+            bound[name] = args[i]
+        elif name in kwargs:
+            bound[name] = kwargs[name]
+    return bound
+
+
+def _dist(kind: type, *params: Any) -> Any:
+    """``kind.create(*params)``, made once per parameters (distributions are immutable). The cache key
+    holds each float's sign, since ``-0.0 == 0.0`` (and so hashes alike) but may round differently."""
+    signs = tuple(math.copysign(1.0, p) if isinstance(p, float) else 0.0 for p in params)
+    return _dist_cached(kind, params, signs)
+
+
+@functools.lru_cache(maxsize=256)
+def _dist_cached(kind: type, params: tuple, signs: tuple) -> Any:
+    return kind.create(*params)
+
+
+def _shape(size: Any) -> Optional[tuple[int, ...]]:
+    try:
+        return tuple(int(s) for s in size)
+    except TypeError:
+        return None
+
+
+def _randint_draw(low: int, high: int, dtype: torch.dtype, shape: tuple[int, ...]) -> Optional[tuple[list, Callable]]:
+    if high - low > 2**32 or high <= low:
+        return None  # the table refuses: the general path says why
+    draw_dtype = dtype if dtype in INT_DTYPES else torch.int64
+    try:
+        dist = _dist(Randint, low, high, draw_dtype)
+    except (TypeError, ValueError):
+        return None
+    draws = _sampler(dist, draw_dtype, shape)
+    if draws is None:
+        return None
+    if draw_dtype == dtype:
+        return draws, _first
+    return draws, lambda values: values[0].to(dtype)
+
+
+def _tensor_bernoulli(p: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[list, Callable]:
+    probabilities = p.detach().cpu()
+
+    def finish(values: list) -> torch.Tensor:
+        # the table's x < round(p * 2**32) (int64 words against binary64: both exact)
+        return torch.lt(values[0], probabilities.double().mul_(2.0**32).round_()).to(dtype)
+
+    return [(Bits(), torch.int64, shape)], finish
+
+
+def _randperm(n: int, dtype: torch.dtype) -> tuple[list, Callable]:
+    def permutation(values: list) -> torch.Tensor:
+        hi, lo = values
+        order = torch.argsort(lo, stable=True)
+        return order[torch.argsort(hi[order], stable=True)].to(dtype)
+
+    return [(Bits(), torch.int64, (n,)), (_dist(Randint, 0, 2**32, torch.int64), torch.int64, (n,))], permutation
+
+
+def plan(func: Any, args: tuple, kwargs: dict, *, randperm: bool = True) -> Optional[Recipe]:
+    """The :class:`Recipe` of ``func(*args, **kwargs)``, or None where the general path must run."""
+    name = func._schema.name
+    if not name.startswith("aten::"):
+        return None
+    name = name[6:]
+    overload = func._overloadname
+    if overload.endswith("out") or overload == "names":
+        return None
+    a = _args(func, args, kwargs)
+    made: Optional[tuple[list, Callable]] = None
+    write: Optional[torch.Tensor] = None
+    device: Any = None
+    if name.endswith("_"):  # in place on self
+        self = a.get("self")
+        if not isinstance(self, torch.Tensor) or self.layout != torch.strided:
+            return None
+        write, shape, dtype = self, tuple(self.shape), self.dtype
+        if name == "uniform_":
+            low, high = float(a.get("from", 0.0)), float(a.get("to", 1.0))
+            if dtype not in FLOAT_DTYPES:
+                return None
+            if low == high:
+                made = [None], (lambda values, low=low: torch.full(shape, low, dtype=dtype))
+            else:
+                made = _made(lambda: _sampler(_dist(Uniform, low, high), dtype, shape))
+        elif name == "normal_":
+            mean, std = a.get("mean", 0.0), a.get("std", 1.0)
+            if dtype not in FLOAT_DTYPES or isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
+                return None
+            made = _made(lambda: _sampler(_dist(Normal, float(mean), float(std)), dtype, shape))
+        elif name == "random_":
+            low, high = a.get("from"), a.get("to")
+            if high is None:
+                if dtype == torch.bool:
+                    high = 2
+                elif dtype.is_floating_point:
+                    high = 2 ** (1 - int(round(math.log2(torch.finfo(dtype).eps)))) + 1
+                else:
+                    high = torch.iinfo(dtype).max + 1
+            made = _randint_draw(0 if low is None else int(low), int(high), dtype, shape)
+        elif name == "bernoulli_":
+            p = a.get("p", 0.5)
+            if isinstance(p, torch.Tensor):
+                made = _tensor_bernoulli(p, dtype, shape)
+            else:
+                made = _made(lambda: _sampler(_dist(Bernoulli, float(p)), dtype, shape))
+        else:
+            return None
+    else:
+        if name in ("rand", "randn"):
+            shape_ = _shape(a.get("size"))
+            if shape_ is None:
+                return None
+            shape = shape_
+            dtype = a.get("dtype") or torch.get_default_dtype()
+            device = a.get("device") or torch.device("cpu")
+        elif name in ("rand_like", "randn_like", "randint_like"):
+            self = a.get("self")
+            if not isinstance(self, torch.Tensor) or self.layout != torch.strided:
+                return None
+            shape, dtype = tuple(self.shape), a.get("dtype") or self.dtype
+            device = a.get("device") or self.device
+        elif name == "randint":
+            shape_ = _shape(a.get("size"))
+            if shape_ is None:
+                return None
+            shape, dtype = shape_, a.get("dtype") or torch.int64
+            device = a.get("device") or torch.device("cpu")
+        elif name == "bernoulli":
+            self = a.get("self")
+            if not isinstance(self, torch.Tensor) or self.layout != torch.strided:
+                return None
+            shape, dtype, device = tuple(self.shape), self.dtype, self.device
+        elif name == "randperm" and randperm:
+            n = int(a["n"])
+            dtype = a.get("dtype") or torch.int64
+            device = a.get("device") or torch.device("cpu")
+            draws, finish = _randperm(n, dtype)
+            return Recipe((n,), draws, finish, None, device)
+        else:
+            return None
+        if name in ("rand", "rand_like"):
+            if dtype not in FLOAT_DTYPES:
+                return None
+            made = _made(lambda: _sampler(_dist(Uniform, 0.0, 1.0), dtype, shape))
+        elif name in ("randn", "randn_like"):
+            if dtype not in FLOAT_DTYPES:
+                return None
+            made = _made(lambda: _sampler(_dist(Normal, 0.0, 1.0), dtype, shape))
+        elif name in ("randint", "randint_like"):
+            high = a.get("high")
+            if isinstance(high, torch.Tensor) or high is None:
+                return None
+            made = _randint_draw(int(a.get("low") or 0), int(high), dtype, shape)
+        elif name == "bernoulli":
+            p = a.get("p")
+            if overload == "p":
+                made = _made(lambda: _sampler(_dist(Bernoulli, float(p)), dtype, shape))
+            elif overload == "default":
+                made = _tensor_bernoulli(a["self"], dtype, shape)
+    if made is None or made[0] is None:
+        return None
+    draws, finish = made
+    return Recipe(shape, draws, finish, write, device)
+
+
+def _made(make: Callable[[], Optional[list]]) -> Optional[tuple[list, Callable]]:
+    try:
+        draws = make()
+    except (TypeError, ValueError):
+        return None  # parameters the samplers refuse: the general path says why
+    return None if draws is None else (draws, _first)

@@ -1,0 +1,113 @@
+"""Activation checkpointing under keyed(): the recompute in backward() draws the first execution's masks.
+
+Reentrant (``use_reentrant=True``: the recompute gets detached copies of the
+inputs, autograd off in the first execution) and non-reentrant checkpointing,
+with ``backward()`` inside the keyed block or after it (the context's hooks
+stay for the recomputes of its forwards until the next ``keyed()``): the
+gradients equal those of the same model without checkpointing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import keyinit
+import keyinit.nn as knn
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = x.new_empty((x.shape[0], 1)).bernoulli_(0.7)  # per-sample, DropPath-style
+        return x + self.drop(torch.relu(self.proj(x))) * keep
+
+
+class Net(nn.Module):
+    def __init__(self, reentrant=None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block() for _ in range(3)])
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) if self.reentrant is None else checkpoint(layer, x, use_reentrant=self.reentrant)
+        return x
+
+
+def _grads(reentrant, backward_inside: bool, step: int = 1):
+    net = Net(reentrant)
+    keyinit.init_model(net, 0)
+    x = torch.linspace(-1, 1, 6 * 8).reshape(6, 8).requires_grad_()
+    rng = torch.get_rng_state()
+    with knn.keyed(net.train(), 3, step=step):
+        loss = net(x).square().sum()
+        if backward_inside:
+            loss.backward()
+    if not backward_inside:
+        loss.backward()
+    assert torch.equal(rng, torch.get_rng_state())  # checkpointing saves and restores it; keyinit never draws
+    return [x.grad] + [p.grad for p in net.parameters()]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("backward_inside", [True, False])
+def test_checkpoint_recompute_uses_the_first_executions_keys(reentrant, backward_inside):
+    expected = _grads(None, True)
+    got = _grads(reentrant, backward_inside)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # the masks matter: another step's keys give other gradients
+    other = _grads(reentrant, backward_inside, step=2)
+    assert not torch.allclose(other[0], expected[0])
+
+
+def test_after_the_block_only_recomputes_are_keyed():
+    net = Net(reentrant=True)
+    keyinit.init_model(net, 0)
+    x = torch.ones(4, 8, requires_grad=True)
+    with knn.keyed(net.train(), 3, step=1):
+        loss = net(x).sum()
+    # a plain forward after the block is not keyed (torch's own dropout, the global RNG)
+    torch.manual_seed(0)
+    a = Net.forward(net, x)
+    torch.manual_seed(0)
+    b = Net.forward(net, x)
+    assert torch.equal(a, b)
+    loss.backward()  # the recomputes are keyed: no error, and the next keyed() takes over cleanly
+    with knn.keyed(net, 3, step=2):
+        net(x).sum().backward()
+    assert not net.layers[0]._forward_pre_hooks or len(net.layers[0]._forward_pre_hooks) == 1
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_recompute_in_another_thread_is_keyed_as_its_first_execution(reentrant):
+    """On CUDA the recompute runs in autograd's worker thread: here backward() runs in another thread."""
+    import threading
+
+    expected = _grads(None, True)
+    net = Net(reentrant)
+    keyinit.init_model(net, 0)
+    x = torch.linspace(-1, 1, 6 * 8).reshape(6, 8).requires_grad_()
+    with knn.keyed(net.train(), 3, step=1):
+        loss = net(x).square().sum()
+    errors: list = []
+
+    def backward() -> None:
+        try:
+            loss.backward()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=backward)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    for a, b in zip([x.grad] + [p.grad for p in net.parameters()], expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
