@@ -11,7 +11,8 @@ Sections (every ratio is torch time / keyinit time, so > 1 means keyinit is fast
 3. activation memory: bytes each saves for backward (measured with
    ``torch.autograd.graph.saved_tensors_hooks``), per dropout call;
 4. keyed overhead (CPU): a small Llama-like model's forward+backward under
-   ``keyinit.nn.keyed`` vs the same model with torch's dropout;
+   ``keyinit.nn.keyed`` vs the same model with torch's dropout (dim 256; dim 16, where compute is
+   negligible; and both compiled with ``torch.compile``);
 5. attention dropout: ``F.scaled_dot_product_attention(q, k, v, dropout_p=p)``
    (torch picks its kernel) vs ``keyinit.nn.functional.scaled_dot_product_attention``
    with the same ``dropout_p``, forward+backward, and the bytes each saves for backward.
@@ -128,10 +129,13 @@ def bench_ops(shape, dtypes, threads_list, repeats: int, device: str) -> list[di
     return rows
 
 
-def bench_keyed_model(repeats: int, threads: int, dim: int = 256, batch: tuple[int, int] = (8, 128)) -> dict:
+def bench_keyed_model(repeats: int, threads: int, dim: int = 256, batch: tuple[int, int] = (8, 128),
+                      compiled: bool = False) -> dict:
     """Forward+backward of a small Llama-like model: torch dropout vs the same model under keyed().
 
     ``dim=16, batch=(2, 8)`` makes the compute negligible: what remains is keyed()'s per-call overhead.
+    ``compiled``: both run ``torch.compile(model)`` (under keyed, dynamo falls back to eager: the
+    dispatch mode that tracks the batch cannot be traced), after a warm-up that compiles.
     """
     from torch import nn
 
@@ -157,16 +161,23 @@ def bench_keyed_model(repeats: int, threads: int, dim: int = 256, batch: tuple[i
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*batch, dim, generator=g)
 
+    run_model = torch.compile(model) if compiled else model
+
     def plain():
-        model(x).sum().backward()
+        run_model(x).sum().backward()
 
     def keyed():
-        with keyinit.nn.keyed(model, 0, step=1):
-            model(x).sum().backward()
+        with keyinit.nn.keyed(run_model, 0, step=1):
+            run_model(x).sum().backward()
 
+    if compiled:
+        import warnings
+
+        warnings.filterwarnings("ignore", message=".*TorchDispatchMode.*")
+        plain(), keyed()  # compile (and fall back) once, outside the timings
     t_plain, t_keyed = median_pair(plain, keyed, repeats, "cpu")
-    return {"model": f"4 blocks, dim {dim}, batch {batch}", "threads": threads,
-            "torch_ms": t_plain * 1e3, "keyed_ms": t_keyed * 1e3, "ratio": t_plain / t_keyed}
+    return {"model": f"4 blocks, dim {dim}, batch {batch}" + (", torch.compile" if compiled else ""),
+            "threads": threads, "torch_ms": t_plain * 1e3, "keyed_ms": t_keyed * 1e3, "ratio": t_plain / t_keyed}
 
 
 def bench_attention(shape, dtype, repeats: int, device: str, threads: int | None) -> dict:
@@ -218,6 +229,7 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, on
         if device == "cpu" and only in (None, "model"):
             result["keyed_model"] = bench_keyed_model(repeats, 1)
             result["keyed_overhead"] = bench_keyed_model(max(repeats, 50), 1, dim=16, batch=(2, 8))
+            result["keyed_compiled"] = bench_keyed_model(repeats, 1, compiled=True)
         if only in (None, "attention"):
             attention_shape = (8, 8, 1024, 64) if device == "cuda" else (4, 8, 256, 64)
             result["attention"] = [bench_attention(attention_shape, dtype, repeats, device, 1 if device == "cpu" else None)
@@ -234,7 +246,7 @@ def print_report(result: dict) -> None:
     print(f"machine: {result['machine']}")
     if "ops" in result:
         _print_ops(result)
-    for name in ("keyed_model", "keyed_overhead"):
+    for name in ("keyed_model", "keyed_overhead", "keyed_compiled"):
         if name in result:
             m = result[name]
             print(f"\nkeyed() on a model ({m['model']}, {m['threads']} thread), forward+backward: torch dropout "
