@@ -30,7 +30,6 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from keyinit._engine.outside import ThreadDrawsRefused
 from keyinit.data import _fast, _intercept
@@ -68,67 +67,11 @@ def _epoch_key(domain: Key, epoch: int) -> Key:
     return fold_in(domain, epoch)
 
 
-def _to_meta(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    if isinstance(x, torch.Generator):
-        return None
-    return x
-
-
 def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) -> Any:
-    from keyinit._engine.random_ops import bind_arguments, keyed_effects
-    from keyinit.errors import UnkeyedRandomnessError
-    from keyinit._engine.program import Literal, Node, Random
-    from keyinit._engine.replay import Evaluator
+    """A random op in a keyed ``__getitem__`` (or collate): the engine's keyed values for ``call_key``."""
+    from keyinit._engine.keyed_op import keyed_op
 
-    names = {arg.name for arg in func._schema.arguments}
-    margs = tuple(_to_meta(a) for a in args)
-    mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
-    device = kwargs.get("device")
-    if "device" in names:
-        mkwargs["device"] = torch.device("meta")
-    try:
-        meta_out = func(*margs, **mkwargs)
-    except Exception as exc:  # noqa: BLE001 - no meta kernel or a data-dependent shape
-        raise UnkeyedRandomnessError(f"{site}: cannot key {func} (its output shape is unknown without "
-                                     f"running it: {exc})") from exc
-    outputs = [t for t in tree_flatten(meta_out)[0] if isinstance(t, torch.Tensor)]
-    effects = keyed_effects(func, args, kwargs, outputs, site, lambda t: Literal(t.detach().cpu()),
-                            caller="the dataset's __getitem__")
-    nodes = [n for n in effects.returns if n is not None] + [n for _, n in effects.writes]
-    draws: list[Random] = []
-    seen: set[int] = set()
-
-    def visit(node: Node) -> None:
-        if id(node) in seen:
-            return
-        seen.add(id(node))
-        if isinstance(node, Random):
-            draws.append(node)
-        for child in getattr(node, "inputs", ()):
-            visit(child)
-
-    for node in nodes:
-        visit(node)
-    evaluator = Evaluator({draw: fold_in(call_key, j) for j, draw in enumerate(draws)},
-                          why_unkeyed="needs a random value keyinit cannot key")
-    bound = bind_arguments(func, args, kwargs)
-    target_device = device if device is not None else next(
-        (a.device for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    with torch.no_grad():
-        for name, node in effects.writes:
-            target = bound[name]
-            target.copy_(evaluator.full(node).to(target.device))
-    results = []
-    for node, meta in zip(effects.returns, outputs):
-        if node is None:
-            results.append(bound.get("self", bound.get("out")))
-        else:
-            results.append(evaluator.full(node).to(target_device).reshape(meta.shape))
-    if isinstance(meta_out, torch.Tensor):
-        return results[0]
-    return tuple(results)
+    return keyed_op(func, args, kwargs, call_key, site, "the dataset's __getitem__")
 
 
 class _Keyer:
