@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from typing import Union
+from typing import Optional, Union
 
 import attrs
 
 from keyinit._bits import streams
 
-__all__ = ["Key", "key", "split", "fold_in", "key_for", "STREAM_VERSIONS", "DEFAULT_STREAM", "as_int", "as_uint64",
-           "require_key"]
+__all__ = ["Key", "key", "split", "fold_in", "key_for", "STREAM_VERSIONS", "DEFAULT_STREAM", "as_int", "as_int_in",
+           "as_uint64", "require_key"]
 
 DEFAULT_STREAM = "v1"
 
@@ -112,16 +112,21 @@ def as_int(value: object, what: str) -> int:
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
 
 
-def as_uint64(value: object, what: str) -> int:
+def as_int_in(value: object, what: str, low: int, high: Optional[int] = None, expected: str = "") -> int:
+    """``value`` as an int in ``[low, high)`` (``high`` None: no bound); the errors say
+    ``"{what} must be {expected}, got ..."`` (``expected`` defaults to ``an int >= low``)."""
+    expected = expected or f"an int >= {low}"
     try:
         value = as_int(value, what)
     except TypeError:
-        raise TypeError(
-            f"{what} must be an int in [0, 2**64), got {type(value).__name__} {value!r}"
-        ) from None
-    if not 0 <= value < _UINT64_LIMIT:
-        raise ValueError(f"{what} must be an int in [0, 2**64), got {value}")
+        raise TypeError(f"{what} must be {expected}, got {type(value).__name__} {value!r}") from None
+    if value < low or (high is not None and value >= high):
+        raise ValueError(f"{what} must be {expected}, got {value}")
     return value
+
+
+def as_uint64(value: object, what: str) -> int:
+    return as_int_in(value, what, 0, _UINT64_LIMIT, "an int in [0, 2**64)")
 
 
 def key(seed: int, *, stream: str = DEFAULT_STREAM) -> Key:

@@ -16,8 +16,9 @@ another process rebuilds the same value.
 from __future__ import annotations
 
 import functools
-import operator
 from typing import ClassVar
+
+from keyinit.keys import as_int_in
 
 __all__ = ["SampleIndex", "sample_index", "epoch_of"]
 
@@ -59,18 +60,7 @@ def _sample_index(index: int, epoch: int) -> SampleIndex:
 
 def sample_index(index: int, epoch: int) -> SampleIndex:
     """Sample ``index`` of epoch ``epoch`` as an int that carries the epoch (both ints >= 0)."""
-    values = []
-    for value, what in ((index, "index"), (epoch, "epoch")):
-        if isinstance(value, bool):
-            raise TypeError(f"sample_index: {what} must be an int >= 0, got bool {value!r}")
-        try:
-            value = operator.index(value)
-        except TypeError:
-            raise TypeError(f"sample_index: {what} must be an int >= 0, got {type(value).__name__} "
-                            f"{value!r}") from None
-        if value < 0:
-            raise ValueError(f"sample_index: {what} must be an int >= 0, got {value}")
-        values.append(int(value))
+    values = [as_int_in(value, f"sample_index: {what}", 0) for value, what in ((index, "index"), (epoch, "epoch"))]
     return _sample_index(values[0], values[1])
 
 

@@ -8,14 +8,13 @@ anything else through the reference. All three give the same bits.
 
 from __future__ import annotations
 
-import operator
 from typing import Optional, Union
 
 import torch
 
 from keyinit._draw import dispatch
 from keyinit._draw import reference_permutation
-from keyinit.keys import Key, require_key
+from keyinit.keys import Key, as_int_in, require_key
 
 __all__ = ["permutation", "inverse_permutation", "Positions"]
 
@@ -24,15 +23,7 @@ DeviceLike = Union[torch.device, str, None]
 
 
 def _check_n(n: object) -> int:
-    if isinstance(n, bool):
-        raise TypeError(f"n must be an int in [0, 2**62], got bool {n!r}")
-    try:
-        n = operator.index(n)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"n must be an int in [0, 2**62], got {type(n).__name__} {n!r}") from None
-    if not 0 <= n <= reference_permutation.MAX_N:
-        raise ValueError(f"n must be an int in [0, 2**62], got {n}")
-    return n
+    return as_int_in(n, "n", 0, reference_permutation.MAX_N + 1, "an int in [0, 2**62]")
 
 
 def _as_range(positions: Union[range, slice, None], n: int, what: str) -> range:

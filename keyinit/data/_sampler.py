@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -19,7 +18,7 @@ from torch.utils.data import Sampler
 from keyinit.data._augment import SampleRef
 from keyinit.data._index import epoch_class
 from keyinit.data._permutation import permutation
-from keyinit.keys import Key, fold_in, key
+from keyinit.keys import Key, as_int_in, fold_in, key
 
 __all__ = ["KeyedSampler", "sample_indices"]
 
@@ -30,15 +29,7 @@ _CHUNK = 1 << 14
 
 
 def _int(value: object, what: str, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an int >= {minimum}, got bool {value!r}")
-    try:
-        value = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{what} must be an int >= {minimum}, got {type(value).__name__} {value!r}") from None
-    if value < minimum:
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value}")
-    return value
+    return as_int_in(value, what, minimum)
 
 
 @functools.lru_cache(maxsize=256)
