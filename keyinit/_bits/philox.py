@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["M0", "M1", "W0", "W1", "ROUNDS", "philox4x32", "philox4x32_int", "stream_words"]
+__all__ = ["M0", "M1", "W0", "W1", "ROUNDS", "philox4x32", "stream_words"]
 
 M0 = 0xD2511F53
 M1 = 0xCD9E8D57
@@ -53,6 +53,11 @@ def _mulhilo32(multiplier: int, x: Word) -> tuple[Word, Word]:
     return hi, lo
 
 
+def _mulhilo_int(multiplier: int, x: int) -> tuple[int, int]:
+    product = multiplier * x
+    return product >> 32, product & _MASK32
+
+
 def philox4x32(
     counter: tuple[Word, Word, Word, Word], key: tuple[int, int]
 ) -> tuple[Word, Word, Word, Word]:
@@ -63,27 +68,15 @@ def philox4x32(
     """
     c0, c1, c2, c3 = counter
     k0, k1 = key
+    # Python ints (every key derivation) take each 64-bit product whole; int64 tensors split it
+    mulhilo = _mulhilo_int if all(type(c) is int for c in counter) else _mulhilo32
     for round_index in range(ROUNDS):
         if round_index:
             k0 = (k0 + W0) & _MASK32
             k1 = (k1 + W1) & _MASK32
-        hi0, lo0 = _mulhilo32(M0, c0)
-        hi1, lo1 = _mulhilo32(M1, c2)
+        hi0, lo0 = mulhilo(M0, c0)
+        hi1, lo1 = mulhilo(M1, c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return c0, c1, c2, c3
-
-
-def philox4x32_int(counter: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
-    """:func:`philox4x32` for Python ints: the same words, each 64-bit product taken whole (a key
-    derivation is one block: this is what every ``fold_in`` and ``split`` runs)."""
-    c0, c1, c2, c3 = counter
-    k0, k1 = key
-    for round_index in range(ROUNDS):
-        if round_index:
-            k0 = (k0 + W0) & _MASK32
-            k1 = (k1 + W1) & _MASK32
-        p0, p1 = M0 * c0, M1 * c2
-        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & _MASK32, (p0 >> 32) ^ c3 ^ k1, p0 & _MASK32
     return c0, c1, c2, c3
 
 

@@ -24,7 +24,7 @@ from typing import Callable
 import attrs
 import torch
 
-from keyinit._bits.philox import philox4x32_int, stream_words
+from keyinit._bits.philox import philox4x32, stream_words
 
 __all__ = ["Stream", "V1", "STREAMS", "register_stream", "get_stream", "stream_names"]
 
@@ -67,7 +67,7 @@ def _v1_seed(seed: int) -> Words:
 def _v1_derive(parent: Words, tag: int, data: tuple[int, int, int]) -> Words:
     """Section 3: ``Philox4x32-10((x0, x1, tag, x3), K)[0:2]``."""
     x0, x1, x3 = data
-    out = philox4x32_int((x0, x1, tag, x3), parent)
+    out = philox4x32((x0, x1, tag, x3), parent)
     return out[0], out[1]
 
 
