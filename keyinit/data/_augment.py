@@ -22,7 +22,6 @@ common ones are keyed without a program (:mod:`keyinit.data._fast`, the same val
 
 from __future__ import annotations
 
-import functools
 import os
 import random as _py_random
 import threading
@@ -54,17 +53,11 @@ def sample_key(seed: Union[int, Key], epoch: int, index: int) -> Key:
     root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
     epoch = as_uint64(epoch, "epoch")
     index = as_uint64(index, "sample index")
-    return _fast.fold(_epoch_key(_domain_key(root), epoch), index)
+    return _fast.fold(_epoch_key(root, epoch), index)
 
 
-@functools.lru_cache(maxsize=64)
-def _domain_key(root: Key) -> Key:
-    return fold_in(root, AUGMENT_DOMAIN)
-
-
-@functools.lru_cache(maxsize=256)
-def _epoch_key(domain: Key, epoch: int) -> Key:
-    return fold_in(domain, epoch)
+def _epoch_key(root: Key, epoch: int) -> Key:
+    return _fast.folded(_fast.folded(root, AUGMENT_DOMAIN), epoch)
 
 
 def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) -> Any:

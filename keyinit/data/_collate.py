@@ -27,7 +27,6 @@ per sample in the dataset's ``__getitem__`` (keyed by ``keyed_samples``), or key
 
 from __future__ import annotations
 
-import functools
 import math
 import random as _py_random
 from typing import Any, Callable, Optional, Union
@@ -50,14 +49,8 @@ ROW_STRIDE = 1 << 24
 MAX_INDEX = 1 << 38
 
 
-@functools.lru_cache(maxsize=64)
-def _domain_key(root: Key) -> Key:
-    return fold_in(root, COLLATE_DOMAIN)
-
-
-@functools.lru_cache(maxsize=256)
-def _epoch_key(domain: Key, epoch: int) -> Key:
-    return fold_in(domain, epoch)
+def _epoch_key(root: Key, epoch: int) -> Key:
+    return _fast.folded(_fast.folded(root, COLLATE_DOMAIN), epoch)
 
 
 def collate_key(seed: Union[int, Key], epoch: int, call: int, draw: int = 0) -> Key:
@@ -65,7 +58,7 @@ def collate_key(seed: Union[int, Key], epoch: int, call: int, draw: int = 0) -> 
     ``r`` (sample ``index``) takes its elements at global flat indices ``index * 2**24 + e``."""
     root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
     parts = [as_uint64(v, what) for v, what in ((epoch, "epoch"), (call, "call"), (draw, "draw"))]
-    return fold_in(fold_in(_epoch_key(_domain_key(root), parts[0]), parts[1]), parts[2])
+    return fold_in(fold_in(_epoch_key(root, parts[0]), parts[1]), parts[2])
 
 
 def _op_name(func: Any) -> str:
@@ -81,12 +74,11 @@ class _RowKeyer:
         self.ordinal = 0
         self.lib = _fast.kernel_library()
         self._geometries: dict = {}
-        domain = _domain_key(root)
         by_epoch: dict[int, list[int]] = {}
         for r, (epoch, _) in enumerate(refs):
             by_epoch.setdefault(epoch, []).append(r)
         # (epoch key, the rows of that epoch (None: all), their sample indices)
-        self.groups = [(_epoch_key(domain, epoch), None if len(rows) == self.rows else torch.tensor(rows),
+        self.groups = [(_epoch_key(root, epoch), None if len(rows) == self.rows else torch.tensor(rows),
                         torch.tensor([refs[r][1] for r in rows], dtype=torch.int64))
                        for epoch, rows in by_epoch.items()]
 

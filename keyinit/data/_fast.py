@@ -33,6 +33,12 @@ fold = fold_in
 fold_str = fold_in
 
 
+@functools.lru_cache(maxsize=1024)
+def folded(parent: Key, data: int) -> Key:
+    """``fold_in(parent, data)``, remembered: the domain and epoch keys every sample of an epoch shares."""
+    return fold_in(parent, data)
+
+
 _LIBRARY: list = []  # the CPU kernel library once loaded (loading it checks it: milliseconds)
 
 
