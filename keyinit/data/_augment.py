@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from keyinit._engine.outside import ThreadDrawsRefused
 from keyinit.data import _fast, _intercept
 from keyinit.data._index import SampleIndex
-from keyinit.keys import Key, as_uint64, fold_in, key
+from keyinit.keys import Key, as_uint64, key
 
 __all__ = ["AUGMENT_DOMAIN", "SampleRef", "KeyedBatch", "sample_key", "keyed_samples", "KeyedSamples", "keyed_randomness"]
 
