@@ -317,7 +317,7 @@ def test_unkeyable_randomness_is_an_error_naming_the_module_and_op():
     class Poisson(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.w = nn.Parameter(torch.empty(3))
+            self.w = nn.Parameter(torch.zeros(3))  # not empty(): NaN garbage would fail the equality below
 
         def reset_parameters(self) -> None:
             with torch.no_grad():
