@@ -103,6 +103,11 @@ def current_forward() -> Optional[Forward]:
     return None
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Saved-tensor hooks are set (``checkpoint(use_reentrant=False)`` sets them around its forward)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def _module_fqn(root: torch.nn.Module, module: torch.nn.Module) -> Optional[str]:
     """The canonical FQN of ``module`` inside ``root`` (the first path), or None."""
     for _, fqn, candidate in canonical_modules(root):
@@ -201,6 +206,9 @@ class Keyed:
         self._replays: dict[tuple, tuple[Any, "Forward"]] = {}  # see _remember
         self._forwards: list[Forward] = []  # the root forwards of the block (for recomputes in backward)
         self._constants: frozenset[int] = frozenset()
+        # a forward ran under activation checkpointing (autograd off inside, or saved-tensor hooks): only
+        # then may a recompute come after the block, and only then do the hooks stay (see __exit__)
+        self._recomputable = False
 
     def __repr__(self) -> str:
         return (f"keyed({type(self.model).__name__}, seed={self.seed}, step={self.step}, "
@@ -270,6 +278,7 @@ class Keyed:
                 foreign = state.frames[-1].foreign  # a recompute's children are keyed as it is
                 if forward.grad and not torch.is_grad_enabled():
                     remember(self, fqn, forward, args, kwargs)
+                    self._recomputable = True
             else:
                 in_backward = torch._C._current_graph_task_id() != -1
                 forward = recomputed(self, fqn, args, kwargs) if in_backward else None
@@ -281,6 +290,9 @@ class Keyed:
                     forward = self._root_forward(module, fqn, args, kwargs)
                     if not torch.is_grad_enabled():
                         remember(self, fqn, forward, args, kwargs)
+                        self._recomputable = True
+            if not self._recomputable and _saved_tensor_hooks_active():
+                self._recomputable = True  # non-reentrant checkpointing (saved-tensor hooks) may recompute this
             frame = Frame(module, fqn, foreign, forward)
             if not state.frames and self.index == "tracked" and not foreign:
                 host = HostRandom(forward.host_key(self))
@@ -428,8 +440,8 @@ class Keyed:
     def __exit__(self, *exc_info: Any) -> None:
         if isinstance(self.model, Named):
             self._post_hook()(self.model, (), None)
-        if self._handles and exc_info[0] is None and any(ref() is not None for f in self._forwards
-                                                                 for ref, _ in f.records.values()):
+        alive = any(ref() is not None for f in self._forwards for ref, _ in f.records.values())
+        if self._handles and exc_info[0] is None and self._recomputable and alive:
             # Tensors of its forwards are alive (saved for a backward outside the block): the hooks stay, and
             # key only the recomputes of those forwards that activation checkpointing runs in backward()
             # (see _pre_hook), until the next keyed() is entered.
