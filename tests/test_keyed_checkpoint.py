@@ -111,3 +111,15 @@ def test_a_recompute_in_another_thread_is_keyed_as_its_first_execution(reentrant
     assert not errors, errors
     for a, b in zip([x.grad] + [p.grad for p in net.parameters()], expected):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_without_checkpointing_nothing_is_left_on_the_model_after_the_block():
+    import io
+
+    net = Net(reentrant=None)
+    keyinit.init_model(net, 0)
+    x = torch.ones(4, 8)
+    with knn.keyed(net.train(), 3, step=1):
+        out = net(x)  # noqa: F841 - its tensors stay alive after the block
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())
+    torch.save(net, io.BytesIO())  # a model with keyinit's closures as hooks would not pickle
