@@ -40,7 +40,7 @@ class Keyed(Protocol):
     def _thread_state(self) -> Any: ...
 
 
-__all__ = ["Frame", "activation_batch"]
+__all__ = ["Frame", "activation_batch", "placed"]
 
 
 class Frame:
@@ -242,13 +242,18 @@ def activation_batch(ctx: "Keyed", frame: Frame, tensor: torch.Tensor, what: str
             return None
         dim = 1 if id(frame.module) in ctx._sequence_first and tensor.dim() >= 2 else 0
         return Batch(dim, int(tensor.shape[dim]), frame.forward.start)
-    rec = record(tensor, frame.forward)
+    return placed(frame, record(tensor, frame.forward), what, tuple(tensor.shape))
+
+
+def placed(frame: Frame, rec: Any, what: str, shape: tuple) -> Optional[Batch]:
+    """``rec`` when it places every sample (a batch, or None: replicated); else the
+    UnkeyedRandomnessError of ``what`` (a draw on a ``shape`` tensor) naming the frame and why."""
     if isinstance(rec, Foreign):
         rec = Unknown("it entered the forward from outside: not one of the model's inputs, parameters or buffers, "
                       "nor computed in the forward from them (e.g. a forward hook's replacement output)")
     if isinstance(rec, Unknown):
         raise UnkeyedRandomnessError(
-            f"{frame.describe()}: {what} on a {tuple(tensor.shape)} tensor whose samples keyinit cannot place: "
+            f"{frame.describe()}: {what} on a {shape or 'sized'} tensor whose samples keyinit cannot place: "
             f"{rec.why}. keyinit keys a draw by the sample of each element and does not guess it from shapes; "
             "declare where the batch is with keyinit.nn.batch_dim(tensor, dim) (or batch_dim(tensor, None) for "
             "a tensor that is the same for every sample) before the draw"

@@ -31,6 +31,7 @@ from keyinit.nn._intercept import (
     handle_dropout,
     keyed_mha,
     keyed_sdpa,
+    placed,
     refuse_foreign,
 )
 
@@ -105,13 +106,12 @@ def _shape_of(t: torch.Tensor, sizes: Any, forward: Any) -> Any:
     if not isinstance(rec, Batch) or rec.dim is None:
         return sizes
     d = rec.dim
-    if isinstance(sizes, int):
-        return sizes
-    if d >= len(sizes):
+    if isinstance(sizes, int) or d >= len(sizes):
         return sizes
     n = int(sizes[d])
     value = BatchSize(n, rec, forward.escaped) if rec.inner == 1 and n == rec.count else DerivedSize(n)
     return torch.Size(tuple(sizes[:d]) + (value,) + tuple(sizes[d + 1:]))
+
 
 class FunctionMode(TorchFunctionMode):
     """Keyed dropout and attention, batch sizes that carry the batch, and the batch of sized factories."""
@@ -251,11 +251,9 @@ def draws_nothing(func, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-
-
+_AS_STRIDED_ = torch.ops.aten.as_strided_.default
 # ops that draw nothing at p = 0 but whose torch kernels still advance the generator: answered by keyinit
 # (ops such as fused attention with dropout_p = 0 touch no generator and run as they are)
-_AS_STRIDED_ = torch.ops.aten.as_strided_.default
 _ANSWERED = {"aten::bernoulli", "aten::bernoulli_", "aten::native_dropout"}
 _NEW = {"aten::new_empty", "aten::new_zeros", "aten::new_ones", "aten::new_full", "aten::new_empty_strided"}
 _LIKE = {"aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::empty_like", "aten::zeros_like",
@@ -311,8 +309,10 @@ class BatchMode(TorchDispatchMode):
         forward = frame.forward
         tensors = _tensor_inputs(args, kwargs)
         records = [(t, record(t, forward)) for t in tensors]
-        if is_random(func) and not (draws_nothing(func, args, kwargs) and func._schema.name not in _ANSWERED):
-            return self._draw(func, frame, args, kwargs, records)
+        if is_random(func):
+            nothing = draws_nothing(func, args, kwargs)
+            if not nothing or func._schema.name in _ANSWERED:
+                return self._draw(func, frame, args, kwargs, records, nothing)
         if func is _AS_STRIDED_ and records and records[0][1] is not None:
             # in place: whether it keeps the elements is known only before it runs
             keeps = restride_keeps_elements(args[0], args)
@@ -335,7 +335,7 @@ class BatchMode(TorchDispatchMode):
             annotate(leaf, forward, rec)
         return out
 
-    def _draw(self, func: Any, frame: Frame, args: tuple, kwargs: dict, records: list) -> Any:
+    def _draw(self, func: Any, frame: Frame, args: tuple, kwargs: dict, records: list, nothing: bool) -> Any:
         from keyinit.nn._draws import keyed_draw
         from keyinit.nn._keys import DROPOUT_DOMAIN
         from keyinit.keys import key as make_key
@@ -343,25 +343,13 @@ class BatchMode(TorchDispatchMode):
         ctx = self.ctx
         if frame.foreign:
             refuse_foreign(ctx, frame, str(func))
-        nothing = draws_nothing(func, args, kwargs)
         if ctx.index == "dim0" and not nothing:
             raise UnkeyedRandomnessError(
                 f"{frame.describe()}: {func} inside a keyinit.nn.keyed(index='dim0') forward: that rule keys only "
                 "the dropout family and attention dropout; use the default index='tracked' to key every random op"
             )
-        rec = self._output_record(func, frame, args, kwargs, records)
-        if isinstance(rec, Foreign):
-            rec = Unknown("it is computed from a tensor that entered the forward from outside (not one of the "
-                          "model's inputs, parameters or buffers, nor computed in the forward: e.g. a forward hook's "
-                          "replacement output)")
-        if isinstance(rec, Unknown):
-            shape = tuple(records[0][0].shape) if records else ()
-            raise UnkeyedRandomnessError(
-                f"{frame.describe()}: {func} draws a {shape or 'sized'} tensor whose samples keyinit cannot place: "
-                f"{rec.why}. keyinit keys a draw by the sample of each element and does not guess it from shapes; "
-                "declare where the batch is with keyinit.nn.batch_dim(tensor, dim), or batch_dim(tensor, None) "
-                "for a tensor that is the same for every sample"
-            )
+        shape = tuple(records[0][0].shape) if records else ()
+        rec = placed(frame, self._output_record(func, frame, args, kwargs, records), str(func), shape)
         # a draw of p = 0 (no randomness) takes no call ordinal: any key gives its values
         key = make_key(DROPOUT_DOMAIN) if nothing else frame.key(ctx)
         site = f"{frame.describe()}: {func}"
