@@ -4,7 +4,7 @@
 ``randint``, ``random_``, ``bernoulli``/``bernoulli_`` (scalar or tensor ``p``) and ``randperm`` with
 arguments the table of :mod:`keyinit._engine.random_ops` maps to plain samplers, and returns a
 :class:`Recipe`: the draws the keyed equivalent makes (sampler, dtype, shape, in the order
-:func:`keyinit.data._augment._keyed_call` numbers them) and how the result is made from them. The
+:func:`keyinit._engine.keyed_op.keyed_op` numbers them) and how the result is made from them. The
 values are those of the table, bit for bit: the same samplers, the same arithmetic; only the
 meta run, the program nodes and the evaluator are skipped. Anything else (other ops, other
 overloads, ``out=``, arguments the table refuses) is None, and callers take the general path.
@@ -88,7 +88,7 @@ class Geometry:
 
 @functools.lru_cache(maxsize=64)
 def _params(dist: Any) -> tuple:
-    from keyinit._kernels.fill.cpu import _params as params
+    from keyinit._kernels.fill.cpu import kernel_params as params
 
     f, i = params(dist)
     return (ctypes.c_double * 6)(*f), (ctypes.c_int64 * 4)(*i)

@@ -170,11 +170,11 @@ class Keyed:
                  sample_offset: Optional[int], index: str = "tracked", inputs: Any = ()) -> None:
         self._inputs: tuple = ()
         if isinstance(model, str):
-            from keyinit.nn._keys import _check_fqn
+            from keyinit.nn._keys import check_fqn
 
             if model == "":
                 raise ValueError("keyed: a named block needs a non-empty name (dot-separated, like an FQN)")
-            _check_fqn(model)
+            check_fqn(model)
             self._inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
             if not all(isinstance(t, torch.Tensor) for t in self._inputs):
                 raise TypeError("keyed: inputs must be tensors (the block's batch-holding tensors)")

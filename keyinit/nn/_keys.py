@@ -28,7 +28,7 @@ __all__ = ["DROPOUT_DOMAIN", "dropout_key"]
 DROPOUT_DOMAIN = int.from_bytes(b"dropout", "big")
 
 
-def _check_fqn(fqn: object) -> tuple[str, ...]:
+def check_fqn(fqn: object) -> tuple[str, ...]:
     if not isinstance(fqn, str):
         raise TypeError(f"fqn must be a str (a module's canonical FQN, '' for the root), got {type(fqn).__name__}")
     if fqn == "":
@@ -49,7 +49,7 @@ def _module_key(root: Key, step: int, parts: tuple[str, ...]) -> Key:
 
 @functools.lru_cache(maxsize=8192)
 def _call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
-    return fold_in(_module_key(root, step, _check_fqn(fqn)), ordinal)
+    return fold_in(_module_key(root, step, check_fqn(fqn)), ordinal)
 
 
 def keyed_call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
@@ -60,7 +60,7 @@ def keyed_call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
 
 def keyed_module_key(root: Key, step: int, fqn: str) -> Key:
     """``dropout_key`` before its ordinal fold: ``fold_in(fold_in(R, DROPOUT_DOMAIN), step)`` then fqn's parts."""
-    return _module_key(root, step, _check_fqn(fqn))
+    return _module_key(root, step, check_fqn(fqn))
 
 
 def dropout_key(seed: Union[int, Key], *, step: int, fqn: str = "", ordinal: int = 0) -> Key:
@@ -78,6 +78,6 @@ def dropout_key(seed: Union[int, Key], *, step: int, fqn: str = "", ordinal: int
     step = as_uint64(step, "step")
     ordinal = as_uint64(ordinal, "ordinal")
     derived = fold_in(fold_in(root, DROPOUT_DOMAIN), step)
-    for part in _check_fqn(fqn):
+    for part in check_fqn(fqn):
         derived = fold_in(derived, part)
     return fold_in(derived, ordinal)

@@ -22,7 +22,7 @@ from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
 from keyinit._kernels.common.library import I64P, MAX_DIMS, CompiledLibrary
 from keyinit._draw.geometry import geometry
 
-__all__ = ["KERNEL", "available", "fill", "library", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
+__all__ = ["KERNEL", "available", "fill", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
 
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 16
@@ -61,7 +61,7 @@ library = KERNEL.library
 __getattr__ = KERNEL.module_attribute
 
 
-def _params(dist: Distribution) -> tuple[list[float], list[int]]:
+def kernel_params(dist: Distribution) -> tuple[list[float], list[int]]:
     f = [0.0] * 6
     i = [0] * 4
     if isinstance(dist, Uniform):
@@ -98,7 +98,7 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, thread
     ostrides = (ctypes.c_int64 * nd)(*(d[1] for d in dims))
     gstrides = (ctypes.c_int64 * nd)(*(d[2] for d in dims))
     indices = (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims))
-    f, i = _params(dist)
+    f, i = kernel_params(dist)
     fparams = (ctypes.c_double * 6)(*f)  # binary32 values, exact as doubles; the kernel converts
     iparams = (ctypes.c_int64 * 4)(*i)
     k0, k1 = key.words
