@@ -39,7 +39,8 @@ from typing import Any, Optional, Sequence, Union
 import attrs
 import torch
 
-__all__ = ["Batch", "Unknown", "Foreign", "FOREIGN", "BatchSize", "DerivedSize", "declare", "declared", "record", "annotate", "canonical"]
+__all__ = ["Batch", "Unknown", "Foreign", "FOREIGN", "BatchSize", "DerivedSize", "declare", "declared", "record",
+           "annotate", "canonical"]
 
 
 @attrs.frozen
