@@ -73,13 +73,16 @@ def inside_keyed_forward() -> bool:
 
 
 def _mode_is_active(mode: Any) -> bool:
+    """``mode`` is on its stack (torch function or dispatch modes), looked at from the top (where it is
+    while a forward runs: every module's hook asks)."""
     if isinstance(mode, TorchFunctionMode):
-        from torch.overrides import _get_current_function_mode_stack
-
-        return any(m is mode for m in _get_current_function_mode_stack())
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return any(m is mode for m in _get_current_dispatch_mode_stack())
+        length, at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+    else:
+        length, at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
+    for i in range(length() - 1, -1, -1):
+        if at(i) is mode:
+            return True
+    return False
 
 
 class _ThreadState:
@@ -321,6 +324,9 @@ class Keyed:
             if state is None:
                 return
             frames = state.frames
+            if frames and frames[-1].module is module and not frames[-1].pushed:
+                frames.pop()  # (the common case of the loop below: this module's frame, no mode to leave)
+                return
             if not any(frame.module is module for frame in frames):
                 return  # a forward this context did not key (after the context was left)
             while frames:  # robust to a forward that raised inside a child
@@ -384,12 +390,13 @@ class Keyed:
             return self
         seen: set[int] = set()
         try:
+            post_hook = self._post_hook()
             for _, fqn, module in canonical_modules(self.model):
                 if id(module) in seen:
                     continue
                 seen.add(id(module))
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
+                self._handles.append(module.register_forward_hook(post_hook, always_call=True))
             self._sequence_first = _sequence_first_dropouts(self.model)
             _active().append(self)
             with _entered_lock:

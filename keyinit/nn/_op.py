@@ -88,13 +88,20 @@ class _EagerDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         # the index vectors (if any) are saved as tensors, the rest of the geometry is a few ints
-        ctx.geometry = attrs.evolve(geometry, indices=tuple(None for _ in geometry.indices))
         ctx.has_index = [index is not None for index in geometry.indices]
-        ctx.save_for_backward(*(index for index in geometry.indices if index is not None))
+        if any(ctx.has_index):
+            ctx.geometry = attrs.evolve(geometry, indices=tuple(None for _ in geometry.indices))
+            ctx.save_for_backward(*(index for index in geometry.indices if index is not None))
+        else:
+            ctx.geometry = geometry  # nothing to save: the backward's geometry is this one
         return run(x, geometry)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if not any(ctx.has_index):
+            if not torch.is_grad_enabled():  # no double backward: the op itself, without recording it
+                return run(grad, ctx.geometry), None
+            return _EagerDropout.apply(grad, ctx.geometry), None
         saved = iter(ctx.saved_tensors)
         indices = tuple(next(saved) if has else None for has in ctx.has_index)
         return _EagerDropout.apply(grad, attrs.evolve(ctx.geometry, indices=indices)), None

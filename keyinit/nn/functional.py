@@ -52,6 +52,8 @@ def _dtensor_class() -> Optional[type]:
 
 
 def is_dtensor(input: torch.Tensor) -> bool:
+    if type(input) is torch.Tensor or type(input) is torch.nn.Parameter:
+        return False  # (without looking DTensor up: torch.distributed's import costs a call's time)
     cls = _dtensor_class()
     return cls is not None and isinstance(input, cls)
 
