@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
 from keyinit.nn._batch_rules import propagate, restride_keeps_elements
-from keyinit.nn._replay import eligible, learn, replay, replayable, signature
+from keyinit.nn._replay import REMEMBERED, eligible, learn, replay, replayable, signature
 from keyinit.nn._intercept import (
     Keyed,
     argument,
@@ -221,7 +221,7 @@ class FunctionMode(TorchFunctionMode):
         if found is None:
             return func(*args, **kwargs)
         key, inputs, before = found
-        remembered = _REMEMBERED.get(key)
+        remembered = REMEMBERED.get(key)
         if remembered is not None:
             with _NoDispatch():
                 out = func(*args, **kwargs)
@@ -231,11 +231,10 @@ class FunctionMode(TorchFunctionMode):
         events = mode.events
         out = func(*args, **kwargs)
         if mode.events == events:
-            learn(_REMEMBERED, key, inputs, before, out, forward)
+            learn(REMEMBERED, key, inputs, before, out, forward)
         return out
 
 
-_REMEMBERED: dict = {}  # signature -> the output records it gives (keyinit.nn._replay)
 _TABLES: dict = {}  # built once: "handlers" (function -> FunctionMode handler), "family" (dropout_family())
 
 

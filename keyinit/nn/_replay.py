@@ -35,10 +35,13 @@ import torch
 
 from keyinit.nn._batch import Batch, BatchSize, Unknown, record
 
-__all__ = ["replayable", "signature", "eligible", "replay", "learn", "MAX_SIGNATURES"]
+__all__ = ["replayable", "signature", "eligible", "replay", "learn", "MAX_SIGNATURES", "REMEMBERED"]
 
 #: Remembered signatures kept (all forgotten when more are learned: a model has a few hundred).
 MAX_SIGNATURES = 8192
+#: signature -> ``(type of the output, records of its tensors)``: what :func:`learn` remembered, for every
+#: keyed forward of the process (a signature holds no tensor, only metadata and records).
+REMEMBERED: dict = {}
 
 _TENSOR = object()  # markers of the signature's prefix code (see signature)
 _ALIAS = object()
