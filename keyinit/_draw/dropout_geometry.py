@@ -184,7 +184,7 @@ def dtensor_layout(tensor: Any, row_offset: int = 0) -> Layout:
 
 def rows_layout(local_shape: Sequence[int], row_offset: int) -> Layout:
     """Layout of a plain activation whose row ``r`` (dimension 0) is global sample ``row_offset + r``."""
-    return _rows_layout(tuple(int(n) for n in local_shape), int(row_offset))
+    return _rows_layout(tuple(map(int, local_shape)), int(row_offset))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -227,7 +227,7 @@ def make_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Se
          indices: Sequence[Optional[torch.Tensor]], stream: str = DEFAULT_STREAM) -> Geometry:
     """The coalesced :class:`Geometry` of a contiguous tensor of ``shape`` placed by the op's layout arguments,
     for the key ``(k0, k1)`` of stream version ``stream``."""
-    shape = tuple(int(n) for n in shape)
+    shape = tuple(map(int, shape))
     if not (len(gstrides) == len(starts) == len(indices) == len(shape)):
         raise ValueError(
             f"keyinit::dropout: {len(shape)}-D input but {len(gstrides)} strides, {len(starts)} starts and "
@@ -235,7 +235,7 @@ def make_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Se
         )
     threshold, scale32, scale64 = constants(p)
     if all(index is None for index in indices):  # ranges only: the coalesced dims depend on the ints alone
-        base, sizes, strides = _ranges(shape, tuple(int(g) for g in gstrides), tuple(int(s) for s in starts))
+        base, sizes, strides = _ranges(shape, tuple(map(int, gstrides)), tuple(map(int, starts)))
         return Geometry(k0=int(k0), k1=int(k1), threshold=threshold, scale32=scale32, scale64=scale64, base=base,
                         sizes=sizes, gstrides=strides, indices=(None,) * len(sizes), stream=stream)
 

@@ -23,6 +23,7 @@ the C kernel on CPU (:mod:`keyinit._kernels.dropout.cpu`), Triton on CUDA
 (:mod:`keyinit._draw.reference_dropout`) anywhere else or with ``KEYINIT_DISABLE_KERNELS=1``.
 """
 
+from collections.abc import Sequence
 from typing import Optional
 
 import attrs
@@ -107,8 +108,8 @@ class _EagerDropout(torch.autograd.Function):
         return _EagerDropout.apply(grad, attrs.evolve(ctx.geometry, indices=indices)), None
 
 
-def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: list, indices: list,
-         stream: str = DEFAULT_STREAM) -> torch.Tensor:
+def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: Sequence[int], starts: Sequence[int],
+         indices: Sequence[Optional[torch.Tensor]], stream: str = DEFAULT_STREAM) -> torch.Tensor:
     """``keyinit::dropout`` on ``x``: the eager form for plain CPU/CUDA tensors, the custom op otherwise.
 
     The custom op (with its fake kernel) is what ``torch.compile`` traces and what
@@ -116,4 +117,4 @@ def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: li
     """
     if type(x) is torch.Tensor and x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling():
         return _EagerDropout.apply(x, plan(x.shape, k0, k1, p, gstrides, starts, indices, stream))
-    return dropout(x, k0, k1, p, gstrides, starts, indices, stream)
+    return dropout(x, k0, k1, p, list(gstrides), list(starts), list(indices), stream)
