@@ -154,13 +154,13 @@ def _resolve_sample_offset(model: torch.nn.Module, sample_offset: Optional[int])
     return offset
 
 
-def _sequence_first_dropouts(model: torch.nn.Module) -> frozenset[int]:
+def _sequence_first_dropouts(modules: list[torch.nn.Module]) -> frozenset[int]:
     """The dropout modules of torch's sequence-first (``batch_first=False``, torch's default)
-    ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``: their activations are
-    ``(sequence, batch, features)``, so dimension 1, not 0, is the batch."""
+    ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer`` among ``modules`` (a model's, each once):
+    their activations are ``(sequence, batch, features)``, so dimension 1, not 0, is the batch."""
     layers = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
     found = set()
-    for module in model.modules():
+    for module in modules:
         if isinstance(module, layers) and not getattr(module.self_attn, "batch_first", True):
             found.update(id(child) for child in module.children() if isinstance(child, torch.nn.Dropout))
     return frozenset(found)
@@ -377,8 +377,8 @@ class Keyed:
             old._teardown()
         self._thread = threading.get_ident()
         self._owner = self._thread_state()
-        self._constants = frozenset(id(b) for b in self.model.buffers())
         if isinstance(self.model, Named):  # one root forward for the whole block, its inputs as given
+            self._constants = frozenset(id(b) for b in self.model.buffers())
             _active().append(self)
             with _entered_lock:
                 _entered.append(self)
@@ -389,15 +389,19 @@ class Keyed:
                 raise
             return self
         seen: set[int] = set()
+        modules: list[torch.nn.Module] = []  # each once: the modules model.modules() gives
         try:
             post_hook = self._post_hook()
             for _, fqn, module in canonical_modules(self.model):
                 if id(module) in seen:
                     continue
                 seen.add(id(module))
+                modules.append(module)
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(post_hook, always_call=True))
-            self._sequence_first = _sequence_first_dropouts(self.model)
+            # model.buffers(), from the modules just walked
+            self._constants = frozenset(id(b) for m in modules for b in m._buffers.values() if b is not None)
+            self._sequence_first = _sequence_first_dropouts(modules)
             _active().append(self)
             with _entered_lock:
                 _entered.append(self)

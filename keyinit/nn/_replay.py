@@ -99,29 +99,16 @@ def _encode(value: Any, parts: list, tensors: list, records: list, forward: Any)
     """Append ``value``'s code to ``parts`` (False: a value a signature cannot describe)."""
     kind = type(value)
     if kind is torch.Tensor or kind is torch.nn.Parameter:
-        for position, seen in enumerate(tensors):
-            if seen is value:
-                parts.append(_ALIAS)
-                parts.append(position)
-                return True
-        rec = record(value, forward)
-        tensors.append(value)
-        records.append(rec)
-        parts.append(_TENSOR)
-        parts.append((kind, _record_code(rec), value.shape, value.stride(), value.storage_offset(), value.dtype,
-                      value.device, value.layout, value.requires_grad, value.is_neg(), value.is_conj()))
+        _encode_tensor(value, kind, parts, tensors, records, forward)
         return True
     if kind in _SCALARS:
-        parts.append(kind)
-        parts.append(value)
+        parts += (kind, value)
         return True
     if isinstance(value, BatchSize):  # an int to the ATen ops (its tag matters only to factories)
-        parts.append(int)
-        parts.append(int.__int__(value))
+        parts += (int, int.__int__(value))
         return True
     if kind in _SEQUENCES:
-        parts.append(kind)
-        parts.append(len(value))
+        parts += (kind, len(value))
         for item in value:
             if not _encode(item, parts, tensors, records, forward):
                 return False
@@ -129,15 +116,33 @@ def _encode(value: Any, parts: list, tensors: list, records: list, forward: Any)
     return False
 
 
+def _encode_tensor(value: torch.Tensor, kind: type, parts: list, tensors: list, records: list, forward: Any) -> None:
+    for position, seen in enumerate(tensors):
+        if seen is value:
+            parts += (_ALIAS, position)
+            return
+    entry = forward.records.get(id(value))  # (record()'s own first look, without its call)
+    rec = entry[1] if entry is not None and entry[0]() is value else record(value, forward)
+    tensors.append(value)
+    records.append(rec)
+    parts += (_TENSOR, (kind, _record_code(rec), value.shape, value.stride(), value.storage_offset(), value.dtype,
+                        value.device, value.layout, value.requires_grad, value.is_neg(), value.is_conj()))
+
+
 def signature(func: Any, args: tuple, kwargs: dict, forward: Any) -> Optional[tuple[tuple, list, list]]:
     """``(key, tensors, records)``: what the ATen rules read of a call of ``func`` (a prefix code: every
     value follows its kind), the call's tensors and their records; None when an argument is not a plain
     tensor, a scalar or a sequence of them."""
-    parts: list = [func, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype()]
+    parts: list = [func, _grad_enabled(), _inference_mode(), _default_dtype()]
     tensors: list = []
     records: list = []
     for value in args:
-        if not _encode(value, parts, tensors, records, forward):
+        kind = type(value)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            _encode_tensor(value, kind, parts, tensors, records, forward)
+        elif kind in _SCALARS:
+            parts += (kind, value)
+        elif not _encode(value, parts, tensors, records, forward):
             return None
     if kwargs:
         parts.append(_KWARGS)
@@ -146,6 +151,11 @@ def signature(func: Any, args: tuple, kwargs: dict, forward: Any) -> Optional[tu
             if not _encode(kwargs[name], parts, tensors, records, forward):
                 return None
     return tuple(parts), tensors, records
+
+
+_grad_enabled = torch.is_grad_enabled
+_inference_mode = torch.is_inference_mode_enabled
+_default_dtype = torch.get_default_dtype
 
 
 def eligible(mode: Any) -> bool:
