@@ -214,3 +214,17 @@ def test_a_signature_tells_apart_what_the_rules_read():
     with torch.no_grad():
         assert _replay.signature(torch.Tensor.add, (x, x), {}, forward)[0] != key
     assert _replay.signature(torch.Tensor.add, (x, object()), {}, forward) is None  # not describable
+    # an integer tensor of one element may stand for an int (a size, a dim): its value, not described, counts
+    assert _replay.signature(torch.Tensor.view, (x, torch.tensor(3), -1), {}, forward) is None
+    assert _replay.signature(torch.Tensor.view, (x, (torch.tensor(3), -1)), {}, forward) is None
+    assert _replay.signature(torch.Tensor.add, (x, torch.tensor(2.0)), {}, forward) is not None
+
+
+def test_functions_whose_outputs_depend_on_values_are_not_replayable():
+    replayable = _replay.replayable()
+    assert F.linear in replayable and torch.Tensor.view in replayable and torch.Tensor.__add__ in replayable
+    # torch.where(condition) is nonzero(), narrow takes its start as a tensor, indexing and dropout draw or
+    # pick by values: none may be replayed
+    for function in (torch.where, torch.Tensor.narrow, torch.Tensor.__getitem__, torch.nonzero, F.dropout,
+                     torch.Tensor.add_, torch.Tensor.masked_select, torch.Tensor.index_select, torch.rand_like):
+        assert function not in replayable, function

@@ -17,13 +17,16 @@ Only the functions of :func:`replayable` qualify: each computes its outputs from
 its inputs by ATen ops that draw nothing, mutate no input and whose decomposition
 and output sizes depend only on the signature (no data-dependent shapes). A call
 replays only when this forward's dispatch mode is the only one, no saved-tensor
-hooks are set (code they run inside an op would run unseen), autocast is off,
-nothing is being compiled, and every tensor argument is a plain ``torch.Tensor``
-or ``nn.Parameter``. A first call is remembered only if the dispatch mode saw no
-draw and no factory (:attr:`Events.count`), and it set a record on each of the
-function's outputs, none of which is an input. The records of the tensors
-inside the function (an ``addmm``'s flattened input) are not set by a replay;
-nothing outside the function sees those tensors.
+hooks are set (code they run inside an op would run unseen), autocast is off, no
+functorch transform is active (its tensors wrap the ones the ops see), nothing is
+being compiled, and every tensor argument is a plain ``torch.Tensor`` or
+``nn.Parameter`` (an integer tensor of one element is not described: it may
+stand for an int, a size or a dimension, whose value the rules read). A first
+call is remembered only if the dispatch mode saw no draw and no in-place
+restride (``BatchMode.events``), changed no input's record, and set a record on
+each of the function's outputs, none of which is an input. The records of the
+tensors inside the function (an ``addmm``'s flattened input) are not set by a
+replay; nothing outside the function sees those tensors.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ _METHODS = (
     "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "clamp", "clip", "maximum",
     "minimum", "reciprocal", "square", "float", "half", "bfloat16", "double", "type_as", "masked_fill", "where",
     "view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "contiguous", "unsqueeze",
-    "squeeze", "flatten", "unflatten", "expand_as", "unbind", "chunk", "split", "narrow", "select", "matmul",
+    "squeeze", "flatten", "unflatten", "expand_as", "unbind", "chunk", "split", "select", "matmul",
     "bmm", "mm", "softmax", "log_softmax", "sum", "mean", "amax", "amin",
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
     "__matmul__", "__rmatmul__", "__neg__", "__pow__", "__rpow__",
@@ -66,7 +69,7 @@ _METHODS = (
 _TORCH = (
     "add", "sub", "mul", "div", "matmul", "bmm", "mm", "cat", "concat", "concatenate", "stack", "softmax",
     "log_softmax", "rms_norm", "layer_norm", "tanh", "sigmoid", "relu", "exp", "rsqrt", "sqrt", "transpose",
-    "permute", "reshape", "flatten", "unsqueeze", "squeeze", "unbind", "chunk", "split", "where", "masked_fill",
+    "permute", "reshape", "flatten", "unsqueeze", "squeeze", "unbind", "chunk", "split", "masked_fill",
 )
 _FUNCTIONAL = (
     "linear", "gelu", "silu", "relu", "softmax", "log_softmax", "layer_norm", "rms_norm", "mish", "sigmoid",
@@ -99,8 +102,7 @@ def _encode(value: Any, parts: list, tensors: list, records: list, forward: Any)
     """Append ``value``'s code to ``parts`` (False: a value a signature cannot describe)."""
     kind = type(value)
     if kind is torch.Tensor or kind is torch.nn.Parameter:
-        _encode_tensor(value, kind, parts, tensors, records, forward)
-        return True
+        return _encode_tensor(value, kind, parts, tensors, records, forward)
     if kind in _SCALARS:
         parts += (kind, value)
         return True
@@ -116,17 +118,21 @@ def _encode(value: Any, parts: list, tensors: list, records: list, forward: Any)
     return False
 
 
-def _encode_tensor(value: torch.Tensor, kind: type, parts: list, tensors: list, records: list, forward: Any) -> None:
+def _encode_tensor(value: torch.Tensor, kind: type, parts: list, tensors: list, records: list, forward: Any) -> bool:
     for position, seen in enumerate(tensors):
         if seen is value:
             parts += (_ALIAS, position)
-            return
+            return True
+    dtype = value.dtype
+    if not (dtype.is_floating_point or dtype.is_complex) and value.numel() == 1:
+        return False  # an integer tensor of one element passes for an int (a size, a dim): its value counts
     entry = forward.records.get(id(value))  # (record()'s own first look, without its call)
     rec = entry[1] if entry is not None and entry[0]() is value else record(value, forward)
     tensors.append(value)
     records.append(rec)
-    parts += (_TENSOR, (kind, _record_code(rec), value.shape, value.stride(), value.storage_offset(), value.dtype,
+    parts += (_TENSOR, (kind, _record_code(rec), value.shape, value.stride(), value.storage_offset(), dtype,
                         value.device, value.layout, value.requires_grad, value.is_neg(), value.is_conj()))
+    return True
 
 
 def signature(func: Any, args: tuple, kwargs: dict, forward: Any) -> Optional[tuple[tuple, list, list]]:
@@ -139,7 +145,8 @@ def signature(func: Any, args: tuple, kwargs: dict, forward: Any) -> Optional[tu
     for value in args:
         kind = type(value)
         if kind is torch.Tensor or kind is torch.nn.Parameter:
-            _encode_tensor(value, kind, parts, tensors, records, forward)
+            if not _encode_tensor(value, kind, parts, tensors, records, forward):
+                return None
         elif kind in _SCALARS:
             parts += (kind, value)
         elif not _encode(value, parts, tensors, records, forward):
@@ -160,15 +167,17 @@ _default_dtype = torch.get_default_dtype
 
 def eligible(mode: Any) -> bool:
     """A call may replay or be learned: ``mode`` (this forward's dispatch mode) is the only dispatch mode,
-    no saved-tensor hooks are set, autocast is off and nothing is being compiled."""
+    no saved-tensor hooks are set, autocast is off, no functorch transform (vmap, grad) is active and
+    nothing is being compiled."""
     return (_dispatch_modes() == 1 and _dispatch_mode_at(0) is mode and _saved_tensor_hooks(False) is None
-            and not _autocast() and not torch.compiler.is_compiling())
+            and not _autocast() and not _functorch() and not torch.compiler.is_compiling())
 
 
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _dispatch_mode_at = torch._C._get_dispatch_stack_at
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _autocast = torch._C._is_any_autocast_enabled
+_functorch = torch._C._are_functorch_transforms_active
 
 
 def _leaves(out: Any) -> list:
