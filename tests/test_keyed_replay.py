@@ -154,6 +154,9 @@ class _Layouts(nn.Module):
         out.append(F.dropout(x.mean(dim=1, keepdim=True).expand_as(x) - x, 0.2))
         out.append(F.dropout(torch.where(x > 0, x, x.new_zeros(())).flatten(1), 0.2))
         out.append(F.dropout(x.permute(2, 0, 1).unsqueeze(0).squeeze(0).sum(-1), 0.2))
+        out.append(F.dropout(x[:, 1:, : d // 2] + x[..., None, -1:, d // 2:].squeeze(1), 0.2))  # basic indexing
+        out.append(F.dropout(x[1:] * 3.0, 0.2))  # slicing the batch
+        out.append(F.dropout(x[0][None], 0.2))  # one sample
         return out
 
 
@@ -218,13 +221,23 @@ def test_a_signature_tells_apart_what_the_rules_read():
     assert _replay.signature(torch.Tensor.view, (x, torch.tensor(3), -1), {}, forward) is None
     assert _replay.signature(torch.Tensor.view, (x, (torch.tensor(3), -1)), {}, forward) is None
     assert _replay.signature(torch.Tensor.add, (x, torch.tensor(2.0)), {}, forward) is not None
+    # basic indexing is described by its ints, slices, None and Ellipsis; a tensor index (advanced indexing,
+    # x itself included) is not
+    getitem = torch.Tensor.__getitem__
+    assert _replay.signature(getitem, (x, (slice(None), slice(1, None))), {}, forward) is not None
+    assert _replay.signature(getitem, (x, (Ellipsis, None, 0)), {}, forward) is not None
+    assert _replay.signature(getitem, (x, (slice(None), slice(1, None))), {}, forward)[0] != \
+        _replay.signature(getitem, (x, (slice(None), slice(2, None))), {}, forward)[0]
+    for index in (x > 0, (slice(None), torch.tensor([0, 2])), x, [x]):
+        assert _replay.signature(getitem, (x, index), {}, forward) is None
 
 
 def test_functions_whose_outputs_depend_on_values_are_not_replayable():
     replayable = _replay.replayable()
     assert F.linear in replayable and torch.Tensor.view in replayable and torch.Tensor.__add__ in replayable
-    # torch.where(condition) is nonzero(), narrow takes its start as a tensor, indexing and dropout draw or
-    # pick by values: none may be replayed
-    for function in (torch.where, torch.Tensor.narrow, torch.Tensor.__getitem__, torch.nonzero, F.dropout,
+    # torch.where(condition) is nonzero(), narrow may take its start as a tensor, nonzero and masked_select
+    # size their outputs by values, dropout and rand_like draw, add_ writes its input: none may be replayed
+    # (indexing is, by ints and slices only: see the signature test)
+    for function in (torch.where, torch.Tensor.narrow, torch.nonzero, F.dropout,
                      torch.Tensor.add_, torch.Tensor.masked_select, torch.Tensor.index_select, torch.rand_like):
         assert function not in replayable, function

@@ -50,8 +50,8 @@ _TENSOR = object()  # markers of the signature's prefix code (see signature)
 _ALIAS = object()
 _KWARGS = object()
 _SEQUENCES = (tuple, list, torch.Size)
-_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
-                      torch.layout})
+_SCALARS = frozenset({int, float, bool, str, type(None), type(Ellipsis), torch.dtype, torch.device,
+                      torch.memory_format, torch.layout})
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 # Tensor methods (and the operators Python maps to them) that compute new tensors from their inputs:
@@ -65,6 +65,7 @@ _METHODS = (
     "bmm", "mm", "softmax", "log_softmax", "sum", "mean", "amax", "amin",
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
     "__matmul__", "__rmatmul__", "__neg__", "__pow__", "__rpow__",
+    "__getitem__",  # by ints, slices, None and Ellipsis only: a tensor index is not replayed (signature)
 )
 _TORCH = (
     "add", "sub", "mul", "div", "matmul", "bmm", "mm", "cat", "concat", "concatenate", "stack", "softmax",
@@ -115,6 +116,9 @@ def _encode(value: Any, parts: list, tensors: list, records: list, forward: Any)
             if not _encode(item, parts, tensors, records, forward):
                 return False
         return True
+    if kind is slice:
+        parts.append(slice)
+        return all(_encode(v, parts, tensors, records, forward) for v in (value.start, value.stop, value.step))
     return False
 
 
@@ -157,9 +161,22 @@ def signature(func: Any, args: tuple, kwargs: dict, forward: Any) -> Optional[tu
             parts.append(name)
             if not _encode(kwargs[name], parts, tensors, records, forward):
                 return None
+    if func is _GETITEM and _holds_tensor(args[1:]):
+        return None  # a tensor index picks elements by its values (advanced indexing)
     return tuple(parts), tensors, records
 
 
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, slice):
+        return _holds_tensor((value.start, value.stop, value.step))
+    return False
+
+
+_GETITEM = torch.Tensor.__getitem__
 _grad_enabled = torch.is_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled
 _default_dtype = torch.get_default_dtype
