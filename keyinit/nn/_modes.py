@@ -125,7 +125,13 @@ class FunctionMode(TorchFunctionMode):
     def __init__(self, ctx: "Keyed") -> None:
         super().__init__()
         self.ctx = ctx
-        self.handlers = _handlers()
+        self.family = dropout_family()
+        self.sdpa = torch.nn.functional.scaled_dot_product_attention
+        self.mha = torch.nn.functional.multi_head_attention_forward
+        self.handlers = dict(_handlers())  # the functions as they are now (a test may have patched one)
+        self.handlers.update(dict.fromkeys(self.family, FunctionMode._dropout))
+        self.handlers[self.sdpa] = FunctionMode._sdpa
+        self.handlers[self.mha] = FunctionMode._mha
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         handler = self.handlers.get(func)
@@ -189,7 +195,7 @@ class FunctionMode(TorchFunctionMode):
         if frame is None:
             return func(*args, **kwargs)
         with GuardSuspended(self.ctx):
-            return handle_dropout(self.ctx, frame, *_family()[func], args, kwargs)
+            return handle_dropout(self.ctx, frame, *self.family[func], args, kwargs)
 
     def _sdpa(self, func, args, kwargs):
         dropout_p = argument(args, kwargs, 4, "dropout_p", 0.0)
@@ -235,31 +241,23 @@ class FunctionMode(TorchFunctionMode):
         return out
 
 
-_TABLES: dict = {}  # built once: "handlers" (function -> FunctionMode handler), "family" (dropout_family())
-
-
-def _family() -> dict:
-    family = _TABLES.get("family")
-    if family is None:
-        family = _TABLES["family"] = dropout_family()
-    return family
+_TABLES: dict = {}  # built once: "handlers" (function -> FunctionMode handler)
 
 
 def _handlers() -> dict:
-    """``{torch function: FunctionMode handler}``, built on first use."""
+    """``{torch function: FunctionMode handler}`` for the functions fixed at import (built on first use); the
+    mode adds the dropout family and attention as they are when it is made."""
     table = _TABLES.get("handlers")
     if table is None:
-        F = torch.nn.functional
         table = dict.fromkeys(replayable(), FunctionMode._replayed)
         table.update(dict.fromkeys((_LEN, _NUMEL), FunctionMode._length))
         table.update(dict.fromkeys((_SHAPE.__get__, _SIZE), FunctionMode._shape))
         table.update(dict.fromkeys(_EXPANDS, FunctionMode._expand))
         table.update(dict.fromkeys(_FACTORIES, FunctionMode._factory))
-        table.update(dict.fromkeys(_family(), FunctionMode._dropout))
-        table[F.scaled_dot_product_attention] = FunctionMode._sdpa
-        table[F.multi_head_attention_forward] = FunctionMode._mha
         _TABLES["handlers"] = table
     return table
+
+
 _NoDispatch = torch._C._DisableTorchDispatch
 
 
