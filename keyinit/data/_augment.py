@@ -77,23 +77,12 @@ class _Keyer:
         self.lib = _fast.kernel_library()
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        call_key = _fast.fold(self.sample, self.ordinal)
-        self.ordinal += 1
+        call = self.ordinal
+        self.ordinal = call + 1
         recipe = _fast.plan(func, args, kwargs)
         if recipe is None:
-            return _keyed_call(func, args, kwargs, call_key, self.site)
-        values: list = []
-        j = 0
-        for draw in recipe.draws:  # the draws _keyed_call would number j = 0, 1, ...
-            if draw is None:
-                values.append(None)
-                continue
-            dist, dtype, shape = draw
-            out = torch.empty(shape, dtype=dtype)
-            _fast.fill(self.lib, out, dist, _fast.fold(call_key, j))
-            values.append(out)
-            j += 1
-        return recipe.result(values)
+            return _keyed_call(func, args, kwargs, _fast.fold_with(self.lib, self.sample, call), self.site)
+        return recipe.drawn(self.lib, self.sample, call)  # draw j under fold_in(fold_in(sample, call), j)
 
 
 class _KeyedMode(TorchDispatchMode):

@@ -9,8 +9,11 @@ values are those of the table, bit for bit: the same samplers, the same arithmet
 meta run, the program nodes and the evaluator are skipped. Anything else (other ops, other
 overloads, ``out=``, arguments the table refuses) is None, and callers take the general path.
 
-:func:`fold` is ``keyinit.fold_in`` of an int for stream v1 keys in plain Python integers
-(about 5x faster than the general derivation); other streams use ``fold_in``.
+:func:`fold` is ``keyinit.fold_in`` of an int or a str; with the CPU kernel library (:func:`fold_with`) the
+Philox of a stream v1 derivation runs in C. :func:`fill_folded` writes a draw of a keyed op under
+``fold_in(fold_in(key, call), draw)`` with the two folds and the fill in one C call, and
+:meth:`Recipe.drawn` makes a recognized op's value that way, writing an in-place op's contiguous CPU
+target directly.
 """
 
 from __future__ import annotations
@@ -18,19 +21,47 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
+from torch.autograd.graph import increment_version
 
+from keyinit._draw.dispatch import kernels_disabled
+from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
+from keyinit._kernels.fill.cpu import MIN_PARALLEL_ELEMENTS
 from keyinit.distributions import FLOAT_DTYPES, INT_DTYPES, Bernoulli, Bits, Normal, Randint, Uniform
-from keyinit.keys import Key, fold_in
+from keyinit.keys import Key, fold_in, fold_inputs
 from keyinit.regions import make_region
 
-__all__ = ["fold", "fold_str", "plan", "Recipe"]
+__all__ = ["fold", "fold_str", "fold_with", "fill", "fill_folded", "plan", "Recipe"]
+
+
 
 #: ``fold_in`` of an int and of a str (the names the fast path's callers use; one derivation: keys.fold_in).
 fold = fold_in
 fold_str = fold_in
+
+_MASK32 = 0xFFFFFFFF
+
+
+@functools.lru_cache(maxsize=64)
+def _counter(data: Union[int, str]) -> tuple[int, int, int, int]:
+    """The stream v1 Philox counter ``(x0, x1, tag, x3)`` of ``fold_in(K, data)`` (constant strings: remembered)."""
+    tag, (x0, x1, x3) = fold_inputs(data)
+    return x0, x1, tag, x3
+
+
+def fold_with(lib: Any, parent: Key, data: Union[int, str]) -> Key:
+    """``fold_in(parent, data)``; with the kernel library ``lib`` (not None) the Philox of a v1 key runs in C."""
+    if lib is None or parent.stream != "v1":
+        return fold_in(parent, data)
+    if type(data) is int and 0 <= data <= 0xFFFFFFFFFFFFFFFF:
+        words = lib.keyinit_derive(parent.k0, parent.k1, data & _MASK32, data >> 32, 2, 0)
+    elif isinstance(data, str):
+        words = lib.keyinit_derive(parent.k0, parent.k1, *_counter(data))
+    else:
+        return fold_in(parent, data)  # fold_in says what is wrong with it
+    return Key(words & _MASK32, words >> 32, "v1")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -45,8 +76,6 @@ _LIBRARY: list = []  # the CPU kernel library once loaded (loading it checks it:
 def kernel_library() -> Any:
     """The CPU fill kernel's library, or None where kernels are disabled (``KEYINIT_DISABLE_KERNELS``,
     read on every call) or unavailable (resolve once per keyed call)."""
-    from keyinit._draw.dispatch import kernels_disabled
-
     if kernels_disabled():
         return None
     if not _LIBRARY:
@@ -94,6 +123,32 @@ def _params(dist: Any) -> tuple:
     return (ctypes.c_double * 6)(*f), (ctypes.c_int64 * 4)(*i)
 
 
+@functools.lru_cache(maxsize=256)
+def _kernel_args(dist: Any, dtype: torch.dtype) -> Optional[tuple]:
+    """``(dist id, dtype id, fparams, iparams)`` of the fill kernel, or None where it has no such pair."""
+    dist_id, dtype_id = DIST_IDS.get(type(dist)), DTYPE_IDS.get(dtype)
+    if dist_id is None or dtype_id is None:
+        return None
+    return (dist_id, dtype_id) + _params(dist)
+
+
+def fill_folded(lib: Any, out: torch.Tensor, dist: Any, key: Key, call: int, draw: int) -> None:
+    """Write ``dist``'s values into ``out`` (a contiguous CPU tensor, written whole from flat index 0) under
+    ``fold_in(fold_in(key, call), draw)``: the two folds and the fill in one C call (``lib``; v1 keys),
+    else :func:`fill` under the key folded in Python. The version counter is the caller's to bump."""
+    numel = out.numel()
+    args = _kernel_args(dist, out.dtype) if lib is not None and key.stream == "v1" else None
+    if args is None:
+        fill(lib, out, dist, fold(fold(key, call), draw))
+    elif numel:
+        dist_id, dtype_id, fparams, iparams = args
+        threads = 1 if numel < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
+        rc = lib.keyinit_fill_folded(dist_id, dtype_id, key.k0, key.k1, call, draw, fparams, iparams, numel,
+                                     out.data_ptr(), threads)
+        if rc != 0:  # pragma: no cover - the arguments are those keyinit_fill accepts
+            raise RuntimeError(f"keyinit_fill_folded failed with code {rc}")
+
+
 def fill(lib: Any, out: torch.Tensor, dist: Any, key: Key, geometry: Optional[Geometry] = None) -> None:
     """Write ``dist``'s values into ``out`` (a new contiguous CPU tensor) at ``geometry`` (default: all
     of ``out`` from flat index 0) of ``key``'s stream.
@@ -103,8 +158,6 @@ def fill(lib: Any, out: torch.Tensor, dist: Any, key: Key, geometry: Optional[Ge
     """
     if out.numel() == 0:
         return
-    from keyinit._kernels.fill.cpu import DIST_IDS, DTYPE_IDS, MIN_PARALLEL_ELEMENTS
-
     dist_id, dtype_id = DIST_IDS.get(type(dist)), DTYPE_IDS.get(out.dtype)
     if lib is None or key.stream != "v1" or dist_id is None or dtype_id is None:
         from keyinit._draw import dispatch as _dispatch
@@ -146,7 +199,35 @@ class Recipe:
             with torch.no_grad():
                 self.write.copy_(value.to(self.write.device))
             return self.write
-        return value.to(self.device) if self.device is not None else value
+        if self.device is None or (type(self.device) is torch.device and self.device.type == "cpu"):
+            return value  # .to(cpu) of a CPU tensor is the tensor itself
+        return value.to(self.device)
+
+    def drawn(self, lib: Any, key: Key, call: int) -> Any:
+        """The op's value, its draw ``j`` under ``fold_in(fold_in(key, call), j)`` (:func:`fill_folded`).
+
+        An in-place op whose one draw has its target's dtype, on a contiguous CPU tensor, is written
+        straight into the target (no temporary and no copy; the version counter bumped as ``copy_``
+        would); the values are those of :meth:`result` either way."""
+        draws, write = self.draws, self.write
+        if write is not None and self.finish is _first and type(write) is torch.Tensor and \
+                write.dtype == draws[0][1] and write.device.type == "cpu" and write.is_contiguous() and \
+                not write.is_inference():
+            fill_folded(lib, write, draws[0][0], key, call, 0)
+            increment_version(write)  # the write bypassed torch
+            return write
+        values: list = []
+        j = 0
+        for draw in draws:  # the draws keyed_op would number j = 0, 1, ...
+            if draw is None:
+                values.append(None)
+                continue
+            dist, dtype, shape = draw
+            out = torch.empty(shape, dtype=dtype)
+            fill_folded(lib, out, dist, key, call, j)
+            values.append(out)
+            j += 1
+        return self.result(values)
 
 
 def _sampler(dist: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> Optional[list]:

@@ -494,6 +494,35 @@ KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
     return rc;
 }
 
+/*
+ * Key derivation (docs/spec.md section 3; keyinit.keys): Philox4x32-10 of the counter
+ * (x0, x1, x2, x3) under (k0, k1), its words 0 and 1 returned as word0 | word1 << 32. fold_in(K, int d)
+ * is the counter (lo32(d), hi32(d), 2, 0); fold_in(K, str s) is (h0, h1, 3, h2) (keys.fold_counter).
+ */
+KI_API uint64_t keyinit_derive(uint32_t k0, uint32_t k1, uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3)
+{
+    const uint32_t ctr[4] = {x0, x1, x2, x3};
+    uint32_t out[4];
+    ki_philox4x32_10(ctr, k0, k1, out);
+    return (uint64_t)out[0] | ((uint64_t)out[1] << 32);
+}
+
+/*
+ * keyinit_fill of a contiguous out (n elements, global flat indices 0 .. n-1) under the key
+ * fold_in(fold_in((k0, k1), fold0), fold1): a keyed random op's draw (data/_fast) in one call,
+ * the two key folds included.
+ */
+KI_API int keyinit_fill_folded(int dist, int dtype, uint32_t k0, uint32_t k1, uint64_t fold0, uint64_t fold1,
+                               const double *fparams, const int64_t *iparams, int64_t n, void *out, int nthreads)
+{
+    uint64_t key = keyinit_derive(k0, k1, (uint32_t)fold0, (uint32_t)(fold0 >> 32), 2u, 0u);
+    key = keyinit_derive((uint32_t)key, (uint32_t)(key >> 32), (uint32_t)fold1, (uint32_t)(fold1 >> 32), 2u, 0u);
+    const int64_t size[1] = {n}, stride[1] = {1};
+    const int64_t *const index[1] = {NULL};
+    return keyinit_fill(dist, dtype, (uint32_t)key, (uint32_t)(key >> 32), fparams, iparams, 1, 0, size, stride,
+                        stride, index, out, nthreads);
+}
+
 static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1,
                         const double *fparams, const int64_t *iparams,
                         int ndim, int64_t base, const int64_t *size, const int64_t *ostride,
