@@ -23,7 +23,6 @@ common ones are keyed without a program (:mod:`keyinit.data._fast`, the same val
 from __future__ import annotations
 
 import os
-import random as _py_random
 import threading
 from typing import Any, NamedTuple, Optional, Union
 
@@ -32,10 +31,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit._engine.outside import ThreadDrawsRefused
 from keyinit.data import _fast, _intercept
+from keyinit.data._globals import global_states
 from keyinit.data._index import SampleIndex
 from keyinit.keys import Key, as_uint64, key
 
-__all__ = ["AUGMENT_DOMAIN", "SampleRef", "KeyedBatch", "sample_key", "keyed_samples", "KeyedSamples", "keyed_randomness"]
+__all__ = ["AUGMENT_DOMAIN", "SampleRef", "KeyedBatch", "sample_key", "keyed_samples", "KeyedSamples", "keyed_randomness",
+           "Interception", "global_state_lock"]
 
 #: The int folded into the root key first: the ASCII bytes of "augment", big-endian.
 AUGMENT_DOMAIN = int.from_bytes(b"augment", "big")
@@ -70,11 +71,13 @@ def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) 
 class _Keyer:
     """Replaces the random ops of one keyed call: the ``c``-th under ``fold_in(sample, c)``."""
 
-    def __init__(self, sample: Key, site: str) -> None:
+    __slots__ = ("sample", "site", "ordinal", "lib")
+
+    def __init__(self, sample: Key, site: str, lib: Any) -> None:
         self.sample = sample
         self.site = site
         self.ordinal = 0
-        self.lib = _fast.kernel_library()
+        self.lib = lib
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         call = self.ordinal
@@ -101,7 +104,7 @@ class _KeyedMode(TorchDispatchMode):
         return self.keyer(func, args, kwargs)
 
 
-class _Interception:
+class Interception:
     """Random ops to ``keyer`` while active: the dispatch-key kernels of :mod:`._intercept` where this
     torch has them (only the random ops reach Python), else a dispatch mode (the same values)."""
 
@@ -164,23 +167,17 @@ class keyed_randomness:
         return self
 
     def _enter(self) -> None:
-        k = _fast.fold_str(self.sample, "python.random")
-        self._py_state = _py_random.getstate()
-        _py_random.seed(k.k0 | (k.k1 << 32))
+        lib = _fast.kernel_library()
+        states = global_states()
+        self._saved = states.save()
         try:
-            import numpy
-        except ImportError:  # pragma: no cover - numpy is a torch dependency in practice
-            self._np_state = None
-        else:
-            from keyinit.data._numpy_state import numpy_watch
-
-            self._watch = numpy_watch()
-            self._np_state = self._watch.look()
-            kn = _fast.fold_str(self.sample, "numpy.random")
-            numpy.random.seed([kn.k0, kn.k1])
-            self._np_seeded = self._watch.snapshot()
-        self._mode = _Interception(_Keyer(self.sample, self.site))
-        self._mode.__enter__()
+            states.seed(lib, _fast.fold_words(lib, self.sample, "python.random"),
+                        _fast.fold_words(lib, self.sample, "numpy.random"))
+            self._mode = Interception(_Keyer(self.sample, self.site, lib))
+            self._mode.__enter__()
+        except BaseException:
+            states.restore(self._saved)
+            raise
         self._threads = ThreadDrawsRefused(self.site)  # a thread started here cannot be keyed: refused
         self._threads.__enter__()
 
@@ -190,9 +187,7 @@ class keyed_randomness:
             self._mode.__exit__(*exc)
         finally:
             try:
-                _py_random.setstate(self._py_state)
-                if self._np_state is not None:
-                    self._watch.reseeded(self._np_state, self._np_seeded)
+                global_states().restore(self._saved)
             finally:
                 _GLOBAL_STATE_LOCK.release()
 

@@ -28,14 +28,13 @@ per sample in the dataset's ``__getitem__`` (keyed by ``keyed_samples``), or key
 from __future__ import annotations
 
 import math
-import random as _py_random
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from keyinit.data import _augment, _fast
-from keyinit.data._augment import _Interception
-from keyinit.data._numpy_state import numpy_watch
+from keyinit.data._augment import Interception
+from keyinit.data._globals import global_states
 from keyinit.keys import Key, as_uint64, fold_in, key
 
 __all__ = ["COLLATE_DOMAIN", "collate_key", "keyed_collate", "KeyedCollate"]
@@ -161,19 +160,15 @@ def _call_refusing_global_draws(fn: Callable[[Any], Any], batch: Any, keyer: _Ro
     """``fn(batch)`` with torch's random ops sent to ``keyer``; a draw from ``random``/``numpy.random``
     is refused (detected by comparing their states before and after; the states are restored)."""
     with _augment.global_state_lock():
-        watch = numpy_watch()
-        py_state = _py_random.getstate()
-        np_before = watch.look()
+        states = global_states()
+        before = states.save()
         try:
-            with _Interception(keyer):
+            with Interception(keyer):
                 result = fn(batch)
         finally:
-            drew = [name for name, changed in (("random", _py_random.getstate() != py_state),
-                                               ("numpy.random", watch.drew(np_before))) if changed]
-            if "random" in drew:
-                _py_random.setstate(py_state)
-            if "numpy.random" in drew:
-                watch.restore(np_before)
+            drew = states.drew(before)
+            if drew:
+                states.restore(before)
     if drew:
         from keyinit.errors import UnkeyedRandomnessError
 

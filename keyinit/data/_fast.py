@@ -33,7 +33,7 @@ from keyinit.distributions import FLOAT_DTYPES, INT_DTYPES, Bernoulli, Bits, Nor
 from keyinit.keys import Key, fold_in, fold_inputs
 from keyinit.regions import make_region
 
-__all__ = ["fold", "fold_str", "fold_with", "fill", "fill_folded", "plan", "Recipe"]
+__all__ = ["fold", "fold_str", "fold_with", "fold_words", "fill", "fill_folded", "plan", "Recipe"]
 
 
 
@@ -51,17 +51,24 @@ def _counter(data: Union[int, str]) -> tuple[int, int, int, int]:
     return x0, x1, tag, x3
 
 
+def fold_words(lib: Any, parent: Key, data: Union[int, str]) -> tuple[int, int]:
+    """The words of ``fold_in(parent, data)``; with the kernel library ``lib`` (not None) the Philox of a v1
+    key runs in C."""
+    if lib is not None and parent.stream == "v1":
+        if type(data) is int and 0 <= data <= 0xFFFFFFFFFFFFFFFF:
+            words = lib.keyinit_derive(parent.k0, parent.k1, data & _MASK32, data >> 32, 2, 0)
+            return words & _MASK32, words >> 32
+        if type(data) is str:
+            words = lib.keyinit_derive(parent.k0, parent.k1, *_counter(data))
+            return words & _MASK32, words >> 32
+    return fold_in(parent, data).words  # fold_in says what is wrong with data
+
+
 def fold_with(lib: Any, parent: Key, data: Union[int, str]) -> Key:
     """``fold_in(parent, data)``; with the kernel library ``lib`` (not None) the Philox of a v1 key runs in C."""
     if lib is None or parent.stream != "v1":
         return fold_in(parent, data)
-    if type(data) is int and 0 <= data <= 0xFFFFFFFFFFFFFFFF:
-        words = lib.keyinit_derive(parent.k0, parent.k1, data & _MASK32, data >> 32, 2, 0)
-    elif isinstance(data, str):
-        words = lib.keyinit_derive(parent.k0, parent.k1, *_counter(data))
-    else:
-        return fold_in(parent, data)  # fold_in says what is wrong with it
-    return Key(words & _MASK32, words >> 32, "v1")
+    return Key(*fold_words(lib, parent, data), "v1")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -240,21 +247,6 @@ def _first(values: list) -> torch.Tensor:
     return values[0]
 
 
-@functools.lru_cache(maxsize=512)
-def _schema(func: Any) -> tuple[tuple[str, bool], ...]:
-    return tuple((arg.name, arg.kwarg_only) for arg in func._schema.arguments)
-
-
-def _args(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    bound: dict[str, Any] = {}
-    for i, (name, kwarg_only) in enumerate(_schema(func)):
-        if i < len(args) and not kwarg_only:
-            bound[name] = args[i]
-        elif name in kwargs:
-            bound[name] = kwargs[name]
-    return bound
-
-
 def _dist(kind: type, *params: Any) -> Any:
     """``kind.create(*params)``, made once per parameters (distributions are immutable). The cache key
     holds each float's sign, since ``-0.0 == 0.0`` (and so hashes alike) but may round differently."""
@@ -309,116 +301,200 @@ def _randperm(n: int, dtype: torch.dtype) -> tuple[list, Callable]:
     return [(Bits(), torch.int64, (n,)), (_dist(Randint, 0, 2**32, torch.int64), torch.int64, (n,))], permutation
 
 
-def plan(func: Any, args: tuple, kwargs: dict, *, randperm: bool = True) -> Optional[Recipe]:
-    """The :class:`Recipe` of ``func(*args, **kwargs)``, or None where the general path must run."""
-    name = func._schema.name
-    if not name.startswith("aten::"):
+def _target(a: dict) -> Optional[torch.Tensor]:
+    """An op's ``self`` where it is a strided tensor (the in-place target, or the ``*_like`` template)."""
+    self = a.get("self")
+    return self if isinstance(self, torch.Tensor) and self.layout == torch.strided else None
+
+
+def _sampled(kind: type, params: tuple, dtype: torch.dtype, shape: tuple[int, ...]) -> Optional[list]:
+    """The one draw of ``kind.create(*params)``, or None where the sampler refuses (the general path says why)."""
+    try:
+        return _sampler(_dist(kind, *params), dtype, shape)
+    except (TypeError, ValueError):
         return None
-    name = name[6:]
-    overload = func._overloadname
-    if overload.endswith("out") or overload == "names":
-        return None
-    a = _args(func, args, kwargs)
-    made: Optional[tuple[list, Callable]] = None
-    write: Optional[torch.Tensor] = None
-    device: Any = None
-    if name.endswith("_"):  # in place on self
-        self = a.get("self")
-        if not isinstance(self, torch.Tensor) or self.layout != torch.strided:
-            return None
-        write, shape, dtype = self, tuple(self.shape), self.dtype
-        if name == "uniform_":
-            low, high = float(a.get("from", 0.0)), float(a.get("to", 1.0))
-            if dtype not in FLOAT_DTYPES:
-                return None
-            if low == high:
-                made = [None], (lambda values, low=low: torch.full(shape, low, dtype=dtype))
-            else:
-                made = _made(lambda: _sampler(_dist(Uniform, low, high), dtype, shape))
-        elif name == "normal_":
-            mean, std = a.get("mean", 0.0), a.get("std", 1.0)
-            if dtype not in FLOAT_DTYPES or isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
-                return None
-            made = _made(lambda: _sampler(_dist(Normal, float(mean), float(std)), dtype, shape))
-        elif name == "random_":
-            low, high = a.get("from"), a.get("to")
-            if high is None:
-                if dtype == torch.bool:
-                    high = 2
-                elif dtype.is_floating_point:
-                    high = 2 ** (1 - int(round(math.log2(torch.finfo(dtype).eps)))) + 1
-                else:
-                    high = torch.iinfo(dtype).max + 1
-            made = _randint_draw(0 if low is None else int(low), int(high), dtype, shape)
-        elif name == "bernoulli_":
-            p = a.get("p", 0.5)
-            if isinstance(p, torch.Tensor):
-                made = _tensor_bernoulli(p, dtype, shape)
-            else:
-                made = _made(lambda: _sampler(_dist(Bernoulli, float(p)), dtype, shape))
-        else:
-            return None
-    else:
-        if name in ("rand", "randn"):
-            shape_ = _shape(a.get("size"))
-            if shape_ is None:
-                return None
-            shape = shape_
-            dtype = a.get("dtype") or torch.get_default_dtype()
-            device = a.get("device") or torch.device("cpu")
-        elif name in ("rand_like", "randn_like", "randint_like"):
-            self = a.get("self")
-            if not isinstance(self, torch.Tensor) or self.layout != torch.strided:
-                return None
-            shape, dtype = tuple(self.shape), a.get("dtype") or self.dtype
-            device = a.get("device") or self.device
-        elif name == "randint":
-            shape_ = _shape(a.get("size"))
-            if shape_ is None:
-                return None
-            shape, dtype = shape_, a.get("dtype") or torch.int64
-            device = a.get("device") or torch.device("cpu")
-        elif name == "bernoulli":
-            self = a.get("self")
-            if not isinstance(self, torch.Tensor) or self.layout != torch.strided:
-                return None
-            shape, dtype, device = tuple(self.shape), self.dtype, self.device
-        elif name == "randperm" and randperm:
-            n = int(a["n"])
-            dtype = a.get("dtype") or torch.int64
-            device = a.get("device") or torch.device("cpu")
-            draws, finish = _randperm(n, dtype)
-            return Recipe((n,), draws, finish, None, device)
-        else:
-            return None
-        if name in ("rand", "rand_like"):
-            if dtype not in FLOAT_DTYPES:
-                return None
-            made = _made(lambda: _sampler(_dist(Uniform, 0.0, 1.0), dtype, shape))
-        elif name in ("randn", "randn_like"):
-            if dtype not in FLOAT_DTYPES:
-                return None
-            made = _made(lambda: _sampler(_dist(Normal, 0.0, 1.0), dtype, shape))
-        elif name in ("randint", "randint_like"):
-            high = a.get("high")
-            if isinstance(high, torch.Tensor) or high is None:
-                return None
-            made = _randint_draw(int(a.get("low") or 0), int(high), dtype, shape)
-        elif name == "bernoulli":
-            p = a.get("p")
-            if overload == "p":
-                made = _made(lambda: _sampler(_dist(Bernoulli, float(p)), dtype, shape))
-            elif overload == "default":
-                made = _tensor_bernoulli(a["self"], dtype, shape)
+
+
+def _recipe(made: Optional[tuple], shape: tuple[int, ...], write: Optional[torch.Tensor], device: Any) -> Optional[Recipe]:
     if made is None or made[0] is None:
         return None
-    draws, finish = made
-    return Recipe(shape, draws, finish, write, device)
+    return Recipe(shape, made[0], made[1], write, device)
 
 
-def _made(make: Callable[[], Optional[list]]) -> Optional[tuple[list, Callable]]:
-    try:
-        draws = make()
-    except (TypeError, ValueError):
-        return None  # parameters the samplers refuse: the general path says why
+def _drawn_first(draws: Optional[list]) -> Optional[tuple[list, Callable]]:
     return None if draws is None else (draws, _first)
+
+
+def _plan_uniform_(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype = tuple(self.shape), self.dtype
+    low, high = float(a.get("from", 0.0)), float(a.get("to", 1.0))
+    if dtype not in FLOAT_DTYPES:
+        return None
+    if low == high:
+        return Recipe(shape, [None], lambda values: torch.full(shape, low, dtype=dtype), self, None)
+    return _recipe(_drawn_first(_sampled(Uniform, (low, high), dtype, shape)), shape, self, None)
+
+
+def _plan_normal_(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype = tuple(self.shape), self.dtype
+    mean, std = a.get("mean", 0.0), a.get("std", 1.0)
+    if dtype not in FLOAT_DTYPES or isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
+        return None
+    try:
+        params = (float(mean), float(std))
+    except (TypeError, ValueError):
+        return None
+    return _recipe(_drawn_first(_sampled(Normal, params, dtype, shape)), shape, self, None)
+
+
+def _plan_random_(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype = tuple(self.shape), self.dtype
+    low, high = a.get("from"), a.get("to")
+    if high is None:
+        if dtype == torch.bool:
+            high = 2
+        elif dtype.is_floating_point:
+            high = 2 ** (1 - int(round(math.log2(torch.finfo(dtype).eps)))) + 1
+        else:
+            high = torch.iinfo(dtype).max + 1
+    return _recipe(_randint_draw(0 if low is None else int(low), int(high), dtype, shape), shape, self, None)
+
+
+def _plan_bernoulli_(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype = tuple(self.shape), self.dtype
+    p = a.get("p", 0.5)
+    if isinstance(p, torch.Tensor):
+        return _recipe(_tensor_bernoulli(p, dtype, shape), shape, self, None)
+    try:
+        params = (float(p),)
+    except (TypeError, ValueError):
+        return None
+    return _recipe(_drawn_first(_sampled(Bernoulli, params, dtype, shape)), shape, self, None)
+
+
+def _plan_rand(a: dict, overload: str, randperm: bool, kind: type = Uniform) -> Optional[Recipe]:
+    shape = _shape(a.get("size"))
+    if shape is None:
+        return None
+    dtype = a.get("dtype") or torch.get_default_dtype()
+    if dtype not in FLOAT_DTYPES:
+        return None
+    return _recipe(_drawn_first(_sampled(kind, (0.0, 1.0), dtype, shape)), shape, None, a.get("device"))
+
+
+def _plan_randn(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    return _plan_rand(a, overload, randperm, Normal)
+
+
+def _plan_rand_like(a: dict, overload: str, randperm: bool, kind: type = Uniform) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype = tuple(self.shape), a.get("dtype") or self.dtype
+    device = a.get("device") or self.device
+    if dtype not in FLOAT_DTYPES:
+        return None
+    return _recipe(_drawn_first(_sampled(kind, (0.0, 1.0), dtype, shape)), shape, None, device)
+
+
+def _plan_randn_like(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    return _plan_rand_like(a, overload, randperm, Normal)
+
+
+def _plan_randint_like(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype = tuple(self.shape), a.get("dtype") or self.dtype
+    device = a.get("device") or self.device
+    high = a.get("high")
+    if isinstance(high, torch.Tensor) or high is None:
+        return None
+    return _recipe(_randint_draw(int(a.get("low") or 0), int(high), dtype, shape), shape, None, device)
+
+
+def _plan_randint(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    shape = _shape(a.get("size"))
+    if shape is None:
+        return None
+    dtype = a.get("dtype") or torch.int64
+    high = a.get("high")
+    if isinstance(high, torch.Tensor) or high is None:
+        return None
+    return _recipe(_randint_draw(int(a.get("low") or 0), int(high), dtype, shape), shape, None, a.get("device"))
+
+
+def _plan_bernoulli(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype, device = tuple(self.shape), self.dtype, self.device
+    if overload == "p":
+        try:
+            params = (float(a.get("p")),)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+        return _recipe(_drawn_first(_sampled(Bernoulli, params, dtype, shape)), shape, None, device)
+    if overload == "default":
+        return _recipe(_tensor_bernoulli(self, dtype, shape), shape, None, device)
+    return None
+
+
+def _plan_randperm(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    if not randperm:
+        return None
+    n = int(a["n"])
+    draws, finish = _randperm(n, a.get("dtype") or torch.int64)
+    return Recipe((n,), draws, finish, None, a.get("device"))
+
+
+#: The planner of each recognized aten op (by name without ``aten::``).
+_PLANNERS_BY_NAME: dict[str, Callable[[dict, str, bool], Optional[Recipe]]] = {
+    "uniform_": _plan_uniform_, "normal_": _plan_normal_, "random_": _plan_random_, "bernoulli_": _plan_bernoulli_,
+    "rand": _plan_rand, "randn": _plan_randn, "rand_like": _plan_rand_like, "randn_like": _plan_randn_like,
+    "randint_like": _plan_randint_like, "randint": _plan_randint, "bernoulli": _plan_bernoulli,
+    "randperm": _plan_randperm,
+}
+
+#: Per op overload: ``(planner, its positional argument names, overload name)``, or None (general path).
+_OPS: dict[Any, Optional[tuple]] = {}
+
+
+def _op_entry(func: Any) -> Optional[tuple]:
+    name, overload = func._schema.name, func._overloadname
+    if not name.startswith("aten::") or overload.endswith("out") or overload == "names":
+        return None
+    planner = _PLANNERS_BY_NAME.get(name[len("aten::"):])
+    if planner is None:
+        return None
+    return planner, tuple(arg.name for arg in func._schema.arguments if not arg.kwarg_only), overload
+
+
+def plan(func: Any, args: tuple, kwargs: dict, *, randperm: bool = True) -> Optional[Recipe]:
+    """The :class:`Recipe` of ``func(*args, **kwargs)``, or None where the general path must run.
+
+    Arguments are bound by the op's schema (positional names, read once per op overload), then
+    the op's planner applies the rules of :mod:`keyinit._engine.random_ops`'s table to them."""
+    try:
+        entry = _OPS[func]
+    except KeyError:
+        entry = _OPS[func] = _op_entry(func)
+    if entry is None:
+        return None
+    planner, names, overload = entry
+    a = dict(zip(names, args))
+    for name, value in kwargs.items():
+        a.setdefault(name, value)
+    return planner(a, overload, randperm)

@@ -22,7 +22,7 @@ from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
 from keyinit._kernels.common.library import I64P, MAX_DIMS, CompiledLibrary
 from keyinit._draw.geometry import geometry
 
-__all__ = ["KERNEL", "available", "fill", "fill_folded", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
+__all__ = ["KERNEL", "available", "fill", "fill_folded", "mt_seed", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
 
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 16
@@ -51,6 +51,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64,
         ctypes.POINTER(ctypes.c_double), I64P, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
     ]
+    lib.keyinit_mt_seed.restype = None
+    lib.keyinit_mt_seed.argtypes = [ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_void_p]
     lib.keyinit_philox_range.restype = None
     lib.keyinit_philox_range.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32,
                                          ctypes.c_void_p]
@@ -60,9 +62,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def _selftest_run(lib: ctypes.CDLL) -> list[str]:
     failed = _selftest.run(lambda out, dist, key, region, threads: fill(out, dist, key, region, threads=threads,
                                                                        lib=lib))
-    return failed + _selftest.run_folded(
+    failed += _selftest.run_folded(
         lib.keyinit_derive, lambda out, dist, key, region: fill(out, dist, key, region, threads=1, lib=lib),
         lambda out, dist, key, fold0, fold1: fill_folded(out, dist, key, fold0, fold1, threads=1, lib=lib))
+    return failed + _selftest.run_mt_seed(lambda key: mt_seed(key, lib))
 
 
 #: The init kernel library (``fill_kernels.c``), loaded through the one loader.
@@ -148,3 +151,10 @@ def fill_folded(out: torch.Tensor, dist: Distribution, key: Key, fold0: int, fol
         raise RuntimeError(f"keyinit_fill_folded failed with code {rc}")
     torch.autograd.graph.increment_version(out)
     return True
+
+
+def mt_seed(key: list[int], lib: ctypes.CDLL) -> list[int]:
+    """The 624 MT19937 state words of ``init_by_array(key)`` (32-bit words; CPython's and numpy's seeding)."""
+    words = (ctypes.c_uint32 * 624)()
+    lib.keyinit_mt_seed((ctypes.c_uint32 * len(key))(*key), len(key), ctypes.addressof(words))
+    return list(words)

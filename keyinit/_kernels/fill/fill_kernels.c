@@ -523,6 +523,38 @@ KI_API int keyinit_fill_folded(int dist, int dtype, uint32_t k0, uint32_t k1, ui
                         stride, index, out, nthreads);
 }
 
+/*
+ * The 624 state words of MT19937 seeded by init_by_array(key[0..n-1]) (Matsumoto and Nishimura's
+ * mt19937ar.c, as CPython's random.seed and numpy.random.seed use it; the position after it is 624).
+ * keyed_samples seeds Python's random and numpy.random with it, writing their state in place.
+ */
+KI_API void keyinit_mt_seed(const uint32_t *key, int n, uint32_t *mt)
+{
+    enum { N = 624 };
+    mt[0] = 19650218u;
+    for (int i = 1; i < N; i++) mt[i] = 1812433253u * (mt[i - 1] ^ (mt[i - 1] >> 30)) + (uint32_t)i;
+    int i = 1, j = 0;
+    for (int k = N > n ? N : n; k; k--) {
+        mt[i] = (mt[i] ^ ((mt[i - 1] ^ (mt[i - 1] >> 30)) * 1664525u)) + key[j] + (uint32_t)j;
+        i++;
+        j++;
+        if (i >= N) {
+            mt[0] = mt[N - 1];
+            i = 1;
+        }
+        if (j >= n) j = 0;
+    }
+    for (int k = N - 1; k; k--) {
+        mt[i] = (mt[i] ^ ((mt[i - 1] ^ (mt[i - 1] >> 30)) * 1566083941u)) - (uint32_t)i;
+        i++;
+        if (i >= N) {
+            mt[0] = mt[N - 1];
+            i = 1;
+        }
+    }
+    mt[0] = 0x80000000u;
+}
+
 static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1,
                         const double *fparams, const int64_t *iparams,
                         int ndim, int64_t base, const int64_t *size, const int64_t *ostride,

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["GOLDEN", "KEY_WORDS", "cases", "run", "run_folded"]
+__all__ = ["GOLDEN", "KEY_WORDS", "cases", "run", "run_folded", "run_mt_seed"]
 
 #: Key (k0, k1) of every case.
 KEY_WORDS = (0x243F6A88, 0x85A308D3)
@@ -141,4 +141,18 @@ def run_folded(derive: Callable[[int, int, int, int, int, int], int],
         ok = fill(want, dist, fold_in(fold_in(key, folds[0]), folds[1]), make_region((n,), None))
         if not ok or not fill_folded(got, dist, key, folds[0], folds[1]) or digest(got) != digest(want):
             failed.append(name)
+    return failed
+
+
+def run_mt_seed(mt_seed: Callable[[list[int]], list[int]]) -> list[str]:
+    """Names of the failing checks of ``keyinit_mt_seed`` (``mt_seed(key words) -> 624 state words``):
+    its state must be CPython's ``random.seed`` of the int whose 32-bit words are the key (one word and
+    two, with the high bits set, and zero)."""
+    import random
+
+    failed = []
+    for seed in (0, 1, 0xFFFFFFFF, 2**32, 0x243F6A8885A308D3, 2**64 - 1):
+        key = [seed & 0xFFFFFFFF] + ([seed >> 32] if seed >> 32 else [])
+        if mt_seed(key) != list(random.Random(seed).getstate()[1][:624]):
+            failed.append(f"mt-seed-{seed:#x}")
     return failed
