@@ -54,7 +54,7 @@ def sample_key(seed: Union[int, Key], epoch: int, index: int) -> Key:
     root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
     epoch = as_uint64(epoch, "epoch")
     index = as_uint64(index, "sample index")
-    return _fast.fold(_epoch_key(root, epoch), index)
+    return _fast.fold_with(_fast.kernel_library(), _epoch_key(root, epoch), index)
 
 
 def _epoch_key(root: Key, epoch: int) -> Key:
@@ -149,12 +149,19 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
-class keyed_randomness:
-    """Context manager: torch, ``random`` and numpy randomness keyed by ``sample`` (a Key) inside."""
+_RESOLVE = object()  # keyed_randomness(lib=...) not given: the kernel library is looked up
 
-    def __init__(self, sample: Key, site: str = "keyed_samples") -> None:
+
+class keyed_randomness:
+    """Context manager: torch, ``random`` and numpy randomness keyed by ``sample`` (a Key) inside.
+
+    ``lib``: the CPU kernel library (:func:`keyinit.data._fast.kernel_library`, None: the reference
+    paths), where the caller has already looked it up."""
+
+    def __init__(self, sample: Key, site: str = "keyed_samples", *, lib: Any = _RESOLVE) -> None:
         self.sample = sample
         self.site = site
+        self.lib = lib
 
     def __enter__(self) -> "keyed_randomness":
         # random's and numpy.random's global state is one per process: threads take turns
@@ -167,12 +174,12 @@ class keyed_randomness:
         return self
 
     def _enter(self) -> None:
-        lib = _fast.kernel_library()
+        lib = _fast.kernel_library() if self.lib is _RESOLVE else self.lib
         states = global_states()
         self._saved = states.save()
         try:
             states.seed(lib, _fast.fold_words(lib, self.sample, "python.random"),
-                        _fast.fold_words(lib, self.sample, "numpy.random"))
+                        _fast.fold_words(lib, self.sample, "numpy.random"), self._saved)
             self._mode = Interception(_Keyer(self.sample, self.site, lib))
             self._mode.__enter__()
         except BaseException:
@@ -199,6 +206,22 @@ class KeyedSamples(torch.utils.data.Dataset):
         self.dataset = dataset
         self.root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
         self.epoch = epoch
+        self._epoch_keys: dict[int, Key] = {}  # epoch -> its key (a few per run)
+
+    def _sample_key(self, lib: Any, index: int, epoch: int) -> Key:
+        """:func:`sample_key` of this wrapper's seed, the epoch's key remembered and the fold in C (``lib``)."""
+        epoch_key = self._epoch_keys.get(epoch)
+        if epoch_key is None:
+            if len(self._epoch_keys) >= 64:
+                self._epoch_keys.clear()
+            epoch_key = self._epoch_keys[epoch] = _epoch_key(self.root, as_uint64(epoch, "epoch"))
+        return _fast.fold_with(lib, epoch_key, as_uint64(index, "sample index"))
+
+    def _keyed(self, index: int, epoch: int) -> Any:
+        """``self.dataset[index]`` with its randomness keyed by (epoch, index)."""
+        lib = _fast.kernel_library()
+        with keyed_randomness(self._sample_key(lib, index, epoch), f"sample {index} of epoch {epoch}", lib=lib):
+            return self.dataset[index]
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -219,17 +242,13 @@ class KeyedSamples(torch.utils.data.Dataset):
 
     def __getitem__(self, ref: Any) -> Any:
         index, epoch = self._ref(ref)
-        with keyed_randomness(sample_key(self.root, epoch, index), f"sample {index} of epoch {epoch}"):
-            return self.dataset[index]
+        return self._keyed(index, epoch)
 
     def __getitems__(self, refs: list) -> "KeyedBatch":
         """The items of a DataLoader batch (torch's fetcher calls this), as a list that also says each
         item's ``(epoch, index)`` (``.refs``) for :func:`keyinit.data.keyed_collate`."""
         pairs = [self._ref(ref) for ref in refs]
-        items = []
-        for index, epoch in pairs:
-            with keyed_randomness(sample_key(self.root, epoch, index), f"sample {index} of epoch {epoch}"):
-                items.append(self.dataset[index])
+        items = [self._keyed(index, epoch) for index, epoch in pairs]
         return KeyedBatch(items, tuple((epoch, index) for index, epoch in pairs))
 
 

@@ -73,13 +73,27 @@ class _RowKeyer:
         self.ordinal = 0
         self.lib = _fast.kernel_library()
         self._geometries: dict = {}
-        by_epoch: dict[int, list[int]] = {}
-        for r, (epoch, _) in enumerate(refs):
-            by_epoch.setdefault(epoch, []).append(r)
-        # (epoch key, the rows of that epoch (None: all), their sample indices)
-        self.groups = [(_epoch_key(root, epoch), None if len(rows) == self.rows else torch.tensor(rows),
-                        torch.tensor([refs[r][1] for r in rows], dtype=torch.int64))
-                       for epoch, rows in by_epoch.items()]
+        self._root, self._refs = root, refs
+        self._groups: Optional[list] = None
+
+    @property
+    def groups(self) -> list:
+        """``(epoch key, the rows of that epoch (None: all), their sample indices)`` per epoch of the batch
+        (made at the first random op: a collate call that draws nothing does not pay for it)."""
+        if self._groups is None:
+            refs, root = self._refs, self._root
+            epochs = {epoch for epoch, _ in refs}
+            if len(epochs) == 1:  # the usual batch: one epoch, every row
+                self._groups = [(_epoch_key(root, refs[0][0]), None,
+                                 torch.tensor([index for _, index in refs], dtype=torch.int64))]
+            else:
+                by_epoch: dict[int, list[int]] = {}
+                for r, (epoch, _) in enumerate(refs):
+                    by_epoch.setdefault(epoch, []).append(r)
+                self._groups = [(_epoch_key(root, epoch), torch.tensor(rows),
+                                 torch.tensor([refs[r][1] for r in rows], dtype=torch.int64))
+                                for epoch, rows in by_epoch.items()]
+        return self._groups
 
     def _geometry(self, rows: int, row_size: int, indices: torch.Tensor) -> "_fast.Geometry":
         cached = self._geometries.get((id(indices), row_size))

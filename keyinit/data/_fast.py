@@ -27,6 +27,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from keyinit._draw.dispatch import kernels_disabled
+from keyinit._draw.geometry import coalesce
 from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
 from keyinit._kernels.fill.cpu import MIN_PARALLEL_ELEMENTS
 from keyinit.distributions import FLOAT_DTYPES, INT_DTYPES, Bernoulli, Bits, Normal, Randint, Uniform
@@ -109,8 +110,6 @@ class Geometry:
     __slots__ = ("rows", "row_stride", "numel", "args")
 
     def __init__(self, shape: tuple[int, ...], rows: Optional[torch.Tensor] = None, row_stride: int = 0) -> None:
-        from keyinit._draw.geometry import coalesce
-
         self.rows, self.row_stride, self.numel = rows, row_stride, math.prod(shape)
         if rows is None:
             base, dims = 0, [[self.numel, 1, 1, None]]
@@ -163,10 +162,11 @@ def fill(lib: Any, out: torch.Tensor, dist: Any, key: Key, geometry: Optional[Ge
     The values of ``keyinit._draw.dispatch.fill`` with the matching region (the kernel called directly,
     without building the region and its checks); the reference where ``lib`` is None.
     """
-    if out.numel() == 0:
+    numel = out.numel()
+    if numel == 0:
         return
-    dist_id, dtype_id = DIST_IDS.get(type(dist)), DTYPE_IDS.get(out.dtype)
-    if lib is None or key.stream != "v1" or dist_id is None or dtype_id is None:
+    args = _kernel_args(dist, out.dtype) if lib is not None and key.stream == "v1" else None
+    if args is None:
         from keyinit._draw import dispatch as _dispatch
 
         if geometry is None or geometry.rows is None:
@@ -178,8 +178,8 @@ def fill(lib: Any, out: torch.Tensor, dist: Any, key: Key, geometry: Optional[Ge
         return
     if geometry is None:
         geometry = Geometry(tuple(out.shape))
-    fparams, iparams = _params(dist)
-    threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
+    dist_id, dtype_id, fparams, iparams = args
+    threads = 1 if numel < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
     rc = lib.keyinit_fill(dist_id, dtype_id, key.k0, key.k1, fparams, iparams, *geometry.args, out.data_ptr(),
                           threads)
     if rc != 0:  # pragma: no cover - the arguments are the ones _dispatch.fill would pass

@@ -173,21 +173,22 @@ class GlobalStates:
         np_state = None if self.numpy_module is None else self.numpy_module.random.get_state(legacy=False)
         return ("api", _py_random.getstate(), np_state)
 
-    def seed(self, lib: Any, python: tuple[int, int], numpy: tuple[int, int]) -> None:
+    def seed(self, lib: Any, python: tuple[int, int], numpy: tuple[int, int], saved: tuple) -> None:
         """Seed ``random`` as ``random.seed(k0 | k1 << 32)`` and ``numpy.random`` as
-        ``numpy.random.seed([k0, k1])`` (``python``, ``numpy``: the ``(k0, k1)`` words) would."""
+        ``numpy.random.seed([k0, k1])`` (``python``, ``numpy``: the ``(k0, k1)`` words) would; ``saved``
+        is what :meth:`save` just returned."""
         np_ = self.numpy
-        if lib is not None and self._as_bytes() and (np_ is None or np_.seeds_like_numpy(lib)):
+        if lib is not None and saved[0] == "bytes" and (np_ is None or np_.seeds_like_numpy(lib)):
             inst = self.inst
             k0, k1 = python
             base = id(inst) + self.python  # type: ignore[operator]
             # random.seed(int) seeds init_by_array with the int's 32-bit words (one word below 2**32)
-            lib.keyinit_mt_seed((ctypes.c_uint32 * 2)(k0, k1), 2 if k1 else 1, base + 4)
+            lib.keyinit_mt_seed(k0, k1, 2 if k1 else 1, base + 4)
             ctypes.memmove(base, _INDEX_624, 4)
             inst.gauss_next = None
             if np_ is not None:
                 has_gauss, gauss = np_.offsets  # type: ignore[misc]
-                lib.keyinit_mt_seed((ctypes.c_uint32 * 2)(*numpy), 2, np_.address)
+                lib.keyinit_mt_seed(numpy[0], numpy[1], 2, np_.address)
                 ctypes.memmove(np_.address + _MT_WORDS * 4, _INDEX_624, 4)
                 ctypes.memmove(id(np_.rand) + has_gauss, _NO_GAUSS, 4)
                 ctypes.memmove(id(np_.rand) + gauss, _ZERO_DOUBLE, 8)

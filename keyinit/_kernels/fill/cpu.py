@@ -52,7 +52,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.POINTER(ctypes.c_double), I64P, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
     ]
     lib.keyinit_mt_seed.restype = None
-    lib.keyinit_mt_seed.argtypes = [ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_void_p]
+    lib.keyinit_mt_seed.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int, ctypes.c_void_p]
     lib.keyinit_philox_range.restype = None
     lib.keyinit_philox_range.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32,
                                          ctypes.c_void_p]
@@ -154,7 +154,10 @@ def fill_folded(out: torch.Tensor, dist: Distribution, key: Key, fold0: int, fol
 
 
 def mt_seed(key: list[int], lib: ctypes.CDLL) -> list[int]:
-    """The 624 MT19937 state words of ``init_by_array(key)`` (32-bit words; CPython's and numpy's seeding)."""
+    """The 624 MT19937 state words of ``init_by_array(key)`` (one or two 32-bit words; CPython's and
+    numpy's seeding)."""
+    if len(key) not in (1, 2):
+        raise ValueError(f"keyinit_mt_seed takes a key of one or two words, got {len(key)}")
     words = (ctypes.c_uint32 * 624)()
-    lib.keyinit_mt_seed((ctypes.c_uint32 * len(key))(*key), len(key), ctypes.addressof(words))
+    lib.keyinit_mt_seed(key[0], key[-1], len(key), ctypes.addressof(words))
     return list(words)
