@@ -292,9 +292,18 @@ def _tensor_bernoulli(p: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
     return [(Bits(), torch.int64, shape)], finish
 
 
+#: Up to this ``n``, randperm's positions are sorted in Python (a handful of torch ops cost more).
+_SMALL_RANDPERM = 16
+
+
 def _randperm(n: int, dtype: torch.dtype) -> tuple[list, Callable]:
     def permutation(values: list) -> torch.Tensor:
+        # the positions ordered by (hi, lo), ties by position: a stable sort by lo, then a stable one by hi
         hi, lo = values
+        if n <= _SMALL_RANDPERM:
+            his, los = hi.tolist(), lo.tolist()
+            order = torch.tensor(sorted(range(n), key=lambda i: (his[i], los[i])), dtype=torch.int64)
+            return order.to(dtype)
         order = torch.argsort(lo, stable=True)
         return order[torch.argsort(hi[order], stable=True)].to(dtype)
 
