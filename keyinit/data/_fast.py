@@ -218,7 +218,7 @@ class Recipe:
         would); the values are those of :meth:`result` either way."""
         draws, write = self.draws, self.write
         if write is not None and self.finish is _first and type(write) is torch.Tensor and \
-                write.dtype == draws[0][1] and write.device.type == "cpu" and write.is_contiguous() and \
+                write.dtype == draws[0][1] and write.is_cpu and write.is_contiguous() and \
                 not write.is_inference():
             fill_folded(lib, write, draws[0][0], key, call, 0)
             increment_version(write)  # the write bypassed torch
