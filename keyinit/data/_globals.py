@@ -13,7 +13,9 @@ dict, ``numpy.random.seed`` checks its array with several numpy operations, ``ra
   process on private instances of the same types (a state set through the public API, its bytes
   looked for) and checked by writing through them (a state written there is what the private
   instance's ``getstate``/``get_state`` report, and the Gaussian written there is what its next
-  ``standard_normal()`` returns). Where any of this fails, the public APIs do the work (the same states);
+  ``standard_normal()`` returns). Copies go through memoryviews, holding the GIL, so no other Python
+  thread sees a state half-written. Where any of this fails (or outside CPython, where ``id()`` is not
+  an address), the public APIs do the work (the same states);
 - seeding writes the state ``random.seed(k0 | k1 << 32)`` and ``numpy.random.seed([k0, k1])`` make
   (MT19937's ``init_by_array``: ``keyinit_mt_seed`` in the compiled kernel library, which the library's
   self-test checks against ``random.seed``, and which is checked here against ``RandomState.seed``)
@@ -28,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import random as _py_random
 import struct
+import sys
 from typing import Any, Optional
 
 __all__ = ["GlobalStates", "global_states"]
@@ -94,18 +97,30 @@ def _numpy_offsets(rand: Any) -> Optional[tuple[int, int]]:
     return has_gauss, gauss
 
 
+def _view(address: int, size: int) -> memoryview:
+    """``size`` bytes at ``address`` as a writable memoryview: copies through it hold the GIL (``ctypes.memmove``
+    releases it), so no other Python thread sees a state half-written."""
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+
+
 class _Numpy:
     """numpy's global legacy generator, read and written as bytes (see the module docstring)."""
 
     def __init__(self, numpy: Any, rand: Any) -> None:
         self.numpy, self.rand = numpy, rand
-        self.offsets = _numpy_offsets(rand)
         self.bitgen = rand._bit_generator
-        self.address = int(self.bitgen.ctypes.state_address)
+        offsets = _numpy_offsets(rand)
+        address = int(self.bitgen.ctypes.state_address)
         state = rand.get_state(legacy=False)
         raw = numpy.asarray(state["state"]["key"], dtype="<u4").tobytes() + struct.pack("<i", state["state"]["pos"])
-        if state["bit_generator"] != "MT19937" or ctypes.string_at(self.address, _MT_BYTES) != raw:
-            self.offsets = None
+        if state["bit_generator"] != "MT19937" or ctypes.string_at(address, _MT_BYTES) != raw:
+            offsets = None
+        self.offsets = offsets
+        self.address = address
+        if offsets is not None:
+            self.state = _view(address, _MT_BYTES)  # 624 words, then the position
+            self.has_gauss = _view(id(rand) + offsets[0], 4)
+            self.gauss = _view(id(rand) + offsets[1], 8)
         self.seeding: dict[int, bool] = {}  # id(kernel library): keyinit_mt_seed seeds as RandomState.seed
 
     def current(self) -> bool:
@@ -139,7 +154,15 @@ class GlobalStates:
 
     def __init__(self) -> None:
         self.inst = _python_generator()
-        self.python = None if self.inst is None else _python_state_offset(self.inst)
+        # id() is an address only in CPython
+        self.python = None if self.inst is None or sys.implementation.name != "cpython" \
+            else _python_state_offset(self.inst)
+        if self.python is not None:
+            self.python_state = _view(id(self.inst) + self.python, _MT_BYTES)  # the index, then 624 words
+        # seeding scratch: Python's layout (index 624, words) and numpy's (words, position 624)
+        self._py_seeded = (ctypes.c_uint32 * (_MT_WORDS + 1))(_MT_WORDS)
+        self._np_seeded = (ctypes.c_uint32 * (_MT_WORDS + 1))()
+        self._np_seeded[_MT_WORDS] = _MT_WORDS
         self.numpy: Optional[_Numpy] = None
         self.numpy_module: Any = None
         try:
@@ -148,7 +171,7 @@ class GlobalStates:
             return
         self.numpy_module = numpy
         rand = _numpy_generator(numpy)
-        if rand is not None:
+        if rand is not None and self.python is not None:
             self.numpy = _Numpy(numpy, rand)
 
     def _as_bytes(self) -> bool:
@@ -162,14 +185,11 @@ class GlobalStates:
     def save(self) -> tuple:
         """The states now."""
         if self._as_bytes():
-            inst, np_ = self.inst, self.numpy
-            py = ctypes.string_at(id(inst) + self.python, _MT_BYTES)  # type: ignore[operator]
+            np_ = self.numpy
             if np_ is None:
-                return ("bytes", py, inst.gauss_next, None, None)
-            has_gauss, gauss = np_.offsets  # type: ignore[misc]
-            base = id(np_.rand)
-            return ("bytes", py, inst.gauss_next, ctypes.string_at(np_.address, _MT_BYTES),
-                    ctypes.string_at(base + has_gauss, 4) + ctypes.string_at(base + gauss, 8))
+                return ("bytes", bytes(self.python_state), self.inst.gauss_next, None, None)
+            return ("bytes", bytes(self.python_state), self.inst.gauss_next, bytes(np_.state),
+                    bytes(np_.has_gauss) + bytes(np_.gauss))
         np_state = None if self.numpy_module is None else self.numpy_module.random.get_state(legacy=False)
         return ("api", _py_random.getstate(), np_state)
 
@@ -179,19 +199,16 @@ class GlobalStates:
         is what :meth:`save` just returned."""
         np_ = self.numpy
         if lib is not None and saved[0] == "bytes" and (np_ is None or np_.seeds_like_numpy(lib)):
-            inst = self.inst
             k0, k1 = python
-            base = id(inst) + self.python  # type: ignore[operator]
             # random.seed(int) seeds init_by_array with the int's 32-bit words (one word below 2**32)
-            lib.keyinit_mt_seed(k0, k1, 2 if k1 else 1, base + 4)
-            ctypes.memmove(base, _INDEX_624, 4)
-            inst.gauss_next = None
+            lib.keyinit_mt_seed(k0, k1, 2 if k1 else 1, ctypes.addressof(self._py_seeded) + 4)
+            self.python_state[:] = memoryview(self._py_seeded).cast("B")
+            self.inst.gauss_next = None
             if np_ is not None:
-                has_gauss, gauss = np_.offsets  # type: ignore[misc]
-                lib.keyinit_mt_seed(numpy[0], numpy[1], 2, np_.address)
-                ctypes.memmove(np_.address + _MT_WORDS * 4, _INDEX_624, 4)
-                ctypes.memmove(id(np_.rand) + has_gauss, _NO_GAUSS, 4)
-                ctypes.memmove(id(np_.rand) + gauss, _ZERO_DOUBLE, 8)
+                lib.keyinit_mt_seed(numpy[0], numpy[1], 2, ctypes.addressof(self._np_seeded))
+                np_.state[:] = memoryview(self._np_seeded).cast("B")
+                np_.has_gauss[:] = _NO_GAUSS
+                np_.gauss[:] = _ZERO_DOUBLE
             return
         _py_random.seed(python[0] | (python[1] << 32))
         if self.numpy_module is not None:
@@ -201,14 +218,13 @@ class GlobalStates:
         """Put the states back as ``saved`` (from :meth:`save`)."""
         if saved[0] == "bytes":  # into the objects the bytes came from (kept alive here)
             _, py, gauss_next, np_bytes, np_gauss = saved
-            ctypes.memmove(id(self.inst) + self.python, py, _MT_BYTES)  # type: ignore[operator]
+            self.python_state[:] = py
             self.inst.gauss_next = gauss_next
             np_ = self.numpy
             if np_bytes is not None and np_ is not None:
-                has_gauss, gauss = np_.offsets  # type: ignore[misc]
-                ctypes.memmove(np_.address, np_bytes, _MT_BYTES)
-                ctypes.memmove(id(np_.rand) + has_gauss, np_gauss[:4], 4)
-                ctypes.memmove(id(np_.rand) + gauss, np_gauss[4:], 8)
+                np_.state[:] = np_bytes
+                np_.has_gauss[:] = np_gauss[:4]
+                np_.gauss[:] = np_gauss[4:]
             return
         _py_random.setstate(saved[1])
         if saved[2] is not None:
@@ -226,7 +242,6 @@ class GlobalStates:
         return [name for name, moved in zip(("random", "numpy.random"), changed) if moved]
 
 
-_INDEX_624 = struct.pack("<i", _MT_WORDS)
 _NO_GAUSS = struct.pack("<i", 0)
 _ZERO_DOUBLE = struct.pack("<d", 0.0)
 
