@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from keyinit.data import _fast, _intercept, keyed_samples
+from keyinit.data import _fast, _fill, _intercept, keyed_samples
 
 
 class _Many(torch.utils.data.Dataset):
@@ -133,25 +133,25 @@ def test_fast_folds_equal_fold_in():
     for seed in (0, 1, 2**64 - 1, 123456789):
         k = keyinit.key(seed)
         for data in (0, 1, 2**31, 2**32 - 1, 2**32, 2**63 + 5, 2**64 - 1):
-            assert _fast.fold(k, data) == keyinit.fold_in(k, data)
+            assert _fill.fold(k, data) == keyinit.fold_in(k, data)
         for text in ("python.random", "numpy.random", "", "é"):
-            assert _fast.fold_str(k, text) == keyinit.fold_in(k, text)
-        assert _fast.draw_key(k, 3, 1) == keyinit.fold_in(keyinit.fold_in(k, 3), 1)
+            assert _fill.fold_str(k, text) == keyinit.fold_in(k, text)
+        assert _fill.draw_key(k, 3, 1) == keyinit.fold_in(keyinit.fold_in(k, 3), 1)
 
 
 def test_folds_in_c_equal_fold_in():
     import keyinit
 
-    lib = _fast.kernel_library()
+    lib = _fill.kernel_library()
     assert lib is not None
     for seed in (0, 2**64 - 1, 123456789):
         k = keyinit.key(seed)
         for data in (0, 2**32 - 1, 2**32, 2**64 - 1, "python.random", "numpy.random", "é"):
             want = keyinit.fold_in(k, data)
-            assert _fast.fold_words(lib, k, data) == want.words == _fast.fold_words(None, k, data)
-            assert _fast.fold_with(lib, k, data) == want
+            assert _fill.fold_words(lib, k, data) == want.words == _fill.fold_words(None, k, data)
+            assert _fill.fold_with(lib, k, data) == want
     with pytest.raises(ValueError, match=r"fold_in data must be an int in \[0, 2\*\*64\), got -1"):
-        _fast.fold_words(lib, keyinit.key(0), -1)
+        _fill.fold_words(lib, keyinit.key(0), -1)
 
 
 @pytest.mark.parametrize("n", [1, 5, 1031, 1 << 17])
@@ -160,13 +160,13 @@ def test_fill_folded_equals_the_fill_under_the_folded_key(n):
     import keyinit
     from keyinit.distributions import Bernoulli, Normal, Randint, Uniform
 
-    lib, k = _fast.kernel_library(), keyinit.key(9)
+    lib, k = _fill.kernel_library(), keyinit.key(9)
     for dist, dtype in ((Uniform.create(-2.0, 3.0), torch.float32), (Normal.create(0.0, 1.0), torch.bfloat16),
                         (Randint.create(-9, 2**31, torch.int64), torch.int64), (Bernoulli.create(0.25), torch.bool)):
         got, want, python = (torch.zeros(n, dtype=dtype) for _ in range(3))
-        _fast.fill_folded(lib, got, dist, k, 7, 2**40)
-        _fast.fill(lib, want, dist, keyinit.fold_in(keyinit.fold_in(k, 7), 2**40))
-        _fast.fill_folded(None, python, dist, k, 7, 2**40)  # the reference, folds in Python
+        _fill.fill_folded(lib, got, dist, k, 7, 2**40)
+        _fill.fill(lib, want, dist, keyinit.fold_in(keyinit.fold_in(k, 7), 2**40))
+        _fill.fill_folded(None, python, dist, k, 7, 2**40)  # the reference, folds in Python
         assert torch.equal(got, want) and torch.equal(got, python)
 
 

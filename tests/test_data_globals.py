@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from keyinit.data import KeyedBatch, _fast, _globals, keyed_collate, keyed_samples
+from keyinit.data import KeyedBatch, _fill, _globals, keyed_collate, keyed_samples
 from keyinit.errors import UnkeyedRandomnessError
 
 
@@ -42,7 +42,7 @@ def test_the_states_are_read_as_bytes_here():
 
 def test_seeding_makes_the_states_of_random_seed_and_numpy_seed():
     """What keyed_samples seeds (spec 16.3) is random.seed(k0 | k1 << 32) and numpy.random.seed([k0, k1])."""
-    lib = _fast.kernel_library()
+    lib = _fill.kernel_library()
     states = _globals.global_states()
     for words in ((0, 0), (7, 0), (0xFFFFFFFF, 1), (0x243F6A88, 0x85A308D3)):
         saved = states.save()
@@ -104,7 +104,7 @@ def test_the_public_api_fallback_gives_the_same_values(monkeypatch, fallback):
             m.setenv("KEYINIT_DISABLE_KERNELS", "1")
         else:
             m.setattr(_globals.global_states(), "python", None)
-        assert (_fast.kernel_library() is None) == (fallback == "no kernel library")
+        assert (_fill.kernel_library() is None) == (fallback == "no kernel library")
         slow = _values()
     _same(fast, slow)
     after = np.random.get_state(legacy=False)
@@ -149,7 +149,7 @@ def test_a_cached_gaussian_alone_is_a_draw_collate_sees():
 def test_the_mt_seed_self_test_fails_a_wrong_seeding():
     from keyinit._kernels.fill import cpu, selftest
 
-    lib = _fast.kernel_library()
+    lib = _fill.kernel_library()
     assert selftest.run_mt_seed(lambda key: cpu.mt_seed(key, lib)) == []
     assert selftest.run_mt_seed(lambda key: cpu.mt_seed(key[:1], lib))  # the high word dropped
     assert selftest.run_mt_seed(lambda key: cpu.mt_seed([k ^ 1 for k in key], lib))
@@ -158,7 +158,7 @@ def test_the_mt_seed_self_test_fails_a_wrong_seeding():
 def test_the_folded_fill_self_test_fails_a_wrong_fold():
     from keyinit._kernels.fill import cpu, selftest
 
-    lib = _fast.kernel_library()
+    lib = _fill.kernel_library()
 
     def fill(out, dist, k, region):
         return cpu.fill(out, dist, k, region, threads=1, lib=lib)

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit._engine.outside import ThreadDrawsRefused
-from keyinit.data import _fast, _intercept
+from keyinit.data import _fast, _fill, _intercept
 from keyinit.data._globals import global_states
 from keyinit.data._index import SampleIndex
 from keyinit.keys import Key, as_uint64, key
@@ -54,11 +54,11 @@ def sample_key(seed: Union[int, Key], epoch: int, index: int) -> Key:
     root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
     epoch = as_uint64(epoch, "epoch")
     index = as_uint64(index, "sample index")
-    return _fast.fold_with(_fast.kernel_library(), _epoch_key(root, epoch), index)
+    return _fill.fold_with(_fill.kernel_library(), _epoch_key(root, epoch), index)
 
 
 def _epoch_key(root: Key, epoch: int) -> Key:
-    return _fast.folded(_fast.folded(root, AUGMENT_DOMAIN), epoch)
+    return _fill.folded(_fill.folded(root, AUGMENT_DOMAIN), epoch)
 
 
 def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) -> Any:
@@ -84,7 +84,7 @@ class _Keyer:
         self.ordinal = call + 1
         recipe = _fast.plan(func, args, kwargs)
         if recipe is None:
-            return _keyed_call(func, args, kwargs, _fast.fold_with(self.lib, self.sample, call), self.site)
+            return _keyed_call(func, args, kwargs, _fill.fold_with(self.lib, self.sample, call), self.site)
         return recipe.drawn(self.lib, self.sample, call)  # draw j under fold_in(fold_in(sample, call), j)
 
 
@@ -155,7 +155,7 @@ _RESOLVE = object()  # keyed_randomness(lib=...) not given: the kernel library i
 class keyed_randomness:
     """Context manager: torch, ``random`` and numpy randomness keyed by ``sample`` (a Key) inside.
 
-    ``lib``: the CPU kernel library (:func:`keyinit.data._fast.kernel_library`, None: the reference
+    ``lib``: the CPU kernel library (:func:`keyinit.data._fill.kernel_library`, None: the reference
     paths), where the caller has already looked it up."""
 
     def __init__(self, sample: Key, site: str = "keyed_samples", *, lib: Any = _RESOLVE) -> None:
@@ -174,12 +174,12 @@ class keyed_randomness:
         return self
 
     def _enter(self) -> None:
-        lib = _fast.kernel_library() if self.lib is _RESOLVE else self.lib
+        lib = _fill.kernel_library() if self.lib is _RESOLVE else self.lib
         states = global_states()
         self._saved = states.save()
         try:
-            states.seed(lib, _fast.fold_words(lib, self.sample, "python.random"),
-                        _fast.fold_words(lib, self.sample, "numpy.random"), self._saved)
+            states.seed(lib, _fill.fold_words(lib, self.sample, "python.random"),
+                        _fill.fold_words(lib, self.sample, "numpy.random"), self._saved)
             self._mode = Interception(_Keyer(self.sample, self.site, lib))
             self._mode.__enter__()
         except BaseException:
@@ -215,11 +215,11 @@ class KeyedSamples(torch.utils.data.Dataset):
             if len(self._epoch_keys) >= 64:
                 self._epoch_keys.clear()
             epoch_key = self._epoch_keys[epoch] = _epoch_key(self.root, as_uint64(epoch, "epoch"))
-        return _fast.fold_with(lib, epoch_key, as_uint64(index, "sample index"))
+        return _fill.fold_with(lib, epoch_key, as_uint64(index, "sample index"))
 
     def _keyed(self, index: int, epoch: int) -> Any:
         """``self.dataset[index]`` with its randomness keyed by (epoch, index)."""
-        lib = _fast.kernel_library()
+        lib = _fill.kernel_library()
         with keyed_randomness(self._sample_key(lib, index, epoch), f"sample {index} of epoch {epoch}", lib=lib):
             return self.dataset[index]
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from keyinit.data import _augment, _fast
+from keyinit.data import _augment, _fast, _fill
 from keyinit.data._augment import Interception
 from keyinit.data._globals import global_states
 from keyinit.keys import Key, as_uint64, fold_in, key
@@ -49,7 +49,7 @@ MAX_INDEX = 1 << 38
 
 
 def _epoch_key(root: Key, epoch: int) -> Key:
-    return _fast.folded(_fast.folded(root, COLLATE_DOMAIN), epoch)
+    return _fill.folded(_fill.folded(root, COLLATE_DOMAIN), epoch)
 
 
 def collate_key(seed: Union[int, Key], epoch: int, call: int, draw: int = 0) -> Key:
@@ -71,7 +71,7 @@ class _RowKeyer:
         self.rows = len(refs)
         self.site = site
         self.ordinal = 0
-        self.lib = _fast.kernel_library()
+        self.lib = _fill.kernel_library()
         self._geometries: dict = {}
         self._root, self._refs = root, refs
         self._groups: Optional[list] = None
@@ -95,10 +95,10 @@ class _RowKeyer:
                                 for epoch, rows in by_epoch.items()]
         return self._groups
 
-    def _geometry(self, rows: int, row_size: int, indices: torch.Tensor) -> "_fast.Geometry":
+    def _geometry(self, rows: int, row_size: int, indices: torch.Tensor) -> "_fill.Geometry":
         cached = self._geometries.get((id(indices), row_size))
         if cached is None:
-            cached = self._geometries[(id(indices), row_size)] = _fast.Geometry((rows, row_size), indices, ROW_STRIDE)
+            cached = self._geometries[(id(indices), row_size)] = _fill.Geometry((rows, row_size), indices, ROW_STRIDE)
         return cached
 
     def refuse(self, func: Any, why: str) -> None:
@@ -134,13 +134,13 @@ class _RowKeyer:
             dist, dtype, _ = draw
             out = torch.empty((self.rows, row_size), dtype=dtype)
             for epoch_key, rows, indices in self.groups:
-                draw_key = _fast.draw_key(epoch_key, c, j)
+                draw_key = _fill.draw_key(epoch_key, c, j)
                 geometry = self._geometry(len(indices), row_size, indices)
                 if rows is None:
-                    _fast.fill(self.lib, out, dist, draw_key, geometry)
+                    _fill.fill(self.lib, out, dist, draw_key, geometry)
                 else:
                     part = torch.empty((len(rows), row_size), dtype=dtype)
-                    _fast.fill(self.lib, part, dist, draw_key, geometry)
+                    _fill.fill(self.lib, part, dist, draw_key, geometry)
                     out[rows] = part
             values.append(out.view(shape))
             j += 1
