@@ -40,7 +40,7 @@ from keyinit.nn._forward import (
 from keyinit.nn._hostrandom import HostRandom
 from keyinit.nn._modes import BatchMode, FunctionMode
 
-__all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward", "batch_dim"]
+__all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward", "batch_dim", "context_of"]
 
 INDEX_RULES = ("tracked", "dim0")
 
@@ -72,6 +72,18 @@ def inside_keyed_forward() -> bool:
 # ----------------------------------------------------------------------------- the context
 
 
+def _mode_is_top(mode: Any) -> bool:
+    if isinstance(mode, TorchFunctionMode):
+        from torch.overrides import _get_current_function_mode_stack
+
+        stack = _get_current_function_mode_stack()
+    else:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        stack = _get_current_dispatch_mode_stack()
+    return bool(stack) and stack[-1] is mode
+
+
 def _mode_is_active(mode: Any) -> bool:
     if isinstance(mode, TorchFunctionMode):
         from torch.overrides import _get_current_function_mode_stack
@@ -92,6 +104,14 @@ class _ThreadState:
         self.modes: list[Any] = [FunctionMode(ctx), BatchMode(ctx)]
         self.foreign = foreign
         self.pending: Any = None  # the batch of the factory the function mode is running
+
+
+def context_of(module: torch.nn.Module) -> Optional["Keyed"]:
+    """The innermost context entered in this thread whose model is or holds ``module``, or None."""
+    for ctx in reversed(_active()):
+        if ctx._covered_by is None and ctx.module_fqn(module) is not None:
+            return ctx
+    return None
 
 
 def current_forward() -> Optional[Forward]:
@@ -194,6 +214,7 @@ class Keyed:
         self.step = as_uint64(step, "step")
         self.sample_offset = _resolve_sample_offset(model, sample_offset)
         self._handles: list[Any] = []
+        self._hooked: dict[int, tuple[torch.nn.Module, str, list]] = {}  # id(module) -> (module, fqn, handles)
         self._thread: Optional[int] = None
         self._local = threading.local()
         self._owner: Optional[_ThreadState] = None
@@ -388,8 +409,7 @@ class Keyed:
                 if id(module) in seen:
                     continue
                 seen.add(id(module))
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
+                self._hook(module, fqn)
             self._sequence_first = _sequence_first_dropouts(self.model)
             _active().append(self)
             with _entered_lock:
@@ -399,6 +419,63 @@ class Keyed:
             self._state = "exited"
             raise
         return self
+
+    def _hook(self, module: torch.nn.Module, fqn: str) -> None:
+        handles = [module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True),
+                   module.register_forward_hook(self._post_hook(), always_call=True)]
+        self._handles.extend(handles)
+        self._hooked[id(module)] = (module, fqn, handles)
+
+    # -- what a compiled module (keyinit.nn.compile) asks of the context around its call
+
+    def module_fqn(self, module: torch.nn.Module) -> Optional[str]:
+        """The canonical FQN of ``module`` in this context's model (``""``: the model itself), or None."""
+        found = self._hooked.get(id(module))
+        if found is not None and found[0] is module:
+            return found[1]
+        return "" if module is self.model else None
+
+    def current_frame(self) -> Optional[Frame]:
+        """The frame of the module execution running in this thread inside this context, or None."""
+        return self._current_frame()
+
+    def root_forward(self, module: torch.nn.Module, fqn: str, args: tuple, kwargs: dict) -> "Forward":
+        """A new root forward of ``module`` (its rows, repeat count and inputs' batch records), as its
+        forward pre-hook makes one."""
+        return self._root_forward(module, fqn, args, kwargs)
+
+    def suspend(self, module: torch.nn.Module) -> list:
+        """Take this context's hooks off ``module`` and its submodules and leave this thread's modes
+        while compiled code runs (dynamo traces neither); :meth:`resume` puts them back."""
+        state = getattr(self._local, "state", None)
+        left = []
+        if state is not None:
+            for mode in reversed(state.modes):
+                if _mode_is_active(mode):
+                    if not _mode_is_top(mode):
+                        raise RuntimeError(
+                            "keyinit.nn.compile: a compiled module called inside a keyed forward while another "
+                            f"torch mode is active above keyed's ({mode!r} is not the innermost)"
+                        )
+                    mode.__exit__(None, None, None)
+                    left.append(mode)
+        removed = []
+        for sub in module.modules():
+            found = self._hooked.pop(id(sub), None)
+            if found is not None:
+                for handle in found[2]:
+                    handle.remove()
+                removed.append(found)
+        return [left, removed]
+
+    def resume(self, suspended: list) -> None:
+        left, removed = suspended
+        for module, fqn, handles in removed:
+            self._handles = [h for h in self._handles if h not in handles]
+            if self._state in ("entered", "lingering"):
+                self._hook(module, fqn)
+        for mode in reversed(left):
+            mode.__enter__()
 
     def micro_batch(self, offset: int) -> "MicroBatch":
         """Context manager: root forwards inside hold the rows from ``sample_offset + offset`` on.
@@ -430,6 +507,7 @@ class Keyed:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._hooked = {}
         self._forget()
         self._forwards, self._replays = [], {}
         with _entered_lock:
