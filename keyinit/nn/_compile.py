@@ -286,7 +286,7 @@ class _Graph:
 
         if call is None:  # outside keyed: fine if the graph draws nothing
             probe = _probe(self.owner)
-            with torch.no_grad(), _RefuseDraws(probe):
+            with torch.no_grad(), _Untrapped(), _RefuseDraws(probe):
                 traced = make_fx(lambda *a: self.gm(*a), tracing_mode="real")(*args)
             return _Entry(self.owner.inner(traced, list(args)), [], [], 0)
         capacity = _CAPACITY
@@ -435,8 +435,11 @@ class _Trap:
 
 
 def _fake(args: tuple, kwargs: dict) -> bool:
+    """The op runs on fake or meta tensors (dynamo or AOT tracing shapes): it draws nothing."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return True
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, FakeTensor) or (isinstance(value, torch.Tensor) and value.device.type == "meta"):
             return True
@@ -480,6 +483,9 @@ class KeyedCompiled(torch.nn.Module):
     A module of its own, holding ``module`` as ``_orig_mod`` (as ``torch.compile`` does):
     canonical FQNs strip that name, so keys and ``state_dict`` names do not change.
     """
+
+    #: keyed() puts no hooks on this module nor its submodules: its calls key their own draws
+    keys_its_calls = True
 
     def __init__(self, module: torch.nn.Module, backend: Any, options: dict) -> None:
         super().__init__()

@@ -33,6 +33,8 @@ from keyinit.nn._forward import (
     input_tensors,
     MicroBatch,
     Named,
+    resolve_sample_offset,
+    sequence_first_dropouts,
     sequence_first_module,
     recomputed,
     remember,
@@ -136,53 +138,6 @@ def _module_fqn(root: torch.nn.Module, module: torch.nn.Module) -> Optional[str]
     return None
 
 
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _resolve_sample_offset(model: torch.nn.Module, sample_offset: Optional[int]) -> int:
-    """The rule: explicit under more than one process; never 0 on a DDP rank other than 0."""
-    if sample_offset is None:
-        world = _world()
-        if world > 1:
-            raise ValueError(
-                f"keyed: torch.distributed is initialized with {world} ranks, so sample_offset must be given: the "
-                "global index of this rank's first sample in the step's batch (e.g. dp_rank * local_batch + "
-                "micro-batch offset), or 0 where every rank holds the whole batch (tensor/sequence parallelism; "
-                "DTensor activations add their own placements)"
-            )
-        return 0
-    offset = as_uint64(sample_offset, "sample_offset")
-    if offset == 0 and _world() > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        if isinstance(model, DistributedDataParallel):
-            import torch.distributed as dist
-
-            rank = dist.get_rank(model.process_group)
-            if rank > 0:
-                raise ValueError(
-                    f"keyed: sample_offset=0 on rank {rank} of the DistributedDataParallel group: each data-parallel "
-                    "rank holds its own rows of the batch, so its first sample is not global sample 0; pass "
-                    "sample_offset = rank * local_batch (+ the micro-batch offset)"
-                )
-    return offset
-
-
-def _sequence_first_dropouts(model: torch.nn.Module) -> frozenset[int]:
-    """The dropout modules of torch's sequence-first (``batch_first=False``, torch's default)
-    ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``: their activations are
-    ``(sequence, batch, features)``, so dimension 1, not 0, is the batch."""
-    layers = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
-    found = set()
-    for module in model.modules():
-        if isinstance(module, layers) and not getattr(module.self_attn, "batch_first", True):
-            found.update(id(child) for child in module.children() if isinstance(child, torch.nn.Dropout))
-    return frozenset(found)
-
-
 class Keyed:
     """The context manager :func:`keyed` returns (single use; enter it with ``with``)."""
 
@@ -212,9 +167,10 @@ class Keyed:
         self.root = seed if isinstance(seed, Key) else key(seed)
         self.seed = seed  # as given, for the repr
         self.step = as_uint64(step, "step")
-        self.sample_offset = _resolve_sample_offset(model, sample_offset)
+        self.sample_offset = resolve_sample_offset(model, sample_offset)
         self._handles: list[Any] = []
         self._hooked: dict[int, tuple[torch.nn.Module, str, list]] = {}  # id(module) -> (module, fqn, handles)
+        self._names: dict[int, tuple[torch.nn.Module, str]] = {}  # id(module) -> (module, canonical FQN)
         self._thread: Optional[int] = None
         self._local = threading.local()
         self._owner: Optional[_ThreadState] = None
@@ -403,14 +359,19 @@ class Keyed:
                 self._teardown()
                 raise
             return self
-        seen: set[int] = set()
+        compiled: list[str] = []  # raw paths of keyinit.nn.compile modules: their calls key themselves
         try:
-            for _, fqn, module in canonical_modules(self.model):
-                if id(module) in seen:
+            for raw, fqn, module in canonical_modules(self.model):
+                if id(module) in self._names:
                     continue
-                seen.add(id(module))
+                self._names[id(module)] = (module, fqn)
+                if any(c == "" or raw == c or raw.startswith(c + ".") for c in compiled):
+                    continue
+                if getattr(module, "keys_its_calls", False):  # keyinit.nn.KeyedCompiled: no hooks for dynamo to see
+                    compiled.append(raw)
+                    continue
                 self._hook(module, fqn)
-            self._sequence_first = _sequence_first_dropouts(self.model)
+            self._sequence_first = sequence_first_dropouts(self.model)
             _active().append(self)
             with _entered_lock:
                 _entered.append(self)
@@ -430,7 +391,7 @@ class Keyed:
 
     def module_fqn(self, module: torch.nn.Module) -> Optional[str]:
         """The canonical FQN of ``module`` in this context's model (``""``: the model itself), or None."""
-        found = self._hooked.get(id(module))
+        found = self._names.get(id(module))
         if found is not None and found[0] is module:
             return found[1]
         return "" if module is self.model else None
@@ -460,12 +421,13 @@ class Keyed:
                     mode.__exit__(None, None, None)
                     left.append(mode)
         removed = []
-        for sub in module.modules():
-            found = self._hooked.pop(id(sub), None)
-            if found is not None:
-                for handle in found[2]:
-                    handle.remove()
-                removed.append(found)
+        if self._hooked:  # hooks on its modules: only when the compiled module wraps the keyed model
+            for sub in module.modules():
+                found = self._hooked.pop(id(sub), None)
+                if found is not None:
+                    for handle in found[2]:
+                        handle.remove()
+                    removed.append(found)
         return [left, removed]
 
     def resume(self, suspended: list) -> None:
@@ -507,7 +469,7 @@ class Keyed:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._hooked = {}
+        self._hooked, self._names = {}, {}
         self._forget()
         self._forwards, self._replays = [], {}
         with _entered_lock:
