@@ -132,6 +132,11 @@ class _Frames:
         except AttributeError:
             return None
 
+    def opaque(self, name: str, around: Optional[Frame]) -> Frame:
+        """The frame of what runs inside higher-order op ``name``: its draws are refused."""
+        module = around.module if around is not None else self.root
+        return Frame(module, f"<inside torch.ops.higher_order.{name}>", False, self.forward)
+
     def frame(self, node: torch.fx.Node) -> Frame:
         stack = node.meta.get("nn_module_stack") or {}
         if not stack:
@@ -153,6 +158,12 @@ class _Frames:
         return frame
 
 
+#: Higher-order ops whose body is the forward's own code (activation checkpointing, dynamo's ``wrap``): their
+#: body is run node by node, each node in its module's frame (the recompute of checkpointing is then
+#: replaced by saved activations). Any other higher-order op runs as one call: a draw inside it is refused.
+_INLINED = ("tag_activation_checkpoint", "wrap")
+
+
 class _Interpreter(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, tctx: _TraceContext, frames: _Frames) -> None:
         super().__init__(gm)
@@ -165,6 +176,19 @@ class _Interpreter(torch.fx.Interpreter):
             return super().run_node(n)
         finally:
             self.tctx.frame = None
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            if target.name() in _INLINED:
+                body, *inputs = args
+                return _Interpreter(body, self.tctx, self.frames_of).run(*inputs)
+            frame = self.tctx.frame
+            self.tctx.frame = self.frames_of.opaque(target.name(), frame)
+            try:
+                return super().call_function(target, args, kwargs)
+            finally:
+                self.tctx.frame = frame
+        return super().call_function(target, args, kwargs)
 
 
 def _bind(gm: torch.fx.GraphModule, args: tuple, call: Call, forward: _TraceForward) -> list:
@@ -354,7 +378,10 @@ def _outside(owner: "KeyedCompiled") -> str:
 
 def _unnumbered(owner: "KeyedCompiled", fqn: str, code: str, module: Any) -> str:
     where = fqn.strip("<>")
-    if module is not owner.module:
+    if where.startswith("inside torch.ops.higher_order."):
+        reason = (f"the draw runs {where} (a custom autograd.Function, a control-flow op, ...), whose body keyinit "
+                  "does not trace node by node")
+    elif module is not owner.module:
         reason = (f"dynamo compiled the forward of {type(module).__name__} as a frame of its own (its caller ran "
                   "eagerly after a graph break), so keyinit cannot tell which module of the model it is")
     elif "resumed" in fqn:
