@@ -282,3 +282,19 @@ def test_hf_opt_and_timm_vit():
                 eager = run(model, rows)
             with knn.keyed(compiled, 0, step=step, sample_offset=offset):
                 assert torch.equal(run(compiled, rows), eager)
+
+
+def test_host_generators_as_in_the_eager_forward():
+    class Host(nn.Module):
+        def forward(self, x):
+            return x * float(np.random.rand()) + random.random()
+
+    model = Host().train()
+    compiled = knn.compile(model, backend="aot_eager")
+    np_state, py_state = np.random.get_state(), random.getstate()
+    for step in range(2):
+        with knn.keyed(model, 0, step=step):
+            eager = model(_inputs())
+        with knn.keyed(compiled, 0, step=step):
+            assert torch.equal(compiled(_inputs()), eager)
+    assert np.array_equal(np.random.get_state()[1], np_state[1]) and random.getstate() == py_state

@@ -28,7 +28,9 @@ graph break, or in a forward dynamo compiled as a frame of its own.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -101,11 +103,13 @@ class _State:
 class _TraceForward(Forward):
     """The traced forward: its calls' keys become slots of the control tensor."""
 
-    __slots__ = ("trace", "numbered", "why")
+    __slots__ = ("trace", "numbered", "why", "owner_call")
 
     def call_key(self, ctx: Any, fqn: str, ordinal: int) -> Any:
         if fqn not in self.numbered:
             raise UnkeyedRandomnessError(self.why(fqn))
+        if self.trace is None:  # run eagerly: the call's key itself
+            return self.owner_call.key(fqn, ordinal)
         return self.trace.slot(fqn, ordinal)
 
 
@@ -285,7 +289,13 @@ class _Graph:
         entry = self.entries.get(signature)
         if entry is None:
             entry = self.entries[signature] = self._compile(args, call)
-        if not entry.slots and entry.width == 0:
+        if entry.fn is None:  # runs eagerly under keyed()'s modes (see _trace)
+            if call is None:
+                raise UnkeyedRandomnessError(_outside(self.owner))
+            with _Untrapped():
+                out, forward = self._interpret(args, call, None)
+            entry = _Entry(None, [], _relative_records(out, forward, call), 1)
+        elif not entry.slots and entry.width == 0:
             out = entry.fn(*args)
         else:
             if call is None:
@@ -320,48 +330,66 @@ class _Graph:
             except OverflowError:
                 capacity *= 8
 
-    def _trace(self, args: tuple, call: Call, capacity: int) -> _Entry:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        trace = Trace(call.forward.start, call.ctx.root.stream, call.key, capacity)
+    def _interpret(self, args: tuple, call: Call, trace: Optional[Trace]) -> tuple[Any, _TraceForward]:
+        """Run the graph under keyed()'s modes, its calls numbered from its nodes' modules: with ``trace``,
+        every draw is a site op (inside ``make_fx``); without, the eager keyed forward's draws."""
         forward = _TraceForward(call.ctx, call.fqn, call.forward.start, call.forward.count, call.forward.repeat)
-        forward.trace, forward.numbered = trace, set()
+        forward.trace, forward.numbered, forward.owner_call = trace, set(), call
         code, module = self.frame
-        resumed = code.startswith("torch_dynamo_resume_in_")
-        frames = _Frames(self.owner.module, forward, resumed)
+        frames = _Frames(self.owner.module, forward, code.startswith("torch_dynamo_resume_in_"))
         if module is not self.owner.module:  # a frame of its own: which module it is is not known at run time
             frames.fqns = {}
         forward.why = lambda fqn: _unnumbered(self.owner, fqn, code, module)
         tctx = _TraceContext(call, trace)
+        bound = _bind(self.gm, args, call, forward)
+        for mode in tctx._local.state.modes:
+            mode.__enter__()
+        try:
+            return _Interpreter(self.gm, tctx, frames).run(*bound), forward
+        finally:
+            for mode in reversed(tctx._local.state.modes):
+                mode.__exit__(None, None, None)
+
+    def _trace(self, args: tuple, call: Call, capacity: int) -> _Entry:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        trace = Trace(call.forward.start, call.ctx.root.stream, call.key, capacity)
         results: list = []
 
         def run(*inputs: Any) -> Any:
-            *inputs, _ = inputs
-            bound = _bind(self.gm, tuple(inputs), call, forward)
-            for mode in tctx._local.state.modes:
-                mode.__enter__()
-            try:
-                out = _Interpreter(self.gm, tctx, frames).run(*bound)
-            finally:
-                for mode in reversed(tctx._local.state.modes):
-                    mode.__exit__(None, None, None)
-            results.append(out)
+            out, forward = self._interpret(tuple(inputs[:-1]), call, trace)
+            results.append((out, forward))
             return out
 
         with torch.no_grad(), _Untrapped():
-            traced = make_fx(run, tracing_mode="real")(*args, trace.ctl)
-        out = results[0]
-        leaves = out if isinstance(out, (tuple, list)) else (out,)
-        outputs = []
-        for leaf in leaves:
-            rec = record(leaf, forward) if isinstance(leaf, torch.Tensor) else None
-            if isinstance(rec, Batch):
-                rec = (rec.dim, rec.count, rec.start - call.forward.start, rec.inner)
-            outputs.append(rec)
+            try:
+                traced = make_fx(run, tracing_mode="real")(*args, trace.ctl)
+            except RuntimeError as exc:
+                if "_local_scalar_dense" not in str(exc):
+                    raise
+                # the graph reads a tensor's value (.item()): a trace would freeze it, so this graph runs
+                # eagerly under keyed()'s modes (the eager keyed forward's values, not compiled)
+                warnings.warn(f"keyinit.nn.compile({type(self.owner.module).__name__}): a graph reads a tensor's "
+                              "value (.item(), float(t)); it runs eagerly under keyinit.nn.keyed, not compiled",
+                              stacklevel=2)
+                return _Entry(None, [], [], 1)
+        out, forward = results[0]
         slots = list(trace.slots)
         ctl = torch.zeros(1 + 2 * len(slots), dtype=torch.int64)
         fn = self.owner.inner(traced, list(args) + [ctl])
-        return _Entry(fn, slots, outputs, 1)
+        return _Entry(fn, slots, _relative_records(out, forward, call), 1)
+
+
+def _relative_records(out: Any, forward: Forward, call: Call) -> list:
+    """The batch records of a graph's outputs, each start relative to the forward's."""
+    leaves = out if isinstance(out, (tuple, list)) else (out,)
+    records = []
+    for leaf in leaves:
+        rec = record(leaf, forward) if isinstance(leaf, torch.Tensor) else None
+        if isinstance(rec, Batch):
+            rec = (rec.dim, rec.count, rec.start - call.forward.start, rec.inner)
+        records.append(rec)
+    return records
 
 
 def _is_constant(node: torch.fx.Node) -> bool:
@@ -541,10 +569,15 @@ class KeyedCompiled(torch.nn.Module):
             return self._run(None, args, kwargs)
         fqn = ctx.module_fqn(module)
         frame = ctx.current_frame()
-        forward = frame.forward if frame is not None else ctx.root_forward(module, fqn, args, kwargs)
+        if frame is not None:  # inside an eager keyed forward: its root forward, its host generators
+            forward, host = frame.forward, contextlib.nullcontext()
+        else:
+            forward = ctx.root_forward(module, fqn, args, kwargs)
+            host = ctx.host_random(forward)
         suspended = ctx.suspend(module)
         try:
-            return self._run(Call(ctx, forward, fqn, module), args, kwargs)
+            with host:
+                return self._run(Call(ctx, forward, fqn, module), args, kwargs)
         finally:
             ctx.resume(suspended)
 

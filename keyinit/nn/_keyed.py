@@ -272,7 +272,7 @@ class Keyed:
                 self._recomputable = True  # non-reentrant checkpointing (saved-tensor hooks) may recompute this
             frame = Frame(module, fqn, foreign, forward)
             if not state.frames and self.index == "tracked" and not foreign:
-                host = HostRandom(forward.host_key(self))
+                host = self.host_random(forward)
                 host.__enter__()
                 frame.pushed.append(host)  # left by the post-hook, after the modes
             # The modes are active only while one of the model's forwards runs: entered by the outermost
@@ -404,6 +404,11 @@ class Keyed:
         """A new root forward of ``module`` (its rows, repeat count and inputs' batch records), as its
         forward pre-hook makes one."""
         return self._root_forward(module, fqn, args, kwargs)
+
+    def host_random(self, forward: "Forward") -> HostRandom:
+        """What Python's ``random`` and ``numpy.random`` draw in root forward ``forward`` (a context manager
+        that seeds them and puts their states back)."""
+        return HostRandom(forward.host_key(self))
 
     def suspend(self, module: torch.nn.Module) -> list:
         """Take this context's hooks off ``module`` and its submodules and leave this thread's modes
