@@ -299,3 +299,14 @@ def test_host_generators_as_in_the_eager_forward():
         with knn.keyed(compiled, 0, step=step):
             assert torch.equal(compiled(_inputs()), eager)
     assert np.array_equal(np.random.get_state()[1], np_state[1]) and random.getstate() == py_state
+
+
+def test_plain_torch_compile_under_keyed_warns_and_runs_eagerly():
+    with torch.random.fork_rng():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).train()
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(UserWarning, match="use|compile it with keyinit.nn.compile"):
+        with knn.keyed(compiled, 0, step=0):
+            out = compiled(_inputs())
+    with knn.keyed(model, 0, step=0):
+        assert torch.equal(out, model(_inputs()))

@@ -19,6 +19,7 @@ there); any other overlap of two active contexts is a ``RuntimeError``.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -72,6 +73,19 @@ def inside_keyed_forward() -> bool:
 
 
 # ----------------------------------------------------------------------------- the context
+
+
+def _warn_if_compiled() -> None:
+    """A ``torch.compile(model)`` called inside ``keyed``: dynamo does not trace under keyed()'s modes, so it
+    runs eagerly (right values, nothing compiled); ``keyinit.nn.compile`` is the compiled form."""
+    try:
+        from torch._dynamo.eval_frame import _is_in_optimized_module
+    except ImportError:  # pragma: no cover - another torch
+        return
+    if _is_in_optimized_module():
+        warnings.warn("keyinit.nn.keyed: a torch.compile(model) forward runs eagerly under keyed() (dynamo does not "
+                      "trace under its modes); compile it with keyinit.nn.compile(model) to key a compiled forward",
+                      stacklevel=4)
 
 
 def _mode_is_top(mode: Any) -> bool:
@@ -265,6 +279,7 @@ class Keyed:
                     return  # left: only recomputes of its own forwards are keyed
                 else:
                     forward = self._root_forward(module, fqn, args, kwargs)
+                    _warn_if_compiled()
                     if not torch.is_grad_enabled():
                         remember(self, fqn, forward, args, kwargs)
                         self._recomputable = True
