@@ -310,3 +310,26 @@ def test_plain_torch_compile_under_keyed_warns_and_runs_eagerly():
             out = compiled(_inputs())
     with knn.keyed(model, 0, step=0):
         assert torch.equal(out, model(_inputs()))
+
+
+def test_a_graph_break_in_the_compiled_forward_numbers_its_draws_on():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            x = F.dropout(self.lin(x), 0.3, self.training)  # call 0
+            torch._dynamo.graph_break()
+            return F.dropout(x, 0.3, self.training) + torch.rand_like(x)  # calls 1 and 2, in the next graph
+
+    with torch.random.fork_rng():
+        model = Broken().train()
+    inner = Counting()
+    compiled = knn.compile(model, backend=inner)
+    for step in range(2):
+        with knn.keyed(model, 0, step=step, sample_offset=1):
+            eager = model(_inputs())
+        with knn.keyed(compiled, 0, step=step, sample_offset=1):
+            assert torch.equal(compiled(_inputs()), eager)
+    assert inner.calls == 2  # two graphs, each compiled once

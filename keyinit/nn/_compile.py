@@ -19,11 +19,11 @@ by dynamo with keyinit's backend instead:
    offset, micro-batch, repeat count), so a new step or offset is a new input,
    never a recompilation, and the values are the eager keyed forward's.
 
-What cannot be keyed this way is refused with
+The compiled module's own calls are numbered on across its graphs (a graph
+break in its forward is fine). What cannot be keyed this way is refused with
 :class:`~keyinit.errors.UnkeyedRandomnessError`: a random op that runs outside
 the compiled graphs (dynamo ran that code eagerly: a graph break on a draw, as
-in LayerDrop), a draw made directly in a forward that dynamo resumed after a
-graph break, or in a forward dynamo compiled as a frame of its own.
+in LayerDrop), or a draw in a forward dynamo compiled as a frame of its own.
 """
 
 from __future__ import annotations
@@ -52,12 +52,13 @@ _CAPACITY = 1024  # random sites a trace has room for at first (a larger model r
 
 
 class _Entry:
-    """One traced and compiled form of a graph: its function, its slots, its outputs' batch records."""
+    """One traced and compiled form of a graph: its function, its slots, its outputs' batch records, and
+    how many draws it makes directly in the compiled module's forward (``own``)."""
 
-    __slots__ = ("fn", "slots", "outputs", "width")
+    __slots__ = ("fn", "slots", "outputs", "width", "own")
 
-    def __init__(self, fn: Callable, slots: list, outputs: list, width: int) -> None:
-        self.fn, self.slots, self.outputs, self.width = fn, slots, outputs, width
+    def __init__(self, fn: Optional[Callable], slots: list, outputs: list, width: int, own: int = 0) -> None:
+        self.fn, self.slots, self.outputs, self.width, self.own = fn, slots, outputs, width, own
 
 
 class _Graph:
@@ -92,8 +93,8 @@ class _Graph:
             if call is None:
                 raise UnkeyedRandomnessError(_outside(self.owner))
             with _Untrapped():
-                out, forward = self._interpret(args, call, None)
-            entry = _Entry(None, [], _relative_records(out, forward, call), 1)
+                out, forward, own = self._interpret(args, call, None)
+            entry = _Entry(None, [], _relative_records(out, forward, call), 1, own)
         elif not entry.slots and entry.width == 0:
             out = entry.fn(*args)
         else:
@@ -104,6 +105,8 @@ class _Graph:
                 k = call.key(relative, ordinal)
                 words += (k.k0, k.k1)
             out = entry.fn(*args, torch.tensor(words, dtype=torch.int64))
+        if call is not None:
+            call.frame.calls += entry.own  # the compiled module's own draws: numbered on across its graphs
         if call is not None:
             leaves = out if isinstance(out, (tuple, list)) else (out,)
             for leaf, rec in zip(leaves, entry.outputs):
@@ -129,13 +132,14 @@ class _Graph:
             except OverflowError:
                 capacity *= 8
 
-    def _interpret(self, args: tuple, call: Call, trace: Optional[Trace]) -> tuple[Any, TraceForward]:
+    def _interpret(self, args: tuple, call: Call, trace: Optional[Trace]) -> tuple[Any, TraceForward, int]:
         """Run the graph under keyed()'s modes, its calls numbered from its nodes' modules: with ``trace``,
-        every draw is a site op (inside ``make_fx``); without, the eager keyed forward's draws."""
+        every draw is a site op (inside ``make_fx``); without, the eager keyed forward's draws. Returns the
+        output, the forward that holds its records, and the draws made directly in the compiled module."""
         forward = TraceForward(call.ctx, call.fqn, call.forward.start, call.forward.count, call.forward.repeat)
         forward.trace, forward.numbered, forward.owner_call = trace, set(), call
         code, module = self.frame
-        frames = Frames(self.owner.module, forward, code.startswith("torch_dynamo_resume_in_"))
+        frames = Frames(self.owner.module, forward)
         if module is not self.owner.module:  # a frame of its own: which module it is is not known at run time
             frames.fqns = {}
         forward.why = lambda fqn: _unnumbered(self.owner, fqn, code, module)
@@ -144,10 +148,11 @@ class _Graph:
         for mode in tctx._local.state.modes:
             mode.__enter__()
         try:
-            return Interpreter(self.gm, tctx, frames).run(*bound), forward
+            out = Interpreter(self.gm, tctx, frames).run(*bound)
         finally:
             for mode in reversed(tctx._local.state.modes):
                 mode.__exit__(None, None, None)
+        return out, forward, frames.own_calls()
 
     def _trace(self, args: tuple, call: Call, capacity: int) -> _Entry:
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -156,8 +161,8 @@ class _Graph:
         results: list = []
 
         def run(*inputs: Any) -> Any:
-            out, forward = self._interpret(tuple(inputs[:-1]), call, trace)
-            results.append((out, forward))
+            out, forward, own = self._interpret(tuple(inputs[:-1]), call, trace)
+            results.append((out, forward, own))
             return out
 
         with torch.no_grad(), _Untrapped():
@@ -172,11 +177,11 @@ class _Graph:
                               "value (.item(), float(t)); it runs eagerly under keyinit.nn.keyed, not compiled",
                               stacklevel=2)
                 return _Entry(None, [], [], 1)
-        out, forward = results[0]
+        out, forward, own = results[0]
         slots = list(trace.slots)
         ctl = torch.zeros(1 + 2 * len(slots), dtype=torch.int64)
         fn = self.owner.inner(traced, list(args) + [ctl])
-        return _Entry(fn, slots, _relative_records(out, forward, call), 1)
+        return _Entry(fn, slots, _relative_records(out, forward, call), 1, own)
 
 
 def _relative_records(out: Any, forward: Forward, call: Call) -> list:
@@ -209,11 +214,8 @@ def _unnumbered(owner: "KeyedCompiled", fqn: str, code: str, module: Any) -> str
         reason = (f"the draw runs {where} (a custom autograd.Function, a control-flow op, ...), whose body keyinit "
                   "does not trace node by node")
     elif module is not owner.module:
-        reason = (f"dynamo compiled the forward of {type(module).__name__} as a frame of its own (its caller ran "
-                  "eagerly after a graph break), so keyinit cannot tell which module of the model it is")
-    elif "resumed" in fqn:
-        reason = (f"the draw is made directly in {where}'s forward after a graph break ({code}): its call number "
-                  "depends on the draws before the break")
+        reason = (f"dynamo compiled the forward of {type(module).__name__} as a frame of its own ({code}), so "
+                  "keyinit cannot tell which module of the model it is")
     else:
         reason = f"keyinit cannot find the module {where} of this draw in the compiled module"
     return (f"keyinit.nn.compile({type(owner.module).__name__}): a draw keyinit cannot key: {reason}. Remove the "
@@ -373,10 +375,10 @@ class KeyedCompiled(torch.nn.Module):
         else:
             forward = ctx.root_forward(module, fqn, args, kwargs)
             host = ctx.host_random(forward)
-        suspended = ctx.suspend(module)
+        suspended = ctx.suspend(module, fqn, forward)  # modes off, the module's own frame open
         try:
             with host:
-                return self._run(Call(ctx, forward, fqn, module), args, kwargs)
+                return self._run(Call(ctx, forward, fqn, module, suspended[-1]), args, kwargs)
         finally:
             ctx.resume(suspended)
 

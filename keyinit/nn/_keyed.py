@@ -425,9 +425,10 @@ class Keyed:
         that seeds them and puts their states back)."""
         return HostRandom(forward.host_key(self))
 
-    def suspend(self, module: torch.nn.Module) -> list:
-        """Take this context's hooks off ``module`` and its submodules and leave this thread's modes
-        while compiled code runs (dynamo traces neither); :meth:`resume` puts them back."""
+    def suspend(self, module: torch.nn.Module, fqn: str, forward: "Forward") -> list:
+        """Leave this thread's modes and take this context's hooks off ``module`` and its submodules while
+        compiled code runs (dynamo traces neither), and open the frame of ``module``'s execution (its calls
+        numbered as in an eager forward; the modes stay off); :meth:`resume` undoes it."""
         state = getattr(self._local, "state", None)
         left = []
         if state is not None:
@@ -448,10 +449,19 @@ class Keyed:
                     for handle in found[2]:
                         handle.remove()
                     removed.append(found)
-        return [left, removed]
+        frame = Frame(module, fqn, False, forward)
+        self._thread_state().frames.append(frame)
+        return [left, removed, frame]
 
     def resume(self, suspended: list) -> None:
-        left, removed = suspended
+        left, removed, frame = suspended
+        frames = self._thread_state().frames
+        while frames:  # the frames of forwards that ran eagerly inside it and raised are left too
+            top = frames.pop()
+            for mode in reversed(top.pushed):
+                mode.__exit__(None, None, None)
+            if top is frame:
+                break
         for module, fqn, handles in removed:
             self._handles = [h for h in self._handles if h not in handles]
             if self._state in ("entered", "lingering"):

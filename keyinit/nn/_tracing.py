@@ -28,15 +28,20 @@ __all__ = ["Call", "TraceContext", "TraceForward", "Frames", "Interpreter", "bin
 
 
 class Call:
-    """A compiled module's call inside a keyed context: the context, its root forward, the module's FQN."""
+    """A compiled module's call inside a keyed context: the context, its root forward, the module's FQN, and
+    the frame of the module's execution (its calls are numbered across the graphs and the eager code of
+    one call: a graph's ``n``-th own draw is call ``frame.calls + n``)."""
 
-    __slots__ = ("ctx", "forward", "fqn", "module")
+    __slots__ = ("ctx", "forward", "fqn", "module", "frame")
 
-    def __init__(self, ctx: Any, forward: Forward, fqn: str, module: torch.nn.Module) -> None:
-        self.ctx, self.forward, self.fqn, self.module = ctx, forward, fqn, module
+    def __init__(self, ctx: Any, forward: Forward, fqn: str, module: torch.nn.Module, frame: Frame) -> None:
+        self.ctx, self.forward, self.fqn, self.module, self.frame = ctx, forward, fqn, module, frame
 
     def key(self, relative: str, ordinal: int) -> Any:
-        fqn = f"{self.fqn}.{relative}" if self.fqn and relative else self.fqn or relative
+        """The key of call ``ordinal`` of module ``relative`` (to the compiled module) in the running graph."""
+        if not relative:
+            return self.forward.call_key(self.ctx, self.fqn, self.frame.calls + ordinal)
+        fqn = f"{self.fqn}.{relative}" if self.fqn else relative
         return self.forward.call_key(self.ctx, fqn, ordinal)
 
 
@@ -91,12 +96,11 @@ class TraceForward(Forward):
 class Frames:
     """The module execution each node of a dynamo graph belongs to, from its ``nn_module_stack``."""
 
-    def __init__(self, root: torch.nn.Module, forward: TraceForward, resumed: bool) -> None:
+    def __init__(self, root: torch.nn.Module, forward: TraceForward) -> None:
         from keyinit.fqn import canonical_modules
 
         self.root = root
         self.forward = forward
-        self.resumed = resumed
         self.fqns = {}
         for _, fqn, module in canonical_modules(root):
             self.fqns.setdefault(id(module), fqn)
@@ -110,6 +114,11 @@ class Frames:
             return self.root.get_submodule(relative)
         except AttributeError:
             return None
+
+    def own_calls(self) -> int:
+        """The draws made directly in the compiled module's forward (its frame's calls) in this graph."""
+        frame = self.frames.get("")
+        return frame.calls if frame is not None else 0
 
     def opaque(self, name: str, around: Optional[Frame]) -> Frame:
         """The frame of what runs inside higher-order op ``name``: its draws are refused."""
@@ -128,8 +137,6 @@ class Frames:
             fqn = self.fqns.get(id(module)) if module is not None else None
             if fqn is None:
                 fqn = f"<{execution}>"
-            elif execution == "" and self.resumed:
-                fqn = f"<{fqn or 'root'} resumed>"
             else:
                 self.forward.numbered.add(fqn)
             frame = self.frames[execution] = Frame(module if module is not None else self.root, fqn, False,
