@@ -52,13 +52,14 @@ _CAPACITY = 1024  # random sites a trace has room for at first (a larger model r
 
 
 class _Entry:
-    """One traced and compiled form of a graph: its function, its slots, its outputs' batch records, and
-    how many draws it makes directly in the compiled module's forward (``own``)."""
+    """One traced and compiled form of a graph: its function (None: run eagerly under keyed()'s modes),
+    whether it takes the control tensor (``keyed``), its slots, its outputs' batch records, and how many
+    draws it makes directly in the compiled module's forward (``own``)."""
 
-    __slots__ = ("fn", "slots", "outputs", "width", "own")
+    __slots__ = ("fn", "keyed", "slots", "outputs", "own")
 
-    def __init__(self, fn: Optional[Callable], slots: list, outputs: list, width: int, own: int = 0) -> None:
-        self.fn, self.slots, self.outputs, self.width, self.own = fn, slots, outputs, width, own
+    def __init__(self, fn: Optional[Callable], keyed: bool, slots: list, outputs: list, own: int = 0) -> None:
+        self.fn, self.keyed, self.slots, self.outputs, self.own = fn, keyed, slots, outputs, own
 
 
 class _Graph:
@@ -70,11 +71,16 @@ class _Graph:
         self.constant = [_is_constant(n) for n in gm.graph.nodes if n.op == "placeholder"]
 
     def _signature(self, args: tuple, call: Optional[Call]) -> tuple:
+        """What a trace is specialized on beyond dynamo's guards: the inputs' shapes (dynamo keeps the batch
+        dimension dynamic, a trace does not), scalars, and the batch records of the inputs that are not
+        parameters or buffers (their starts relative to the forward's)."""
         parts: list = [torch.is_grad_enabled(), None if call is None else call.ctx.root.stream]
         for constant, value in zip(self.constant, args):
+            if constant:
+                continue
             if isinstance(value, torch.Tensor):
-                parts.append((tuple(value.shape), value.dtype, value.device, value.requires_grad))
-                if not constant and call is not None:
+                parts.append(tuple(value.shape))
+                if call is not None:
                     rec = record(value, call.forward)
                     if isinstance(rec, Batch):
                         rec = (rec.dim, rec.count, rec.start - call.forward.start, rec.inner)
@@ -89,32 +95,28 @@ class _Graph:
         entry = self.entries.get(signature)
         if entry is None:
             entry = self.entries[signature] = self._compile(args, call)
+        if not entry.keyed:
+            return entry.fn(*args)
+        if call is None:
+            raise UnkeyedRandomnessError(_outside(self.owner))
         if entry.fn is None:  # runs eagerly under keyed()'s modes (see _trace)
-            if call is None:
-                raise UnkeyedRandomnessError(_outside(self.owner))
             with _Untrapped():
                 out, forward, own = self._interpret(args, call, None)
-            entry = _Entry(None, [], _relative_records(out, forward, call), 1, own)
-        elif not entry.slots and entry.width == 0:
-            out = entry.fn(*args)
+            entry = _Entry(None, True, [], _relative_records(out, forward, call), own)
         else:
-            if call is None:
-                raise UnkeyedRandomnessError(_outside(self.owner))
             words = [call.forward.start]
             for relative, ordinal in entry.slots:
                 k = call.key(relative, ordinal)
                 words += (k.k0, k.k1)
             out = entry.fn(*args, torch.tensor(words, dtype=torch.int64))
-        if call is not None:
-            call.frame.calls += entry.own  # the compiled module's own draws: numbered on across its graphs
-        if call is not None:
-            leaves = out if isinstance(out, (tuple, list)) else (out,)
-            for leaf, rec in zip(leaves, entry.outputs):
-                if isinstance(leaf, torch.Tensor):
-                    if isinstance(rec, tuple):
-                        dim, count, delta, inner = rec
-                        rec = Batch(dim, count, call.forward.start + delta, inner)
-                    annotate(leaf, call.forward, rec)
+        call.frame.calls += entry.own  # the compiled module's own draws: numbered on across its graphs
+        leaves = out if isinstance(out, (tuple, list)) else (out,)
+        for leaf, rec in zip(leaves, entry.outputs):  # the outputs' batch, for what the forward does next
+            if isinstance(leaf, torch.Tensor):
+                if isinstance(rec, tuple):
+                    dim, count, delta, inner = rec
+                    rec = Batch(dim, count, call.forward.start + delta, inner)
+                annotate(leaf, call.forward, rec)
         return out
 
     def _compile(self, args: tuple, call: Optional[Call]) -> _Entry:
@@ -124,7 +126,7 @@ class _Graph:
             probe = _probe(self.owner)
             with torch.no_grad(), _Untrapped(), _RefuseDraws(probe):
                 traced = make_fx(lambda *a: self.gm(*a), tracing_mode="real")(*args)
-            return _Entry(self.owner.inner(traced, list(args)), [], [], 0)
+            return _Entry(self.owner.inner(traced, list(args)), False, [], [])
         capacity = _CAPACITY
         while True:
             try:
@@ -176,12 +178,12 @@ class _Graph:
                 warnings.warn(f"keyinit.nn.compile({type(self.owner.module).__name__}): a graph reads a tensor's "
                               "value (.item(), float(t)); it runs eagerly under keyinit.nn.keyed, not compiled",
                               stacklevel=2)
-                return _Entry(None, [], [], 1)
+                return _Entry(None, True, [], [])
         out, forward, own = results[0]
         slots = list(trace.slots)
         ctl = torch.zeros(1 + 2 * len(slots), dtype=torch.int64)
         fn = self.owner.inner(traced, list(args) + [ctl])
-        return _Entry(fn, slots, _relative_records(out, forward, call), 1, own)
+        return _Entry(fn, True, slots, _relative_records(out, forward, call), own)
 
 
 def _relative_records(out: Any, forward: Forward, call: Call) -> list:
