@@ -184,7 +184,10 @@ def dtensor_layout(tensor: Any, row_offset: int = 0) -> Layout:
 
 def rows_layout(local_shape: Sequence[int], row_offset: int) -> Layout:
     """Layout of a plain activation whose row ``r`` (dimension 0) is global sample ``row_offset + r``."""
-    return _rows_layout(tuple(map(int, local_shape)), int(row_offset))
+    shape, row_offset = tuple(map(int, local_shape)), int(row_offset)
+    if torch.compiler.is_compiling():  # dynamo traces through the function, not the memo
+        return _rows_layout.__wrapped__(shape, row_offset)
+    return _rows_layout(shape, row_offset)
 
 
 @functools.lru_cache(maxsize=1024)

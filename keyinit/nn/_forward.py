@@ -19,11 +19,12 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit.keys import Key, fold_in
+from keyinit.keys import Key, as_uint64, fold_in
 from keyinit.nn._batch import annotate, record
 from keyinit.nn._keys import keyed_call_key, keyed_module_key
 
-__all__ = ["Forward", "MicroBatch", "Named", "input_tensors", "sequence_first_module", "remember", "recomputed"]
+__all__ = ["Forward", "MicroBatch", "Named", "input_tensors", "sequence_first_module", "sequence_first_dropouts",
+           "resolve_sample_offset", "remember", "recomputed"]
 
 
 class Forward:
@@ -76,6 +77,53 @@ def sequence_first_module(module: torch.nn.Module) -> bool:
     if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and len(module.layers):
         return sequence_first_module(module.layers[0])
     return False
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def resolve_sample_offset(model: torch.nn.Module, sample_offset: Optional[int]) -> int:
+    """The rule: explicit under more than one process; never 0 on a DDP rank other than 0."""
+    if sample_offset is None:
+        world = _world()
+        if world > 1:
+            raise ValueError(
+                f"keyed: torch.distributed is initialized with {world} ranks, so sample_offset must be given: the "
+                "global index of this rank's first sample in the step's batch (e.g. dp_rank * local_batch + "
+                "micro-batch offset), or 0 where every rank holds the whole batch (tensor/sequence parallelism; "
+                "DTensor activations add their own placements)"
+            )
+        return 0
+    offset = as_uint64(sample_offset, "sample_offset")
+    if offset == 0 and _world() > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            import torch.distributed as dist
+
+            rank = dist.get_rank(model.process_group)
+            if rank > 0:
+                raise ValueError(
+                    f"keyed: sample_offset=0 on rank {rank} of the DistributedDataParallel group: each data-parallel "
+                    "rank holds its own rows of the batch, so its first sample is not global sample 0; pass "
+                    "sample_offset = rank * local_batch (+ the micro-batch offset)"
+                )
+    return offset
+
+
+def sequence_first_dropouts(model: torch.nn.Module) -> frozenset[int]:
+    """The dropout modules of torch's sequence-first (``batch_first=False``, torch's default)
+    ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``: their activations are
+    ``(sequence, batch, features)``, so dimension 1, not 0, is the batch."""
+    layers = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
+    found = set()
+    for module in model.modules():
+        if isinstance(module, layers) and not getattr(module.self_attn, "batch_first", True):
+            found.update(id(child) for child in module.children() if isinstance(child, torch.nn.Dropout))
+    return frozenset(found)
 
 
 def input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

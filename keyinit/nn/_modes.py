@@ -420,7 +420,12 @@ class BatchMode(TorchDispatchMode):
         # a draw of p = 0 (no randomness) takes no call ordinal: any key gives its values
         key = make_key(DROPOUT_DOMAIN) if nothing else frame.key(ctx)
         site = f"{frame.describe()}: {func}"
-        out = keyed_draw(func, args, kwargs, key, rec if isinstance(rec, Batch) else None, site)
+        batch = rec if isinstance(rec, Batch) else None
+        trace = getattr(ctx, "trace", None)
+        if trace is not None:  # tracing a compiled keyed forward (keyinit.nn._compile): a site op
+            out = trace.draw(func, args, kwargs, key, batch, site)
+        else:
+            out = keyed_draw(func, args, kwargs, key, batch, site)
         leaves = list(out) if isinstance(out, (tuple, list)) else [out]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.dim():
