@@ -20,7 +20,10 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from keyinit.errors import UnkeyedRandomnessError
+from keyinit._draw.dropout_geometry import Layout, constants
+from keyinit.nn import functional as KF
 from keyinit.nn._batch import Batch, Foreign, Unknown, annotate, canonical, record
+from keyinit.regions import row_major_strides
 
 
 
@@ -124,10 +127,6 @@ _ALPHA = 1.7580993408473766  # SELU's -alpha * scale, as in torch's alpha_dropou
 
 def _element_dropout(input: torch.Tensor, p: float, key, rec: Optional[Batch]) -> torch.Tensor:
     """Element-wise keyed dropout of ``input`` whose batch is ``rec`` (None: replicated)."""
-    from keyinit.nn import functional as KF
-    from keyinit._draw.dropout_geometry import Layout
-    from keyinit.regions import row_major_strides
-
     if rec is None:
         return KF.dropout(input, p, rng_key=key)
     if rec.dim == 0 and rec.inner == 1 and (input.dim() == 0 or int(input.shape[0]) == rec.count):
@@ -184,12 +183,10 @@ def alpha_scale(p: float) -> float:
 def keyed_masked(kind: str, mask: str, input: torch.Tensor, p: float, key, rec: Optional[Batch]) -> torch.Tensor:
     """The keyed dropout of ``input`` whose batch is ``rec`` (None: replicated), of the family member
     ``kind`` with mask form ``mask`` (``element``, ``feature``, ``alpha``, ``feature_alpha``)."""
-    from keyinit.nn import functional as KF
-    from keyinit._draw.dropout_geometry import constants
-    from keyinit._draw.reference_dropout import apply_mask
-
     if mask == "element":
         return _element_dropout(input, p, key, rec)
+    from keyinit._draw.reference_dropout import apply_mask
+
     if KF.is_dtensor(input):
         raise TypeError(
             f"keyinit.nn.keyed: {kind} of a DTensor is not supported (only element-wise dropout of DTensors is); "
@@ -211,8 +208,6 @@ def keyed_masked(kind: str, mask: str, input: torch.Tensor, p: float, key, rec: 
 
 def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op: bool, args: tuple,
                     kwargs: dict) -> torch.Tensor:
-    from keyinit.nn.functional import check_p
-
     ordinal = frame.calls
     frame.calls += 1
     input = argument(args, kwargs, 0, "input", None)
@@ -224,7 +219,7 @@ def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op:
         p = argument(args, kwargs, 1, "p", 0.5)
         training = argument(args, kwargs, 2, "training", _FUNCTIONAL_DEFAULT_TRAINING.get(kind, True))
         inplace = bool(argument(args, kwargs, 3, "inplace", False))
-    p = check_p(p)
+    p = KF.check_p(p)
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{kind}: input must be a torch.Tensor, got {type(input).__name__}")
     if not training or p == 0.0:
@@ -303,15 +298,12 @@ def _probs_start(ctx: "Keyed", frame: Frame, query: torch.Tensor, batch_dim: int
 
 def _probs_drop(ctx: "Keyed", p: float, key: Any, start: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """The dropout of attention probabilities whose row 0 is sample ``start`` (a site op when tracing)."""
-    from keyinit.nn import functional as KF
-
     trace = getattr(ctx, "trace", None)
     return KF.probs_drop(p, key, None, start) if trace is None else trace.rows_drop(p, key, start)
 
 
 def keyed_sdpa(ctx: "Keyed", frame: Frame, p: float, args: tuple, kwargs: dict) -> torch.Tensor:
     """SDPA with ``dropout_p > 0``: the next call ordinal of the module, probabilities dropped by rows."""
-    from keyinit.nn import functional as KF
     from keyinit.nn._attention import attend
 
     bound = dict(_SDPA_DEFAULTS)
@@ -338,7 +330,6 @@ def keyed_sdpa(ctx: "Keyed", frame: Frame, p: float, args: tuple, kwargs: dict) 
 
 def keyed_mha(ctx: "Keyed", frame: Frame, args: tuple, kwargs: dict) -> Any:
     """``F.multi_head_attention_forward`` in training with dropout: answered by keyed attention, or None."""
-    from keyinit.nn import functional as KF
     from keyinit.nn._attention import mha_arguments, mha_forward
 
     bound = mha_arguments(args, kwargs)

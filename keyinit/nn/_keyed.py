@@ -101,13 +101,16 @@ def _mode_is_top(mode: Any) -> bool:
 
 
 def _mode_is_active(mode: Any) -> bool:
+    """``mode`` is on its stack (torch function or dispatch modes), looked at from the top (where it is
+    while a forward runs: every module's hook asks)."""
     if isinstance(mode, TorchFunctionMode):
-        from torch.overrides import _get_current_function_mode_stack
-
-        return any(m is mode for m in _get_current_function_mode_stack())
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return any(m is mode for m in _get_current_dispatch_mode_stack())
+        length, at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+    else:
+        length, at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
+    for i in range(length() - 1, -1, -1):
+        if at(i) is mode:
+            return True
+    return False
 
 
 class _ThreadState:
@@ -197,6 +200,7 @@ class Keyed:
         self._replays: dict[tuple, tuple[Any, "Forward"]] = {}  # see _remember
         self._forwards: list[Forward] = []  # the root forwards of the block (for recomputes in backward)
         self._constants: frozenset[int] = frozenset()
+        self._shared_post_hook: Optional[Callable] = None  # see _hook
         # a forward ran under activation checkpointing (autograd off inside, or saved-tensor hooks): only
         # then may a recompute come after the block, and only then do the hooks stay (see __exit__)
         self._recomputable = False
@@ -313,6 +317,9 @@ class Keyed:
             if state is None:
                 return
             frames = state.frames
+            if frames and frames[-1].module is module and not frames[-1].pushed:
+                frames.pop()  # (the common case of the loop below: this module's frame, no mode to leave)
+                return
             if not any(frame.module is module for frame in frames):
                 return  # a forward this context did not key (after the context was left)
             while frames:  # robust to a forward that raised inside a child
@@ -397,8 +404,10 @@ class Keyed:
         return self
 
     def _hook(self, module: torch.nn.Module, fqn: str) -> None:
+        if self._shared_post_hook is None:
+            self._shared_post_hook = self._post_hook()  # (one for every module: it takes the module)
         handles = [module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True),
-                   module.register_forward_hook(self._post_hook(), always_call=True)]
+                   module.register_forward_hook(self._shared_post_hook, always_call=True)]
         self._handles.extend(handles)
         self._hooked[id(module)] = (module, fqn, handles)
 
