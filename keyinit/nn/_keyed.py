@@ -23,7 +23,6 @@ import warnings
 from typing import Any, Callable, Optional, Union
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from keyinit.fqn import canonical_modules
 from keyinit.keys import Key, as_uint64, key
@@ -41,7 +40,7 @@ from keyinit.nn._forward import (
     remember,
 )
 from keyinit.nn._hostrandom import HostRandom
-from keyinit.nn._modes import BatchMode, FunctionMode
+from keyinit.nn._modes import BatchMode, FunctionMode, mode_is_active, mode_is_top
 
 __all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward", "batch_dim", "context_of"]
 
@@ -86,31 +85,6 @@ def _warn_if_compiled() -> None:
         warnings.warn("keyinit.nn.keyed: a torch.compile(model) forward runs eagerly under keyed() (dynamo does not "
                       "trace under its modes); compile it with keyinit.nn.compile(model) to key a compiled forward",
                       stacklevel=4)
-
-
-def _mode_is_top(mode: Any) -> bool:
-    if isinstance(mode, TorchFunctionMode):
-        from torch.overrides import _get_current_function_mode_stack
-
-        stack = _get_current_function_mode_stack()
-    else:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-        stack = _get_current_dispatch_mode_stack()
-    return bool(stack) and stack[-1] is mode
-
-
-def _mode_is_active(mode: Any) -> bool:
-    """``mode`` is on its stack (torch function or dispatch modes), looked at from the top (where it is
-    while a forward runs: every module's hook asks)."""
-    if isinstance(mode, TorchFunctionMode):
-        length, at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
-    else:
-        length, at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
-    for i in range(length() - 1, -1, -1):
-        if at(i) is mode:
-            return True
-    return False
 
 
 class _ThreadState:
@@ -298,7 +272,7 @@ class Keyed:
             # forward (and again by a forward that activation checkpointing recomputes in backward, where
             # the autograd engine does not carry torch-function modes), exited by its post-hook.
             for mode in state.modes:
-                if not _mode_is_active(mode):
+                if not mode_is_active(mode):
                     mode.__enter__()
                     frame.pushed.append(mode)
             state.frames.append(frame)
@@ -442,8 +416,8 @@ class Keyed:
         left = []
         if state is not None:
             for mode in reversed(state.modes):
-                if _mode_is_active(mode):
-                    if not _mode_is_top(mode):
+                if mode_is_active(mode):
+                    if not mode_is_top(mode):
                         raise RuntimeError(
                             "keyinit.nn.compile: a compiled module called inside a keyed forward while another "
                             f"torch mode is active above keyed's ({mode!r} is not the innermost)"

@@ -36,7 +36,7 @@ from keyinit.nn._intercept import (
     refuse_foreign,
 )
 
-__all__ = ["FunctionMode", "BatchMode", "GuardSuspended"]
+__all__ = ["FunctionMode", "BatchMode", "GuardSuspended", "mode_is_active", "mode_is_top"]
 
 _SHAPE = torch.Tensor.shape
 _SIZE = torch.Tensor.size
@@ -112,6 +112,32 @@ def _shape_of(t: torch.Tensor, sizes: Any, forward: Any) -> Any:
     n = int(sizes[d])
     value = BatchSize(n, rec, forward.escaped) if rec.inner == 1 and n == rec.count else DerivedSize(n)
     return torch.Size(tuple(sizes[:d]) + (value,) + tuple(sizes[d + 1:]))
+
+
+def mode_is_top(mode: Any) -> bool:
+    """``mode`` is the innermost of its stack (torch function or dispatch modes)."""
+    if isinstance(mode, TorchFunctionMode):
+        from torch.overrides import _get_current_function_mode_stack
+
+        stack = _get_current_function_mode_stack()
+    else:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        stack = _get_current_dispatch_mode_stack()
+    return bool(stack) and stack[-1] is mode
+
+
+def mode_is_active(mode: Any) -> bool:
+    """``mode`` is on its stack (torch function or dispatch modes), looked at from the top (where it is
+    while a forward runs: every module's hook asks)."""
+    if isinstance(mode, TorchFunctionMode):
+        length, at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+    else:
+        length, at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
+    for i in range(length() - 1, -1, -1):
+        if at(i) is mode:
+            return True
+    return False
 
 
 class FunctionMode(TorchFunctionMode):
