@@ -1,7 +1,8 @@
 """The batch rules of keyed() on the layouts real models use (keyinit/nn/_batch_rules_nn.py, issue 22).
 
-Each case runs a small forward that lays the batch out one way and then drops it, on a batch of 4
-and on rows 0:2 and 2:4 (``sample_offset`` 0 and 2): the masks must be bitwise the same. The cases
+Each case runs a small forward that lays the batch out one way and then drops it, on a batch of 4,
+on rows 0:2 and 2:4 (``sample_offset`` 0 and 2) and on each row alone: the masks must be bitwise the
+same. The cases
 where the sample of an element is decided by values keyed() does not follow must raise
 ``UnkeyedRandomnessError`` instead.
 """
@@ -27,15 +28,22 @@ class Fn(nn.Module):
 
 
 def _masks(fn, x: torch.Tensor, join: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dropout mask (``out == 0``) of the whole batch, and of its halves joined along ``join``."""
+    """The dropout mask (``out == 0``) of the whole batch, and of its halves joined along ``join``.
+
+    The forwards of one row each (a batch of one, where a size-1 dimension is both the batch and a
+    broadcast) must give the halves' masks too."""
     model = Fn(fn)
     with knn.keyed(model, 3, step=1):
         whole = model(x) == 0
-    parts = []
-    for lo, hi in ((0, 2), (2, 4)):
-        with knn.keyed(model, 3, step=1, sample_offset=lo):
-            parts.append(model(x[lo:hi]) == 0)
-    return whole, torch.cat(parts, join)
+    joined = []
+    for split in (((0, 2), (2, 4)), ((0, 1), (1, 2), (2, 3), (3, 4))):
+        parts = []
+        for lo, hi in split:
+            with knn.keyed(model, 3, step=1, sample_offset=lo):
+                parts.append(model(x[lo:hi]) == 0)
+        joined.append(torch.cat(parts, join))
+    assert torch.equal(joined[1], joined[0]), "forwards of one row draw other masks than forwards of two"
+    return whole, joined[0]
 
 
 X = torch.rand(4, 6, 8, generator=torch.Generator().manual_seed(0)) + 0.5  # (B, L, D), no zeros

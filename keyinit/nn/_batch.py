@@ -183,6 +183,7 @@ def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what:
     found: Record = None
     foreign = False
     constant: Optional[Unknown] = None
+    single: Union[Batch, Unknown, None] = None
     for rec, in_ndim, size in records:
         if rec is None:
             continue
@@ -197,16 +198,19 @@ def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what:
         if rec.dim is None:
             aligned: Batch = rec
         else:
-            if size == 1 and rec.count == 1 and rec.inner == 1:
-                # a batch of one broadcast against the others: the same values for every sample
-                continue
             aligned = rec.moved(rec.dim + ndim - in_ndim)
+            if size == 1 and rec.count == 1 and rec.inner == 1:
+                # a batch of one: broadcast against the others' samples (the same values for each), or,
+                # when no other input holds a batch, the one sample of a forward of one row
+                single = aligned if single is None or single == aligned else Unknown(
+                    f"{what} broadcasts rows of different samples ({single} and {aligned}) against each other")
+                continue
         if found is None:
             found = aligned
         elif found != aligned:
             return Unknown(f"{what} combines tensors whose batches are laid out differently ({found} and {aligned})")
     if found is None:
-        return constant or (FOREIGN if foreign else None)
+        return single or constant or (FOREIGN if foreign else None)
     return found
 
 
@@ -219,13 +223,22 @@ def reshape(rec: Batch, old: Sequence[int], new: Sequence[int], what: Any) -> Re
     period = rec.inner * math.prod(old[rec.dim + 1:])  # flat elements from one sample to the next
     block = period * rec.count  # one run through every local sample
     suffix = 1  # elements of the new dimensions after d
+    found: Optional[Batch] = None
     for d in range(len(new) - 1, -1, -1):
         if suffix > period:
             break
         # dimension d holds the batch iff its stride divides the period and it spans whole runs
         if period % suffix == 0 and (new[d] * suffix) % block == 0:
-            return Batch(d, rec.count, rec.start, period // suffix)
+            if rec.count != 1:
+                return Batch(d, rec.count, rec.start, period // suffix)  # the one such dimension
+            # one sample: every such dimension places it (all its elements are the sample's, in row-major
+            # order); a dimension of size 1 whose stride is the period is where a batch of more rows is
+            if new[d] == 1 and suffix == period:
+                return Batch(d, 1, rec.start)
+            found = found or Batch(d, 1, rec.start, period // suffix)
         suffix *= new[d]
+    if found is not None:
+        return found
     return Unknown(f"{what} splits the batch dimension across dimensions ({tuple(old)} -> {tuple(new)})")
 
 
