@@ -2,7 +2,8 @@
 
 - :class:`Forward`: one root forward (an outermost module execution): the rows it
   holds (``start``, ``count``), its repeat count, its tensors' batch records
-  (:mod:`keyinit.nn._batch`), the keys of its calls and of its host generators;
+  (:mod:`keyinit.nn._batch`), the keys of its calls and of its host generators
+  (:mod:`keyinit.nn._hostrandom`: how they are keyed, and what is refused);
 - :func:`remember` / :func:`recomputed`: how a forward that activation
   checkpointing recomputes in backward finds its first execution (non-reentrant:
   the same input tensors; reentrant: the memory of the detached inputs);
@@ -21,9 +22,11 @@ import torch
 
 from keyinit.keys import Key, fold_in
 from keyinit.nn._batch import annotate, record
+from keyinit.nn._hostrandom import SAMPLE_FIXES, HostRandom, host_stream_key
 from keyinit.nn._keys import keyed_call_key, keyed_module_key
 
-__all__ = ["Forward", "MicroBatch", "Named", "input_tensors", "sequence_first_module", "remember", "recomputed"]
+__all__ = ["Forward", "MicroBatch", "Named", "input_tensors", "sequence_first_module", "remember", "remember_host",
+           "recomputed"]
 
 
 class Forward:
@@ -36,7 +39,7 @@ class Forward:
     """
 
     __slots__ = ("start", "count", "repeat", "fqn", "constants", "owner", "grad", "drew", "records", "probe", "escaped",
-                 "__weakref__")
+                 "host", "host_states", "__weakref__")
 
     def __init__(self, ctx: Any, fqn: str, start: int, count: int, repeat: int) -> None:
         self.fqn, self.start, self.count, self.repeat = fqn, start, count, repeat
@@ -48,16 +51,58 @@ class Forward:
         # a shape probe (meta tensors, a pipeline stage's shape inference): later forwards do not repeat it
         self.probe = False
         self.escaped: set[int] = set()  # batch sizes len() turned into plain ints (keyinit.nn._modes)
+        self.host: Optional[HostRandom] = None  # its running execution's host generators (_hostrandom)
+        # the host generators' states where a module under activation checkpointing began (remember_host):
+        # _replay_key of its first input -> HostRandom.state(), or None where they were as seeded
+        self.host_states: dict[tuple, Any] = {}
 
     def host_key(self, ctx: Any) -> Key:
         """The key that seeds Python's and numpy's generators in this forward (docs/spec.md 14.7)."""
         k = fold_in(keyed_module_key(ctx.root, ctx.step, self.fqn), "host")
-        return fold_in(k, self.repeat) if self.repeat else k
+        if self.repeat:
+            k = fold_in(k, self.repeat)
+        return host_stream_key(k, self.start, self.count, ctx.host_random)
 
-    def call_key(self, ctx: Any, fqn: str, ordinal: int) -> Key:
+    def host_random(self, ctx: Any, fqn: str, args: tuple = (), kwargs: Optional[dict] = None) -> HostRandom:
+        """Python's and numpy's generators keyed for this forward's execution of ``fqn`` (its root module,
+        or a module that activation checkpointing recomputes: from the states its first execution began
+        with), with what is refused there."""
+        model = ctx.model
+        if getattr(model, "_keyinit_block", False):
+            where = f"keyed block '{model.name}'"
+        else:
+            where = f"keyed({type(model).__name__}): the forward of " + (f"module '{self.fqn}'" if self.fqn else
+                                                                          "the root module")
+        refuse, resume = None, None
+        replay = _host_replay_key(fqn, args, kwargs or {}) if fqn != self.fqn else None
+        if ctx.index != "tracked":
+            refuse = (f"{where} (index='dim0') drew from ", "'s global state: index='dim0' keys only the dropout "
+                      "family, and refuses every other draw rather than reading a global generator. Use "
+                      "keyinit.nn.keyed(..., index='tracked') (the default) to key random and numpy.random")
+        elif fqn != self.fqn and replay in self.host_states:
+            resume = self.host_states[replay]  # None: it began with the generators as seeded
+        elif fqn != self.fqn:
+            refuse = (f"{where}: activation checkpointing recomputed module '{fqn}' in backward, which drew from ",
+                      "'s global state. A recompute of a module inside the keyed forward starts the generator from "
+                      "the forward's seed, not where its first execution drew, so its values (and the gradients) "
+                      "would differ: checkpoint the whole keyed model (its recompute replays the forward's host "
+                      "stream), or draw with torch ops, which keyed() keys in recomputes")
+        elif self.count > 1 and ctx.host_random == "sample":
+            last = self.start + self.count - 1
+            refuse = (f"{where} over samples {self.start}..{last} ({self.count} rows) drew from ", SAMPLE_FIXES)
+        self.host = HostRandom(self.host_key(ctx), refuse, lambda: self.mark_drawn(ctx), resume)
+        return self.host
+
+    def mark_drawn(self, ctx: Any) -> None:
+        """This forward drew keyed values (a random op, or a host generator): a later forward of these rows is
+        a repeat."""
         if not self.drew and not self.probe:
             self.drew = True
             ctx._history.setdefault(self.fqn, []).append((self.start, self.start + self.count))
+
+    def call_key(self, ctx: Any, fqn: str, ordinal: int) -> Key:
+        if not self.drew:
+            self.mark_drawn(ctx)
         k = keyed_call_key(ctx.root, ctx.step, fqn, ordinal)
         if self.repeat:
             k = fold_in(fold_in(k, "repeat"), self.repeat)
@@ -102,9 +147,27 @@ def _replay_key(fqn: str, t: torch.Tensor) -> tuple:
 def remember(ctx: Any, fqn: str, forward: "Forward", args: tuple, kwargs: dict) -> None:
     """A module run with autograd off inside a forward that had it on (reentrant activation
     checkpointing): its input tensors are remembered, for the recompute in backward to find this
-    forward and their batch records."""
+    forward and their batch records (and the host generators' states, :func:`remember_host`)."""
     for t in input_tensors(args, kwargs):
         ctx._replays[_replay_key(fqn, t)] = (weakref.ref(t), forward)
+    remember_host(fqn, forward, args, kwargs)
+
+
+def _host_replay_key(fqn: str, args: tuple, kwargs: dict) -> Optional[tuple]:
+    tensors = input_tensors(args, kwargs)
+    return _replay_key(fqn, tensors[0]) if tensors else None
+
+
+def remember_host(fqn: str, forward: "Forward", args: tuple, kwargs: dict) -> None:
+    """A module run under activation checkpointing inside ``forward``: where the host generators stand
+    as it begins, for a recompute that starts at this module to draw what it drew (found by its first
+    input's memory, as reentrant checkpointing's are)."""
+    host = forward.host
+    if host is None or not forward.grad:
+        return
+    replay = _host_replay_key(fqn, args, kwargs)
+    if replay is not None:
+        forward.host_states[replay] = host.state() if host.moved() else None
 
 def recomputed(ctx: Any, fqn: str, args: tuple, kwargs: dict) -> Optional["Forward"]:
     """The forward whose execution of module ``fqn`` a forward run in backward recomputes, or None."""

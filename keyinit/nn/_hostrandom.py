@@ -1,35 +1,81 @@
-"""Python's ``random`` and ``numpy.random`` inside a keyed forward: keyed per root forward.
+"""Python's ``random`` and ``numpy.random`` inside a keyed forward (``docs/spec.md`` section 14.7).
 
-Their global generators have no notion of samples, so a draw from them cannot
-be keyed per sample. Inside a keyed forward they are seeded from the root
-forward's key (``docs/spec.md`` section 14.7) and given back their state when
-the forward returns: the values are a function of (seed, step, the root
-module's FQN, the repeat count) and of the order of the draws, the same on
-every rank, and the global states are untouched. Code that draws per sample in
-a Python loop (HF's SpecAugment ``_compute_mask_indices``, BigBird's random
-blocks) therefore gets values that depend on the rows of the local batch: that
-is documented, not hidden (docs/dropout.md).
+Their global generators have no notion of samples: a draw from them cannot be
+placed in a sample the way a torch op on a batch-holding tensor is. So inside a
+root forward both are seeded from a key of their own and given back their state
+when the forward returns (the global states are never read or advanced), and
+what that key is follows what the forward holds (``keyed(..., host_random=...)``):
+
+- ``"sample"`` (the default): a forward of exactly one sample ``s`` seeds them
+  from (root forward key, ``s``), so each sample's values are its own, whatever
+  the split (HF's SpecAugment run one sample per micro-batch); a forward whose
+  inputs hold no batch seeds them from the root forward key (replicated). A
+  forward of several samples that draws from either generator (its state moved)
+  raises :class:`~keyinit.errors.UnkeyedRandomnessError` before its output
+  reaches the caller: a draw there would depend on which rows the local batch
+  holds.
+- ``"forward"``: a forward of samples ``s .. s+n-1`` seeds them from (root
+  forward key, ``s``, ``n``): the same values on every rank and run for the same
+  rows, but they depend on how the batch is split into forwards.
+- ``"replicated"``: every forward seeds them from the root forward key alone, so
+  every forward of the step draws the same values whatever rows it holds: split
+  invariant for draws that are the same for every sample (a per-layer decision,
+  BigBird's random blocks), the same values at every local row for draws made
+  per row.
+
+A forward that activation checkpointing recomputes from a module other than its
+root cannot replay the root forward's host stream from its middle: a draw there
+is refused too, before the gradient is computed from other values.
 """
 
 from __future__ import annotations
 
 import random as _py_random
-from typing import Any
+from typing import Any, Callable, Optional
 
 from keyinit.keys import Key, fold_in
 
-__all__ = ["HostRandom"]
+__all__ = ["HOST_RANDOM", "HostRandom", "SAMPLE_FIXES", "host_stream_key"]
+
+#: The values of ``keyed(..., host_random=...)``.
+HOST_RANDOM = ("sample", "forward", "replicated")
+
+
+def host_stream_key(base: Key, start: int, count: int, mode: str) -> Key:
+    """The key of a root forward's host generators: ``base`` (the root forward's host key) alone when
+    ``mode`` is ``"replicated"`` or the forward holds no batch, else folded with its samples."""
+    if mode == "replicated" or count == 0:
+        return base
+    return fold_in(fold_in(fold_in(base, "samples"), start), count)
 
 
 class HostRandom:
-    """Seeds ``random`` and ``numpy.random`` from ``key`` on enter; restores both on exit."""
+    """Seeds ``random`` and ``numpy.random`` from ``key`` on enter; restores both on exit.
 
-    __slots__ = ("key", "_py", "_np", "_lock")
+    ``refuse`` (or None): a draw from either generator between enter and exit is not allowed
+    there; it is ``(before, after)``, the error's text around the generators' names. ``drawn``
+    (or None) is called on exit when either generator was drawn from (and nothing is refused).
+    ``resume`` (or None): a :meth:`state` to continue from after seeding (the recompute of a module
+    that activation checkpointing runs: the states its first execution started from).
+    :meth:`__exit__` then leaves the error in :attr:`refusal` (after restoring both states) for
+    the caller to raise once the forward's modes are left.
+    """
 
-    def __init__(self, key: Key) -> None:
+    __slots__ = ("key", "refuse", "drawn", "resume", "refusal", "_py", "_py_seeded", "_np", "_np_seeded", "_watch",
+                 "_lock")
+
+    def __init__(self, key: Key, refuse: Optional[tuple[str, str]] = None,
+                 drawn: Optional[Callable[[], None]] = None, resume: Any = None) -> None:
         self.key = key
+        self.refuse = refuse
+        self.drawn = drawn
+        self.resume = resume
+        self.refusal: Optional[BaseException] = None
         self._py: Any = None
+        self._py_seeded: Any = None
         self._np: Any = None
+        self._np_seeded: Any = None
+        self._watch: Any = None
         self._lock: Any = None
 
     def __enter__(self) -> "HostRandom":
@@ -41,25 +87,82 @@ class HostRandom:
             self._py = _py_random.getstate()
             k = fold_in(self.key, "python.random")
             _py_random.seed(k.k0 | (k.k1 << 32))
+            self._py_seeded = _py_random.getstate()
             try:
                 import numpy
             except ImportError:  # pragma: no cover - numpy is a dependency
-                self._np = None
+                self._watch = None
             else:
-                self._np = numpy.random.get_state()
+                from keyinit.data._numpy_state import numpy_watch
+
+                self._watch = numpy_watch()
+                self._np = self._watch.look()
                 kn = fold_in(self.key, "numpy.random")
                 numpy.random.seed([kn.k0, kn.k1])
+                self._np_seeded = self._watch.snapshot()
+                if self._np_seeded is None:  # the state is not readable as bytes
+                    self._np_seeded = self._watch.look()
+            if self.resume is not None:
+                _py_random.setstate(self.resume[0])
+                if self.resume[1] is not None:
+                    numpy.random.set_state(self.resume[1])
         except BaseException:
             self._lock.release()
             raise
         return self
 
+    def moved(self) -> bool:
+        """Either generator was drawn from since it was seeded (or resumed)."""
+        return bool(self._drew()) or self.resume is not None
+
+    def state(self) -> tuple[Any, Any]:
+        """Both generators' states now (for :attr:`resume`)."""
+        import numpy
+
+        return _py_random.getstate(), numpy.random.get_state(legacy=False) if self._watch is not None else None
+
+    def _drew(self) -> list[str]:
+        drew = []
+        if _py_random.getstate() != self._py_seeded:
+            drew.append("random")
+        if self._watch is not None:
+            seeded = self._np_seeded
+            if isinstance(seeded, tuple):
+                moved = self._watch.drew(seeded)
+            else:
+                moved = self._watch.snapshot() != seeded  # seeding leaves no cached Gaussian: bytes settle it
+            if moved:
+                drew.append("numpy.random")
+        return drew
+
     def __exit__(self, *exc_info: Any) -> None:
         try:
+            drew = self._drew()
             _py_random.setstate(self._py)
-            if self._np is not None:
-                import numpy
-
-                numpy.random.set_state(self._np)
+            if self._watch is not None:
+                self._watch.reseeded(self._np, self._np_seeded if not isinstance(self._np_seeded, tuple) else None)
         finally:
             self._lock.release()
+        if drew and self.refuse is None:
+            if self.drawn is not None:
+                self.drawn()
+        elif drew:
+            from keyinit.errors import UnkeyedRandomnessError
+
+            before, after = self.refuse  # type: ignore[misc]
+            self.refusal = UnkeyedRandomnessError(f"{before}{' and '.join(drew)}{after}")
+
+
+#: The end of the error of a forward of several samples that drew (``host_random="sample"``).
+SAMPLE_FIXES = (
+    "'s global state. The global generators have no notion of samples, so keyinit cannot tell which sample such a draw "
+    "belongs to (HF's SpecAugment draws one value per batch and then one per row; a per-row draw in a "
+    "forward of several rows depends on which rows the local batch holds). The global states are restored "
+    "and the forward's output discarded. Fixes: run the forward one sample at a time (a batch of one row, "
+    "or ctx.micro_batch(offset) per row: each sample then draws from its own keyed stream); or declare "
+    "keyinit.nn.keyed(..., host_random='forward') (keyed by the forward's rows: the same on every rank for "
+    "the same rows, but depending on how the batch is split) or host_random='replicated' (every forward "
+    "draws the same values: right for draws that are the same for every sample, such as a per-layer "
+    "decision); or turn the host-side randomness off (for Wav2Vec2-style models mask_time_prob=0 and "
+    "mask_feature_prob=0) or draw it with torch ops on the batch, which keyed() keys per sample"
+)

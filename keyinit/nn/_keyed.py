@@ -18,6 +18,7 @@ there); any other overlap of two active contexts is a ``RuntimeError``.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable, Optional, Union
 
@@ -36,8 +37,9 @@ from keyinit.nn._forward import (
     sequence_first_module,
     recomputed,
     remember,
+    remember_host,
 )
-from keyinit.nn._hostrandom import HostRandom
+from keyinit.nn._hostrandom import HOST_RANDOM
 from keyinit.nn._modes import BatchMode, FunctionMode
 
 __all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward", "batch_dim"]
@@ -167,7 +169,8 @@ class Keyed:
     """The context manager :func:`keyed` returns (single use; enter it with ``with``)."""
 
     def __init__(self, model: Union[torch.nn.Module, str], seed: Union[int, Key], step: int,
-                 sample_offset: Optional[int], index: str = "tracked", inputs: Any = ()) -> None:
+                 sample_offset: Optional[int], index: str = "tracked", inputs: Any = (),
+                 host_random: str = "sample") -> None:
         self._inputs: tuple = ()
         if isinstance(model, str):
             from keyinit.nn._keys import check_fqn
@@ -186,7 +189,10 @@ class Keyed:
             raise TypeError(f"keyed: model must be a torch.nn.Module or a block name, got {type(model).__name__}")
         if index not in INDEX_RULES:
             raise ValueError(f"keyed: index must be one of {INDEX_RULES}, got {index!r}")
+        if host_random not in HOST_RANDOM:
+            raise ValueError(f"keyed: host_random must be one of {HOST_RANDOM}, got {host_random!r}")
         self.index = index
+        self.host_random = host_random
         self.model = model
         #: The root of every dropout key (:func:`keyinit.nn.dropout_key`'s ``seed``); ``key`` checks an int.
         self.root = seed if isinstance(seed, Key) else key(seed)
@@ -279,6 +285,8 @@ class Keyed:
                 if forward.grad and not torch.is_grad_enabled():
                     remember(self, fqn, forward, args, kwargs)
                     self._recomputable = True
+                elif forward.host is not None and _saved_tensor_hooks_active():
+                    remember_host(fqn, forward, args, kwargs)  # non-reentrant checkpointing may start here
             else:
                 in_backward = torch._C._current_graph_task_id() != -1
                 forward = recomputed(self, fqn, args, kwargs) if in_backward else None
@@ -294,8 +302,8 @@ class Keyed:
             if not self._recomputable and _saved_tensor_hooks_active():
                 self._recomputable = True  # non-reentrant checkpointing (saved-tensor hooks) may recompute this
             frame = Frame(module, fqn, foreign, forward)
-            if not state.frames and self.index == "tracked" and not foreign:
-                host = HostRandom(forward.host_key(self))
+            if not state.frames and not foreign:
+                host = forward.host_random(self, fqn, args, kwargs)
                 host.__enter__()
                 frame.pushed.append(host)  # left by the post-hook, after the modes
             # The modes are active only while one of the model's forwards runs: entered by the outermost
@@ -323,12 +331,16 @@ class Keyed:
             frames = state.frames
             if not any(frame.module is module for frame in frames):
                 return  # a forward this context did not key (after the context was left)
+            refusal = None
             while frames:  # robust to a forward that raised inside a child
                 frame = frames.pop()
                 for mode in reversed(frame.pushed):
                     mode.__exit__(None, None, None)
+                    refusal = getattr(mode, "refusal", None) or refusal  # a host draw refused (_hostrandom)
                 if frame.module is module:
                     break
+            if refusal is not None and sys.exc_info()[0] is None:
+                raise refusal  # before the forward's output reaches the caller
 
         return hook
 
@@ -439,7 +451,11 @@ class Keyed:
 
     def __exit__(self, *exc_info: Any) -> None:
         if isinstance(self.model, Named):
-            self._post_hook()(self.model, (), None)
+            try:
+                self._post_hook()(self.model, (), None)  # raises a refused host draw (after leaving the block)
+            except BaseException:
+                self._teardown()
+                raise
         alive = any(ref() is not None for f in self._forwards for ref, _ in f.records.values())
         if self._handles and exc_info[0] is None and self._recomputable and alive:
             # Tensors of its forwards are alive (saved for a backward outside the block): the hooks stay, and
@@ -480,7 +496,8 @@ def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
 
 
 def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: int,
-          sample_offset: Optional[int] = None, index: str = "tracked", inputs: Any = ()) -> Keyed:
+          sample_offset: Optional[int] = None, index: str = "tracked", inputs: Any = (),
+          host_random: str = "sample") -> Keyed:
     """Key every random op in ``model``'s forward by (seed, step, module FQN, call ordinal, sample, place).
 
     Use it around each forward (and backward)::
@@ -505,8 +522,12 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     never changes a value, nor does flattening the batch with heads or tokens.
     A draw whose samples cannot be placed raises
     :class:`keyinit.errors.UnkeyedRandomnessError` naming the module, the op and
-    why; :func:`batch_dim` declares a tensor's batch. Python's ``random`` and
-    ``numpy.random`` are seeded per root forward and restored after it.
+    why; :func:`batch_dim` declares a tensor's batch.
+
+    Python's ``random`` and ``numpy.random`` are seeded per root forward and
+    restored after it; ``host_random`` (``"sample"``, ``"forward"``,
+    ``"replicated"``) says from what, and whether a forward of several samples
+    may draw from them (:mod:`keyinit.nn._hostrandom`, ``docs/spec.md`` 14.7).
     Randomness outside the model's forwards is left alone; the global RNGs are
     never read or advanced. ``index="dim0"`` keeps stream v1's first rule
     (dimension 0 of each dropout input is the batch; other draws refused).
@@ -526,4 +547,4 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     refuses ``sample_offset=0``. DTensor activations place their rows themselves
     (their placements add to ``sample_offset``).
     """
-    return Keyed(model, seed, step, sample_offset, index, inputs)
+    return Keyed(model, seed, step, sample_offset, index, inputs, host_random)
