@@ -149,3 +149,35 @@ def test_fft_and_norms_keep_the_batch():
 
     whole, halves = _masks(fnet, X)
     assert torch.equal(whole, halves)
+
+
+def test_sequence_first_heads_and_einsum_attention_in_forwards_of_one_row():
+    """A forward of one row: a reshape of a size-1 batch cannot tell which dimension it merged into, and
+    einsum folds a size-1 batch dimension into the ones it contracts; every element is still that sample's."""
+
+    def fsmt(x):  # sequence-first (L, B, D) -> (L, B*H, d) -> (B*H, L, d), as FSMT's attention
+        length, b = x.shape[1], x.shape[0]
+        q = x.transpose(0, 1).reshape(length, b * 2, 4).transpose(0, 1)
+        probs = torch.bmm(q, q.transpose(1, 2)).softmax(-1)
+        return F.dropout(probs, 0.5).reshape(b, 2, length, length)
+
+    whole, halves = _masks(fsmt, X)
+    assert torch.equal(whole, halves)
+
+    def xlnet(x):  # (L, B, H, d) and einsum over them, as XLNet's relative attention
+        q = x.transpose(0, 1).reshape(x.shape[1], x.shape[0], 2, 4)
+        return F.dropout(torch.einsum("ibnd,jbnd->bnij", q, q).softmax(-1), 0.5)
+
+    whole, halves = _masks(xlnet, X)
+    assert torch.equal(whole, halves)
+
+
+def test_a_forward_of_one_row_refuses_a_draw_sized_by_a_plain_one():
+    """There x.shape[0] may be a plain 1 (its record in another dimension): a draw sized (1, ...) is not taken
+    as replicated."""
+    noise = Fn(lambda x: x + torch.rand(1, x.shape[1], 1))
+    with knn.keyed(noise, 0, step=0):
+        noise(X[:2])  # two rows: a (1, L, 1) draw broadcast over them is replicated
+    with knn.keyed(noise, 0, step=0, sample_offset=2), \
+            pytest.raises(UnkeyedRandomnessError, match=r"rand is sized \[1, 6, 1\]"):
+        noise(X[2:3])

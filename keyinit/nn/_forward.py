@@ -50,7 +50,11 @@ class Forward:
         self.records: dict[int, tuple[Any, Any]] = {}  # id(tensor) -> (weakref, its batch record): _batch.py
         # a shape probe (meta tensors, a pipeline stage's shape inference): later forwards do not repeat it
         self.probe = False
-        self.escaped: set[int] = set()  # batch sizes len() turned into plain ints (keyinit.nn._modes)
+        # batch sizes len() turned into plain ints (keyinit.nn._modes): a factory sized by one is not placed. In
+        # a forward of one row every plain 1 may be the batch size (a record of one sample may sit in another
+        # dimension than a larger batch's, and x.shape[0] is then a plain 1): a draw sized by it is refused
+        # rather than drawn replicated
+        self.escaped: set[int] = {1} if count == 1 else set()
         self.host: Optional[HostRandom] = None  # its running execution's host generators (_hostrandom)
         # the host generators' states where a module under activation checkpointing began (remember_host):
         # _replay_key of its first input -> HostRandom.state(), or None where they were as seeded
