@@ -176,3 +176,42 @@ def test_a_recomputed_module_draws_what_its_first_execution_drew_from_numpy(reen
     got = _host_grads(HostNet(None), outer_checkpoint=reentrant, backward_inside=backward_inside)  # the root
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def _hf_grads(model_type: str, class_name: str, reentrant, backward_inside: bool) -> dict:
+    transformers = pytest.importorskip("transformers")
+    from tests._hf_arch import tiny_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = getattr(transformers, class_name)(tiny_config(model_type, dropout=0.2)).train()
+    if reentrant is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = (torch.arange(32).reshape(4, 8) * 7 + 3) % 60 + 4
+    with knn.keyed(model, 3, step=1):
+        loss = model(input_ids=ids).logits.square().mean()
+        if backward_inside:
+            loss.backward()
+    if not backward_inside:
+        loss.backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type,class_name", [("bart", "BartForCausalLM"), ("gpt2", "GPT2LMHeadModel")])
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("backward_inside", [True, False])
+def test_transformers_gradient_checkpointing_recomputes_the_first_executions_masks(
+        model_type, class_name, reentrant, backward_inside):
+    """transformers checkpoints a layer's forward, not its call: the recompute runs the layer's own code (BART's
+    F.dropout) outside its hooks, and its children on tensors the recompute makes anew (GPT-2's dropouts).
+    keyed() wraps the layer's _gradient_checkpointing_func so that the recompute is the layer's execution
+    again: the gradients are those without checkpointing."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' deprecation of gradient_checkpointing_enable
+        expected = _hf_grads(model_type, class_name, None, True)
+        got = _hf_grads(model_type, class_name, reentrant, backward_inside)
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-7, msg=name)

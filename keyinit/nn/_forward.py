@@ -7,6 +7,8 @@
 - :func:`remember` / :func:`recomputed`: how a forward that activation
   checkpointing recomputes in backward finds its first execution (non-reentrant:
   the same input tensors; reentrant: the memory of the detached inputs);
+- :class:`CheckpointingFunction`: transformers' gradient checkpointing, whose recompute bypasses
+  the module's hooks;
 - :class:`MicroBatch` (``ctx.micro_batch(offset)``) and :class:`Named`
   (``keyed("a.name", ...)``).
 
@@ -25,8 +27,8 @@ from keyinit.nn._batch import annotate, record
 from keyinit.nn._hostrandom import SAMPLE_FIXES, HostRandom, host_stream_key
 from keyinit.nn._keys import keyed_call_key, keyed_module_key
 
-__all__ = ["Forward", "MicroBatch", "Named", "input_tensors", "sequence_first_module", "remember", "remember_host",
-           "recomputed"]
+__all__ = ["Forward", "MicroBatch", "Named", "CheckpointingFunction", "input_tensors", "sequence_first_module",
+           "remember", "remember_host", "recomputed"]
 
 
 class Forward:
@@ -189,6 +191,55 @@ def recomputed(ctx: Any, fqn: str, args: tuple, kwargs: dict) -> Optional["Forwa
             found_forward = found[1]
             annotate(t, found_forward, record(original, found_forward))
     return found_forward
+
+class CheckpointingFunction:
+    """transformers' gradient checkpointing of ``module`` (its ``_gradient_checkpointing_func``), keyed.
+
+    ``GradientCheckpointingLayer`` checkpoints ``partial(forward, module)``, the module's forward without its
+    call: the recompute in backward runs the module's own code outside its hooks, so keyinit would not key
+    the draws it makes directly (``F.dropout`` in BART's layers: torch's mask, wrong gradients) nor find its
+    children's inputs (tensors the recompute makes anew). While the block (and its recomputes) lasts, the
+    module's ``_gradient_checkpointing_func`` is this wrapper: the recompute runs as the module's execution
+    again (:func:`recomputed`: the first execution's forward, a frame with its call counter from 0, the
+    host generators where they stood), with each recomputed input given its first execution's batch record.
+    :meth:`remove` puts the function back.
+    """
+
+    def __init__(self, ctx: Any, module: torch.nn.Module) -> None:
+        self.ctx, self.module = ctx, module
+        self.original = module.__dict__["_gradient_checkpointing_func"]
+        module._gradient_checkpointing_func = self
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("_gradient_checkpointing_func") is self:
+            self.module._gradient_checkpointing_func = self.original
+
+    def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        ctx = self.ctx
+        frame = ctx._current_frame()
+        if frame is None or frame.foreign or frame.module is not self.module:
+            return self.original(fn, *args, **kwargs)
+        forward, module, fqn = frame.forward, frame.module, frame.fqn
+        remember_host(fqn, forward, args, {})
+        firsts = args
+
+        def run(*inputs: Any) -> Any:
+            if torch._C._current_graph_task_id() == -1:
+                return fn(*inputs)  # the first execution: inside the module's own frame already
+            for new, old in zip(inputs, firsts):  # reentrant checkpointing passes detached copies
+                if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and new is not old:
+                    annotate(new, forward, record(old, forward))
+            ctx._pre_hook(fqn)(module, inputs, {})
+            try:
+                out = fn(*inputs)
+            except BaseException:
+                ctx._post_hook()(module, inputs, None)  # (an early stop of non-reentrant checkpointing)
+                raise
+            ctx._post_hook()(module, inputs, out)
+            return out
+
+        return self.original(run, *args, **kwargs)
+
 
 class Named(torch.nn.Module):
     """The stand-in module of a named block (``keyed("name", ...)``): its FQN is the name."""

@@ -30,6 +30,7 @@ from keyinit.keys import Key, as_uint64, key
 from keyinit.nn._batch import Batch, annotate, declare, declared, record
 from keyinit.nn._intercept import Frame
 from keyinit.nn._forward import (
+    CheckpointingFunction,
     Forward,
     input_tensors,
     MicroBatch,
@@ -402,6 +403,8 @@ class Keyed:
                 seen.add(id(module))
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
+                if callable(module.__dict__.get("_gradient_checkpointing_func")):  # transformers' checkpointing
+                    self._handles.append(CheckpointingFunction(self, module))
             self._sequence_first = _sequence_first_dropouts(self.model)
             _active().append(self)
             with _entered_lock:
