@@ -3,8 +3,9 @@
 Their global generators have no notion of samples: a draw from them cannot be
 placed in a sample the way a torch op on a batch-holding tensor is. So inside a
 root forward both are seeded from a key of their own and given back their state
-when the forward returns (the global states are never read or advanced), and
-what that key is follows what the forward holds (``keyed(..., host_random=...)``):
+when the forward returns (no value depends on the global states, and they are
+left as they were), and what that key is follows what the forward holds
+(``keyed(..., host_random=...)``):
 
 - ``"sample"`` (the default): a forward of exactly one sample ``s`` seeds them
   from (root forward key, ``s``), so each sample's values are its own, whatever
@@ -23,9 +24,11 @@ what that key is follows what the forward holds (``keyed(..., host_random=...)``
   BigBird's random blocks), the same values at every local row for draws made
   per row.
 
-A forward that activation checkpointing recomputes from a module other than its
-root cannot replay the root forward's host stream from its middle: a draw there
-is refused too, before the gradient is computed from other values.
+A module that activation checkpointing recomputes in backward continues from the
+states its first execution began with (recorded, under checkpointing only, by
+``keyinit.nn._forward.remember_host``), so its recompute draws what it drew;
+where none was recorded, a draw in such a recompute is refused rather than
+drawn from the forward's seed.
 """
 
 from __future__ import annotations
