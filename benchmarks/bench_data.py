@@ -14,7 +14,8 @@ Sections:
    (the output; ``randperm(10**12)`` would need 8 TB and cannot run).
 3. A DataLoader epoch over a trivial dataset (``dataset[i] = i``, batch 256, ``num_workers=0``):
    ``KeyedSampler`` vs torch's ``RandomSampler`` (``shuffle=True``) and ``SequentialSampler``;
-   and each sampler alone (``list(sampler)``), whose time over the epoch's is its share of it;
+   and each sampler alone, kept (``list(sampler)``: every item alive at once) and consumed
+   (iterated and dropped, as a DataLoader does: its time over the epoch's is its share of it);
    and ``DataLoader(batch_sampler=KeyedSampler(...).batch_sampler())`` vs ``SequentialSampler``.
 4. ``keyed_samples``: the time per sample of the dataset's own randomness, unkeyed vs keyed, on
    one thread: one ``torch.rand(4)``, and a ``torchvision.transforms.v2`` ImageNet-style pipeline
@@ -32,7 +33,9 @@ Timings alternate peer and keyinit and report the MEDIAN of the repeats. This is
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -165,10 +168,15 @@ def section3(args) -> dict:
     alone_random2, alone_plain = median_pair(
         lambda: list(torch.utils.data.RandomSampler(data, generator=g)),
         lambda: list(KeyedSampler(n, 0, global_batch_size=batch, yield_epoch=False)), args.repeats)
+    # iterated and dropped, as a DataLoader consumes it (list() above keeps all 2**18 items alive at once)
+    consumed_random, consumed_keyed = median_pair(
+        lambda: collections.deque(torch.utils.data.RandomSampler(data, generator=g), maxlen=0),
+        lambda: collections.deque(KeyedSampler(n, 0, global_batch_size=batch), maxlen=0), args.repeats)
     return {"n": n, "batch": batch, "random_sampler_s": random_t, "keyed_sampler_s": keyed_t,
             "sampler_alone_random_s": alone_random, "sampler_alone_keyed_s": alone_keyed,
             "sampler_alone_random_s_2": alone_random2, "sampler_alone_keyed_plain_ints_s": alone_plain,
-            "keyed_sampler_share_of_epoch": alone_keyed / keyed_t,
+            "sampler_consumed_random_s": consumed_random, "sampler_consumed_keyed_s": consumed_keyed,
+            "keyed_sampler_share_of_epoch": consumed_keyed / keyed_t,
             "added_vs_random_sampler": keyed_t / random_t - 1, "sequential_sampler_s": seq_t,
             "keyed_sampler_s_2": keyed2_t, "added_vs_sequential_sampler": keyed2_t / seq_t - 1,
             "sequential_sampler_s_3": seq3_t, "keyed_batch_sampler_s": keyed3_t,
@@ -327,7 +335,8 @@ def main() -> None:
     if args.repeats is None:
         args.repeats = 3 if args.quick else 7
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}, device {args.device}")
+          f"threads {torch.get_num_threads()}, device {args.device}, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     results = {}
     for number, fn in ((1, section1), (2, section2), (3, section3), (4, section4), (5, section5)):
         if args.only and number not in args.only:
@@ -336,6 +345,8 @@ def main() -> None:
             continue
         results[number] = fn(args)
         print(f"section {number}: " + json.dumps(results[number], indent=1), flush=True)
+        print(f"# load average after section {number}: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+              flush=True)
 
 
 if __name__ == "__main__":

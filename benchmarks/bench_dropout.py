@@ -12,7 +12,8 @@ Sections (every ratio is torch time / keyinit time, so > 1 means keyinit is fast
    ``torch.autograd.graph.saved_tensors_hooks``), per dropout call;
 4. keyed overhead (CPU): a small Llama-like model's forward+backward under
    ``keyinit.nn.keyed`` vs the same model with torch's dropout (dim 256; dim 16, where compute is
-   negligible; and both compiled with ``torch.compile``);
+   negligible, with the unkeyed model on keyinit's dropout op as a reference; and compiled:
+   ``torch.compile`` vs ``keyinit.nn.compile``, at both sizes);
 5. attention dropout: ``F.scaled_dot_product_attention(q, k, v, dropout_p=p)``
    (torch picks its kernel) vs ``keyinit.nn.functional.scaled_dot_product_attention``
    with the same ``dropout_p``, forward+backward, and the bytes each saves for backward.
@@ -130,12 +131,16 @@ def bench_ops(shape, dtypes, threads_list, repeats: int, device: str) -> list[di
 
 
 def bench_keyed_model(repeats: int, threads: int, dim: int = 256, batch: tuple[int, int] = (8, 128),
-                      compiled: bool = False) -> dict:
+                      compiled: bool = False, functional: bool = False) -> dict:
     """Forward+backward of a small Llama-like model: torch dropout vs the same model under keyed().
 
     ``dim=16, batch=(2, 8)`` makes the compute negligible: what remains is keyed()'s per-call overhead.
-    ``compiled``: both run ``torch.compile(model)`` (under keyed, dynamo falls back to eager: the
-    dispatch mode that tracks the batch cannot be traced), after a warm-up that compiles.
+    ``compiled``: torch's dropout runs ``torch.compile(model)``, the keyed one
+    ``keyinit.nn.compile(model)`` (both inductor), a new step every call (so a recompilation per step
+    would show), after a warm-up that compiles.
+    ``functional``: also time the model without keyed but with every ``F.dropout`` call (``nn.Dropout``'s
+    included) answered by ``keyinit.nn.functional.dropout`` under one fixed key, against torch's dropout
+    again: the share of keyed's time that is keyinit's dropout op itself.
     """
     from torch import nn
 
@@ -161,23 +166,35 @@ def bench_keyed_model(repeats: int, threads: int, dim: int = 256, batch: tuple[i
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*batch, dim, generator=g)
 
-    run_model = torch.compile(model) if compiled else model
+    plain_model = torch.compile(model) if compiled else model
+    keyed_model = keyinit.nn.compile(model) if compiled else model
+    steps = iter(range(1 << 62))
 
     def plain():
-        run_model(x).sum().backward()
+        plain_model(x).sum().backward()
 
     def keyed():
-        with keyinit.nn.keyed(run_model, 0, step=1):
-            run_model(x).sum().backward()
+        with keyinit.nn.keyed(keyed_model, 0, step=next(steps)):
+            keyed_model(x).sum().backward()
 
     if compiled:
-        import warnings
-
-        warnings.filterwarnings("ignore", message=".*TorchDispatchMode.*")
-        plain(), keyed()  # compile (and fall back) once, outside the timings
+        plain(), keyed()  # compile once, outside the timings
     t_plain, t_keyed = median_pair(plain, keyed, repeats, "cpu")
-    return {"model": f"4 blocks, dim {dim}, batch {batch}" + (", torch.compile" if compiled else ""),
-            "threads": threads, "torch_ms": t_plain * 1e3, "keyed_ms": t_keyed * 1e3, "ratio": t_plain / t_keyed}
+    result = {"model": f"4 blocks, dim {dim}, batch {batch}" + (", compiled" if compiled else ""),
+              "threads": threads, "torch_ms": t_plain * 1e3, "keyed_ms": t_keyed * 1e3, "ratio": t_plain / t_keyed}
+    if functional:
+        from unittest import mock
+
+        def keyinit_dropout(input, p=0.5, training=True, inplace=False):
+            return KF.dropout(input, p, rng_key=KEY) if training and p else input
+
+        def op_only():
+            with mock.patch.object(F, "dropout", keyinit_dropout):
+                plain()
+
+        t_torch, t_op = median_pair(plain, op_only, repeats, "cpu")
+        result.update({"op_torch_ms": t_torch * 1e3, "op_keyinit_ms": t_op * 1e3})
+    return result
 
 
 def bench_attention(shape, dtype, repeats: int, device: str, threads: int | None) -> dict:
@@ -228,8 +245,10 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, on
             result["ops"] = bench_ops(shape, dtypes, threads_list, repeats, device)
         if device == "cpu" and only in (None, "model"):
             result["keyed_model"] = bench_keyed_model(repeats, 1)
-            result["keyed_overhead"] = bench_keyed_model(max(repeats, 50), 1, dim=16, batch=(2, 8))
+            result["keyed_overhead"] = bench_keyed_model(max(repeats, 50), 1, dim=16, batch=(2, 8), functional=True)
             result["keyed_compiled"] = bench_keyed_model(repeats, 1, compiled=True)
+            result["keyed_compiled_overhead"] = bench_keyed_model(max(repeats, 50), 1, dim=16, batch=(2, 8),
+                                                                  compiled=True)
         if only in (None, "attention"):
             attention_shape = (8, 8, 1024, 64) if device == "cuda" else (4, 8, 256, 64)
             result["attention"] = [bench_attention(attention_shape, dtype, repeats, device, 1 if device == "cpu" else None)
@@ -246,11 +265,14 @@ def print_report(result: dict) -> None:
     print(f"machine: {result['machine']}")
     if "ops" in result:
         _print_ops(result)
-    for name in ("keyed_model", "keyed_overhead", "keyed_compiled"):
+    for name in ("keyed_model", "keyed_overhead", "keyed_compiled", "keyed_compiled_overhead"):
         if name in result:
             m = result[name]
             print(f"\nkeyed() on a model ({m['model']}, {m['threads']} thread), forward+backward: torch dropout "
                   f"{m['torch_ms']:.2f} ms, keyed {m['keyed_ms']:.2f} ms, ratio {m['ratio']:.2f}x")
+            if "op_keyinit_ms" in m:
+                print(f"  the same model unkeyed with keyinit.nn.functional.dropout in place of F.dropout (the op "
+                      f"alone): torch dropout {m['op_torch_ms']:.2f} ms, keyinit's {m['op_keyinit_ms']:.2f} ms")
     for r in result.get("attention", []):
         print(f"\nattention dropout {r['device']} {r['dtype']} (B, H, L, E) = {tuple(r['shape'])}, threads "
               f"{r['threads'] or '-'}: forward torch SDPA {r['fwd_torch_ms']:.2f} ms, keyinit {r['fwd_keyinit_ms']:.2f} ms"

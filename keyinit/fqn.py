@@ -16,6 +16,7 @@ checkpoint does. So expert parameters are keyed the same under any expert parall
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Callable, Optional, Union
 
@@ -31,6 +32,12 @@ FqnMap = Union[Mapping[str, str], Callable[[str], str]]
 
 
 def is_data_parallel(module: torch.nn.Module) -> bool:
+    return isinstance(module, _parallel_types())
+
+
+@functools.lru_cache(maxsize=None)
+def _parallel_types() -> tuple[type, ...]:
+    """DataParallel and DistributedDataParallel (looked up once: every module of a walk asks)."""
     parallel_types: list[type] = [torch.nn.DataParallel]
     try:
         from torch.nn.parallel import DistributedDataParallel
@@ -38,7 +45,7 @@ def is_data_parallel(module: torch.nn.Module) -> bool:
         parallel_types.append(DistributedDataParallel)
     except ImportError:  # pragma: no cover - torch builds without distributed
         pass
-    return isinstance(module, tuple(parallel_types))
+    return tuple(parallel_types)
 
 
 def _join(prefix: str, name: str) -> str:

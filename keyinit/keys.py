@@ -29,8 +29,8 @@ import attrs
 
 from keyinit._bits import streams
 
-__all__ = ["Key", "key", "split", "fold_in", "key_for", "STREAM_VERSIONS", "DEFAULT_STREAM", "as_int", "as_int_in",
-           "as_uint64", "require_key"]
+__all__ = ["Key", "key", "split", "fold_in", "fold_inputs", "key_for", "STREAM_VERSIONS", "DEFAULT_STREAM", "as_int",
+           "as_int_in", "as_uint64", "require_key"]
 
 DEFAULT_STREAM = "v1"
 
@@ -183,16 +183,22 @@ def fold_in(parent: Key, data: Union[int, str]) -> Key:
     ``fold_in(k, "1")`` and ``split(k)[1]`` are unrelated keys.
     """
     parent = require_key(parent)
+    tag, (x0, x1, x3) = fold_inputs(data)
+    return _derive(parent, tag, x0, x1, x3)
+
+
+def fold_inputs(data: Union[int, str]) -> tuple[int, tuple[int, int, int]]:
+    """``(tag, (x0, x1, x3))``: what ``fold_in(parent, data)`` passes to its stream's ``derive``
+    (in stream v1, the Philox counter is ``(x0, x1, tag, x3)``; docs/spec.md section 3)."""
     if isinstance(data, str):
-        h0, h1, h2 = _string_words(data)
-        return _derive(parent, _TAG_FOLD_STR, h0, h1, h2)
+        return _TAG_FOLD_STR, _string_words(data)
     try:
         value = as_uint64(data, "fold_in data")
     except TypeError:
         raise TypeError(
             f"fold_in data must be an int in [0, 2**64) or a str, got {type(data).__name__} {data!r}"
         ) from None
-    return _derive(parent, _TAG_FOLD_INT, value & _MASK32, value >> 32, 0)
+    return _TAG_FOLD_INT, (value & _MASK32, value >> 32, 0)
 
 
 def key_for(seed_or_key: Union[int, Key], fqn: str) -> Key:

@@ -73,3 +73,21 @@ def test_getitems_says_each_items_epoch_and_index():
     assert torch.equal(keyed_samples(_Noisy(), 7, epoch=5)[sample_index(2, 1)], keyed[SampleRef(2, 1)])
     with pytest.raises(TypeError, match=r"plain index 3, which does not say the epoch"):
         keyed.__getitems__([3])
+
+
+def test_default_items_are_made_as_they_are_handed_out():
+    """SampleIndex instances are tracked by the garbage collector: the sampler makes them a step at a
+    time (so they die young), never a whole chunk of thousands at once; batch_sampler() makes one step's."""
+    import gc
+
+    def alive() -> int:
+        return sum(1 for o in gc.get_objects() if isinstance(o, SampleIndex))
+
+    before = alive()
+    it = iter(KeyedSampler(50_000, 0, global_batch_size=64))
+    first = [int(next(it)) for _ in range(100)]
+    assert alive() - before <= 64
+    batches = iter(KeyedSampler(50_000, 0, global_batch_size=64).batch_sampler())
+    step = next(batches)
+    assert len(step) == 64 and alive() - before <= 2 * 64
+    assert [int(x) for x in step] == first[:64]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from keyinit.data import _fast, _intercept, keyed_samples
+from keyinit.data import _fast, _fill, _intercept, keyed_samples
 
 
 class _Many(torch.utils.data.Dataset):
@@ -133,7 +133,75 @@ def test_fast_folds_equal_fold_in():
     for seed in (0, 1, 2**64 - 1, 123456789):
         k = keyinit.key(seed)
         for data in (0, 1, 2**31, 2**32 - 1, 2**32, 2**63 + 5, 2**64 - 1):
-            assert _fast.fold(k, data) == keyinit.fold_in(k, data)
+            assert _fill.fold(k, data) == keyinit.fold_in(k, data)
         for text in ("python.random", "numpy.random", "", "é"):
-            assert _fast.fold_str(k, text) == keyinit.fold_in(k, text)
-        assert _fast.draw_key(k, 3, 1) == keyinit.fold_in(keyinit.fold_in(k, 3), 1)
+            assert _fill.fold_str(k, text) == keyinit.fold_in(k, text)
+        assert _fill.draw_key(k, 3, 1) == keyinit.fold_in(keyinit.fold_in(k, 3), 1)
+
+
+def test_folds_in_c_equal_fold_in():
+    import keyinit
+
+    lib = _fill.kernel_library()
+    assert lib is not None
+    for seed in (0, 2**64 - 1, 123456789):
+        k = keyinit.key(seed)
+        for data in (0, 2**32 - 1, 2**32, 2**64 - 1, "python.random", "numpy.random", "é"):
+            want = keyinit.fold_in(k, data)
+            assert _fill.fold_words(lib, k, data) == want.words == _fill.fold_words(None, k, data)
+            assert _fill.fold_with(lib, k, data) == want
+    with pytest.raises(ValueError, match=r"fold_in data must be an int in \[0, 2\*\*64\), got -1"):
+        _fill.fold_words(lib, keyinit.key(0), -1)
+
+
+@pytest.mark.parametrize("n", [1, 5, 1031, 1 << 17])
+def test_fill_folded_equals_the_fill_under_the_folded_key(n):
+    """keyinit_fill_folded: the two folds in C, then the contiguous fill (threads for large n)."""
+    import keyinit
+    from keyinit.distributions import Bernoulli, Normal, Randint, Uniform
+
+    lib, k = _fill.kernel_library(), keyinit.key(9)
+    for dist, dtype in ((Uniform.create(-2.0, 3.0), torch.float32), (Normal.create(0.0, 1.0), torch.bfloat16),
+                        (Randint.create(-9, 2**31, torch.int64), torch.int64), (Bernoulli.create(0.25), torch.bool)):
+        got, want, python = (torch.zeros(n, dtype=dtype) for _ in range(3))
+        _fill.fill_folded(lib, got, dist, k, 7, 2**40)
+        _fill.fill(lib, want, dist, keyinit.fold_in(keyinit.fold_in(k, 7), 2**40))
+        _fill.fill_folded(None, python, dist, k, 7, 2**40)  # the reference, folds in Python
+        assert torch.equal(got, want) and torch.equal(got, python)
+
+
+def test_small_randperm_sorts_like_the_two_stable_argsorts():
+    """Up to 16 positions are ordered in Python: by (hi, lo), ties by position, as the argsorts do."""
+    g = torch.Generator().manual_seed(0)
+    for n in list(range(0, 18)) + [40]:
+        for _ in range(50):
+            hi, lo = torch.randint(0, 3, (n,), generator=g), torch.randint(0, 3, (n,), generator=g)
+            order = torch.argsort(lo, stable=True)
+            want = order[torch.argsort(hi[order], stable=True)]
+            for dtype in (torch.int64, torch.int32):
+                got = _fast._randperm(n, dtype)[1]([hi, lo])
+                assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
+class _InPlace(torch.utils.data.Dataset):
+    def __init__(self, target):
+        self.target = target
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return self.target.uniform_(1.0, 2.0)
+
+
+def test_in_place_draws_write_the_target_and_bump_its_version_once():
+    target = torch.zeros(5)
+    version = target._version
+    out = keyed_samples(_InPlace(target), 3)[(1, 0)]
+    assert out is target and target._version == version + 1
+    fresh = keyed_samples(_InPlace(torch.zeros(10)[::2]), 3)[(1, 0)]  # strided: drawn, then copied
+    assert torch.equal(out, fresh)
+    with torch.inference_mode():
+        frozen = torch.zeros(5)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        keyed_samples(_InPlace(frozen), 3)[(1, 0)]

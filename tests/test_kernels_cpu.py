@@ -192,6 +192,17 @@ def test_runs_of_every_length_and_alignment(name, dist):
         assert_same(dist, (7, cols + 3), (slice(None), slice(1, 1 + cols)), out_factory=dist.dtypes[0])
 
 
+@pytest.mark.parametrize("name,dist", [(n, d) for n, d, _ in _cases() if n in ("bits", "uniform", "randint")])
+def test_listed_rows_of_every_short_length(name, dist):
+    """Listed rows (a keyed collate's (batch, length) draw) of 1 to 20 columns, starting anywhere in a
+    Philox block: rows shorter than the kernel's SHORT_ROW are gathered into tiles that span rows (each
+    block computed once for the neighbours that share it), longer ones are runs; both are the reference."""
+    rows = [9, 0, 4, 4, 31, 2, 17] * 12  # 84 rows: tiles of 512 elements end inside a row
+    for cols in range(1, 21):
+        for start in (0, 1, 3):
+            assert_same(dist, (40, 64), (rows, slice(start, start + cols)), out_factory=dist.dtypes[0])
+
+
 def test_runs_inside_index_lists_and_strided_slices():
     dist = Normal.create(0.0, 1.0)
     consecutive = list(range(100, 700)) + [3, 2, 1] + list(range(900, 1500))  # runs and a reversal

@@ -212,7 +212,10 @@ def dropout(x: torch.Tensor, geometry: Any) -> torch.Tensor:
     which carries the key's words and stream version): a new contiguous tensor."""
     family = kernels(geometry.stream, "dropout")
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if type(x) is torch.Tensor:  # the same tensor as below (x is contiguous), made a third as slowly
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     family.run(x.device.type, x, out, geometry)

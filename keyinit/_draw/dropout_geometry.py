@@ -184,7 +184,16 @@ def dtensor_layout(tensor: Any, row_offset: int = 0) -> Layout:
 
 def rows_layout(local_shape: Sequence[int], row_offset: int) -> Layout:
     """Layout of a plain activation whose row ``r`` (dimension 0) is global sample ``row_offset + r``."""
-    shape = tuple(int(n) for n in local_shape)
+    shape, row_offset = tuple(map(int, local_shape)), int(row_offset)
+    if torch.compiler.is_compiling():  # dynamo traces through the function, not the memo
+        return _rows_layout.__wrapped__(shape, row_offset)
+    return _rows_layout(shape, row_offset)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rows_layout(shape: tuple[int, ...], row_offset: int) -> Layout:
+    """:func:`rows_layout` (memoized: a keyed forward lays out the same few shapes at every step; a Layout
+    is a tuple of tuples)."""
     if not shape:
         raise ValueError("a 0-d activation has no batch dimension (dim 0) to key its rows by")
     _check_numel((row_offset + shape[0], *shape[1:]), "the keyed activation's global shape")
@@ -207,16 +216,31 @@ def constants(p: float) -> tuple[int, float, float]:
     return threshold, scale32, scale64
 
 
+@functools.lru_cache(maxsize=1024)
+def _ranges(shape: tuple[int, ...], gstrides: tuple[int, ...], starts: tuple[int, ...]
+            ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """``(base, sizes, gstrides)`` of :func:`make_geometry` for a layout of ranges only (no index vector),
+    memoized: a pure function of ints, and a keyed forward plans the same few shapes at every step."""
+    base, dims = coalesce(zip(shape, row_major_strides(shape), gstrides, (g * s for g, s in zip(gstrides, starts)),
+                              (None,) * len(shape)))
+    return base, tuple(d[0] for d in dims), tuple(d[2] for d in dims)
+
+
 def make_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Sequence[int], starts: Sequence[int],
          indices: Sequence[Optional[torch.Tensor]], stream: str = DEFAULT_STREAM) -> Geometry:
     """The coalesced :class:`Geometry` of a contiguous tensor of ``shape`` placed by the op's layout arguments,
     for the key ``(k0, k1)`` of stream version ``stream``."""
-    shape = tuple(int(n) for n in shape)
+    shape = tuple(map(int, shape))
     if not (len(gstrides) == len(starts) == len(indices) == len(shape)):
         raise ValueError(
             f"keyinit::dropout: {len(shape)}-D input but {len(gstrides)} strides, {len(starts)} starts and "
             f"{len(indices)} index entries"
         )
+    threshold, scale32, scale64 = constants(p)
+    if all(index is None for index in indices):  # ranges only: the coalesced dims depend on the ints alone
+        base, sizes, strides = _ranges(shape, tuple(map(int, gstrides)), tuple(map(int, starts)))
+        return Geometry(k0=int(k0), k1=int(k1), threshold=threshold, scale32=scale32, scale64=scale64, base=base,
+                        sizes=sizes, gstrides=strides, indices=(None,) * len(sizes), stream=stream)
 
     def dims_in() -> Iterator[tuple[int, int, int, int, Optional[torch.Tensor]]]:
         # the output is contiguous: row-major strides of the shape
@@ -229,7 +253,6 @@ def make_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Se
             yield n, ostride, gs, gs * st, idx
 
     base, dims = coalesce(dims_in())
-    threshold, scale32, scale64 = constants(p)
     return Geometry(
         k0=int(k0), k1=int(k1), threshold=threshold, scale32=scale32, scale64=scale64, base=base,
         sizes=tuple(d[0] for d in dims), gstrides=tuple(d[2] for d in dims), indices=tuple(d[3] for d in dims),

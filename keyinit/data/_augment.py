@@ -23,7 +23,6 @@ common ones are keyed without a program (:mod:`keyinit.data._fast`, the same val
 from __future__ import annotations
 
 import os
-import random as _py_random
 import threading
 from typing import Any, NamedTuple, Optional, Union
 
@@ -31,11 +30,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit._engine.outside import ThreadDrawsRefused
-from keyinit.data import _fast, _intercept
+from keyinit.data import _fast, _fill, _intercept
+from keyinit.data._globals import global_states
 from keyinit.data._index import SampleIndex
 from keyinit.keys import Key, as_uint64, key
 
-__all__ = ["AUGMENT_DOMAIN", "SampleRef", "KeyedBatch", "sample_key", "keyed_samples", "KeyedSamples", "keyed_randomness"]
+__all__ = ["AUGMENT_DOMAIN", "SampleRef", "KeyedBatch", "sample_key", "keyed_samples", "KeyedSamples", "keyed_randomness",
+           "Interception", "global_state_lock"]
 
 #: The int folded into the root key first: the ASCII bytes of "augment", big-endian.
 AUGMENT_DOMAIN = int.from_bytes(b"augment", "big")
@@ -53,11 +54,11 @@ def sample_key(seed: Union[int, Key], epoch: int, index: int) -> Key:
     root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
     epoch = as_uint64(epoch, "epoch")
     index = as_uint64(index, "sample index")
-    return _fast.fold(_epoch_key(root, epoch), index)
+    return _fill.fold_with(_fill.kernel_library(), _epoch_key(root, epoch), index)
 
 
 def _epoch_key(root: Key, epoch: int) -> Key:
-    return _fast.folded(_fast.folded(root, AUGMENT_DOMAIN), epoch)
+    return _fill.folded(_fill.folded(root, AUGMENT_DOMAIN), epoch)
 
 
 def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) -> Any:
@@ -70,30 +71,21 @@ def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) 
 class _Keyer:
     """Replaces the random ops of one keyed call: the ``c``-th under ``fold_in(sample, c)``."""
 
-    def __init__(self, sample: Key, site: str) -> None:
+    __slots__ = ("sample", "site", "ordinal", "lib")
+
+    def __init__(self, sample: Key, site: str, lib: Any) -> None:
         self.sample = sample
         self.site = site
         self.ordinal = 0
-        self.lib = _fast.kernel_library()
+        self.lib = lib
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        call_key = _fast.fold(self.sample, self.ordinal)
-        self.ordinal += 1
+        call = self.ordinal
+        self.ordinal = call + 1
         recipe = _fast.plan(func, args, kwargs)
         if recipe is None:
-            return _keyed_call(func, args, kwargs, call_key, self.site)
-        values: list = []
-        j = 0
-        for draw in recipe.draws:  # the draws _keyed_call would number j = 0, 1, ...
-            if draw is None:
-                values.append(None)
-                continue
-            dist, dtype, shape = draw
-            out = torch.empty(shape, dtype=dtype)
-            _fast.fill(self.lib, out, dist, _fast.fold(call_key, j))
-            values.append(out)
-            j += 1
-        return recipe.result(values)
+            return _keyed_call(func, args, kwargs, _fill.fold_with(self.lib, self.sample, call), self.site)
+        return recipe.drawn(self.lib, self.sample, call)  # draw j under fold_in(fold_in(sample, call), j)
 
 
 class _KeyedMode(TorchDispatchMode):
@@ -112,7 +104,7 @@ class _KeyedMode(TorchDispatchMode):
         return self.keyer(func, args, kwargs)
 
 
-class _Interception:
+class Interception:
     """Random ops to ``keyer`` while active: the dispatch-key kernels of :mod:`._intercept` where this
     torch has them (only the random ops reach Python), else a dispatch mode (the same values)."""
 
@@ -157,12 +149,19 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
-class keyed_randomness:
-    """Context manager: torch, ``random`` and numpy randomness keyed by ``sample`` (a Key) inside."""
+_RESOLVE = object()  # keyed_randomness(lib=...) not given: the kernel library is looked up
 
-    def __init__(self, sample: Key, site: str = "keyed_samples") -> None:
+
+class keyed_randomness:
+    """Context manager: torch, ``random`` and numpy randomness keyed by ``sample`` (a Key) inside.
+
+    ``lib``: the CPU kernel library (:func:`keyinit.data._fill.kernel_library`, None: the reference
+    paths), where the caller has already looked it up."""
+
+    def __init__(self, sample: Key, site: str = "keyed_samples", *, lib: Any = _RESOLVE) -> None:
         self.sample = sample
         self.site = site
+        self.lib = lib
 
     def __enter__(self) -> "keyed_randomness":
         # random's and numpy.random's global state is one per process: threads take turns
@@ -175,23 +174,17 @@ class keyed_randomness:
         return self
 
     def _enter(self) -> None:
-        k = _fast.fold_str(self.sample, "python.random")
-        self._py_state = _py_random.getstate()
-        _py_random.seed(k.k0 | (k.k1 << 32))
+        lib = _fill.kernel_library() if self.lib is _RESOLVE else self.lib
+        states = global_states()
+        self._saved = states.save()
         try:
-            import numpy
-        except ImportError:  # pragma: no cover - numpy is a torch dependency in practice
-            self._np_state = None
-        else:
-            from keyinit.data._numpy_state import numpy_watch
-
-            self._watch = numpy_watch()
-            self._np_state = self._watch.look()
-            kn = _fast.fold_str(self.sample, "numpy.random")
-            numpy.random.seed([kn.k0, kn.k1])
-            self._np_seeded = self._watch.snapshot()
-        self._mode = _Interception(_Keyer(self.sample, self.site))
-        self._mode.__enter__()
+            states.seed(lib, _fill.fold_words(lib, self.sample, "python.random"),
+                        _fill.fold_words(lib, self.sample, "numpy.random"), self._saved)
+            self._mode = Interception(_Keyer(self.sample, self.site, lib))
+            self._mode.__enter__()
+        except BaseException:
+            states.restore(self._saved)
+            raise
         self._threads = ThreadDrawsRefused(self.site)  # a thread started here cannot be keyed: refused
         self._threads.__enter__()
 
@@ -201,9 +194,7 @@ class keyed_randomness:
             self._mode.__exit__(*exc)
         finally:
             try:
-                _py_random.setstate(self._py_state)
-                if self._np_state is not None:
-                    self._watch.reseeded(self._np_state, self._np_seeded)
+                global_states().restore(self._saved)
             finally:
                 _GLOBAL_STATE_LOCK.release()
 
@@ -215,6 +206,22 @@ class KeyedSamples(torch.utils.data.Dataset):
         self.dataset = dataset
         self.root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
         self.epoch = epoch
+        self._epoch_keys: dict[int, Key] = {}  # epoch -> its key (a few per run)
+
+    def _sample_key(self, lib: Any, index: int, epoch: int) -> Key:
+        """:func:`sample_key` of this wrapper's seed, the epoch's key remembered and the fold in C (``lib``)."""
+        epoch_key = self._epoch_keys.get(epoch)
+        if epoch_key is None:
+            if len(self._epoch_keys) >= 64:
+                self._epoch_keys.clear()
+            epoch_key = self._epoch_keys[epoch] = _epoch_key(self.root, as_uint64(epoch, "epoch"))
+        return _fill.fold_with(lib, epoch_key, as_uint64(index, "sample index"))
+
+    def _keyed(self, index: int, epoch: int) -> Any:
+        """``self.dataset[index]`` with its randomness keyed by (epoch, index)."""
+        lib = _fill.kernel_library()
+        with keyed_randomness(self._sample_key(lib, index, epoch), f"sample {index} of epoch {epoch}", lib=lib):
+            return self.dataset[index]
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -235,17 +242,13 @@ class KeyedSamples(torch.utils.data.Dataset):
 
     def __getitem__(self, ref: Any) -> Any:
         index, epoch = self._ref(ref)
-        with keyed_randomness(sample_key(self.root, epoch, index), f"sample {index} of epoch {epoch}"):
-            return self.dataset[index]
+        return self._keyed(index, epoch)
 
     def __getitems__(self, refs: list) -> "KeyedBatch":
         """The items of a DataLoader batch (torch's fetcher calls this), as a list that also says each
         item's ``(epoch, index)`` (``.refs``) for :func:`keyinit.data.keyed_collate`."""
         pairs = [self._ref(ref) for ref in refs]
-        items = []
-        for index, epoch in pairs:
-            with keyed_randomness(sample_key(self.root, epoch, index), f"sample {index} of epoch {epoch}"):
-                items.append(self.dataset[index])
+        items = [self._keyed(index, epoch) for index, epoch in pairs]
         return KeyedBatch(items, tuple((epoch, index) for index, epoch in pairs))
 
 

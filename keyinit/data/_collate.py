@@ -28,14 +28,13 @@ per sample in the dataset's ``__getitem__`` (keyed by ``keyed_samples``), or key
 from __future__ import annotations
 
 import math
-import random as _py_random
 from typing import Any, Callable, Optional, Union
 
 import torch
 
-from keyinit.data import _augment, _fast
-from keyinit.data._augment import _Interception
-from keyinit.data._numpy_state import numpy_watch
+from keyinit.data import _augment, _fast, _fill
+from keyinit.data._augment import Interception
+from keyinit.data._globals import global_states
 from keyinit.keys import Key, as_uint64, fold_in, key
 
 __all__ = ["COLLATE_DOMAIN", "collate_key", "keyed_collate", "KeyedCollate"]
@@ -50,7 +49,7 @@ MAX_INDEX = 1 << 38
 
 
 def _epoch_key(root: Key, epoch: int) -> Key:
-    return _fast.folded(_fast.folded(root, COLLATE_DOMAIN), epoch)
+    return _fill.folded(_fill.folded(root, COLLATE_DOMAIN), epoch)
 
 
 def collate_key(seed: Union[int, Key], epoch: int, call: int, draw: int = 0) -> Key:
@@ -72,20 +71,34 @@ class _RowKeyer:
         self.rows = len(refs)
         self.site = site
         self.ordinal = 0
-        self.lib = _fast.kernel_library()
+        self.lib = _fill.kernel_library()
         self._geometries: dict = {}
-        by_epoch: dict[int, list[int]] = {}
-        for r, (epoch, _) in enumerate(refs):
-            by_epoch.setdefault(epoch, []).append(r)
-        # (epoch key, the rows of that epoch (None: all), their sample indices)
-        self.groups = [(_epoch_key(root, epoch), None if len(rows) == self.rows else torch.tensor(rows),
-                        torch.tensor([refs[r][1] for r in rows], dtype=torch.int64))
-                       for epoch, rows in by_epoch.items()]
+        self._root, self._refs = root, refs
+        self._groups: Optional[list] = None
 
-    def _geometry(self, rows: int, row_size: int, indices: torch.Tensor) -> "_fast.Geometry":
+    @property
+    def groups(self) -> list:
+        """``(epoch key, the rows of that epoch (None: all), their sample indices)`` per epoch of the batch
+        (made at the first random op: a collate call that draws nothing does not pay for it)."""
+        if self._groups is None:
+            refs, root = self._refs, self._root
+            epochs = {epoch for epoch, _ in refs}
+            if len(epochs) == 1:  # the usual batch: one epoch, every row
+                self._groups = [(_epoch_key(root, refs[0][0]), None,
+                                 torch.tensor([index for _, index in refs], dtype=torch.int64))]
+            else:
+                by_epoch: dict[int, list[int]] = {}
+                for r, (epoch, _) in enumerate(refs):
+                    by_epoch.setdefault(epoch, []).append(r)
+                self._groups = [(_epoch_key(root, epoch), torch.tensor(rows),
+                                 torch.tensor([refs[r][1] for r in rows], dtype=torch.int64))
+                                for epoch, rows in by_epoch.items()]
+        return self._groups
+
+    def _geometry(self, rows: int, row_size: int, indices: torch.Tensor) -> "_fill.Geometry":
         cached = self._geometries.get((id(indices), row_size))
         if cached is None:
-            cached = self._geometries[(id(indices), row_size)] = _fast.Geometry((rows, row_size), indices, ROW_STRIDE)
+            cached = self._geometries[(id(indices), row_size)] = _fill.Geometry((rows, row_size), indices, ROW_STRIDE)
         return cached
 
     def refuse(self, func: Any, why: str) -> None:
@@ -121,13 +134,13 @@ class _RowKeyer:
             dist, dtype, _ = draw
             out = torch.empty((self.rows, row_size), dtype=dtype)
             for epoch_key, rows, indices in self.groups:
-                draw_key = _fast.draw_key(epoch_key, c, j)
+                draw_key = _fill.draw_key(epoch_key, c, j)
                 geometry = self._geometry(len(indices), row_size, indices)
                 if rows is None:
-                    _fast.fill(self.lib, out, dist, draw_key, geometry)
+                    _fill.fill(self.lib, out, dist, draw_key, geometry)
                 else:
                     part = torch.empty((len(rows), row_size), dtype=dtype)
-                    _fast.fill(self.lib, part, dist, draw_key, geometry)
+                    _fill.fill(self.lib, part, dist, draw_key, geometry)
                     out[rows] = part
             values.append(out.view(shape))
             j += 1
@@ -161,19 +174,15 @@ def _call_refusing_global_draws(fn: Callable[[Any], Any], batch: Any, keyer: _Ro
     """``fn(batch)`` with torch's random ops sent to ``keyer``; a draw from ``random``/``numpy.random``
     is refused (detected by comparing their states before and after; the states are restored)."""
     with _augment.global_state_lock():
-        watch = numpy_watch()
-        py_state = _py_random.getstate()
-        np_before = watch.look()
+        states = global_states()
+        before = states.save()
         try:
-            with _Interception(keyer):
+            with Interception(keyer):
                 result = fn(batch)
         finally:
-            drew = [name for name, changed in (("random", _py_random.getstate() != py_state),
-                                               ("numpy.random", watch.drew(np_before))) if changed]
-            if "random" in drew:
-                _py_random.setstate(py_state)
-            if "numpy.random" in drew:
-                watch.restore(np_before)
+            drew = states.drew(before)
+            if drew:
+                states.restore(before)
     if drew:
         from keyinit.errors import UnkeyedRandomnessError
 

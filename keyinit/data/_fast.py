@@ -8,122 +8,24 @@ arguments the table of :mod:`keyinit._engine.random_ops` maps to plain samplers,
 values are those of the table, bit for bit: the same samplers, the same arithmetic; only the
 meta run, the program nodes and the evaluator are skipped. Anything else (other ops, other
 overloads, ``out=``, arguments the table refuses) is None, and callers take the general path.
-
-:func:`fold` is ``keyinit.fold_in`` of an int for stream v1 keys in plain Python integers
-(about 5x faster than the general derivation); other streams use ``fold_in``.
+:meth:`Recipe.drawn` makes a recognized op's value with the CPU fill kernel (:mod:`keyinit.data._fill`),
+writing an in-place op's contiguous CPU target directly.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 from typing import Any, Callable, Optional
 
 import torch
+from torch.autograd.graph import increment_version
 
+from keyinit.data._fill import fill_folded
 from keyinit.distributions import FLOAT_DTYPES, INT_DTYPES, Bernoulli, Bits, Normal, Randint, Uniform
-from keyinit.keys import Key, fold_in
-from keyinit.regions import make_region
+from keyinit.keys import Key
 
-__all__ = ["fold", "fold_str", "plan", "Recipe"]
-
-#: ``fold_in`` of an int and of a str (the names the fast path's callers use; one derivation: keys.fold_in).
-fold = fold_in
-fold_str = fold_in
-
-
-@functools.lru_cache(maxsize=1024)
-def folded(parent: Key, data: int) -> Key:
-    """``fold_in(parent, data)``, remembered: the domain and epoch keys every sample of an epoch shares."""
-    return fold_in(parent, data)
-
-
-_LIBRARY: list = []  # the CPU kernel library once loaded (loading it checks it: milliseconds)
-
-
-def kernel_library() -> Any:
-    """The CPU fill kernel's library, or None where kernels are disabled (``KEYINIT_DISABLE_KERNELS``,
-    read on every call) or unavailable (resolve once per keyed call)."""
-    from keyinit._draw.dispatch import kernels_disabled
-
-    if kernels_disabled():
-        return None
-    if not _LIBRARY:
-        from keyinit._kernels.fill.cpu import library
-
-        lib = library()
-        if lib is None:
-            return None
-        _LIBRARY.append(lib)
-    return _LIBRARY[0]
-
-
-@functools.lru_cache(maxsize=4096)
-def draw_key(parent: Key, call: int, draw: int) -> Key:
-    """``fold(fold(parent, call), draw)``, remembered: collate keys repeat for every batch of an epoch."""
-    return fold(fold(parent, call), draw)
-
-
-class Geometry:
-    """Where a fill's elements lie in the stream: all of a contiguous ``out`` from flat index 0
-    (``rows`` None), or row ``b`` of an ``(B, R)`` ``out`` from flat index ``rows[b] * row_stride``;
-    the kernel's arguments are built once and reused for every draw of that geometry."""
-
-    __slots__ = ("rows", "row_stride", "numel", "args")
-
-    def __init__(self, shape: tuple[int, ...], rows: Optional[torch.Tensor] = None, row_stride: int = 0) -> None:
-        from keyinit._draw.geometry import coalesce
-
-        self.rows, self.row_stride, self.numel = rows, row_stride, math.prod(shape)
-        if rows is None:
-            base, dims = 0, [[self.numel, 1, 1, None]]
-        else:
-            base, dims = coalesce([(shape[0], shape[1], row_stride, 0, rows), (shape[1], 1, 1, 0, None)])
-        nd = len(dims)
-        self.args = (nd, base, (ctypes.c_int64 * nd)(*(d[0] for d in dims)),
-                     (ctypes.c_int64 * nd)(*(d[1] for d in dims)), (ctypes.c_int64 * nd)(*(d[2] for d in dims)),
-                     (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims)))
-
-
-@functools.lru_cache(maxsize=64)
-def _params(dist: Any) -> tuple:
-    from keyinit._kernels.fill.cpu import kernel_params as params
-
-    f, i = params(dist)
-    return (ctypes.c_double * 6)(*f), (ctypes.c_int64 * 4)(*i)
-
-
-def fill(lib: Any, out: torch.Tensor, dist: Any, key: Key, geometry: Optional[Geometry] = None) -> None:
-    """Write ``dist``'s values into ``out`` (a new contiguous CPU tensor) at ``geometry`` (default: all
-    of ``out`` from flat index 0) of ``key``'s stream.
-
-    The values of ``keyinit._draw.dispatch.fill`` with the matching region (the kernel called directly,
-    without building the region and its checks); the reference where ``lib`` is None.
-    """
-    if out.numel() == 0:
-        return
-    from keyinit._kernels.fill.cpu import DIST_IDS, DTYPE_IDS, MIN_PARALLEL_ELEMENTS
-
-    dist_id, dtype_id = DIST_IDS.get(type(dist)), DTYPE_IDS.get(out.dtype)
-    if lib is None or key.stream != "v1" or dist_id is None or dtype_id is None:
-        from keyinit._draw import dispatch as _dispatch
-
-        if geometry is None or geometry.rows is None:
-            region = make_region(tuple(out.shape), None)
-        else:
-            region = make_region(((1 << 62) // geometry.row_stride, geometry.row_stride),
-                                 (geometry.rows, range(out.shape[1])))
-        _dispatch.fill(out, dist, key, region)
-        return
-    if geometry is None:
-        geometry = Geometry(tuple(out.shape))
-    fparams, iparams = _params(dist)
-    threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
-    rc = lib.keyinit_fill(dist_id, dtype_id, key.k0, key.k1, fparams, iparams, *geometry.args, out.data_ptr(),
-                          threads)
-    if rc != 0:  # pragma: no cover - the arguments are the ones _dispatch.fill would pass
-        raise RuntimeError(f"keyinit_fill failed with code {rc}")
+__all__ = ["plan", "Recipe"]
 
 
 class Recipe:
@@ -146,7 +48,35 @@ class Recipe:
             with torch.no_grad():
                 self.write.copy_(value.to(self.write.device))
             return self.write
-        return value.to(self.device) if self.device is not None else value
+        if self.device is None or (type(self.device) is torch.device and self.device.type == "cpu"):
+            return value  # .to(cpu) of a CPU tensor is the tensor itself
+        return value.to(self.device)
+
+    def drawn(self, lib: Any, key: Key, call: int) -> Any:
+        """The op's value, its draw ``j`` under ``fold_in(fold_in(key, call), j)`` (:func:`fill_folded`).
+
+        An in-place op whose one draw has its target's dtype, on a contiguous CPU tensor, is written
+        straight into the target (no temporary and no copy; the version counter bumped as ``copy_``
+        would); the values are those of :meth:`result` either way."""
+        draws, write = self.draws, self.write
+        if write is not None and self.finish is _first and type(write) is torch.Tensor and \
+                write.dtype == draws[0][1] and write.is_cpu and write.is_contiguous() and \
+                not write.is_inference():
+            fill_folded(lib, write, draws[0][0], key, call, 0)
+            increment_version(write)  # the write bypassed torch
+            return write
+        values: list = []
+        j = 0
+        for draw in draws:  # the draws keyed_op would number j = 0, 1, ...
+            if draw is None:
+                values.append(None)
+                continue
+            dist, dtype, shape = draw
+            out = torch.empty(shape, dtype=dtype)
+            fill_folded(lib, out, dist, key, call, j)
+            values.append(out)
+            j += 1
+        return self.result(values)
 
 
 def _sampler(dist: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> Optional[list]:
@@ -157,21 +87,6 @@ def _sampler(dist: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> Optional[
 
 def _first(values: list) -> torch.Tensor:
     return values[0]
-
-
-@functools.lru_cache(maxsize=512)
-def _schema(func: Any) -> tuple[tuple[str, bool], ...]:
-    return tuple((arg.name, arg.kwarg_only) for arg in func._schema.arguments)
-
-
-def _args(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    bound: dict[str, Any] = {}
-    for i, (name, kwarg_only) in enumerate(_schema(func)):
-        if i < len(args) and not kwarg_only:
-            bound[name] = args[i]
-        elif name in kwargs:
-            bound[name] = kwargs[name]
-    return bound
 
 
 def _dist(kind: type, *params: Any) -> Any:
@@ -219,125 +134,218 @@ def _tensor_bernoulli(p: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
     return [(Bits(), torch.int64, shape)], finish
 
 
+#: Up to this ``n``, randperm's positions are sorted in Python (a handful of torch ops cost more).
+_SMALL_RANDPERM = 16
+
+
 def _randperm(n: int, dtype: torch.dtype) -> tuple[list, Callable]:
     def permutation(values: list) -> torch.Tensor:
+        # the positions ordered by (hi, lo), ties by position: a stable sort by lo, then a stable one by hi
         hi, lo = values
+        if n <= _SMALL_RANDPERM:
+            his, los = hi.tolist(), lo.tolist()
+            order = torch.tensor(sorted(range(n), key=lambda i: (his[i], los[i])), dtype=torch.int64)
+            return order.to(dtype)
         order = torch.argsort(lo, stable=True)
         return order[torch.argsort(hi[order], stable=True)].to(dtype)
 
     return [(Bits(), torch.int64, (n,)), (_dist(Randint, 0, 2**32, torch.int64), torch.int64, (n,))], permutation
 
 
-def plan(func: Any, args: tuple, kwargs: dict, *, randperm: bool = True) -> Optional[Recipe]:
-    """The :class:`Recipe` of ``func(*args, **kwargs)``, or None where the general path must run."""
-    name = func._schema.name
-    if not name.startswith("aten::"):
+def _target(a: dict) -> Optional[torch.Tensor]:
+    """An op's ``self`` where it is a strided tensor (the in-place target, or the ``*_like`` template)."""
+    self = a.get("self")
+    return self if isinstance(self, torch.Tensor) and self.layout == torch.strided else None
+
+
+def _sampled(kind: type, params: tuple, dtype: torch.dtype, shape: tuple[int, ...]) -> Optional[list]:
+    """The one draw of ``kind.create(*params)``, or None where the sampler refuses (the general path says why)."""
+    try:
+        return _sampler(_dist(kind, *params), dtype, shape)
+    except (TypeError, ValueError):
         return None
-    name = name[6:]
-    overload = func._overloadname
-    if overload.endswith("out") or overload == "names":
-        return None
-    a = _args(func, args, kwargs)
-    made: Optional[tuple[list, Callable]] = None
-    write: Optional[torch.Tensor] = None
-    device: Any = None
-    if name.endswith("_"):  # in place on self
-        self = a.get("self")
-        if not isinstance(self, torch.Tensor) or self.layout != torch.strided:
-            return None
-        write, shape, dtype = self, tuple(self.shape), self.dtype
-        if name == "uniform_":
-            low, high = float(a.get("from", 0.0)), float(a.get("to", 1.0))
-            if dtype not in FLOAT_DTYPES:
-                return None
-            if low == high:
-                made = [None], (lambda values, low=low: torch.full(shape, low, dtype=dtype))
-            else:
-                made = _made(lambda: _sampler(_dist(Uniform, low, high), dtype, shape))
-        elif name == "normal_":
-            mean, std = a.get("mean", 0.0), a.get("std", 1.0)
-            if dtype not in FLOAT_DTYPES or isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
-                return None
-            made = _made(lambda: _sampler(_dist(Normal, float(mean), float(std)), dtype, shape))
-        elif name == "random_":
-            low, high = a.get("from"), a.get("to")
-            if high is None:
-                if dtype == torch.bool:
-                    high = 2
-                elif dtype.is_floating_point:
-                    high = 2 ** (1 - int(round(math.log2(torch.finfo(dtype).eps)))) + 1
-                else:
-                    high = torch.iinfo(dtype).max + 1
-            made = _randint_draw(0 if low is None else int(low), int(high), dtype, shape)
-        elif name == "bernoulli_":
-            p = a.get("p", 0.5)
-            if isinstance(p, torch.Tensor):
-                made = _tensor_bernoulli(p, dtype, shape)
-            else:
-                made = _made(lambda: _sampler(_dist(Bernoulli, float(p)), dtype, shape))
-        else:
-            return None
-    else:
-        if name in ("rand", "randn"):
-            shape_ = _shape(a.get("size"))
-            if shape_ is None:
-                return None
-            shape = shape_
-            dtype = a.get("dtype") or torch.get_default_dtype()
-            device = a.get("device") or torch.device("cpu")
-        elif name in ("rand_like", "randn_like", "randint_like"):
-            self = a.get("self")
-            if not isinstance(self, torch.Tensor) or self.layout != torch.strided:
-                return None
-            shape, dtype = tuple(self.shape), a.get("dtype") or self.dtype
-            device = a.get("device") or self.device
-        elif name == "randint":
-            shape_ = _shape(a.get("size"))
-            if shape_ is None:
-                return None
-            shape, dtype = shape_, a.get("dtype") or torch.int64
-            device = a.get("device") or torch.device("cpu")
-        elif name == "bernoulli":
-            self = a.get("self")
-            if not isinstance(self, torch.Tensor) or self.layout != torch.strided:
-                return None
-            shape, dtype, device = tuple(self.shape), self.dtype, self.device
-        elif name == "randperm" and randperm:
-            n = int(a["n"])
-            dtype = a.get("dtype") or torch.int64
-            device = a.get("device") or torch.device("cpu")
-            draws, finish = _randperm(n, dtype)
-            return Recipe((n,), draws, finish, None, device)
-        else:
-            return None
-        if name in ("rand", "rand_like"):
-            if dtype not in FLOAT_DTYPES:
-                return None
-            made = _made(lambda: _sampler(_dist(Uniform, 0.0, 1.0), dtype, shape))
-        elif name in ("randn", "randn_like"):
-            if dtype not in FLOAT_DTYPES:
-                return None
-            made = _made(lambda: _sampler(_dist(Normal, 0.0, 1.0), dtype, shape))
-        elif name in ("randint", "randint_like"):
-            high = a.get("high")
-            if isinstance(high, torch.Tensor) or high is None:
-                return None
-            made = _randint_draw(int(a.get("low") or 0), int(high), dtype, shape)
-        elif name == "bernoulli":
-            p = a.get("p")
-            if overload == "p":
-                made = _made(lambda: _sampler(_dist(Bernoulli, float(p)), dtype, shape))
-            elif overload == "default":
-                made = _tensor_bernoulli(a["self"], dtype, shape)
+
+
+def _recipe(made: Optional[tuple], shape: tuple[int, ...], write: Optional[torch.Tensor], device: Any) -> Optional[Recipe]:
     if made is None or made[0] is None:
         return None
-    draws, finish = made
-    return Recipe(shape, draws, finish, write, device)
+    return Recipe(shape, made[0], made[1], write, device)
 
 
-def _made(make: Callable[[], Optional[list]]) -> Optional[tuple[list, Callable]]:
-    try:
-        draws = make()
-    except (TypeError, ValueError):
-        return None  # parameters the samplers refuse: the general path says why
+def _drawn_first(draws: Optional[list]) -> Optional[tuple[list, Callable]]:
     return None if draws is None else (draws, _first)
+
+
+def _plan_uniform_(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype = tuple(self.shape), self.dtype
+    low, high = float(a.get("from", 0.0)), float(a.get("to", 1.0))
+    if dtype not in FLOAT_DTYPES:
+        return None
+    if low == high:
+        return Recipe(shape, [None], lambda values: torch.full(shape, low, dtype=dtype), self, None)
+    return _recipe(_drawn_first(_sampled(Uniform, (low, high), dtype, shape)), shape, self, None)
+
+
+def _plan_normal_(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype = tuple(self.shape), self.dtype
+    mean, std = a.get("mean", 0.0), a.get("std", 1.0)
+    if dtype not in FLOAT_DTYPES or isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
+        return None
+    try:
+        params = (float(mean), float(std))
+    except (TypeError, ValueError):
+        return None
+    return _recipe(_drawn_first(_sampled(Normal, params, dtype, shape)), shape, self, None)
+
+
+def _plan_random_(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype = tuple(self.shape), self.dtype
+    low, high = a.get("from"), a.get("to")
+    if high is None:
+        if dtype == torch.bool:
+            high = 2
+        elif dtype.is_floating_point:
+            high = 2 ** (1 - int(round(math.log2(torch.finfo(dtype).eps)))) + 1
+        else:
+            high = torch.iinfo(dtype).max + 1
+    return _recipe(_randint_draw(0 if low is None else int(low), int(high), dtype, shape), shape, self, None)
+
+
+def _plan_bernoulli_(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype = tuple(self.shape), self.dtype
+    p = a.get("p", 0.5)
+    if isinstance(p, torch.Tensor):
+        return _recipe(_tensor_bernoulli(p, dtype, shape), shape, self, None)
+    try:
+        params = (float(p),)
+    except (TypeError, ValueError):
+        return None
+    return _recipe(_drawn_first(_sampled(Bernoulli, params, dtype, shape)), shape, self, None)
+
+
+def _plan_rand(a: dict, overload: str, randperm: bool, kind: type = Uniform) -> Optional[Recipe]:
+    shape = _shape(a.get("size"))
+    if shape is None:
+        return None
+    dtype = a.get("dtype") or torch.get_default_dtype()
+    if dtype not in FLOAT_DTYPES:
+        return None
+    return _recipe(_drawn_first(_sampled(kind, (0.0, 1.0), dtype, shape)), shape, None, a.get("device"))
+
+
+def _plan_randn(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    return _plan_rand(a, overload, randperm, Normal)
+
+
+def _plan_rand_like(a: dict, overload: str, randperm: bool, kind: type = Uniform) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype = tuple(self.shape), a.get("dtype") or self.dtype
+    device = a.get("device") or self.device
+    if dtype not in FLOAT_DTYPES:
+        return None
+    return _recipe(_drawn_first(_sampled(kind, (0.0, 1.0), dtype, shape)), shape, None, device)
+
+
+def _plan_randn_like(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    return _plan_rand_like(a, overload, randperm, Normal)
+
+
+def _plan_randint_like(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype = tuple(self.shape), a.get("dtype") or self.dtype
+    device = a.get("device") or self.device
+    high = a.get("high")
+    if isinstance(high, torch.Tensor) or high is None:
+        return None
+    return _recipe(_randint_draw(int(a.get("low") or 0), int(high), dtype, shape), shape, None, device)
+
+
+def _plan_randint(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    shape = _shape(a.get("size"))
+    if shape is None:
+        return None
+    dtype = a.get("dtype") or torch.int64
+    high = a.get("high")
+    if isinstance(high, torch.Tensor) or high is None:
+        return None
+    return _recipe(_randint_draw(int(a.get("low") or 0), int(high), dtype, shape), shape, None, a.get("device"))
+
+
+def _plan_bernoulli(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    self = _target(a)
+    if self is None:
+        return None
+    shape, dtype, device = tuple(self.shape), self.dtype, self.device
+    if overload == "p":
+        try:
+            params = (float(a.get("p")),)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+        return _recipe(_drawn_first(_sampled(Bernoulli, params, dtype, shape)), shape, None, device)
+    if overload == "default":
+        return _recipe(_tensor_bernoulli(self, dtype, shape), shape, None, device)
+    return None
+
+
+def _plan_randperm(a: dict, overload: str, randperm: bool) -> Optional[Recipe]:
+    if not randperm:
+        return None
+    n = int(a["n"])
+    draws, finish = _randperm(n, a.get("dtype") or torch.int64)
+    return Recipe((n,), draws, finish, None, a.get("device"))
+
+
+#: The planner of each recognized aten op (by name without ``aten::``).
+_PLANNERS_BY_NAME: dict[str, Callable[[dict, str, bool], Optional[Recipe]]] = {
+    "uniform_": _plan_uniform_, "normal_": _plan_normal_, "random_": _plan_random_, "bernoulli_": _plan_bernoulli_,
+    "rand": _plan_rand, "randn": _plan_randn, "rand_like": _plan_rand_like, "randn_like": _plan_randn_like,
+    "randint_like": _plan_randint_like, "randint": _plan_randint, "bernoulli": _plan_bernoulli,
+    "randperm": _plan_randperm,
+}
+
+#: Per op overload: ``(planner, its positional argument names, overload name)``, or None (general path).
+_OPS: dict[Any, Optional[tuple]] = {}
+
+
+def _op_entry(func: Any) -> Optional[tuple]:
+    name, overload = func._schema.name, func._overloadname
+    if not name.startswith("aten::") or overload.endswith("out") or overload == "names":
+        return None
+    planner = _PLANNERS_BY_NAME.get(name[len("aten::"):])
+    if planner is None:
+        return None
+    return planner, tuple(arg.name for arg in func._schema.arguments if not arg.kwarg_only), overload
+
+
+def plan(func: Any, args: tuple, kwargs: dict, *, randperm: bool = True) -> Optional[Recipe]:
+    """The :class:`Recipe` of ``func(*args, **kwargs)``, or None where the general path must run.
+
+    Arguments are bound by the op's schema (positional names, read once per op overload), then
+    the op's planner applies the rules of :mod:`keyinit._engine.random_ops`'s table to them."""
+    try:
+        entry = _OPS[func]
+    except KeyError:
+        entry = _OPS[func] = _op_entry(func)
+    if entry is None:
+        return None
+    planner, names, overload = entry
+    a = dict(zip(names, args))
+    for name, value in kwargs.items():
+        a.setdefault(name, value)
+    return planner(a, overload, randperm)

@@ -70,12 +70,24 @@ def _make_kernel(op: Any) -> Callable[..., Any]:
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(excluded):
-            handler = _handler()
+            handler = getattr(_state, "handler", None)  # _handler(), inlined: this runs for every random op
             if handler is None:  # not inside a keyed call: the op as it was
                 return op(*args, **kwargs)
             return handler(op, args, kwargs)
 
+    _not_traced(kernel.__code__)
     return kernel
+
+
+def _not_traced(code: Any) -> None:
+    """dynamo never compiles a kernel's frame, nor what it calls: it runs eagerly below compiled code
+    (a random op that ran eagerly inside a ``keyinit.nn.compile`` call lands here)."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # pragma: no cover - another torch
+        return
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 def available() -> bool:

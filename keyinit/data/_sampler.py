@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Iterator, Optional, Union
+from itertools import repeat
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 from torch.utils.data import Sampler
@@ -53,17 +54,40 @@ def sample_indices(root: Key, n: int, positions: torch.Tensor, shuffle: bool = T
     return out, epochs
 
 
-def _items(index_list: list[int], epochs: torch.Tensor, yield_epoch: Optional[bool]) -> list[Any]:
-    """The yielded items of ``index_list``: :class:`SampleIndex` ints (``yield_epoch`` None),
-    ``SampleRef`` pairs (True) or plain ints (False)."""
-    first, last = int(epochs[0]), int(epochs[-1])
-    if yield_epoch:
-        return list(map(SampleRef, index_list, epochs.tolist()))
-    if yield_epoch is False:
-        return index_list
-    if first == last:  # one epoch: ints of that epoch's class, built in C
-        return list(map(epoch_class(first), index_list))
-    return [epoch_class(e)(i) for i, e in zip(index_list, epochs.tolist())]
+class _Chunk:
+    """The items of a chunk of consecutive global positions, made a step at a time.
+
+    :class:`SampleIndex` ints (``yield_epoch`` None), ``SampleRef`` pairs (True) or plain ints (False).
+    Made when their step is handed out, not for the whole chunk at once: an int subclass's instances
+    are tracked by the garbage collector, and thousands of them alive at once made it run full
+    collections (a trivial DataLoader epoch took 3-4x RandomSampler's); made per step, they die young.
+    """
+
+    __slots__ = ("indices", "epochs", "first", "make", "kind")
+
+    def __init__(self, indices: torch.Tensor, epochs: torch.Tensor, yield_epoch: Optional[bool]) -> None:
+        self.indices: list[int] = indices.tolist()
+        first, last = int(epochs[0]), int(epochs[-1])
+        self.first = first
+        self.epochs: Optional[list[int]] = None if first == last else epochs.tolist()  # one epoch: None
+        self.kind = yield_epoch
+        self.make = epoch_class(first) if yield_epoch is None and first == last else None
+
+    def items(self, lo: int, hi: int) -> Iterable[Any]:
+        """The items of positions ``lo .. hi - 1`` of the chunk (made as they are iterated)."""
+        indices = self.indices[lo:hi]
+        if self.kind is False:
+            return indices
+        epochs = repeat(self.first, len(indices)) if self.epochs is None else self.epochs[lo:hi]
+        if self.kind:
+            return map(SampleRef, indices, epochs)
+        if self.make is not None:  # one epoch: ints of its class, built in C
+            return map(self.make, indices)
+        return map(_sample_index, indices, epochs)
+
+
+def _sample_index(index: int, epoch: int) -> Any:
+    return epoch_class(epoch)(index)
 
 
 class KeyedSampler(Sampler[int]):
@@ -154,16 +178,17 @@ class KeyedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[Any]:
         stop = self._begin()
         per_chunk = max(1, _CHUNK // self.local_batch_size)
+        local = self.local_batch_size
         while self.step < stop:
             steps = min(per_chunk, stop - self.step)
-            indices, epochs = sample_indices(self.root, self.n, self._positions(self.step, steps), self.shuffle)
-            index_list = indices.tolist()
-            items = _items(index_list, epochs, self.yield_epoch)
-            local = self.local_batch_size
+            chunk = _Chunk(*sample_indices(self.root, self.n, self._positions(self.step, steps), self.shuffle),
+                           self.yield_epoch)
             for s in range(steps):
-                yield from items[s * local:(s + 1) * local - 1]
+                end = (s + 1) * local
+                yield from chunk.items(s * local, end - 1)
+                last, = chunk.items(end - 1, end)
                 self.step += 1  # the step is done once its last sample is handed out
-                yield items[(s + 1) * local - 1]
+                yield last
 
     def set_epoch(self, epoch: int) -> None:
         """``DistributedSampler.set_epoch`` compatibility: the next iteration is pass ``epoch``.
@@ -188,10 +213,10 @@ class KeyedSampler(Sampler[int]):
         local = self.local_batch_size
         while self.step < stop:
             steps = min(per_chunk, stop - self.step)
-            indices, epochs = sample_indices(self.root, self.n, self._positions(self.step, steps), self.shuffle)
-            items = _items(indices.tolist(), epochs, self.yield_epoch)
+            chunk = _Chunk(*sample_indices(self.root, self.n, self._positions(self.step, steps), self.shuffle),
+                           self.yield_epoch)
             for s in range(steps):
-                batch = items[s * local:(s + 1) * local]
+                batch = list(chunk.items(s * local, (s + 1) * local))
                 self.step += 1
                 yield batch
 

@@ -9,15 +9,18 @@ global index):
 - :class:`Dropout`: a drop-in for ``torch.nn.Dropout`` that never draws unkeyed;
 - :func:`keyed`: a context manager under which every dropout in a model's forward
   (``nn.Dropout``, ``F.dropout``, HF eager attention, ...) is keyed;
+- :func:`compile`: ``torch.compile`` for keyed forwards (keys and offsets are graph inputs);
 - :func:`dropout_key`: the key ``keyed`` gives a call (``docs/spec.md`` section 14).
 
 See ``docs/dropout.md``.
 """
 
 from keyinit.nn import functional
+from keyinit.nn._compile import KeyedCompiled, compile
 from keyinit.nn._keyed import Keyed, batch_dim, keyed
 from keyinit.nn._pipeline import micro_batches
 from keyinit.nn._keys import DROPOUT_DOMAIN, dropout_key
 from keyinit.nn.modules import Dropout
 
-__all__ = ["functional", "Dropout", "keyed", "Keyed", "batch_dim", "micro_batches", "dropout_key", "DROPOUT_DOMAIN"]
+__all__ = ["functional", "Dropout", "keyed", "Keyed", "batch_dim", "micro_batches", "compile", "KeyedCompiled",
+           "dropout_key", "DROPOUT_DOMAIN"]

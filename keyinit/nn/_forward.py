@@ -22,13 +22,13 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit.keys import Key, fold_in
+from keyinit.keys import Key, as_uint64, fold_in
 from keyinit.nn._batch import annotate, record
 from keyinit.nn._hostrandom import SAMPLE_FIXES, HostRandom, host_stream_key
 from keyinit.nn._keys import keyed_call_key, keyed_module_key
 
 __all__ = ["Forward", "MicroBatch", "Named", "CheckpointingFunction", "input_tensors", "sequence_first_module",
-           "remember", "remember_host", "recomputed"]
+           "sequence_first_dropouts", "resolve_sample_offset", "remember", "remember_host", "recomputed"]
 
 
 class Forward:
@@ -67,7 +67,7 @@ class Forward:
         k = fold_in(keyed_module_key(ctx.root, ctx.step, self.fqn), "host")
         if self.repeat:
             k = fold_in(k, self.repeat)
-        return host_stream_key(k, self.start, self.count, ctx.host_random)
+        return host_stream_key(k, self.start, self.count, ctx.host_mode)
 
     def host_random(self, ctx: Any, fqn: str, args: tuple = (), kwargs: Optional[dict] = None) -> HostRandom:
         """Python's and numpy's generators keyed for this forward's execution of ``fqn`` (its root module,
@@ -93,7 +93,7 @@ class Forward:
                       "the forward's seed, not where its first execution drew, so its values (and the gradients) "
                       "would differ: checkpoint the whole keyed model (its recompute replays the forward's host "
                       "stream), or draw with torch ops, which keyed() keys in recomputes")
-        elif self.count > 1 and ctx.host_random == "sample":
+        elif self.count > 1 and ctx.host_mode == "sample":
             last = self.start + self.count - 1
             refuse = (f"{where} over samples {self.start}..{last} ({self.count} rows) drew from ", SAMPLE_FIXES)
         self.host = HostRandom(self.host_key(ctx), refuse, lambda: self.mark_drawn(ctx), resume)
@@ -127,6 +127,53 @@ def sequence_first_module(module: torch.nn.Module) -> bool:
     if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and len(module.layers):
         return sequence_first_module(module.layers[0])
     return False
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def resolve_sample_offset(model: torch.nn.Module, sample_offset: Optional[int]) -> int:
+    """The rule: explicit under more than one process; never 0 on a DDP rank other than 0."""
+    if sample_offset is None:
+        world = _world()
+        if world > 1:
+            raise ValueError(
+                f"keyed: torch.distributed is initialized with {world} ranks, so sample_offset must be given: the "
+                "global index of this rank's first sample in the step's batch (e.g. dp_rank * local_batch + "
+                "micro-batch offset), or 0 where every rank holds the whole batch (tensor/sequence parallelism; "
+                "DTensor activations add their own placements)"
+            )
+        return 0
+    offset = as_uint64(sample_offset, "sample_offset")
+    if offset == 0 and _world() > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            import torch.distributed as dist
+
+            rank = dist.get_rank(model.process_group)
+            if rank > 0:
+                raise ValueError(
+                    f"keyed: sample_offset=0 on rank {rank} of the DistributedDataParallel group: each data-parallel "
+                    "rank holds its own rows of the batch, so its first sample is not global sample 0; pass "
+                    "sample_offset = rank * local_batch (+ the micro-batch offset)"
+                )
+    return offset
+
+
+def sequence_first_dropouts(model: torch.nn.Module) -> frozenset[int]:
+    """The dropout modules of torch's sequence-first (``batch_first=False``, torch's default)
+    ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``: their activations are
+    ``(sequence, batch, features)``, so dimension 1, not 0, is the batch."""
+    layers = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
+    found = set()
+    for module in model.modules():
+        if isinstance(module, layers) and not getattr(module.self_attn, "batch_first", True):
+            found.update(id(child) for child in module.children() if isinstance(child, torch.nn.Dropout))
+    return frozenset(found)
 
 
 def input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

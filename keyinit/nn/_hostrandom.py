@@ -33,7 +33,6 @@ drawn from the forward's seed.
 
 from __future__ import annotations
 
-import random as _py_random
 from typing import Any, Callable, Optional
 
 from keyinit.keys import Key, fold_in
@@ -61,11 +60,13 @@ class HostRandom:
     ``resume`` (or None): a :meth:`state` to continue from after seeding (the recompute of a module
     that activation checkpointing runs: the states its first execution started from).
     :meth:`__exit__` then leaves the error in :attr:`refusal` (after restoring both states) for
-    the caller to raise once the forward's modes are left.
+    the caller to raise once the forward's modes are left, or raises it itself where
+    :attr:`raises` is set (a plain ``with``) and no other exception is on its way. The states are
+    saved, seeded and put back through ``keyinit.data._globals`` (as bytes where it can), under
+    the process's one lock for them.
     """
 
-    __slots__ = ("key", "refuse", "drawn", "resume", "refusal", "_py", "_py_seeded", "_np", "_np_seeded", "_watch",
-                 "_lock")
+    __slots__ = ("key", "refuse", "drawn", "resume", "refusal", "raises", "_saved", "_seeded", "_lock")
 
     def __init__(self, key: Key, refuse: Optional[tuple[str, str]] = None,
                  drawn: Optional[Callable[[], None]] = None, resume: Any = None) -> None:
@@ -74,41 +75,30 @@ class HostRandom:
         self.drawn = drawn
         self.resume = resume
         self.refusal: Optional[BaseException] = None
-        self._py: Any = None
-        self._py_seeded: Any = None
-        self._np: Any = None
-        self._np_seeded: Any = None
-        self._watch: Any = None
+        self.raises = False
+        self._saved: Any = None
+        self._seeded: Any = None
         self._lock: Any = None
 
     def __enter__(self) -> "HostRandom":
-        from keyinit.data import _augment  # the one lock of the process's global generators
+        from keyinit.data import _augment, _fill  # the one lock of the process's global generators
+        from keyinit.data._globals import global_states
 
         self._lock = _augment.global_state_lock()
         self._lock.acquire()
         try:
-            self._py = _py_random.getstate()
-            k = fold_in(self.key, "python.random")
-            _py_random.seed(k.k0 | (k.k1 << 32))
-            self._py_seeded = _py_random.getstate()
+            states = global_states()
+            self._saved = states.save()
+            lib = _fill.kernel_library()
             try:
-                import numpy
-            except ImportError:  # pragma: no cover - numpy is a dependency
-                self._watch = None
-            else:
-                from keyinit.data._numpy_state import numpy_watch
-
-                self._watch = numpy_watch()
-                self._np = self._watch.look()
-                kn = fold_in(self.key, "numpy.random")
-                numpy.random.seed([kn.k0, kn.k1])
-                self._np_seeded = self._watch.snapshot()
-                if self._np_seeded is None:  # the state is not readable as bytes
-                    self._np_seeded = self._watch.look()
-            if self.resume is not None:
-                _py_random.setstate(self.resume[0])
-                if self.resume[1] is not None:
-                    numpy.random.set_state(self.resume[1])
+                states.seed(lib, _fill.fold_words(lib, self.key, "python.random"),
+                            _fill.fold_words(lib, self.key, "numpy.random"), self._saved)
+                if self.resume is not None:
+                    states.restore(self.resume)
+                self._seeded = states.save()
+            except BaseException:
+                states.restore(self._saved)
+                raise
         except BaseException:
             self._lock.release()
             raise
@@ -118,32 +108,23 @@ class HostRandom:
         """Either generator was drawn from since it was seeded (or resumed)."""
         return bool(self._drew()) or self.resume is not None
 
-    def state(self) -> tuple[Any, Any]:
+    def state(self) -> Any:
         """Both generators' states now (for :attr:`resume`)."""
-        import numpy
+        from keyinit.data._globals import global_states
 
-        return _py_random.getstate(), numpy.random.get_state(legacy=False) if self._watch is not None else None
+        return global_states().save()
 
     def _drew(self) -> list[str]:
-        drew = []
-        if _py_random.getstate() != self._py_seeded:
-            drew.append("random")
-        if self._watch is not None:
-            seeded = self._np_seeded
-            if isinstance(seeded, tuple):
-                moved = self._watch.drew(seeded)
-            else:
-                moved = self._watch.snapshot() != seeded  # seeding leaves no cached Gaussian: bytes settle it
-            if moved:
-                drew.append("numpy.random")
-        return drew
+        from keyinit.data._globals import global_states
+
+        return global_states().drew(self._seeded)
 
     def __exit__(self, *exc_info: Any) -> None:
+        from keyinit.data._globals import global_states
+
         try:
             drew = self._drew()
-            _py_random.setstate(self._py)
-            if self._watch is not None:
-                self._watch.reseeded(self._np, self._np_seeded if not isinstance(self._np_seeded, tuple) else None)
+            global_states().restore(self._saved)
         finally:
             self._lock.release()
         if drew and self.refuse is None:
@@ -154,6 +135,8 @@ class HostRandom:
 
             before, after = self.refuse  # type: ignore[misc]
             self.refusal = UnkeyedRandomnessError(f"{before}{' and '.join(drew)}{after}")
+            if self.raises and exc_info[0] is None:
+                raise self.refusal
 
 
 #: The end of the error of a forward of several samples that drew (``host_random="sample"``).

@@ -20,7 +20,10 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from keyinit.errors import UnkeyedRandomnessError
+from keyinit._draw.dropout_geometry import Layout, constants
+from keyinit.nn import functional as KF
 from keyinit.nn._batch import Batch, Foreign, Unknown, annotate, canonical, record
+from keyinit.regions import row_major_strides
 
 
 
@@ -124,10 +127,6 @@ _ALPHA = 1.7580993408473766  # SELU's -alpha * scale, as in torch's alpha_dropou
 
 def _element_dropout(input: torch.Tensor, p: float, key, rec: Optional[Batch]) -> torch.Tensor:
     """Element-wise keyed dropout of ``input`` whose batch is ``rec`` (None: replicated)."""
-    from keyinit.nn import functional as KF
-    from keyinit._draw.dropout_geometry import Layout
-    from keyinit.regions import row_major_strides
-
     if rec is None:
         return KF.dropout(input, p, rng_key=key)
     if rec.dim == 0 and rec.inner == 1 and (input.dim() == 0 or int(input.shape[0]) == rec.count):
@@ -147,21 +146,12 @@ def _element_dropout(input: torch.Tensor, p: float, key, rec: Optional[Batch]) -
     return out.reshape(input.shape)
 
 
-def _keyed_masked(ctx: "Keyed", kind: str, mask: str, input: torch.Tensor, p: float, key,
-                  rec: Optional[Batch]) -> torch.Tensor:
-    from keyinit.nn import functional as KF
-    from keyinit._draw.dropout_geometry import constants
-    from keyinit._draw.reference_dropout import apply_mask
+def masked_keep(kind: str, mask: str, input: torch.Tensor, p: float, key,
+                rec: Optional[Batch]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(keep, x, unsqueezed)`` of a channel-wise or alpha dropout (``mask`` not ``element``): the keep
+    mask over the rows of ``x`` (``input``, with a batch dimension added where torch adds one)."""
     from keyinit.random import bernoulli
 
-    if mask == "element":
-        return _element_dropout(input, p, key, rec)
-    if KF.is_dtensor(input):
-        raise TypeError(
-            f"keyinit.nn.keyed: {kind} of a DTensor is not supported (only element-wise dropout of DTensors is); "
-            "call it on the local tensor with keyinit.nn.functional.dropout and an explicit region"
-        )
-    KF.check_input(input)
     x, unsqueezed = _feature_input(kind, input) if mask == "feature" else (input, False)
     if x.dim() < 1 or (mask in ("feature", "feature_alpha") and x.dim() < 2):
         raise RuntimeError(f"{kind}: feature dropout needs at least 2 dimensions (batch, channel), got {x.dim()}")
@@ -182,6 +172,28 @@ def _keyed_masked(ctx: "Keyed", kind: str, mask: str, input: torch.Tensor, p: fl
     keep = bernoulli(key, shape, p=1.0 - p, region=region, device=x.device)
     if mask in ("feature", "feature_alpha"):
         keep = keep.view(*keep.shape, *([1] * (x.dim() - 2)))
+    return keep, x, unsqueezed
+
+
+def alpha_scale(p: float) -> float:
+    """``a = 1/sqrt((alpha^2 p + 1)(1 - p))`` of the alpha forms (kept ``x -> a*x + a*alpha*p``)."""
+    return 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1.0) * (1.0 - p))
+
+
+def keyed_masked(kind: str, mask: str, input: torch.Tensor, p: float, key, rec: Optional[Batch]) -> torch.Tensor:
+    """The keyed dropout of ``input`` whose batch is ``rec`` (None: replicated), of the family member
+    ``kind`` with mask form ``mask`` (``element``, ``feature``, ``alpha``, ``feature_alpha``)."""
+    if mask == "element":
+        return _element_dropout(input, p, key, rec)
+    from keyinit._draw.reference_dropout import apply_mask
+
+    if KF.is_dtensor(input):
+        raise TypeError(
+            f"keyinit.nn.keyed: {kind} of a DTensor is not supported (only element-wise dropout of DTensors is); "
+            "call it on the local tensor with keyinit.nn.functional.dropout and an explicit region"
+        )
+    KF.check_input(input)
+    keep, x, unsqueezed = masked_keep(kind, mask, input, p, key, rec)
     if mask == "feature":
         _, scale32, scale64 = constants(p)
         out = apply_mask(x, keep, scale32, scale64)
@@ -189,15 +201,13 @@ def _keyed_masked(ctx: "Keyed", kind: str, mask: str, input: torch.Tensor, p: fl
     # alpha forms: kept x -> a*x + a*alpha*p, dropped -> a*alpha*(p - 1), a = 1/sqrt((alpha^2 p + 1)(1 - p))
     if p == 1.0:  # torch: input * 0
         return x * torch.zeros((), dtype=x.dtype, device=x.device)
-    a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1.0) * (1.0 - p))
+    a = alpha_scale(p)
     dropped = torch.full((), _ALPHA * a * (p - 1.0), dtype=x.dtype, device=x.device)
     return torch.where(keep, x * a + _ALPHA * a * p, dropped)
 
 
 def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op: bool, args: tuple,
                     kwargs: dict) -> torch.Tensor:
-    from keyinit.nn.functional import check_p
-
     ordinal = frame.calls
     frame.calls += 1
     input = argument(args, kwargs, 0, "input", None)
@@ -209,7 +219,7 @@ def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op:
         p = argument(args, kwargs, 1, "p", 0.5)
         training = argument(args, kwargs, 2, "training", _FUNCTIONAL_DEFAULT_TRAINING.get(kind, True))
         inplace = bool(argument(args, kwargs, 3, "inplace", False))
-    p = check_p(p)
+    p = KF.check_p(p)
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{kind}: input must be a torch.Tensor, got {type(input).__name__}")
     if not training or p == 0.0:
@@ -219,7 +229,11 @@ def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op:
     key = frame.forward.call_key(ctx, frame.fqn, ordinal)
     rec = activation_batch(ctx, frame, input, kind)
     try:
-        out = _keyed_masked(ctx, kind, mask, input, p, key, rec)
+        trace = getattr(ctx, "trace", None)
+        if trace is not None:  # tracing a compiled keyed forward (keyinit.nn._compile): a site op
+            out = trace.masked(kind, mask, input, p, key, rec)
+        else:
+            out = keyed_masked(kind, mask, input, p, key, rec)
     except (ValueError, TypeError, RuntimeError) as exc:
         if type(exc) not in (ValueError, TypeError, RuntimeError):
             raise
@@ -282,9 +296,14 @@ def _probs_start(ctx: "Keyed", frame: Frame, query: torch.Tensor, batch_dim: int
     return rec.start, rec
 
 
+def _probs_drop(ctx: "Keyed", p: float, key: Any, start: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The dropout of attention probabilities whose row 0 is sample ``start`` (a site op when tracing)."""
+    trace = getattr(ctx, "trace", None)
+    return KF.probs_drop(p, key, None, start) if trace is None else trace.rows_drop(p, key, start)
+
+
 def keyed_sdpa(ctx: "Keyed", frame: Frame, p: float, args: tuple, kwargs: dict) -> torch.Tensor:
     """SDPA with ``dropout_p > 0``: the next call ordinal of the module, probabilities dropped by rows."""
-    from keyinit.nn import functional as KF
     from keyinit.nn._attention import attend
 
     bound = dict(_SDPA_DEFAULTS)
@@ -297,7 +316,7 @@ def keyed_sdpa(ctx: "Keyed", frame: Frame, p: float, args: tuple, kwargs: dict) 
         refuse_foreign(ctx, frame, f"scaled_dot_product_attention(dropout_p={p})")
     key = frame.key(ctx)
     start, rec = _probs_start(ctx, frame, bound["query"], 0, "scaled_dot_product_attention")
-    drop = KF.probs_drop(p, key, None, start)
+    drop = _probs_drop(ctx, p, key, start)
     try:
         for name in ("query", "key", "value"):
             KF.check_input(bound[name])
@@ -311,7 +330,6 @@ def keyed_sdpa(ctx: "Keyed", frame: Frame, p: float, args: tuple, kwargs: dict) 
 
 def keyed_mha(ctx: "Keyed", frame: Frame, args: tuple, kwargs: dict) -> Any:
     """``F.multi_head_attention_forward`` in training with dropout: answered by keyed attention, or None."""
-    from keyinit.nn import functional as KF
     from keyinit.nn._attention import mha_arguments, mha_forward
 
     bound = mha_arguments(args, kwargs)
@@ -325,7 +343,7 @@ def keyed_mha(ctx: "Keyed", frame: Frame, args: tuple, kwargs: dict) -> Any:
     # F.multi_head_attention_forward takes (L, B, E): nn.MultiheadAttention(batch_first=True) transposes first
     start, rec = _probs_start(ctx, frame, query, 1 if query.dim() == 3 else -1, "multi-head attention")
     try:
-        out = mha_forward(bound, KF.probs_drop(p, key, None, start))
+        out = mha_forward(bound, _probs_drop(ctx, p, key, start))
         if isinstance(out, tuple):
             annotate(out[0], frame.forward, rec)
             if rec is not None and out[1] is not None:

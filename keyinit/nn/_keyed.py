@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -35,15 +36,17 @@ from keyinit.nn._forward import (
     input_tensors,
     MicroBatch,
     Named,
+    resolve_sample_offset,
+    sequence_first_dropouts,
     sequence_first_module,
     recomputed,
     remember,
     remember_host,
 )
-from keyinit.nn._hostrandom import HOST_RANDOM
+from keyinit.nn._hostrandom import HOST_RANDOM, HostRandom
 from keyinit.nn._modes import BatchMode, FunctionMode
 
-__all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward", "batch_dim"]
+__all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward", "batch_dim", "context_of"]
 
 INDEX_RULES = ("tracked", "dim0")
 
@@ -75,14 +78,42 @@ def inside_keyed_forward() -> bool:
 # ----------------------------------------------------------------------------- the context
 
 
-def _mode_is_active(mode: Any) -> bool:
+def _warn_if_compiled() -> None:
+    """A ``torch.compile(model)`` called inside ``keyed``: dynamo does not trace under keyed()'s modes, so it
+    runs eagerly (right values, nothing compiled); ``keyinit.nn.compile`` is the compiled form."""
+    try:
+        from torch._dynamo.eval_frame import _is_in_optimized_module
+    except ImportError:  # pragma: no cover - another torch
+        return
+    if _is_in_optimized_module():
+        warnings.warn("keyinit.nn.keyed: a torch.compile(model) forward runs eagerly under keyed() (dynamo does not "
+                      "trace under its modes); compile it with keyinit.nn.compile(model) to key a compiled forward",
+                      stacklevel=4)
+
+
+def _mode_is_top(mode: Any) -> bool:
     if isinstance(mode, TorchFunctionMode):
         from torch.overrides import _get_current_function_mode_stack
 
-        return any(m is mode for m in _get_current_function_mode_stack())
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+        stack = _get_current_function_mode_stack()
+    else:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return any(m is mode for m in _get_current_dispatch_mode_stack())
+        stack = _get_current_dispatch_mode_stack()
+    return bool(stack) and stack[-1] is mode
+
+
+def _mode_is_active(mode: Any) -> bool:
+    """``mode`` is on its stack (torch function or dispatch modes), looked at from the top (where it is
+    while a forward runs: every module's hook asks)."""
+    if isinstance(mode, TorchFunctionMode):
+        length, at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+    else:
+        length, at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
+    for i in range(length() - 1, -1, -1):
+        if at(i) is mode:
+            return True
+    return False
 
 
 class _ThreadState:
@@ -95,6 +126,14 @@ class _ThreadState:
         self.modes: list[Any] = [FunctionMode(ctx), BatchMode(ctx)]
         self.foreign = foreign
         self.pending: Any = None  # the batch of the factory the function mode is running
+
+
+def context_of(module: torch.nn.Module) -> Optional["Keyed"]:
+    """The innermost context entered in this thread whose model is or holds ``module``, or None."""
+    for ctx in reversed(_active()):
+        if ctx._covered_by is None and ctx.module_fqn(module) is not None:
+            return ctx
+    return None
 
 
 def current_forward() -> Optional[Forward]:
@@ -117,53 +156,6 @@ def _module_fqn(root: torch.nn.Module, module: torch.nn.Module) -> Optional[str]
         if candidate is module:
             return fqn
     return None
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _resolve_sample_offset(model: torch.nn.Module, sample_offset: Optional[int]) -> int:
-    """The rule: explicit under more than one process; never 0 on a DDP rank other than 0."""
-    if sample_offset is None:
-        world = _world()
-        if world > 1:
-            raise ValueError(
-                f"keyed: torch.distributed is initialized with {world} ranks, so sample_offset must be given: the "
-                "global index of this rank's first sample in the step's batch (e.g. dp_rank * local_batch + "
-                "micro-batch offset), or 0 where every rank holds the whole batch (tensor/sequence parallelism; "
-                "DTensor activations add their own placements)"
-            )
-        return 0
-    offset = as_uint64(sample_offset, "sample_offset")
-    if offset == 0 and _world() > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        if isinstance(model, DistributedDataParallel):
-            import torch.distributed as dist
-
-            rank = dist.get_rank(model.process_group)
-            if rank > 0:
-                raise ValueError(
-                    f"keyed: sample_offset=0 on rank {rank} of the DistributedDataParallel group: each data-parallel "
-                    "rank holds its own rows of the batch, so its first sample is not global sample 0; pass "
-                    "sample_offset = rank * local_batch (+ the micro-batch offset)"
-                )
-    return offset
-
-
-def _sequence_first_dropouts(model: torch.nn.Module) -> frozenset[int]:
-    """The dropout modules of torch's sequence-first (``batch_first=False``, torch's default)
-    ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``: their activations are
-    ``(sequence, batch, features)``, so dimension 1, not 0, is the batch."""
-    layers = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
-    found = set()
-    for module in model.modules():
-        if isinstance(module, layers) and not getattr(module.self_attn, "batch_first", True):
-            found.update(id(child) for child in module.children() if isinstance(child, torch.nn.Dropout))
-    return frozenset(found)
 
 
 class Keyed:
@@ -193,14 +185,16 @@ class Keyed:
         if host_random not in HOST_RANDOM:
             raise ValueError(f"keyed: host_random must be one of {HOST_RANDOM}, got {host_random!r}")
         self.index = index
-        self.host_random = host_random
+        self.host_mode = host_random  # keyed(..., host_random=): see keyinit.nn._hostrandom
         self.model = model
         #: The root of every dropout key (:func:`keyinit.nn.dropout_key`'s ``seed``); ``key`` checks an int.
         self.root = seed if isinstance(seed, Key) else key(seed)
         self.seed = seed  # as given, for the repr
         self.step = as_uint64(step, "step")
-        self.sample_offset = _resolve_sample_offset(model, sample_offset)
+        self.sample_offset = resolve_sample_offset(model, sample_offset)
         self._handles: list[Any] = []
+        self._hooked: dict[int, tuple[torch.nn.Module, str, list]] = {}  # id(module) -> (module, fqn, handles)
+        self._names: dict[int, tuple[torch.nn.Module, str]] = {}  # id(module) -> (module, canonical FQN)
         self._thread: Optional[int] = None
         self._local = threading.local()
         self._owner: Optional[_ThreadState] = None
@@ -213,6 +207,7 @@ class Keyed:
         self._replays: dict[tuple, tuple[Any, "Forward"]] = {}  # see _remember
         self._forwards: list[Forward] = []  # the root forwards of the block (for recomputes in backward)
         self._constants: frozenset[int] = frozenset()
+        self._shared_post_hook: Optional[Callable] = None  # see _hook
         # a forward ran under activation checkpointing (autograd off inside, or saved-tensor hooks): only
         # then may a recompute come after the block, and only then do the hooks stay (see __exit__)
         self._recomputable = False
@@ -297,6 +292,7 @@ class Keyed:
                     return  # left: only recomputes of its own forwards are keyed
                 else:
                     forward = self._root_forward(module, fqn, args, kwargs)
+                    _warn_if_compiled()
                     if not torch.is_grad_enabled():
                         remember(self, fqn, forward, args, kwargs)
                         self._recomputable = True
@@ -330,6 +326,9 @@ class Keyed:
             if state is None:
                 return
             frames = state.frames
+            if frames and frames[-1].module is module and not frames[-1].pushed:
+                frames.pop()  # (the common case of the loop below: this module's frame, no mode to leave)
+                return
             if not any(frame.module is module for frame in frames):
                 return  # a forward this context did not key (after the context was left)
             refusal = None
@@ -395,17 +394,21 @@ class Keyed:
                 self._teardown()
                 raise
             return self
-        seen: set[int] = set()
+        compiled: list[str] = []  # raw paths of keyinit.nn.compile modules: their calls key themselves
         try:
-            for _, fqn, module in canonical_modules(self.model):
-                if id(module) in seen:
+            for raw, fqn, module in canonical_modules(self.model):
+                if id(module) in self._names:
                     continue
-                seen.add(id(module))
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
+                self._names[id(module)] = (module, fqn)
+                if any(c == "" or raw == c or raw.startswith(c + ".") for c in compiled):
+                    continue
+                if getattr(module, "keys_its_calls", False):  # keyinit.nn.KeyedCompiled: no hooks for dynamo to see
+                    compiled.append(raw)
+                    continue
+                self._hook(module, fqn)
                 if callable(module.__dict__.get("_gradient_checkpointing_func")):  # transformers' checkpointing
                     self._handles.append(CheckpointingFunction(self, module))
-            self._sequence_first = _sequence_first_dropouts(self.model)
+            self._sequence_first = sequence_first_dropouts(self.model)
             _active().append(self)
             with _entered_lock:
                 _entered.append(self)
@@ -414,6 +417,83 @@ class Keyed:
             self._state = "exited"
             raise
         return self
+
+    def _hook(self, module: torch.nn.Module, fqn: str) -> None:
+        if self._shared_post_hook is None:
+            self._shared_post_hook = self._post_hook()  # (one for every module: it takes the module)
+        handles = [module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True),
+                   module.register_forward_hook(self._shared_post_hook, always_call=True)]
+        self._handles.extend(handles)
+        self._hooked[id(module)] = (module, fqn, handles)
+
+    # -- what a compiled module (keyinit.nn.compile) asks of the context around its call
+
+    def module_fqn(self, module: torch.nn.Module) -> Optional[str]:
+        """The canonical FQN of ``module`` in this context's model (``""``: the model itself), or None."""
+        found = self._names.get(id(module))
+        if found is not None and found[0] is module:
+            return found[1]
+        return "" if module is self.model else None
+
+    def current_frame(self) -> Optional[Frame]:
+        """The frame of the module execution running in this thread inside this context, or None."""
+        return self._current_frame()
+
+    def root_forward(self, module: torch.nn.Module, fqn: str, args: tuple, kwargs: dict) -> "Forward":
+        """A new root forward of ``module`` (its rows, repeat count and inputs' batch records), as its
+        forward pre-hook makes one."""
+        return self._root_forward(module, fqn, args, kwargs)
+
+    def host_random(self, forward: "Forward") -> HostRandom:
+        """What Python's ``random`` and ``numpy.random`` draw in root forward ``forward`` (a context manager
+        that seeds them, puts their states back, and raises a refused draw when it is left)."""
+        host = forward.host_random(self, forward.fqn)
+        host.raises = True
+        return host
+
+    def suspend(self, module: torch.nn.Module, fqn: str, forward: "Forward") -> list:
+        """Leave this thread's modes and take this context's hooks off ``module`` and its submodules while
+        compiled code runs (dynamo traces neither), and open the frame of ``module``'s execution (its calls
+        numbered as in an eager forward; the modes stay off); :meth:`resume` undoes it."""
+        state = getattr(self._local, "state", None)
+        left = []
+        if state is not None:
+            for mode in reversed(state.modes):
+                if _mode_is_active(mode):
+                    if not _mode_is_top(mode):
+                        raise RuntimeError(
+                            "keyinit.nn.compile: a compiled module called inside a keyed forward while another "
+                            f"torch mode is active above keyed's ({mode!r} is not the innermost)"
+                        )
+                    mode.__exit__(None, None, None)
+                    left.append(mode)
+        removed = []
+        if self._hooked:  # hooks on its modules: only when the compiled module wraps the keyed model
+            for sub in module.modules():
+                found = self._hooked.pop(id(sub), None)
+                if found is not None:
+                    for handle in found[2]:
+                        handle.remove()
+                    removed.append(found)
+        frame = Frame(module, fqn, False, forward)
+        self._thread_state().frames.append(frame)
+        return [left, removed, frame]
+
+    def resume(self, suspended: list) -> None:
+        left, removed, frame = suspended
+        frames = self._thread_state().frames
+        while frames:  # the frames of forwards that ran eagerly inside it and raised are left too
+            top = frames.pop()
+            for mode in reversed(top.pushed):
+                mode.__exit__(None, None, None)
+            if top is frame:
+                break
+        for module, fqn, handles in removed:
+            self._handles = [h for h in self._handles if h not in handles]
+            if self._state in ("entered", "lingering"):
+                self._hook(module, fqn)
+        for mode in reversed(left):
+            mode.__enter__()
 
     def micro_batch(self, offset: int) -> "MicroBatch":
         """Context manager: root forwards inside hold the rows from ``sample_offset + offset`` on.
@@ -445,6 +525,7 @@ class Keyed:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._hooked, self._names = {}, {}
         self._forget()
         self._forwards, self._replays = [], {}
         with _entered_lock:

@@ -39,17 +39,26 @@ def check_fqn(fqn: object) -> tuple[str, ...]:
     return parts
 
 
+def _fold(parent: Key, data: Union[int, str]) -> Key:
+    """``fold_in(parent, data)``, its Philox in C where the CPU fill library is loaded (the keyed data
+    paths' derivation, checked against ``fold_in`` when the library loads): a new step derives a key per
+    module and call."""
+    from keyinit.data._fill import fold_with, kernel_library
+
+    return fold_with(kernel_library(), parent, data)
+
+
 @functools.lru_cache(maxsize=4096)
 def _module_key(root: Key, step: int, parts: tuple[str, ...]) -> Key:
     """``dropout_key`` before the ordinal fold (memoized: a pure function of immutable values; prefixes shared)."""
     if not parts:
-        return fold_in(fold_in(root, DROPOUT_DOMAIN), step)
-    return fold_in(_module_key(root, step, parts[:-1]), parts[-1])
+        return _fold(_fold(root, DROPOUT_DOMAIN), step)
+    return _fold(_module_key(root, step, parts[:-1]), parts[-1])
 
 
 @functools.lru_cache(maxsize=8192)
 def _call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
-    return fold_in(_module_key(root, step, check_fqn(fqn)), ordinal)
+    return _fold(_module_key(root, step, check_fqn(fqn)), ordinal)
 
 
 def keyed_call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:

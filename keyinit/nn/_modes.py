@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
 from keyinit.nn._batch_rules import propagate, restride_keeps_elements
+from keyinit.nn._replay import REMEMBERED, eligible, learn, replay, replayable, signature
 from keyinit.nn._intercept import (
     Keyed,
     argument,
@@ -115,7 +116,12 @@ def _shape_of(t: torch.Tensor, sizes: Any, forward: Any) -> Any:
 
 
 class FunctionMode(TorchFunctionMode):
-    """Keyed dropout and attention, batch sizes that carry the batch, and the batch of sized factories."""
+    """Keyed dropout and attention, batch sizes that carry the batch, and the batch of sized factories.
+
+    Each function it answers has its handler in one table built with the mode; a function in no entry
+    runs as it is (its ATen ops still pass the dispatch mode), and one of
+    :func:`keyinit.nn._replay.replayable` may replay its outputs' records instead.
+    """
 
     def __init__(self, ctx: "Keyed") -> None:
         super().__init__()
@@ -123,78 +129,137 @@ class FunctionMode(TorchFunctionMode):
         self.family = dropout_family()
         self.sdpa = torch.nn.functional.scaled_dot_product_attention
         self.mha = torch.nn.functional.multi_head_attention_forward
+        self.handlers = dict(_handlers())  # the functions as they are now (a test may have patched one)
+        self.handlers.update(dict.fromkeys(self.family, FunctionMode._dropout))
+        self.handlers[self.sdpa] = FunctionMode._sdpa
+        self.handlers[self.mha] = FunctionMode._mha
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _LEN or func is _NUMEL:
-            out = func(*args, **kwargs)
-            frame = self.ctx._current_frame()
-            if frame is None or self.ctx.index == "dim0" or not args:
-                return out
-            rec = record(args[0], frame.forward)
-            if func is _LEN:
-                # len() hands Python a plain int whatever __len__ returns: remember the size, so that a
-                # factory sized by it is refused rather than drawn as replicated
-                if rec is not None:
-                    frame.forward.escaped.add(int(out))
-                return out
-            return out if rec is None else DerivedSize(out)  # sized by the batch, in a way that says not where
-        if getattr(func, "__self__", None) is _SHAPE or func is _SIZE:
-            out = func(*args, **kwargs)
-            frame = self.ctx._current_frame()
-            if frame is None or self.ctx.index == "dim0":
-                return out
-            if func is _SIZE and isinstance(out, int):
-                if not args or len(args) < 2:
-                    return out
-                full = _shape_of(args[0], tuple(args[0].shape), frame.forward)
-                return full[int(args[1])] if isinstance(full, torch.Size) else out
-            return _shape_of(args[0], out, frame.forward)
-        if func in _EXPANDS:
-            out = func(*args, **kwargs)
-            frame = self.ctx._current_frame()
-            if frame is not None and self.ctx.index != "dim0" and isinstance(out, torch.Tensor) and \
-                    record(out, frame.forward) is None:
-                rec = _expanded_record(func, args[0], out, _factory_record(func, args[1:], kwargs, frame.forward.escaped))
-                if rec is not None:
-                    annotate(out, frame.forward, rec)
-            return out
-        if func in _FACTORIES:
-            frame = self.ctx._current_frame()
-            if frame is not None and self.ctx.index != "dim0":
-                rec = _factory_record(func, args, kwargs, frame.forward.escaped)
-                if rec is not None:
-                    state = self.ctx._thread_state()
-                    state.pending = rec
-                    try:
-                        out = func(*args, **kwargs)
-                    finally:
-                        state.pending = None
-                    annotate(out, frame.forward, rec)
-                    return out
-            return func(*args, **kwargs)
-        entry = self.family.get(func)
-        if entry is not None:
-            frame = self.ctx._current_frame()
-            if frame is not None:
-                with GuardSuspended(self.ctx):
-                    return handle_dropout(self.ctx, frame, *entry, args, kwargs)
-        elif func is self.sdpa:
-            dropout_p = argument(args, kwargs, 4, "dropout_p", 0.0)
-            frame = self.ctx._current_frame()
-            if frame is not None and dropout_p:
-                from keyinit.nn.functional import check_p
+        handler = self.handlers.get(func)
+        if handler is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return handler(self, func, args, kwargs or {})
 
-                with GuardSuspended(self.ctx):
-                    return keyed_sdpa(self.ctx, frame, check_p(dropout_p), args, kwargs)
-        elif func is self.mha:
-            frame = self.ctx._current_frame()
-            if frame is not None:
-                with GuardSuspended(self.ctx):
-                    out = keyed_mha(self.ctx, frame, args, kwargs)
-                if out is not None:
-                    return out
+    def _length(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        frame = self.ctx._current_frame()
+        if frame is None or self.ctx.index == "dim0" or not args:
+            return out
+        rec = record(args[0], frame.forward)
+        if func is _LEN:
+            # len() hands Python a plain int whatever __len__ returns: remember the size, so that a
+            # factory sized by it is refused rather than drawn as replicated
+            if rec is not None:
+                frame.forward.escaped.add(int(out))
+            return out
+        return out if rec is None else DerivedSize(out)  # sized by the batch, in a way that says not where
+
+    def _shape(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        frame = self.ctx._current_frame()
+        if frame is None or self.ctx.index == "dim0":
+            return out
+        if func is _SIZE and isinstance(out, int):
+            if not args or len(args) < 2:
+                return out
+            full = _shape_of(args[0], tuple(args[0].shape), frame.forward)
+            return full[int(args[1])] if isinstance(full, torch.Size) else out
+        return _shape_of(args[0], out, frame.forward)
+
+    def _expand(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        frame = self.ctx._current_frame()
+        if frame is not None and self.ctx.index != "dim0" and isinstance(out, torch.Tensor) and \
+                record(out, frame.forward) is None:
+            rec = _expanded_record(func, args[0], out, _factory_record(func, args[1:], kwargs, frame.forward.escaped))
+            if rec is not None:
+                annotate(out, frame.forward, rec)
+        return out
+
+    def _factory(self, func, args, kwargs):
+        frame = self.ctx._current_frame()
+        if frame is not None and self.ctx.index != "dim0":
+            rec = _factory_record(func, args, kwargs, frame.forward.escaped)
+            if rec is not None:
+                state = self.ctx._thread_state()
+                state.pending = rec
+                try:
+                    out = func(*args, **kwargs)
+                finally:
+                    state.pending = None
+                annotate(out, frame.forward, rec)
+                return out
         return func(*args, **kwargs)
+
+    def _dropout(self, func, args, kwargs):
+        frame = self.ctx._current_frame()
+        if frame is None:
+            return func(*args, **kwargs)
+        with GuardSuspended(self.ctx):
+            return handle_dropout(self.ctx, frame, *self.family[func], args, kwargs)
+
+    def _sdpa(self, func, args, kwargs):
+        dropout_p = argument(args, kwargs, 4, "dropout_p", 0.0)
+        frame = self.ctx._current_frame()
+        if frame is not None and dropout_p:
+            from keyinit.nn.functional import check_p
+
+            with GuardSuspended(self.ctx):
+                return keyed_sdpa(self.ctx, frame, check_p(dropout_p), args, kwargs)
+        return func(*args, **kwargs)
+
+    def _mha(self, func, args, kwargs):
+        frame = self.ctx._current_frame()
+        if frame is not None:
+            with GuardSuspended(self.ctx):
+                out = keyed_mha(self.ctx, frame, args, kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+    def _replayed(self, func, args, kwargs):
+        """A function of :func:`keyinit.nn._replay.replayable`: its outputs' records replayed when its
+        signature was seen (the dispatch mode off), else learned from the dispatch mode."""
+        state = getattr(self.ctx._local, "state", None)
+        if state is None or not state.frames or "out" in kwargs or not eligible(state.modes[1]):
+            return func(*args, **kwargs)
+        forward = state.frames[-1].forward
+        found = signature(func, args, kwargs, forward)
+        if found is None:
+            return func(*args, **kwargs)
+        key, inputs, before = found
+        remembered = REMEMBERED.get(key)
+        if remembered is not None:
+            with _NoDispatch():
+                out = func(*args, **kwargs)
+            replay(remembered, inputs, out, forward)
+            return out
+        mode = state.modes[1]
+        events = mode.events
+        out = func(*args, **kwargs)
+        if mode.events == events:
+            learn(REMEMBERED, key, inputs, before, out, forward)
+        return out
+
+
+_TABLES: dict = {}  # built once: "handlers" (function -> FunctionMode handler)
+
+
+def _handlers() -> dict:
+    """``{torch function: FunctionMode handler}`` for the functions fixed at import (built on first use); the
+    mode adds the dropout family and attention as they are when it is made."""
+    table = _TABLES.get("handlers")
+    if table is None:
+        table = dict.fromkeys(replayable(), FunctionMode._replayed)
+        table.update(dict.fromkeys((_LEN, _NUMEL), FunctionMode._length))
+        table.update(dict.fromkeys((_SHAPE.__get__, _SIZE), FunctionMode._shape))
+        table.update(dict.fromkeys(_EXPANDS, FunctionMode._expand))
+        table.update(dict.fromkeys(_FACTORIES, FunctionMode._factory))
+        _TABLES["handlers"] = table
+    return table
+
+
+_NoDispatch = torch._C._DisableTorchDispatch
 
 
 class GuardSuspended:
@@ -211,7 +276,7 @@ class GuardSuspended:
     def __init__(self, ctx: "Keyed") -> None:
         state = getattr(ctx._local, "state", None)
         guard = state.modes[-1] if state is not None and state.modes else None
-        self.guard = guard if guard is not None and _current_dispatch_mode() is guard else None
+        self.guard = guard if guard is not None and _innermost_dispatch_mode() is guard else None
 
     def __enter__(self) -> None:
         if self.guard is not None:
@@ -222,10 +287,9 @@ class GuardSuspended:
             self.guard.__enter__()
 
 
-def _current_dispatch_mode() -> Any:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return _get_current_dispatch_mode()
+def _innermost_dispatch_mode() -> Any:
+    length = torch._C._len_torch_dispatch_stack()
+    return torch._C._get_dispatch_stack_at(length - 1) if length else None
 
 
 def draws_nothing(func, args: tuple, kwargs: dict) -> bool:
@@ -286,6 +350,7 @@ class BatchMode(TorchDispatchMode):
     def __init__(self, ctx: Keyed) -> None:
         super().__init__()
         self.ctx = ctx
+        self.events = 0  # draws and in-place restrides seen: a call that made one is not replayed (_replay)
 
     def _output_record(self, func: Any, frame: Frame, args: tuple, kwargs: dict, records: list) -> Any:
         """The batch of a random op's output: the sized factory's, the input's (``*_like``, in place), or the
@@ -315,6 +380,7 @@ class BatchMode(TorchDispatchMode):
             if not nothing or func._schema.name in _ANSWERED:
                 return self._draw(func, frame, args, kwargs, records, nothing)
         if func is _AS_STRIDED_ and records and records[0][1] is not None:
+            self.events += 1
             # in place: whether it keeps the elements is known only before it runs
             keeps = restride_keeps_elements(args[0], args)
             out = func(*args, **kwargs)
@@ -342,6 +408,7 @@ class BatchMode(TorchDispatchMode):
         from keyinit.keys import key as make_key
 
         ctx = self.ctx
+        self.events += 1
         if frame.foreign:
             refuse_foreign(ctx, frame, str(func))
         if ctx.index == "dim0" and not nothing:
@@ -354,7 +421,12 @@ class BatchMode(TorchDispatchMode):
         # a draw of p = 0 (no randomness) takes no call ordinal: any key gives its values
         key = make_key(DROPOUT_DOMAIN) if nothing else frame.key(ctx)
         site = f"{frame.describe()}: {func}"
-        out = keyed_draw(func, args, kwargs, key, rec if isinstance(rec, Batch) else None, site)
+        batch = rec if isinstance(rec, Batch) else None
+        trace = getattr(ctx, "trace", None)
+        if trace is not None:  # tracing a compiled keyed forward (keyinit.nn._compile): a site op
+            out = trace.draw(func, args, kwargs, key, batch, site)
+        else:
+            out = keyed_draw(func, args, kwargs, key, batch, site)
         leaves = list(out) if isinstance(out, (tuple, list)) else [out]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.dim():

@@ -23,6 +23,7 @@ the C kernel on CPU (:mod:`keyinit._kernels.dropout.cpu`), Triton on CUDA
 (:mod:`keyinit._draw.reference_dropout`) anywhere else or with ``KEYINIT_DISABLE_KERNELS=1``.
 """
 
+from collections.abc import Sequence
 from typing import Optional
 
 import attrs
@@ -88,20 +89,27 @@ class _EagerDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         # the index vectors (if any) are saved as tensors, the rest of the geometry is a few ints
-        ctx.geometry = attrs.evolve(geometry, indices=tuple(None for _ in geometry.indices))
         ctx.has_index = [index is not None for index in geometry.indices]
-        ctx.save_for_backward(*(index for index in geometry.indices if index is not None))
+        if any(ctx.has_index):
+            ctx.geometry = attrs.evolve(geometry, indices=tuple(None for _ in geometry.indices))
+            ctx.save_for_backward(*(index for index in geometry.indices if index is not None))
+        else:
+            ctx.geometry = geometry  # nothing to save: the backward's geometry is this one
         return run(x, geometry)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if not any(ctx.has_index):
+            if not torch.is_grad_enabled():  # no double backward: the op itself, without recording it
+                return run(grad, ctx.geometry), None
+            return _EagerDropout.apply(grad, ctx.geometry), None
         saved = iter(ctx.saved_tensors)
         indices = tuple(next(saved) if has else None for has in ctx.has_index)
         return _EagerDropout.apply(grad, attrs.evolve(ctx.geometry, indices=indices)), None
 
 
-def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: list, indices: list,
-         stream: str = DEFAULT_STREAM) -> torch.Tensor:
+def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: Sequence[int], starts: Sequence[int],
+         indices: Sequence[Optional[torch.Tensor]], stream: str = DEFAULT_STREAM) -> torch.Tensor:
     """``keyinit::dropout`` on ``x``: the eager form for plain CPU/CUDA tensors, the custom op otherwise.
 
     The custom op (with its fake kernel) is what ``torch.compile`` traces and what
@@ -109,4 +117,4 @@ def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: li
     """
     if type(x) is torch.Tensor and x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling():
         return _EagerDropout.apply(x, plan(x.shape, k0, k1, p, gstrides, starts, indices, stream))
-    return dropout(x, k0, k1, p, gstrides, starts, indices, stream)
+    return dropout(x, k0, k1, p, list(gstrides), list(starts), list(indices), stream)

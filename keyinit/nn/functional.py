@@ -52,6 +52,8 @@ def _dtensor_class() -> Optional[type]:
 
 
 def is_dtensor(input: torch.Tensor) -> bool:
+    if type(input) is torch.Tensor or type(input) is torch.nn.Parameter:
+        return False  # (without looking DTensor up: torch.distributed's import costs a call's time)
     cls = _dtensor_class()
     return cls is not None and isinstance(input, cls)
 
@@ -59,8 +61,8 @@ def is_dtensor(input: torch.Tensor) -> bool:
 def run_layout(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch.Tensor:
     from keyinit.nn import _op
 
-    k0, k1 = key.words  # and the key's stream version, which the op keeps
-    return _op.call(local, k0, k1, p, list(layout.gstrides), list(layout.starts), list(layout.indices), key.stream)
+    # the key's words and its stream version, which the op keeps
+    return _op.call(local, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream)
 
 
 def _dtensor_dropout(input: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:

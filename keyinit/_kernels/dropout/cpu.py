@@ -13,6 +13,7 @@ is unavailable (no compiler, or a library that fails its golden self-test,
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Optional
 
 import torch
@@ -58,6 +59,19 @@ library = KERNEL.library
 __getattr__ = KERNEL.module_attribute
 
 
+@functools.lru_cache(maxsize=1024)
+def _int64_array(values: tuple[int, ...]) -> ctypes.Array:
+    """``values`` as a C ``int64_t[]`` (memoized: the kernel only reads it, and a keyed forward passes the
+    same few sizes and strides at every step)."""
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+@functools.lru_cache(maxsize=None)
+def _null_pointers(n: int) -> ctypes.Array:
+    """``n`` null index pointers (no dimension indexed), read-only to the kernel."""
+    return (ctypes.c_void_p * n)()
+
+
 def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = None,
         lib: Optional[ctypes.CDLL] = None) -> bool:
     """``out = dropout(x)`` for contiguous CPU tensors ``x`` and ``out`` of ``geometry``'s shape.
@@ -73,10 +87,12 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = N
     if lib is None:
         return False
     nd = len(geometry.sizes)
-    sizes = (ctypes.c_int64 * nd)(*geometry.sizes)
-    gstrides = (ctypes.c_int64 * nd)(*geometry.gstrides)
-    keep_alive = [None if i is None else i.contiguous() for i in geometry.indices]
-    pointers = (ctypes.c_void_p * nd)(*(None if i is None else i.data_ptr() for i in keep_alive))
+    sizes, gstrides = _int64_array(tuple(geometry.sizes)), _int64_array(tuple(geometry.gstrides))
+    if all(i is None for i in geometry.indices):
+        keep_alive, pointers = (), _null_pointers(nd)
+    else:
+        keep_alive = [None if i is None else i.contiguous() for i in geometry.indices]
+        pointers = (ctypes.c_void_p * nd)(*(None if i is None else i.data_ptr() for i in keep_alive))
     if threads is None:
         threads = 1 if x.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
     rc = lib.keyinit_dropout(

@@ -22,7 +22,7 @@ from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
 from keyinit._kernels.common.library import I64P, MAX_DIMS, CompiledLibrary
 from keyinit._draw.geometry import geometry
 
-__all__ = ["KERNEL", "available", "fill", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
+__all__ = ["KERNEL", "available", "fill", "fill_folded", "mt_seed", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
 
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 16
@@ -44,6 +44,15 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.keyinit_convert_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     lib.keyinit_ndtri_tail.restype = None
     lib.keyinit_ndtri_tail.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.keyinit_derive.restype = ctypes.c_uint64
+    lib.keyinit_derive.argtypes = [ctypes.c_uint32] * 6
+    lib.keyinit_fill_folded.restype = ctypes.c_int
+    lib.keyinit_fill_folded.argtypes = [
+        ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64,
+        ctypes.POINTER(ctypes.c_double), I64P, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+    ]
+    lib.keyinit_mt_seed.restype = None
+    lib.keyinit_mt_seed.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int, ctypes.c_void_p]
     lib.keyinit_philox_range.restype = None
     lib.keyinit_philox_range.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32,
                                          ctypes.c_void_p]
@@ -51,7 +60,12 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _selftest_run(lib: ctypes.CDLL) -> list[str]:
-    return _selftest.run(lambda out, dist, key, region, threads: fill(out, dist, key, region, threads=threads, lib=lib))
+    failed = _selftest.run(lambda out, dist, key, region, threads: fill(out, dist, key, region, threads=threads,
+                                                                       lib=lib))
+    failed += _selftest.run_folded(
+        lib.keyinit_derive, lambda out, dist, key, region: fill(out, dist, key, region, threads=1, lib=lib),
+        lambda out, dist, key, fold0, fold1: fill_folded(out, dist, key, fold0, fold1, threads=1, lib=lib))
+    return failed + _selftest.run_mt_seed(lambda key: mt_seed(key, lib))
 
 
 #: The init kernel library (``fill_kernels.c``), loaded through the one loader.
@@ -114,3 +128,36 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, thread
     # The write bypassed torch, so bump the version counter as an in-place op would.
     torch.autograd.graph.increment_version(out)
     return True
+
+
+def fill_folded(out: torch.Tensor, dist: Distribution, key: Key, fold0: int, fold1: int,
+                threads: Optional[int] = None, lib: Optional[ctypes.CDLL] = None) -> bool:
+    """Fill a contiguous CPU ``out`` (global flat indices from 0) under ``fold_in(fold_in(key, fold0), fold1)``
+    (ints in ``[0, 2**64)``), the folds in C; ``False`` (nothing written) if the kernel cannot do it."""
+    dist_id = DIST_IDS.get(type(dist))
+    dtype_id = DTYPE_IDS.get(out.dtype)
+    if dist_id is None or dtype_id is None or out.device.type != "cpu" or not out.is_contiguous() or \
+            key.stream != "v1":
+        return False
+    lib = lib if lib is not None else KERNEL.usable(library)
+    if lib is None:
+        return False
+    f, i = kernel_params(dist)
+    if threads is None:
+        threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
+    rc = lib.keyinit_fill_folded(dist_id, dtype_id, key.k0, key.k1, fold0, fold1, (ctypes.c_double * 6)(*f),
+                                 (ctypes.c_int64 * 4)(*i), out.numel(), out.data_ptr(), threads)
+    if rc != 0:  # pragma: no cover - arguments are validated above
+        raise RuntimeError(f"keyinit_fill_folded failed with code {rc}")
+    torch.autograd.graph.increment_version(out)
+    return True
+
+
+def mt_seed(key: list[int], lib: ctypes.CDLL) -> list[int]:
+    """The 624 MT19937 state words of ``init_by_array(key)`` (one or two 32-bit words; CPython's and
+    numpy's seeding)."""
+    if len(key) not in (1, 2):
+        raise ValueError(f"keyinit_mt_seed takes a key of one or two words, got {len(key)}")
+    words = (ctypes.c_uint32 * 624)()
+    lib.keyinit_mt_seed(key[0], key[-1], len(key), ctypes.addressof(words))
+    return list(words)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["GOLDEN", "KEY_WORDS", "cases", "run"]
+__all__ = ["GOLDEN", "KEY_WORDS", "cases", "run", "run_folded", "run_mt_seed"]
 
 #: Key (k0, k1) of every case.
 KEY_WORDS = (0x243F6A88, 0x85A308D3)
@@ -106,4 +106,53 @@ def run(fill: Callable[[torch.Tensor, Any, Any, Any, int], bool]) -> list[str]:
         out = _empty(reg.region_shape, dtype, layout)
         if not fill(out, dist, key, reg, threads) or digest(out) != GOLDEN.get(name):
             failed.append(name)
+    return failed
+
+
+def run_folded(derive: Callable[[int, int, int, int, int, int], int],
+               fill: Callable[[torch.Tensor, Any, Any, Any], bool],
+               fill_folded: Callable[[torch.Tensor, Any, Any, int, int], bool]) -> list[str]:
+    """Names of the failing checks of the key-deriving entry points (empty: all pass).
+
+    ``derive(k0, k1, x0, x1, x2, x3)`` (``keyinit_derive``: Philox words 0 and 1 as ``w0 | w1 << 32``)
+    must give ``keyinit.fold_in``'s key words (Python Philox) for ints and strings across the word
+    boundaries, and ``fill_folded(out, dist, key, fold0, fold1)`` (``keyinit_fill_folded``) the values of
+    ``fill(out, dist, key, region)`` (the golden-checked entry point) under
+    ``fold_in(fold_in(key, fold0), fold1)``.
+    """
+    from keyinit.distributions import Bernoulli, Normal, Randint, Uniform
+    from keyinit.keys import Key, fold_in, fold_inputs
+    from keyinit.regions import make_region
+
+    failed = []
+    key = Key(*KEY_WORDS)
+    for data in (0, 1, 2**32 - 1, 2**32, 2**64 - 1, "python.random", ""):
+        tag, (x0, x1, x3) = fold_inputs(data)
+        got = derive(key.k0, key.k1, x0, x1, tag, x3)
+        if (got & 0xFFFFFFFF, got >> 32) != fold_in(key, data).words:
+            failed.append(f"derive-{data!r}")
+    for name, dist, dtype, n, folds in (
+            ("folded-uniform", Uniform.create(-1.0, 3.0), torch.float32, 1031, (7, 0)),
+            ("folded-normal-f64", Normal.create(0.0, 1.0), torch.float64, 70, (2**40 + 3, 1)),
+            ("folded-randint", Randint.create(-5, 2**31, torch.int64), torch.int64, 333, (0, 2**64 - 1)),
+            ("folded-bernoulli-bool", Bernoulli.create(0.3), torch.bool, 100, (12, 2))):
+        want = torch.zeros(n, dtype=dtype)
+        got = torch.zeros(n, dtype=dtype)
+        ok = fill(want, dist, fold_in(fold_in(key, folds[0]), folds[1]), make_region((n,), None))
+        if not ok or not fill_folded(got, dist, key, folds[0], folds[1]) or digest(got) != digest(want):
+            failed.append(name)
+    return failed
+
+
+def run_mt_seed(mt_seed: Callable[[list[int]], list[int]]) -> list[str]:
+    """Names of the failing checks of ``keyinit_mt_seed`` (``mt_seed(key words) -> 624 state words``):
+    its state must be CPython's ``random.seed`` of the int whose 32-bit words are the key (one word and
+    two, with the high bits set, and zero)."""
+    import random
+
+    failed = []
+    for seed in (0, 1, 0xFFFFFFFF, 2**32, 0x243F6A8885A308D3, 2**64 - 1):
+        key = [seed & 0xFFFFFFFF] + ([seed >> 32] if seed >> 32 else [])
+        if mt_seed(key) != list(random.Random(seed).getstate()[1][:624]):
+            failed.append(f"mt-seed-{seed:#x}")
     return failed

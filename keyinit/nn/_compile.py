@@ -1,0 +1,424 @@
+"""``keyinit.nn.compile(module)``: a keyed forward under ``torch.compile``, with its keys as graph inputs.
+
+``keyed()`` tracks the batch and keys every draw with a Python dispatch mode,
+under which dynamo cannot trace. A module wrapped by :func:`compile` is compiled
+by dynamo with keyinit's backend instead:
+
+1. dynamo captures the forward's graphs as it always does (keyed()'s hooks and
+   modes are taken out of its sight for the call, so a keyed forward adds no
+   graph break);
+2. for each graph, on its first call (and again for new input shapes or batch
+   records), the backend runs the graph once for real under keyed()'s own modes
+   (:mod:`keyinit.nn._modes`), inside ``make_fx``: the batch of every tensor is
+   tracked by the same rules as in an eager keyed forward, each module's calls
+   numbered from the graph's ``nn_module_stack``, and every draw recorded as a
+   site op of :mod:`keyinit.nn._sites` whose key and sample offset come from a
+   control tensor (``ctl``), a graph input;
+3. the traced graph is compiled by the inner backend (``inductor`` by default);
+   every call builds ``ctl`` from the running context (seed, step, sample
+   offset, micro-batch, repeat count), so a new step or offset is a new input,
+   never a recompilation, and the values are the eager keyed forward's.
+
+The compiled module's own calls are numbered on across its graphs (a graph
+break in its forward is fine). What cannot be keyed this way is refused with
+:class:`~keyinit.errors.UnkeyedRandomnessError`: a random op that runs outside
+the compiled graphs (dynamo ran that code eagerly: a graph break on a draw, as
+in LayerDrop), or a draw in a forward dynamo compiled as a frame of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from keyinit.errors import UnkeyedRandomnessError
+from keyinit.nn._batch import Batch, annotate, record
+from keyinit.nn._forward import Forward
+from keyinit.nn._keyed import context_of
+from keyinit.nn._sites import Trace
+from keyinit.nn._tracing import Call, Frames, Interpreter, TraceContext, TraceForward, bind, source_name
+
+__all__ = ["compile", "KeyedCompiled"]
+
+_runtime = threading.local()  # .call: the Call running in this thread (None: outside keyed)
+_CAPACITY = 1024  # random sites a trace has room for at first (a larger model retraces with more)
+
+
+# ----------------------------------------------------------------------------- one graph
+
+
+class _Entry:
+    """One traced and compiled form of a graph: its function (None: run eagerly under keyed()'s modes),
+    whether it takes the control tensor (``keyed``), its slots, its outputs' batch records, and how many
+    draws it makes directly in the compiled module's forward (``own``)."""
+
+    __slots__ = ("fn", "keyed", "slots", "outputs", "own")
+
+    def __init__(self, fn: Optional[Callable], keyed: bool, slots: list, outputs: list, own: int = 0) -> None:
+        self.fn, self.keyed, self.slots, self.outputs, self.own = fn, keyed, slots, outputs, own
+
+
+class _Graph:
+    """The callable keyinit's backend returns for one dynamo graph."""
+
+    def __init__(self, owner: "KeyedCompiled", gm: torch.fx.GraphModule, frame: tuple) -> None:
+        self.owner, self.gm, self.frame = owner, gm, frame
+        self.entries: dict[tuple, _Entry] = {}
+        self.constant = [_is_constant(n) for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def _signature(self, args: tuple, call: Optional[Call]) -> tuple:
+        """What a trace is specialized on beyond dynamo's guards: the inputs' shapes (dynamo keeps the batch
+        dimension dynamic, a trace does not), scalars, and the batch records of the inputs that are not
+        parameters or buffers (their starts relative to the forward's)."""
+        parts: list = [torch.is_grad_enabled(), None if call is None else call.ctx.root.stream]
+        for constant, value in zip(self.constant, args):
+            if constant:
+                continue
+            if isinstance(value, torch.Tensor):
+                parts.append(tuple(value.shape))
+                if call is not None:
+                    rec = record(value, call.forward)
+                    if isinstance(rec, Batch):
+                        rec = (rec.dim, rec.count, rec.start - call.forward.start, rec.inner)
+                    parts.append(rec)
+            elif isinstance(value, (int, float, bool)):
+                parts.append(value)
+        return tuple(parts)
+
+    def __call__(self, *args: Any) -> Any:
+        call: Optional[Call] = getattr(_runtime, "call", None)
+        signature = self._signature(args, call)
+        entry = self.entries.get(signature)
+        if entry is None:
+            entry = self.entries[signature] = self._compile(args, call)
+        if not entry.keyed:
+            return entry.fn(*args)
+        if call is None:
+            raise UnkeyedRandomnessError(_outside(self.owner))
+        if entry.fn is None:  # runs eagerly under keyed()'s modes (see _trace)
+            with _Untrapped():
+                out, forward, own = self._interpret(args, call, None)
+            entry = _Entry(None, True, [], _relative_records(out, forward, call), own)
+        else:
+            words = [call.forward.start]
+            for relative, ordinal in entry.slots:
+                k = call.key(relative, ordinal)
+                words += (k.k0, k.k1)
+            out = entry.fn(*args, torch.tensor(words, dtype=torch.int64))
+        call.frame.calls += entry.own  # the compiled module's own draws: numbered on across its graphs
+        leaves = out if isinstance(out, (tuple, list)) else (out,)
+        for leaf, rec in zip(leaves, entry.outputs):  # the outputs' batch, for what the forward does next
+            if isinstance(leaf, torch.Tensor):
+                if isinstance(rec, tuple):
+                    dim, count, delta, inner = rec
+                    rec = Batch(dim, count, call.forward.start + delta, inner)
+                annotate(leaf, call.forward, rec)
+        return out
+
+    def _compile(self, args: tuple, call: Optional[Call]) -> _Entry:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        if call is None:  # outside keyed: fine if the graph draws nothing
+            probe = _probe(self.owner)
+            with torch.no_grad(), _Untrapped(), _RefuseDraws(probe):
+                traced = make_fx(lambda *a: self.gm(*a), tracing_mode="real")(*args)
+            return _Entry(self.owner.inner(traced, list(args)), False, [], [])
+        capacity = _CAPACITY
+        while True:
+            try:
+                return self._trace(args, call, capacity)
+            except OverflowError:
+                capacity *= 8
+
+    def _interpret(self, args: tuple, call: Call, trace: Optional[Trace]) -> tuple[Any, TraceForward, int]:
+        """Run the graph under keyed()'s modes, its calls numbered from its nodes' modules: with ``trace``,
+        every draw is a site op (inside ``make_fx``); without, the eager keyed forward's draws. Returns the
+        output, the forward that holds its records, and the draws made directly in the compiled module."""
+        forward = TraceForward(call.ctx, call.fqn, call.forward.start, call.forward.count, call.forward.repeat)
+        forward.trace, forward.numbered, forward.owner_call = trace, set(), call
+        code, module = self.frame
+        frames = Frames(self.owner.module, forward)
+        if module is not self.owner.module:  # a frame of its own: which module it is is not known at run time
+            frames.fqns = {}
+        forward.why = lambda fqn: _unnumbered(self.owner, fqn, code, module)
+        tctx = TraceContext(call, trace)
+        bound = bind(self.gm, args, call, forward)
+        for mode in tctx._local.state.modes:
+            mode.__enter__()
+        try:
+            out = Interpreter(self.gm, tctx, frames).run(*bound)
+        finally:
+            for mode in reversed(tctx._local.state.modes):
+                mode.__exit__(None, None, None)
+        return out, forward, frames.own_calls()
+
+    def _trace(self, args: tuple, call: Call, capacity: int) -> _Entry:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        trace = Trace(call.forward.start, call.ctx.root.stream, call.key, capacity)
+        results: list = []
+
+        def run(*inputs: Any) -> Any:
+            out, forward, own = self._interpret(tuple(inputs[:-1]), call, trace)
+            results.append((out, forward, own))
+            return out
+
+        with torch.no_grad(), _Untrapped():
+            try:
+                traced = make_fx(run, tracing_mode="real")(*args, trace.ctl)
+            except RuntimeError as exc:
+                if "_local_scalar_dense" not in str(exc):
+                    raise
+                # the graph reads a tensor's value (.item()): a trace would freeze it, so this graph runs
+                # eagerly under keyed()'s modes (the eager keyed forward's values, not compiled)
+                warnings.warn(f"keyinit.nn.compile({type(self.owner.module).__name__}): a graph reads a tensor's "
+                              "value (.item(), float(t)); it runs eagerly under keyinit.nn.keyed, not compiled",
+                              stacklevel=2)
+                return _Entry(None, True, [], [])
+        out, forward, own = results[0]
+        slots = list(trace.slots)
+        ctl = torch.zeros(1 + 2 * len(slots), dtype=torch.int64)
+        fn = self.owner.inner(traced, list(args) + [ctl])
+        return _Entry(fn, True, slots, _relative_records(out, forward, call), own)
+
+
+def _relative_records(out: Any, forward: Forward, call: Call) -> list:
+    """The batch records of a graph's outputs, each start relative to the forward's."""
+    leaves = out if isinstance(out, (tuple, list)) else (out,)
+    records = []
+    for leaf in leaves:
+        rec = record(leaf, forward) if isinstance(leaf, torch.Tensor) else None
+        if isinstance(rec, Batch):
+            rec = (rec.dim, rec.count, rec.start - call.forward.start, rec.inner)
+        records.append(rec)
+    return records
+
+
+def _is_constant(node: torch.fx.Node) -> bool:
+    """A parameter or buffer of the compiled module (its batch record is always None)."""
+    source = source_name(node) or ""
+    return "_parameters" in source or "_buffers" in source
+
+
+def _outside(owner: "KeyedCompiled") -> str:
+    return (f"keyinit.nn.compile({type(owner.module).__name__}): its forward draws (dropout or another random op "
+            "in training mode), and it was called outside keyinit.nn.keyed: call it inside "
+            "`with keyinit.nn.keyed(model, seed, step=...)`, or in eval mode")
+
+
+def _unnumbered(owner: "KeyedCompiled", fqn: str, code: str, module: Any) -> str:
+    where = fqn.strip("<>")
+    if where.startswith("inside torch.ops.higher_order."):
+        reason = (f"the draw runs {where} (a custom autograd.Function, a control-flow op, ...), whose body keyinit "
+                  "does not trace node by node")
+    elif module is not owner.module:
+        reason = (f"dynamo compiled the forward of {type(module).__name__} as a frame of its own ({code}), so "
+                  "keyinit cannot tell which module of the model it is")
+    else:
+        reason = f"keyinit cannot find the module {where} of this draw in the compiled module"
+    return (f"keyinit.nn.compile({type(owner.module).__name__}): a draw keyinit cannot key: {reason}. Remove the "
+            "graph break (torch._dynamo.explain lists them), or run this module eagerly under keyinit.nn.keyed")
+
+
+def _probe(owner: "KeyedCompiled") -> Callable[[Any], None]:
+    def refuse(func: Any) -> None:
+        raise UnkeyedRandomnessError(_outside(owner) + f" ({func})")
+
+    return refuse
+
+
+class _RefuseDraws:
+    """A dispatch mode that refuses every random op that draws (outside keyed)."""
+
+    def __init__(self, refuse: Callable[[Any], None]) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from keyinit._engine.random_ops import is_random
+        from keyinit.nn._modes import draws_nothing
+
+        class Refuse(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if is_random(func) and not draws_nothing(func, args, kwargs):
+                    refuse(func)
+                return func(*args, **kwargs)
+
+        self.mode = Refuse()
+
+    def __enter__(self) -> None:
+        self.mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+
+
+# ----------------------------------------------------------------------------- eager random ops: refused
+
+
+class _Trap:
+    """While compiled code runs, a random ATen op that reaches torch's kernels ran eagerly (outside the
+    compiled graphs): it is refused before it draws (:mod:`keyinit.data._intercept`)."""
+
+    def __init__(self, owner: "KeyedCompiled") -> None:
+        self.owner = owner
+        self.saved: Any = None
+
+    def handler(self, op: Any, args: tuple, kwargs: dict) -> Any:
+        from keyinit.nn._modes import draws_nothing
+
+        if getattr(_runtime, "untrapped", 0) or draws_nothing(op, args, kwargs) or _fake(args, kwargs):
+            return op(*args, **kwargs)
+        raise UnkeyedRandomnessError(
+            f"keyinit.nn.compile({type(self.owner.module).__name__}): {op} ran eagerly, outside the compiled "
+            "graphs (dynamo fell back to Python for that code, e.g. after a graph break on a draw such as "
+            "LayerDrop's `if torch.rand([]) < p`), where keyinit cannot key it. Remove the graph break "
+            "(torch._dynamo.explain lists them), or run this module eagerly under keyinit.nn.keyed"
+        )
+
+    def __enter__(self) -> None:
+        from keyinit.data import _intercept
+
+        if _intercept.available():
+            self.saved = _intercept.enter(self.handler)
+
+    def __exit__(self, *exc: Any) -> None:
+        from keyinit.data import _intercept
+
+        if self.saved is not None:
+            _intercept.leave(self.saved)
+
+
+def _fake(args: tuple, kwargs: dict) -> bool:
+    """The op runs on fake or meta tensors (dynamo or AOT tracing shapes): it draws nothing."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return True
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, FakeTensor) or (isinstance(value, torch.Tensor) and value.device.type == "meta"):
+            return True
+    return False
+
+
+class _Untrapped:
+    def __enter__(self) -> None:
+        _runtime.untrapped = getattr(_runtime, "untrapped", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _runtime.untrapped -= 1
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+def _frame_info(owner: "KeyedCompiled") -> tuple:
+    """``(code name, module)`` of the frame dynamo is compiling (the backend runs inside its translation):
+    the compiled module when the frame holds it (``self``, by any name, or the first of a decorator's
+    ``*args``), else the module the frame is a method of, or None."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        code, values = tx.f_code, tx.f_locals
+    except (ImportError, AttributeError, RuntimeError, AssertionError):
+        return "<unknown>", None
+    for value in values.values():
+        inner = value if isinstance(value, (tuple, list)) else (value,)
+        if any(item is owner.module for item in inner):
+            return code.co_name, owner.module
+    first = code.co_varnames[0] if code.co_argcount else None
+    module = values.get(first) if first is not None else None
+    return code.co_name, module if isinstance(module, torch.nn.Module) else None
+
+
+class KeyedCompiled(torch.nn.Module):
+    """``module`` compiled by dynamo with keyinit's backend (see :func:`compile`).
+
+    A module of its own, holding ``module`` as ``_orig_mod`` (as ``torch.compile`` does):
+    canonical FQNs strip that name, so keys and ``state_dict`` names do not change.
+    """
+
+    #: keyed() puts no hooks on this module nor its submodules: its calls key their own draws
+    keys_its_calls = True
+
+    def __init__(self, module: torch.nn.Module, backend: Any, options: dict) -> None:
+        super().__init__()
+        self._orig_mod = module
+        if isinstance(backend, str):
+            from torch._dynamo import lookup_backend
+
+            backend = lookup_backend(backend)
+        object.__setattr__(self, "_inner", backend)
+        object.__setattr__(self, "_compiled", torch.compile(module, backend=self._backend, **options))
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._orig_mod
+
+    def inner(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        return self._inner(gm, example_inputs)
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        return _Graph(self, gm, _frame_info(self))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._orig_mod
+        ctx = context_of(module)
+        if ctx is None:
+            return self._run(None, args, kwargs)
+        fqn = ctx.module_fqn(module)
+        frame = ctx.current_frame()
+        if frame is not None:  # inside an eager keyed forward: its root forward, its host generators
+            forward, host = frame.forward, contextlib.nullcontext()
+        else:
+            forward = ctx.root_forward(module, fqn, args, kwargs)
+            host = ctx.host_random(forward)
+        suspended = ctx.suspend(module, fqn, forward)  # modes off, the module's own frame open
+        try:
+            with host:
+                return self._run(Call(ctx, forward, fqn, module, suspended[-1]), args, kwargs)
+        finally:
+            ctx.resume(suspended)
+
+    def _run(self, call: Optional[Call], args: tuple, kwargs: dict) -> Any:
+        if call is not None:
+            for t in (a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)):
+                rec = record(t, call.forward)
+                if isinstance(rec, Batch) and rec.dim is not None and rec.inner == 1 and t.shape[rec.dim] > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, rec.dim)
+        saved = getattr(_runtime, "call", None)
+        _runtime.call = call
+        try:
+            with _Trap(self):
+                return self._compiled(*args, **kwargs)
+        finally:
+            _runtime.call = saved
+
+
+def compile(module: torch.nn.Module, *, backend: Any = "inductor", **options: Any) -> KeyedCompiled:
+    """``torch.compile(module)`` for keyed forwards: inside :func:`keyinit.nn.keyed` its draws are keyed.
+
+    Use the result where the module was, and key it as usual::
+
+        model = keyinit.nn.compile(model)                  # or a block: model.layers[i] = compile(block)
+        with keyinit.nn.keyed(model, seed, step=step, sample_offset=first_sample):
+            loss = loss_fn(model(batch), target)
+        loss.backward()
+
+    Every random op of the compiled forward gets the values the eager keyed
+    forward gives it (``docs/spec.md`` section 14), from keys and a sample offset
+    passed to the compiled graph as a tensor: no graph break is added and a new
+    step, seed, sample offset or micro-batch is not a recompilation. ``backend``
+    (the one that compiles the keyed graphs, ``"inductor"`` by default) and
+    ``options`` (``fullgraph``, ``dynamic``, ``mode``, ...) are ``torch.compile``'s.
+    Outside ``keyed`` the module runs compiled as long as it draws nothing (eval
+    mode); a draw there is an :class:`~keyinit.errors.UnkeyedRandomnessError`.
+    See ``docs/dropout.md`` (torch.compile) for what is refused and why.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"keyinit.nn.compile: module must be a torch.nn.Module, got {type(module).__name__}")
+    return KeyedCompiled(module, backend, options)

@@ -1,0 +1,340 @@
+"""keyinit.nn.compile: a keyed forward under torch.compile draws what the eager keyed forward draws.
+
+Most tests compile with ``backend="aot_eager"`` (dynamo + AOTAutograd, torch's eager kernels:
+outputs and gradients are then bitwise the eager keyed run's); one compiles with inductor, whose
+fused kernels round differently, so there only the masks are compared bitwise.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
+
+import keyinit.nn as knn
+from keyinit.errors import UnkeyedRandomnessError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*dropout2d.*")
+        yield
+    torch._dynamo.reset()
+
+
+class Counting:
+    """An inner backend that counts the graphs it compiles (then hands them to aot_eager)."""
+
+    def __init__(self) -> None:
+        from torch._dynamo import lookup_backend
+
+        self.calls = 0
+        self.inner = lookup_backend("aot_eager")
+
+    def __call__(self, gm, example_inputs):
+        self.calls += 1
+        return self.inner(gm, example_inputs)
+
+
+class DropPath(nn.Module):  # timm's stochastic depth: one Bernoulli per sample
+    def forward(self, x):
+        keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(0.8)
+        return x * keep / 0.8
+
+
+class Block(nn.Module):
+    """Every kind of draw keyed() keys: the dropout family on batch-first and flattened (B*L, D) rows,
+    channel-wise and alpha dropout, SDPA and multi-head attention dropout, a per-sample DropPath
+    mask, and random ATen ops (rand_like, randint, normal_)."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.lin = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(0.1)
+        self.attn = nn.MultiheadAttention(dim, heads, dropout=0.1, batch_first=True)
+        self.drop_path = DropPath()
+
+    def forward(self, x):
+        b, t, d = x.shape
+        y = self.drop(self.lin(x))
+        y = F.dropout(y.reshape(b * t, d), 0.2, self.training).view(b, t, d)
+        q = y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3).transpose(1, 2).reshape(b, t, d)
+        y = y + a + self.attn(y, y, y)[0]
+        noise = torch.rand_like(y) * 0.01 + torch.empty_like(y).normal_() * 0.01
+        shift = torch.randint(0, 3, (b, 1, 1)).to(y.dtype)
+        return (self.drop_path(y) + noise + shift + F.dropout1d(y.transpose(1, 2), 0.2).transpose(1, 2)
+                + F.alpha_dropout(y, 0.1, True))
+
+
+class Model(nn.Module):
+    def __init__(self, depth: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block() for _ in range(depth)])
+        self.out = nn.Dropout(0.1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def _model(depth: int = 2) -> Model:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return Model(depth).train()
+
+
+def _inputs() -> torch.Tensor:
+    return torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _step(keyed_model, params, step, offset, x):
+    with knn.keyed(keyed_model, 0, step=step, sample_offset=offset):
+        y = keyed_model(x)
+    y.pow(2).sum().backward()
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return y.detach(), grads
+
+
+def test_compiled_draws_equal_eager_for_every_step_and_offset_without_recompiling():
+    model, x = _model(), _inputs()
+    params = list(model.parameters())
+    inner = Counting()
+    compiled = knn.compile(model, backend=inner)
+    torch_state, np_state, py_state = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    runs = [(0, 0, x), (1, 0, x), (2, 0, x), (3, 2, x[2:]), (4, 2, x[2:]), (5, 1, x[1:3])]
+    before = counters["stats"]["unique_graphs"]
+    for i, (step, offset, rows) in enumerate(runs):
+        eager_out, eager_grads = _step(model, params, step, offset, rows)
+        out, grads = _step(compiled, params, step, offset, rows)
+        assert torch.equal(out, eager_out), (step, offset)
+        assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads)), (step, offset)
+        if i == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    # one dynamo graph for every step and offset (the batch dimension is dynamic), one keyed trace per
+    # batch size: steps, seeds and offsets are inputs of the compiled graph
+    assert counters["stats"]["unique_graphs"] == graphs == before + 1
+    assert inner.calls == 2  # batch sizes 4 and 2
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    assert np.array_equal(np.random.get_state()[1], np_state[1]) and random.getstate() == py_state
+
+
+def test_no_graph_break_added():
+    model, x = _model(), _inputs()
+    plain = Counting()
+    torch.compile(model, backend=plain, fullgraph=True)(x)  # unkeyed: torch's own draws
+    keyed_inner = Counting()
+    compiled = knn.compile(model, backend=keyed_inner, fullgraph=True)
+    with knn.keyed(compiled, 0, step=0):
+        compiled(x)
+    assert plain.calls == keyed_inner.calls == 1
+
+
+def test_inductor_masks_equal_eager():
+    model, x = _model(depth=1), _inputs()
+    params = list(model.parameters())
+    compiled = knn.compile(model)  # inductor
+    for step, offset, rows in [(0, 0, x), (1, 2, x[2:])]:
+        eager_out, eager_grads = _step(model, params, step, offset, rows)
+        out, grads = _step(compiled, params, step, offset, rows)
+        assert torch.equal(out == 0, eager_out == 0)
+        torch.testing.assert_close(out, eager_out, rtol=1e-4, atol=1e-4)
+        for a, b in zip(grads, eager_grads):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_compiled_blocks_inside_an_eager_keyed_model():
+    model, x = _model(depth=3), _inputs()
+    params = list(model.parameters())
+    eager = [_step(model, params, s, o, rows) for s, o, rows in [(0, 0, x), (1, 2, x[2:])]]
+    for i, layer in enumerate(model.layers):  # torchtitan's per-block compile
+        model.layers[i] = knn.compile(layer, backend="aot_eager")
+    assert [name for name, _ in model.named_parameters()][0] == "layers.0._orig_mod.lin.weight"
+    compiled = [_step(model, params, s, o, rows) for s, o, rows in [(0, 0, x), (1, 2, x[2:])]]
+    for (a, ga), (b, gb) in zip(eager, compiled):
+        assert torch.equal(a, b)
+        assert all(torch.equal(u, v) for u, v in zip(ga, gb))
+
+
+def test_micro_batches_and_repeats():
+    model, x = _model(), _inputs()
+    compiled = knn.compile(model, backend="aot_eager")
+
+    def run(m):
+        with knn.keyed(m, 0, step=3) as ctx:
+            with ctx.micro_batch(0):
+                first = m(x[:2])
+            with ctx.micro_batch(2):
+                second = m(x[2:])
+            again = m(x)  # rows 0..3 again: a repeat, keyed differently
+        return first.detach(), second.detach(), again.detach()
+
+    for a, b in zip(run(model), run(compiled)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_inside(reentrant):
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = _model().layers
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=reentrant)
+            return x
+
+    with torch.random.fork_rng():
+        model = Checkpointed().train()
+    params = list(model.parameters())
+    x = _inputs().requires_grad_()
+    eager = _step(model, params, 0, 0, x)
+    compiled = _step(knn.compile(model, backend="aot_eager"), params, 0, 0, x)
+    assert torch.equal(eager[0], compiled[0])
+    assert all(torch.equal(a, b) for a, b in zip(eager[1], compiled[1]))
+
+
+def test_a_draw_that_runs_eagerly_is_refused():
+    class LayerDrop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                if torch.rand([]) < 0.5:  # a graph break on a draw: dynamo runs this frame eagerly
+                    continue
+                x = layer(x)
+            return x
+
+    compiled = knn.compile(LayerDrop().train(), backend="aot_eager")
+    state = torch.get_rng_state()
+    with pytest.raises(UnkeyedRandomnessError, match=r"aten\.rand\.default ran eagerly, outside the compiled graphs"):
+        with knn.keyed(compiled, 0, step=0):
+            compiled(_inputs())
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_outside_keyed_a_draw_is_refused_and_eval_runs():
+    with torch.random.fork_rng():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1)).train()
+    compiled = knn.compile(model, backend="aot_eager")
+    state = torch.get_rng_state()
+    with pytest.raises(UnkeyedRandomnessError, match=r"called outside keyinit.nn.keyed.*aten\.bernoulli"):
+        compiled(_inputs())
+    assert torch.equal(torch.get_rng_state(), state)
+    model.eval()  # dropout draws nothing: compiled, outside keyed
+    assert torch.equal(compiled(_inputs()), model(_inputs()))
+
+
+def test_a_draw_inside_another_higher_order_op_is_refused():
+    class Noisy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x + torch.rand_like(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    class M(nn.Module):
+        def forward(self, x):
+            return Noisy.apply(x)
+
+    compiled = knn.compile(M().train(), backend="aot_eager")
+    with pytest.raises(UnkeyedRandomnessError, match="inside torch.ops.higher_order"):
+        with knn.keyed(compiled, 0, step=0):
+            compiled(_inputs().requires_grad_())
+
+
+def test_hf_opt_and_timm_vit():
+    transformers = pytest.importorskip("transformers")
+    from tests._vision import import_vision
+
+    timm = import_vision("timm")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = transformers.OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                        ffn_dim=32, dropout=0.1, attention_dropout=0.1, layerdrop=0.0,
+                                        word_embed_proj_dim=16, max_position_embeddings=32)
+        opt = transformers.OPTForCausalLM(config).train()  # dropout on (B*L, D) rows, (B*H, L, S) attention
+        vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, drop_path_rate=0.2, drop_rate=0.1,
+                                img_size=32, patch_size=8, depth=2).train()
+    ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(0))
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    for model, x, run in ((opt, ids, lambda m, v: m(input_ids=v).logits), (vit, images, lambda m, v: m(v))):
+        compiled = knn.compile(model, backend="aot_eager")
+        for step, offset, rows in [(0, 0, x), (1, 2, x[2:])]:
+            with knn.keyed(model, 0, step=step, sample_offset=offset):
+                eager = run(model, rows)
+            with knn.keyed(compiled, 0, step=step, sample_offset=offset):
+                assert torch.equal(run(compiled, rows), eager)
+
+
+def test_host_generators_as_in_the_eager_forward():
+    class Host(nn.Module):
+        def forward(self, x):
+            return x * float(np.random.rand()) + random.random()
+
+    model = Host().train()
+    compiled = knn.compile(model, backend="aot_eager")
+    np_state, py_state = np.random.get_state(), random.getstate()
+    for step in range(2):
+        for rows, host_random in ((slice(1, 2), "sample"), (slice(None), "forward"), (slice(None), "replicated")):
+            with knn.keyed(model, 0, step=step, sample_offset=rows.start or 0, host_random=host_random):
+                eager = model(_inputs()[rows])
+            with knn.keyed(compiled, 0, step=step, sample_offset=rows.start or 0, host_random=host_random):
+                assert torch.equal(compiled(_inputs()[rows]), eager), (step, host_random)
+    for keyed_model in (model, compiled):  # a host draw over 4 samples without host_random=: refused in both
+        with pytest.raises(UnkeyedRandomnessError, match="over samples 0..3"):
+            with knn.keyed(keyed_model, 0, step=0):
+                keyed_model(_inputs())
+    assert np.array_equal(np.random.get_state()[1], np_state[1]) and random.getstate() == py_state
+
+
+def test_plain_torch_compile_under_keyed_warns_and_runs_eagerly():
+    with torch.random.fork_rng():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).train()
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(UserWarning, match="use|compile it with keyinit.nn.compile"):
+        with knn.keyed(compiled, 0, step=0):
+            out = compiled(_inputs())
+    with knn.keyed(model, 0, step=0):
+        assert torch.equal(out, model(_inputs()))
+
+
+def test_a_graph_break_in_the_compiled_forward_numbers_its_draws_on():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            x = F.dropout(self.lin(x), 0.3, self.training)  # call 0
+            torch._dynamo.graph_break()
+            return F.dropout(x, 0.3, self.training) + torch.rand_like(x)  # calls 1 and 2, in the next graph
+
+    with torch.random.fork_rng():
+        model = Broken().train()
+    inner = Counting()
+    compiled = knn.compile(model, backend=inner)
+    for step in range(2):
+        with knn.keyed(model, 0, step=step, sample_offset=1):
+            eager = model(_inputs())
+        with knn.keyed(compiled, 0, step=step, sample_offset=1):
+            assert torch.equal(compiled(_inputs()), eager)
+    assert inner.calls == 2  # two graphs, each compiled once
