@@ -125,3 +125,87 @@ def tiny_factory(model_type: str, class_name: str) -> Callable[[], Any]:
 
     build.__qualname__ = f"{class_name}(tiny {model_type} config)"
     return build
+
+
+# ----------------------------------------------------------------------------- encoder-decoders, image classifiers
+
+
+def seq2seq_architectures() -> list[tuple[str, str]]:
+    """``(model_type, class name)`` of every ``AutoModelForSeq2SeqLM`` head."""
+    from transformers.models.auto import modeling_auto
+
+    return _first_classes(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+
+
+def image_classification_architectures() -> list[tuple[str, str]]:
+    """``(model_type, class name)`` of every ``AutoModelForImageClassification`` head."""
+    from transformers.models.auto import modeling_auto
+
+    return _first_classes(modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES)
+
+
+def _first_classes(mapping: Any) -> list[tuple[str, str]]:
+    return sorted((t, c[0] if isinstance(c, (tuple, list)) else c) for t, c in mapping.items())
+
+
+#: Per-stage lists of a vision config: block counts (set to 1), widths (divided by 8, at least 8: one
+#: map for every field, so a stage's in_channels stay the previous stage's out_channels) and heads (1).
+_STAGE_COUNTS = ("depths", "depth", "num_block_repeats", "stage_num_blocks", "n_attn_blocks", "num_blocks")
+_STAGE_WIDTHS = ("hidden_sizes", "embed_dim", "embed_dims", "in_channels", "out_channels", "stage_in_channels",
+                 "stage_mid_channels", "stage_out_channels", "base_attn_unit_dims", "neck_hidden_sizes")
+_STAGE_HEADS = ("num_heads", "num_attention_heads")
+#: Stochastic-depth and dropout-like fields of vision configs, beyond :func:`is_dropout_field`'s.
+_VISION_DROPS = ("drop_path_rate", "drop_rate", "attention_drop_rate", "stochastic_depth_prob", "drop_connect_rate")
+
+
+def tiny_vision_config(model_type: str, dropout: float | None = None, image_size: int = 32) -> Any:
+    """The default config of an image classifier, shrunk stage by stage (every stage kept, one block
+    each, narrow, one head; ``image_size`` pixels; patches of 4), every dropout-like and
+    stochastic-depth probability ``dropout`` if given. Raises what transformers raises for a config it
+    refuses."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type)
+    for inner in (config, getattr(config, "vision_config", None)):
+        if isinstance(inner, transformers.PretrainedConfig):
+            _shrink_vision(inner, image_size, dropout, transformers)
+    if dropout is not None:
+        set_dropout(config, dropout, transformers)
+    return config
+
+
+#: Scalar sizes of a vision config (ViT-style encoders), shrunk as :data:`SMALL` shrinks a language model's.
+_VISION_SCALARS = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                       patch_size=4, embed_dim=16, num_heads=2, projection_dim=8, vocab_size=64,
+                       max_position_embeddings=32, num_groups=2)
+
+
+def _shrink_vision(config: Any, image_size: int, dropout: float | None, transformers: Any) -> None:
+    for name, value in list(vars(config).items()):
+        new = _VISION_SCALARS.get(name) if isinstance(value, int) and not isinstance(value, bool) else None
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool)
+                                                              for v in value):
+            if name in _STAGE_COUNTS:
+                new = [1] * len(value)
+            elif name in _STAGE_WIDTHS:
+                new = [max(8, v // 8) for v in value]
+            elif name in _STAGE_HEADS:
+                new = [1] * len(value)
+            elif name == "image_size":
+                new = [image_size] * len(value)
+        elif isinstance(value, int) and not isinstance(value, bool) and name in _STAGE_COUNTS:
+            new = 1
+        elif name == "image_size" and isinstance(value, int):
+            new = image_size
+        if dropout is not None and name in _VISION_DROPS:
+            if isinstance(value, (list, tuple)):
+                new = [dropout] * len(value)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                new = dropout
+        if new is not None:
+            try:
+                setattr(config, name, type(value)(new) if isinstance(value, tuple) else new)
+            except Exception:  # noqa: BLE001 - a config that validates its fields
+                pass
+    if isinstance(getattr(config, "window_size", None), int):
+        config.window_size = 2  # Swin-style windows over the tiny image's patches

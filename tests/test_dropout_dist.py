@@ -148,17 +148,29 @@ def _data_parallel_run(model, wrapped):
         logits.sum().backward()
     for h in handles:
         h.remove()
-    return logits.detach(), [t.detach() for t in taps], lo, rows
+    grads = {}
+    for name, param in model.named_parameters():  # FSDP2's are shards of DTensors: gathered (every rank)
+        grad = param.grad
+        grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+    return logits.detach(), [t.detach() for t in taps], lo, rows, grads
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_data_parallel_ddp_and_fsdp2_equal_one_process(world):
     per_rank = run_distributed(_data_parallel, world, timeout=240)
-    logits, taps = tapped(build(), tokens(), step=3)
+    reference = build()
+    logits, taps = tapped(reference, tokens(), step=3)
+    with knn.keyed(reference, SEED, step=3):  # the same keyed forward again, for the gradients
+        reference(tokens()).sum().backward()
+    # each rank's loss is the sum over its rows, and DDP and FSDP2 average the ranks' gradients
+    want = {name: param.grad / world for name, param in reference.named_parameters()}
     for results in per_rank:
         for name in ("ddp", "fsdp2"):
-            out, rank_taps, lo, rows = results[name]
+            out, rank_taps, lo, rows, grads = results[name]
+            assert grads.keys() == want.keys(), name
+            for fqn, grad in grads.items():
+                torch.testing.assert_close(grad, want[fqn], rtol=1e-4, atol=1e-5, msg=f"{name} {fqn}")
             # 4 rows per rank vs 8: torch's matmuls are not batch-invariant bitwise (CPU ISAs differ)
             torch.testing.assert_close(out, logits[lo:lo + rows], rtol=1e-5, atol=1e-5, msg=name)
             assert len(rank_taps) == len(taps)

@@ -1,7 +1,8 @@
 """The batch rules of keyed() on the layouts real models use (keyinit/nn/_batch_rules_nn.py, issue 22).
 
-Each case runs a small forward that lays the batch out one way and then drops it, on a batch of 4
-and on rows 0:2 and 2:4 (``sample_offset`` 0 and 2): the masks must be bitwise the same. The cases
+Each case runs a small forward that lays the batch out one way and then drops it, on a batch of 4,
+on rows 0:2 and 2:4 (``sample_offset`` 0 and 2) and on each row alone: the masks must be bitwise the
+same. The cases
 where the sample of an element is decided by values keyed() does not follow must raise
 ``UnkeyedRandomnessError`` instead.
 """
@@ -27,15 +28,22 @@ class Fn(nn.Module):
 
 
 def _masks(fn, x: torch.Tensor, join: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dropout mask (``out == 0``) of the whole batch, and of its halves joined along ``join``."""
+    """The dropout mask (``out == 0``) of the whole batch, and of its halves joined along ``join``.
+
+    The forwards of one row each (a batch of one, where a size-1 dimension is both the batch and a
+    broadcast) must give the halves' masks too."""
     model = Fn(fn)
     with knn.keyed(model, 3, step=1):
         whole = model(x) == 0
-    parts = []
-    for lo, hi in ((0, 2), (2, 4)):
-        with knn.keyed(model, 3, step=1, sample_offset=lo):
-            parts.append(model(x[lo:hi]) == 0)
-    return whole, torch.cat(parts, join)
+    joined = []
+    for split in (((0, 2), (2, 4)), ((0, 1), (1, 2), (2, 3), (3, 4))):
+        parts = []
+        for lo, hi in split:
+            with knn.keyed(model, 3, step=1, sample_offset=lo):
+                parts.append(model(x[lo:hi]) == 0)
+        joined.append(torch.cat(parts, join))
+    assert torch.equal(joined[1], joined[0]), "forwards of one row draw other masks than forwards of two"
+    return whole, joined[0]
 
 
 X = torch.rand(4, 6, 8, generator=torch.Generator().manual_seed(0)) + 0.5  # (B, L, D), no zeros
@@ -141,3 +149,35 @@ def test_fft_and_norms_keep_the_batch():
 
     whole, halves = _masks(fnet, X)
     assert torch.equal(whole, halves)
+
+
+def test_sequence_first_heads_and_einsum_attention_in_forwards_of_one_row():
+    """A forward of one row: a reshape of a size-1 batch cannot tell which dimension it merged into, and
+    einsum folds a size-1 batch dimension into the ones it contracts; every element is still that sample's."""
+
+    def fsmt(x):  # sequence-first (L, B, D) -> (L, B*H, d) -> (B*H, L, d), as FSMT's attention
+        length, b = x.shape[1], x.shape[0]
+        q = x.transpose(0, 1).reshape(length, b * 2, 4).transpose(0, 1)
+        probs = torch.bmm(q, q.transpose(1, 2)).softmax(-1)
+        return F.dropout(probs, 0.5).reshape(b, 2, length, length)
+
+    whole, halves = _masks(fsmt, X)
+    assert torch.equal(whole, halves)
+
+    def xlnet(x):  # (L, B, H, d) and einsum over them, as XLNet's relative attention
+        q = x.transpose(0, 1).reshape(x.shape[1], x.shape[0], 2, 4)
+        return F.dropout(torch.einsum("ibnd,jbnd->bnij", q, q).softmax(-1), 0.5)
+
+    whole, halves = _masks(xlnet, X)
+    assert torch.equal(whole, halves)
+
+
+def test_a_forward_of_one_row_refuses_a_draw_sized_by_a_plain_one():
+    """There x.shape[0] may be a plain 1 (its record in another dimension): a draw sized (1, ...) is not taken
+    as replicated."""
+    noise = Fn(lambda x: x + torch.rand(1, x.shape[1], 1))
+    with knn.keyed(noise, 0, step=0):
+        noise(X[:2])  # two rows: a (1, L, 1) draw broadcast over them is replicated
+    with knn.keyed(noise, 0, step=0, sample_offset=2), \
+            pytest.raises(UnkeyedRandomnessError, match=r"rand is sized \[1, 6, 1\]"):
+        noise(X[2:3])

@@ -294,10 +294,15 @@ def test_host_generators_as_in_the_eager_forward():
     compiled = knn.compile(model, backend="aot_eager")
     np_state, py_state = np.random.get_state(), random.getstate()
     for step in range(2):
-        with knn.keyed(model, 0, step=step):
-            eager = model(_inputs())
-        with knn.keyed(compiled, 0, step=step):
-            assert torch.equal(compiled(_inputs()), eager)
+        for rows, host_random in ((slice(1, 2), "sample"), (slice(None), "forward"), (slice(None), "replicated")):
+            with knn.keyed(model, 0, step=step, sample_offset=rows.start or 0, host_random=host_random):
+                eager = model(_inputs()[rows])
+            with knn.keyed(compiled, 0, step=step, sample_offset=rows.start or 0, host_random=host_random):
+                assert torch.equal(compiled(_inputs()[rows]), eager), (step, host_random)
+    for keyed_model in (model, compiled):  # a host draw over 4 samples without host_random=: refused in both
+        with pytest.raises(UnkeyedRandomnessError, match="over samples 0..3"):
+            with knn.keyed(keyed_model, 0, step=0):
+                keyed_model(_inputs())
     assert np.array_equal(np.random.get_state()[1], np_state[1]) and random.getstate() == py_state
 
 

@@ -1,6 +1,7 @@
 """keyed() under torch.distributed.pipelining: each micro-batch keyed with its rows (real gloo ranks).
 
-A 2-stage pipeline (GPipe forward-only, 1F1B with a loss and backward) over a
+A 2-stage pipeline (GPipe forward-only, 1F1B with a loss and backward), and 4 stages
+interleaved on 2 ranks (Interleaved1F1B, two keyed contexts per rank), over a
 model whose blocks drop elements (nn.Dropout) and whole samples (a DropPath-style
 per-sample bernoulli_): the last stage's output and every parameter's gradient
 equal the unpipelined single-process keyed run (torch's matmuls compared with a
@@ -102,6 +103,48 @@ def test_pipeline_micro_batches_draw_the_whole_batchs_masks(schedule_name, backw
         assert set(grads) == set(ref_grads)
         for name, grad in ref_grads.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _interleaved():
+    """Interleaved 1F1B: 4 stages of one layer on 2 ranks (rank r holds stages r and r + 2), each stage
+    keyed by its own context and adapter, with a loss and backward."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nets, stages = [], []
+    for index in (rank, rank + world):
+        net = _net()
+        for name in list(net.layers.keys()):  # the stage keeps the full model's FQN of its layer
+            if int(name) != index:
+                del net.layers[name]
+        nets.append(net)
+        stages.append(PipelineStage(net, stage_index=index, num_stages=2 * world, device=torch.device("cpu")))
+    loss = lambda out, target: torch.nn.functional.mse_loss(out, target, reduction="sum")  # noqa: E731
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=CHUNKS, loss_fn=loss, scale_grads=False)
+    x, target = _inputs()
+    rng = torch.get_rng_state()
+    with contextlib.ExitStack() as stack:
+        for net, stage in zip(nets, stages):
+            ctx = stack.enter_context(knn.keyed(net, SEED, step=STEP, sample_offset=0))
+            stack.enter_context(knn.micro_batches(stage, ctx, batch_size=BATCH, n_microbatches=CHUNKS))
+        out = schedule.step(x) if rank == 0 else schedule.step(target=target)
+    assert torch.equal(rng, torch.get_rng_state())
+    grads = {n: p.grad.clone() for net in nets for n, p in net.named_parameters() if p.grad is not None}
+    return (None if out is None else out.detach()), grads
+
+
+@requires_gloo
+def test_interleaved_1f1b_micro_batches_draw_the_whole_batchs_masks():
+    reference, ref_grads = _reference(True)
+    per_rank = run_distributed(_interleaved, 2, timeout=180)
+    torch.testing.assert_close(per_rank[1][0], reference, rtol=1e-5, atol=1e-6)  # the last stage (3) is rank 1's
+    grads = {**per_rank[0][1], **per_rank[1][1]}
+    assert set(grads) == set(ref_grads)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_without_the_adapter_both_micro_batches_would_repeat_rows_0_and_differ():

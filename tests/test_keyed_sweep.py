@@ -4,9 +4,11 @@ Each architecture (``tests/_hf_arch.py``: one class per ``model_type``, its defa
 to a tiny one, no hub) is built with every dropout-like probability at 0.1 (``*dropout*``,
 ``*_pdrop``, ``*layerdrop``: LayerDrop included), put in train mode with its BatchNorms on their
 running statistics, and run under ``keyinit.nn.keyed(model, 0, step=0)`` on a batch of 4 token
-sequences and again on rows 0:2 and 2:4 with ``sample_offset`` 0 and 2. Checked:
+sequences and again on rows 0:2 and 2:4 with ``sample_offset`` 0 and 2 (:data:`REPRESENTATIVE`: also
+on each row alone, a forward of one row, where a size-1 batch is easily taken for a broadcast).
+Checked:
 
-* the logits of the two halves equal the whole batch's (torch's matmuls are not batch-invariant:
+* the logits of every split equal the whole batch's (torch's matmuls are not batch-invariant:
   with a tolerance);
 * every dropout module's mask (``out == 0`` where ``in != 0``, read by a forward hook) is
   bitwise the whole batch's, joined along the dimension the halves split; and the modules run
@@ -46,8 +48,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 P = 0.1
 #: Parameters and buffers of a tiny build, counted on the meta device (some default configs stay large).
 MAX_ELEMENTS = 5_000_000
-#: Logits are compared with this tolerance (float32 matmuls and attention over 2 or 4 rows).
+#: Logits are compared with this tolerance (float32 matmuls and attention over 1, 2 or 4 rows).
 TOL = dict(rtol=1e-4, atol=1e-4)
+#: The splits of the batch of 4 compared with it: halves (``sample_offset`` 0 and 2) and single rows (these
+#: for :data:`REPRESENTATIVE` only: they double the sweep's time; tests/test_keyed_sweep_seq2seq_vision.py
+#: runs them on every architecture).
+SPLITS = (((0, 2), (2, 4)), ((0, 1), (1, 2), (2, 3), (3, 4)))
 
 #: The CI selection, by how each lays out the batch where it draws:
 REPRESENTATIVE = (
@@ -188,7 +194,7 @@ def _same_rng(a: tuple, b: tuple) -> bool:
 @pytest.mark.parametrize("model_type,class_name", SELECTED)
 def test_keyed_training_forward_is_split_invariant(model_type, class_name):
     model, ids = _build(model_type, class_name)
-    halves = ((0, 2), (2, 4))
+    halves = SPLITS[0]
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.eval()
@@ -215,12 +221,15 @@ def test_keyed_training_forward_is_split_invariant(model_type, class_name):
             with knn.keyed(model, 0, step=0):
                 whole = _logits(model, ids)
             whole_taps, taps.masks, taps.ran = (dict(taps.masks), list(taps.ran)), {}, []
-            parts, part_taps = [], []
-            for lo, hi in halves:
-                with knn.keyed(model, 0, step=0, sample_offset=lo):
-                    parts.append(_logits(model, ids[lo:hi]))
-                part_taps.append((dict(taps.masks), list(taps.ran)))
-                taps.masks, taps.ran = {}, []
+            splits = []
+            for split in SPLITS if model_type in REPRESENTATIVE else SPLITS[:1]:
+                parts, part_taps = [], []
+                for lo, hi in split:
+                    with knn.keyed(model, 0, step=0, sample_offset=lo):
+                        parts.append(_logits(model, ids[lo:hi]))
+                    part_taps.append((dict(taps.masks), list(taps.ran)))
+                    taps.masks, taps.ran = {}, []
+                splits.append((torch.cat(parts), part_taps))
             with knn.keyed(model, 0, step=1):
                 step1 = _logits(model, ids)
         finally:
@@ -228,16 +237,18 @@ def test_keyed_training_forward_is_split_invariant(model_type, class_name):
         after = _rng_state()
 
     assert _same_rng(before, after), f"{model_type}: a keyed forward read or advanced a global RNG"
-    torch.testing.assert_close(torch.cat(parts), whole, **TOL, msg=lambda m: f"{model_type}: split changes logits: {m}")
     assert not torch.allclose(whole, eval_whole, **TOL), f"{model_type}: keyed dropout is not live"
     assert not torch.allclose(whole, step1, **TOL), f"{model_type}: step 1 gives step 0's values"
     masks, ran = whole_taps
-    for part_masks, part_ran in part_taps:
-        assert part_ran == ran, f"{model_type}: another split ran other modules (a LayerDrop decision differs)"
-        assert part_masks.keys() == masks.keys(), f"{model_type}: dropout calls differ between splits"
-    for call, (mask, nonzero) in masks.items():
-        joined = _joined(mask, [p[0][call][0] for p in part_taps], f"{model_type} {call}")
-        live = _joined(nonzero, [p[0][call][1] for p in part_taps], f"{model_type} {call}")
-        for got, got_live in zip(joined, live):
-            both = nonzero & got_live  # a zero input gives a zero output whatever the mask
-            assert torch.equal(got & both, mask & both), f"{model_type}: the mask of {call} depends on the split"
+    for split, (joined_logits, part_taps) in zip(SPLITS, splits):
+        torch.testing.assert_close(joined_logits, whole, **TOL,
+                                   msg=lambda m: f"{model_type}: split {split} changes logits: {m}")
+        for part_masks, part_ran in part_taps:
+            assert part_ran == ran, f"{model_type}: split {split} ran other modules (a LayerDrop decision differs)"
+            assert part_masks.keys() == masks.keys(), f"{model_type}: dropout calls differ in split {split}"
+        for call, (mask, nonzero) in masks.items():
+            joined = _joined(mask, [p[0][call][0] for p in part_taps], f"{model_type} {call}")
+            live = _joined(nonzero, [p[0][call][1] for p in part_taps], f"{model_type} {call}")
+            for got, got_live in zip(joined, live):
+                both = nonzero & got_live  # a zero input gives a zero output whatever the mask
+                assert torch.equal(got & both, mask & both), f"{model_type}: the mask of {call} depends on the split"

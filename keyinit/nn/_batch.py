@@ -183,6 +183,7 @@ def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what:
     found: Record = None
     foreign = False
     constant: Optional[Unknown] = None
+    single: Union[Batch, Unknown, None] = None
     for rec, in_ndim, size in records:
         if rec is None:
             continue
@@ -197,17 +198,30 @@ def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what:
         if rec.dim is None:
             aligned: Batch = rec
         else:
-            if size == 1 and rec.count == 1 and rec.inner == 1:
-                # a batch of one broadcast against the others: the same values for every sample
-                continue
             aligned = rec.moved(rec.dim + ndim - in_ndim)
+            if size == 1 and rec.count == 1 and rec.inner == 1:
+                # a batch of one: broadcast against the others' samples (the same values for each), or,
+                # when no other input holds a batch, the one sample of a forward of one row
+                single = aligned if single is None or single == aligned else Unknown(
+                    f"{what} broadcasts rows of different samples ({single} and {aligned}) against each other")
+                continue
         if found is None:
             found = aligned
         elif found != aligned:
+            if _one_sample(found, aligned):
+                found = found if found.inner == 1 and found.dim is not None else aligned
+                continue
             return Unknown(f"{what} combines tensors whose batches are laid out differently ({found} and {aligned})")
     if found is None:
-        return constant or (FOREIGN if foreign else None)
+        return single or constant or (FOREIGN if foreign else None)
     return found
+
+
+def _one_sample(a: Batch, b: Batch) -> bool:
+    """Two records of the same one sample: every element of either is that sample's, at its row-major place,
+    however the dimension is laid out (a forward of one row, where a reshape cannot tell which dimension
+    the batch merged into), so combining them mixes no samples."""
+    return a.count == 1 and b.count == 1 and a.start == b.start
 
 
 def reshape(rec: Batch, old: Sequence[int], new: Sequence[int], what: Any) -> Record:
@@ -219,13 +233,25 @@ def reshape(rec: Batch, old: Sequence[int], new: Sequence[int], what: Any) -> Re
     period = rec.inner * math.prod(old[rec.dim + 1:])  # flat elements from one sample to the next
     block = period * rec.count  # one run through every local sample
     suffix = 1  # elements of the new dimensions after d
+    fits: list[Batch] = []  # from the innermost dimension out
     for d in range(len(new) - 1, -1, -1):
         if suffix > period:
             break
         # dimension d holds the batch iff its stride divides the period and it spans whole runs
         if period % suffix == 0 and (new[d] * suffix) % block == 0:
-            return Batch(d, rec.count, rec.start, period // suffix)
+            if rec.count != 1:
+                return Batch(d, rec.count, rec.start, period // suffix)  # the one such dimension
+            fits.append(Batch(d, 1, rec.start, period // suffix))
         suffix *= new[d]
+    if fits:
+        # One sample: each of these places it (all its elements are the sample's, in row-major order).
+        # Keep it where a batch of more rows would be, so the ops after see the layout they see then: a
+        # dimension of size 1 at the sample's stride (the same dimension as before if it is one, else the
+        # outermost: (1, C) -> (1, 1, 1, C) keeps dimension 0, (L, D) -> (L, 1, D) takes dimension 1), else
+        # the outermost (sequence-first (L, 1, D) -> (L, D): dimension 0, as (L*B, D) rows).
+        ones = [b for b in fits if b.inner == 1 and new[b.dim] == 1]
+        same = [b for b in ones if b.dim == rec.dim]
+        return (same or ones or fits)[-1]
     return Unknown(f"{what} splits the batch dimension across dimensions ({tuple(old)} -> {tuple(new)})")
 
 

@@ -417,6 +417,23 @@ def _rule_for(func: Any) -> Optional[Callable]:
     return None
 
 
+def _one_sample(records: list[tuple[torch.Tensor, Record]]) -> Optional[Batch]:
+    """``Batch(None, 1, s)`` when the inputs that hold a batch all hold the one sample ``s`` (a forward of one
+    row) and none is unknown: whatever the op does with their elements, every element of its result is
+    sample ``s``'s, at its row-major place, so a rule's layout conflict there mixes no samples (a reshape of
+    one sample cannot tell which dimension its batch merged into, and ``einsum`` folds a size-1 batch
+    dimension into the ones it contracts)."""
+    sample: Optional[int] = None
+    for _, rec in records:
+        if isinstance(rec, Unknown):
+            return None
+        if isinstance(rec, Batch):
+            if rec.count != 1 or (sample is not None and rec.start != sample):
+                return None
+            sample = rec.start
+    return None if sample is None else Batch(None, 1, sample)
+
+
 _CACHE: dict[Any, Optional[Callable]] = {}
 
 
@@ -447,6 +464,10 @@ def propagate(func: Any, args: tuple, kwargs: dict, out: Any, records: list[tupl
         result = [Unknown(f"{func}: {exc}")] * len(outs)
     if len(result) < len(outs):
         result = result + [result[-1]] * (len(outs) - len(result))
+    if any(isinstance(r, Unknown) and not r.constant for r in result):
+        sample = _one_sample(records)
+        if sample is not None:
+            result = [sample if isinstance(r, Unknown) and not r.constant else r for r in result]
     if foreign:
         # a result computed from a tensor of unknown origin and no batch-holding tensor: of unknown origin too
         result = [FOREIGN if r is None else r for r in result]

@@ -267,9 +267,8 @@ def _rule_index(func, args, kwargs, outs, records):
         if isinstance(irec, Batch) and irec.dim is not None:
             aligned = irec.dim + index_nd - index.dim()
             size = int(index.shape[irec.dim])
-            if size == 1 and irec.count == 1 and irec.inner == 1:
-                continue  # broadcast: the same for every sample
-            candidates.append((irec.moved(lead + aligned), out_nd, None))
+            # size 1 and one sample: broadcast against the others (or the one sample of a 1-row forward): merge
+            candidates.append((irec.moved(lead + aligned), out_nd, size))
         else:
             candidates.append((irec, out_nd, None))
     return [merge(candidates, out_nd, str(func))]

@@ -2,10 +2,13 @@
 
 - :class:`Forward`: one root forward (an outermost module execution): the rows it
   holds (``start``, ``count``), its repeat count, its tensors' batch records
-  (:mod:`keyinit.nn._batch`), the keys of its calls and of its host generators;
+  (:mod:`keyinit.nn._batch`), the keys of its calls and of its host generators
+  (:mod:`keyinit.nn._hostrandom`: how they are keyed, and what is refused);
 - :func:`remember` / :func:`recomputed`: how a forward that activation
   checkpointing recomputes in backward finds its first execution (non-reentrant:
   the same input tensors; reentrant: the memory of the detached inputs);
+- :class:`CheckpointingFunction`: transformers' gradient checkpointing, whose recompute bypasses
+  the module's hooks;
 - :class:`MicroBatch` (``ctx.micro_batch(offset)``) and :class:`Named`
   (``keyed("a.name", ...)``).
 
@@ -21,10 +24,11 @@ import torch
 
 from keyinit.keys import Key, as_uint64, fold_in
 from keyinit.nn._batch import annotate, record
+from keyinit.nn._hostrandom import SAMPLE_FIXES, HostRandom, host_stream_key
 from keyinit.nn._keys import keyed_call_key, keyed_module_key
 
-__all__ = ["Forward", "MicroBatch", "Named", "input_tensors", "sequence_first_module", "sequence_first_dropouts",
-           "resolve_sample_offset", "remember", "recomputed"]
+__all__ = ["Forward", "MicroBatch", "Named", "CheckpointingFunction", "input_tensors", "sequence_first_module",
+           "sequence_first_dropouts", "resolve_sample_offset", "remember", "remember_host", "recomputed"]
 
 
 class Forward:
@@ -37,7 +41,7 @@ class Forward:
     """
 
     __slots__ = ("start", "count", "repeat", "fqn", "constants", "owner", "grad", "drew", "records", "probe", "escaped",
-                 "__weakref__")
+                 "host", "host_states", "__weakref__")
 
     def __init__(self, ctx: Any, fqn: str, start: int, count: int, repeat: int) -> None:
         self.fqn, self.start, self.count, self.repeat = fqn, start, count, repeat
@@ -48,17 +52,63 @@ class Forward:
         self.records: dict[int, tuple[Any, Any]] = {}  # id(tensor) -> (weakref, its batch record): _batch.py
         # a shape probe (meta tensors, a pipeline stage's shape inference): later forwards do not repeat it
         self.probe = False
-        self.escaped: set[int] = set()  # batch sizes len() turned into plain ints (keyinit.nn._modes)
+        # batch sizes len() turned into plain ints (keyinit.nn._modes): a factory sized by one is not placed. In
+        # a forward of one row every plain 1 may be the batch size (a record of one sample may sit in another
+        # dimension than a larger batch's, and x.shape[0] is then a plain 1): a draw sized by it is refused
+        # rather than drawn replicated
+        self.escaped: set[int] = {1} if count == 1 else set()
+        self.host: Optional[HostRandom] = None  # its running execution's host generators (_hostrandom)
+        # the host generators' states where a module under activation checkpointing began (remember_host):
+        # _replay_key of its first input -> HostRandom.state(), or None where they were as seeded
+        self.host_states: dict[tuple, Any] = {}
 
     def host_key(self, ctx: Any) -> Key:
         """The key that seeds Python's and numpy's generators in this forward (docs/spec.md 14.7)."""
         k = fold_in(keyed_module_key(ctx.root, ctx.step, self.fqn), "host")
-        return fold_in(k, self.repeat) if self.repeat else k
+        if self.repeat:
+            k = fold_in(k, self.repeat)
+        return host_stream_key(k, self.start, self.count, ctx.host_mode)
 
-    def call_key(self, ctx: Any, fqn: str, ordinal: int) -> Key:
+    def host_random(self, ctx: Any, fqn: str, args: tuple = (), kwargs: Optional[dict] = None) -> HostRandom:
+        """Python's and numpy's generators keyed for this forward's execution of ``fqn`` (its root module,
+        or a module that activation checkpointing recomputes: from the states its first execution began
+        with), with what is refused there."""
+        model = ctx.model
+        if getattr(model, "_keyinit_block", False):
+            where = f"keyed block '{model.name}'"
+        else:
+            where = f"keyed({type(model).__name__}): the forward of " + (f"module '{self.fqn}'" if self.fqn else
+                                                                          "the root module")
+        refuse, resume = None, None
+        replay = _host_replay_key(fqn, args, kwargs or {}) if fqn != self.fqn else None
+        if ctx.index != "tracked":
+            refuse = (f"{where} (index='dim0') drew from ", "'s global state: index='dim0' keys only the dropout "
+                      "family, and refuses every other draw rather than reading a global generator. Use "
+                      "keyinit.nn.keyed(..., index='tracked') (the default) to key random and numpy.random")
+        elif fqn != self.fqn and replay in self.host_states:
+            resume = self.host_states[replay]  # None: it began with the generators as seeded
+        elif fqn != self.fqn:
+            refuse = (f"{where}: activation checkpointing recomputed module '{fqn}' in backward, which drew from ",
+                      "'s global state. A recompute of a module inside the keyed forward starts the generator from "
+                      "the forward's seed, not where its first execution drew, so its values (and the gradients) "
+                      "would differ: checkpoint the whole keyed model (its recompute replays the forward's host "
+                      "stream), or draw with torch ops, which keyed() keys in recomputes")
+        elif self.count > 1 and ctx.host_mode == "sample":
+            last = self.start + self.count - 1
+            refuse = (f"{where} over samples {self.start}..{last} ({self.count} rows) drew from ", SAMPLE_FIXES)
+        self.host = HostRandom(self.host_key(ctx), refuse, lambda: self.mark_drawn(ctx), resume)
+        return self.host
+
+    def mark_drawn(self, ctx: Any) -> None:
+        """This forward drew keyed values (a random op, or a host generator): a later forward of these rows is
+        a repeat."""
         if not self.drew and not self.probe:
             self.drew = True
             ctx._history.setdefault(self.fqn, []).append((self.start, self.start + self.count))
+
+    def call_key(self, ctx: Any, fqn: str, ordinal: int) -> Key:
+        if not self.drew:
+            self.mark_drawn(ctx)
         k = keyed_call_key(ctx.root, ctx.step, fqn, ordinal)
         if self.repeat:
             k = fold_in(fold_in(k, "repeat"), self.repeat)
@@ -150,9 +200,27 @@ def _replay_key(fqn: str, t: torch.Tensor) -> tuple:
 def remember(ctx: Any, fqn: str, forward: "Forward", args: tuple, kwargs: dict) -> None:
     """A module run with autograd off inside a forward that had it on (reentrant activation
     checkpointing): its input tensors are remembered, for the recompute in backward to find this
-    forward and their batch records."""
+    forward and their batch records (and the host generators' states, :func:`remember_host`)."""
     for t in input_tensors(args, kwargs):
         ctx._replays[_replay_key(fqn, t)] = (weakref.ref(t), forward)
+    remember_host(fqn, forward, args, kwargs)
+
+
+def _host_replay_key(fqn: str, args: tuple, kwargs: dict) -> Optional[tuple]:
+    tensors = input_tensors(args, kwargs)
+    return _replay_key(fqn, tensors[0]) if tensors else None
+
+
+def remember_host(fqn: str, forward: "Forward", args: tuple, kwargs: dict) -> None:
+    """A module run under activation checkpointing inside ``forward``: where the host generators stand
+    as it begins, for a recompute that starts at this module to draw what it drew (found by its first
+    input's memory, as reentrant checkpointing's are)."""
+    host = forward.host
+    if host is None or not forward.grad:
+        return
+    replay = _host_replay_key(fqn, args, kwargs)
+    if replay is not None:
+        forward.host_states[replay] = host.state() if host.moved() else None
 
 def recomputed(ctx: Any, fqn: str, args: tuple, kwargs: dict) -> Optional["Forward"]:
     """The forward whose execution of module ``fqn`` a forward run in backward recomputes, or None."""
@@ -170,6 +238,55 @@ def recomputed(ctx: Any, fqn: str, args: tuple, kwargs: dict) -> Optional["Forwa
             found_forward = found[1]
             annotate(t, found_forward, record(original, found_forward))
     return found_forward
+
+class CheckpointingFunction:
+    """transformers' gradient checkpointing of ``module`` (its ``_gradient_checkpointing_func``), keyed.
+
+    ``GradientCheckpointingLayer`` checkpoints ``partial(forward, module)``, the module's forward without its
+    call: the recompute in backward runs the module's own code outside its hooks, so keyinit would not key
+    the draws it makes directly (``F.dropout`` in BART's layers: torch's mask, wrong gradients) nor find its
+    children's inputs (tensors the recompute makes anew). While the block (and its recomputes) lasts, the
+    module's ``_gradient_checkpointing_func`` is this wrapper: the recompute runs as the module's execution
+    again (:func:`recomputed`: the first execution's forward, a frame with its call counter from 0, the
+    host generators where they stood), with each recomputed input given its first execution's batch record.
+    :meth:`remove` puts the function back.
+    """
+
+    def __init__(self, ctx: Any, module: torch.nn.Module) -> None:
+        self.ctx, self.module = ctx, module
+        self.original = module.__dict__["_gradient_checkpointing_func"]
+        module._gradient_checkpointing_func = self
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("_gradient_checkpointing_func") is self:
+            self.module._gradient_checkpointing_func = self.original
+
+    def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        ctx = self.ctx
+        frame = ctx._current_frame()
+        if frame is None or frame.foreign or frame.module is not self.module:
+            return self.original(fn, *args, **kwargs)
+        forward, module, fqn = frame.forward, frame.module, frame.fqn
+        remember_host(fqn, forward, args, {})
+        firsts = args
+
+        def run(*inputs: Any) -> Any:
+            if torch._C._current_graph_task_id() == -1:
+                return fn(*inputs)  # the first execution: inside the module's own frame already
+            for new, old in zip(inputs, firsts):  # reentrant checkpointing passes detached copies
+                if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and new is not old:
+                    annotate(new, forward, record(old, forward))
+            ctx._pre_hook(fqn)(module, inputs, {})
+            try:
+                out = fn(*inputs)
+            except BaseException:
+                ctx._post_hook()(module, inputs, None)  # (an early stop of non-reentrant checkpointing)
+                raise
+            ctx._post_hook()(module, inputs, out)
+            return out
+
+        return self.original(run, *args, **kwargs)
+
 
 class Named(torch.nn.Module):
     """The stand-in module of a named block (``keyed("name", ...)``): its FQN is the name."""

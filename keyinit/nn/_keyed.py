@@ -18,6 +18,7 @@ there); any other overlap of two active contexts is a ``RuntimeError``.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from typing import Any, Callable, Optional, Union
@@ -26,9 +27,10 @@ import torch
 
 from keyinit.fqn import canonical_modules
 from keyinit.keys import Key, as_uint64, key
-from keyinit.nn._batch import Batch, annotate, declare, declared, record
+from keyinit.nn._batch import Batch, annotate, declared, record
 from keyinit.nn._intercept import Frame
 from keyinit.nn._forward import (
+    CheckpointingFunction,
     Forward,
     input_tensors,
     MicroBatch,
@@ -38,11 +40,12 @@ from keyinit.nn._forward import (
     sequence_first_module,
     recomputed,
     remember,
+    remember_host,
 )
-from keyinit.nn._hostrandom import HostRandom
+from keyinit.nn._hostrandom import HOST_RANDOM, HostRandom
 from keyinit.nn._modes import BatchMode, FunctionMode, mode_is_active, mode_is_top
 
-__all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward", "batch_dim", "context_of"]
+__all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward", "context_of"]
 
 INDEX_RULES = ("tracked", "dim0")
 
@@ -133,7 +136,8 @@ class Keyed:
     """The context manager :func:`keyed` returns (single use; enter it with ``with``)."""
 
     def __init__(self, model: Union[torch.nn.Module, str], seed: Union[int, Key], step: int,
-                 sample_offset: Optional[int], index: str = "tracked", inputs: Any = ()) -> None:
+                 sample_offset: Optional[int], index: str = "tracked", inputs: Any = (),
+                 host_random: str = "sample") -> None:
         self._inputs: tuple = ()
         if isinstance(model, str):
             from keyinit.nn._keys import check_fqn
@@ -152,7 +156,10 @@ class Keyed:
             raise TypeError(f"keyed: model must be a torch.nn.Module or a block name, got {type(model).__name__}")
         if index not in INDEX_RULES:
             raise ValueError(f"keyed: index must be one of {INDEX_RULES}, got {index!r}")
+        if host_random not in HOST_RANDOM:
+            raise ValueError(f"keyed: host_random must be one of {HOST_RANDOM}, got {host_random!r}")
         self.index = index
+        self.host_mode = host_random  # keyed(..., host_random=): see keyinit.nn._hostrandom
         self.model = model
         #: The root of every dropout key (:func:`keyinit.nn.dropout_key`'s ``seed``); ``key`` checks an int.
         self.root = seed if isinstance(seed, Key) else key(seed)
@@ -248,6 +255,8 @@ class Keyed:
                 if forward.grad and not torch.is_grad_enabled():
                     remember(self, fqn, forward, args, kwargs)
                     self._recomputable = True
+                elif forward.host is not None and _saved_tensor_hooks_active():
+                    remember_host(fqn, forward, args, kwargs)  # non-reentrant checkpointing may start here
             else:
                 in_backward = torch._C._current_graph_task_id() != -1
                 forward = recomputed(self, fqn, args, kwargs) if in_backward else None
@@ -264,8 +273,8 @@ class Keyed:
             if not self._recomputable and _saved_tensor_hooks_active():
                 self._recomputable = True  # non-reentrant checkpointing (saved-tensor hooks) may recompute this
             frame = Frame(module, fqn, foreign, forward)
-            if not state.frames and self.index == "tracked" and not foreign:
-                host = self.host_random(forward)
+            if not state.frames and not foreign:
+                host = forward.host_random(self, fqn, args, kwargs)
                 host.__enter__()
                 frame.pushed.append(host)  # left by the post-hook, after the modes
             # The modes are active only while one of the model's forwards runs: entered by the outermost
@@ -296,12 +305,16 @@ class Keyed:
                 return
             if not any(frame.module is module for frame in frames):
                 return  # a forward this context did not key (after the context was left)
+            refusal = None
             while frames:  # robust to a forward that raised inside a child
                 frame = frames.pop()
                 for mode in reversed(frame.pushed):
                     mode.__exit__(None, None, None)
+                    refusal = getattr(mode, "refusal", None) or refusal  # a host draw refused (_hostrandom)
                 if frame.module is module:
                     break
+            if refusal is not None and sys.exc_info()[0] is None:
+                raise refusal  # before the forward's output reaches the caller
 
         return hook
 
@@ -367,6 +380,8 @@ class Keyed:
                     compiled.append(raw)
                     continue
                 self._hook(module, fqn)
+                if callable(module.__dict__.get("_gradient_checkpointing_func")):  # transformers' checkpointing
+                    self._handles.append(CheckpointingFunction(self, module))
             self._sequence_first = sequence_first_dropouts(self.model)
             _active().append(self)
             with _entered_lock:
@@ -405,8 +420,10 @@ class Keyed:
 
     def host_random(self, forward: "Forward") -> HostRandom:
         """What Python's ``random`` and ``numpy.random`` draw in root forward ``forward`` (a context manager
-        that seeds them and puts their states back)."""
-        return HostRandom(forward.host_key(self))
+        that seeds them, puts their states back, and raises a refused draw when it is left)."""
+        host = forward.host_random(self, forward.fqn)
+        host.raises = True
+        return host
 
     def suspend(self, module: torch.nn.Module, fqn: str, forward: "Forward") -> list:
         """Leave this thread's modes and take this context's hooks off ``module`` and its submodules while
@@ -492,7 +509,11 @@ class Keyed:
 
     def __exit__(self, *exc_info: Any) -> None:
         if isinstance(self.model, Named):
-            self._post_hook()(self.model, (), None)
+            try:
+                self._post_hook()(self.model, (), None)  # raises a refused host draw (after leaving the block)
+            except BaseException:
+                self._teardown()
+                raise
         alive = any(ref() is not None for f in self._forwards for ref, _ in f.records.values())
         if self._handles and exc_info[0] is None and self._recomputable and alive:
             # Tensors of its forwards are alive (saved for a backward outside the block): the hooks stay, and
@@ -509,31 +530,9 @@ class Keyed:
         self._state = "exited"
 
 
-def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
-    """Declare where ``tensor``'s batch is for :func:`keyinit.nn.keyed`; returns ``tensor``.
-
-    Before the forward (a model input): ``dim`` is the dimension that indexes the
-    samples (``0`` is the default for every input whose dimension 0 has the batch's
-    size), or ``None`` for an input that holds no batch (replicated: the same for
-    every sample, e.g. a position table). Inside a keyed forward: the tensor's
-    dimension ``dim`` holds the samples of the running forward, in order.
-    """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"batch_dim: tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if dim is not None:
-        if isinstance(dim, bool) or not isinstance(dim, int) or not -tensor.dim() <= dim < tensor.dim():
-            raise ValueError(f"batch_dim: dim must be None or a dimension of the {tensor.dim()}-D tensor, got {dim!r}")
-        dim %= tensor.dim()
-    declare(tensor, dim)
-    forward = current_forward()
-    if forward is not None:
-        record = None if dim is None else Batch(dim, int(tensor.shape[dim]), forward.start)
-        annotate(tensor, forward, record)
-    return tensor
-
-
 def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: int,
-          sample_offset: Optional[int] = None, index: str = "tracked", inputs: Any = ()) -> Keyed:
+          sample_offset: Optional[int] = None, index: str = "tracked", inputs: Any = (),
+          host_random: str = "sample") -> Keyed:
     """Key every random op in ``model``'s forward by (seed, step, module FQN, call ordinal, sample, place).
 
     Use it around each forward (and backward)::
@@ -558,8 +557,12 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     never changes a value, nor does flattening the batch with heads or tokens.
     A draw whose samples cannot be placed raises
     :class:`keyinit.errors.UnkeyedRandomnessError` naming the module, the op and
-    why; :func:`batch_dim` declares a tensor's batch. Python's ``random`` and
-    ``numpy.random`` are seeded per root forward and restored after it.
+    why; :func:`keyinit.nn.batch_dim` declares a tensor's batch.
+
+    Python's ``random`` and ``numpy.random`` are seeded per root forward and
+    restored after it; ``host_random`` (``"sample"``, ``"forward"``,
+    ``"replicated"``) says from what, and whether a forward of several samples
+    may draw from them (:mod:`keyinit.nn._hostrandom`, ``docs/spec.md`` 14.7).
     Randomness outside the model's forwards is left alone; the global RNGs are
     never read or advanced. ``index="dim0"`` keeps stream v1's first rule
     (dimension 0 of each dropout input is the batch; other draws refused).
@@ -579,4 +582,4 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     refuses ``sample_offset=0``. DTensor activations place their rows themselves
     (their placements add to ``sample_offset``).
     """
-    return Keyed(model, seed, step, sample_offset, index, inputs)
+    return Keyed(model, seed, step, sample_offset, index, inputs, host_random)

@@ -70,7 +70,8 @@ def _factory_record(func: Any, args: tuple, kwargs: dict, escaped: set) -> Any:
         if any(isinstance(v, int) and v in escaped for v in sizes):
             return Unknown(f"{getattr(func, '__name__', func)} is sized {sizes}, and the batch size of a tensor in this "
                            "forward became one of these as a plain int (len(x) and int(x.shape[0]) drop the fact that "
-                           "it is the batch size); size it by x.shape[0] or x.size(0)")
+                           "it is the batch size; in a forward of one row any plain 1 may be it); size it by x.shape[0] or "
+                           "x.size(0)", constant=True)
         return None
     exact = [(d, v) for d, v in tagged if not isinstance(v, DerivedSize)]
     if len(exact) == 1 and len(tagged) == 1:
