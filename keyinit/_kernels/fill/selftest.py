@@ -136,8 +136,8 @@ def run_folded(derive: Callable[[int, int, int, int, int, int], int],
             ("folded-normal-f64", Normal.create(0.0, 1.0), torch.float64, 70, (2**40 + 3, 1)),
             ("folded-randint", Randint.create(-5, 2**31, torch.int64), torch.int64, 333, (0, 2**64 - 1)),
             ("folded-bernoulli-bool", Bernoulli.create(0.3), torch.bool, 100, (12, 2))):
-        want = torch.zeros(n, dtype=dtype)
-        got = torch.zeros(n, dtype=dtype)
+        want = torch.zeros(n, dtype=dtype, device="cpu")
+        got = torch.zeros(n, dtype=dtype, device="cpu")
         ok = fill(want, dist, fold_in(fold_in(key, folds[0]), folds[1]), make_region((n,), None))
         if not ok or not fill_folded(got, dist, key, folds[0], folds[1]) or digest(got) != digest(want):
             failed.append(name)
