@@ -155,3 +155,25 @@ def test_a_table_held_in_two_places_becomes_one_real_tensor():
     keyinit.materialize(model, 0, device="cpu", init_method="init_weights")
     assert model.same_pair is model.pair and model.tables[0] is model.tables[1] is model.pair[0]
     assert torch.equal(model.pair[1], torch.arange(3.0) * 2) and type(model.pair[0]) is torch.Tensor
+
+
+# ---------------------------------------------------------------- audit of issue 23
+
+
+class BufferViewsParameter(nn.Module):
+    """A buffer that is a view of a parameter's elements (``.data`` or ``.detach()``): the alias the view
+    was taken from is alive only as the view's base, not stored anywhere by the constructor."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.arange(6.0).reshape(2, 3))
+        alias = self.a.data if how == "data" else self.a.detach()
+        self.register_buffer("b", alias[:, :2])
+
+
+@pytest.mark.parametrize("how", ["data", "detach"])
+def test_a_buffer_viewing_a_parameter_is_part_of_the_model_not_an_escaped_tensor(how):
+    eager = BufferViewsParameter(how)
+    model = keyinit.deferred(BufferViewsParameter, how)  # was a CaptureError: "stored ... outside the model"
+    keyinit.materialize(model, 0, device="cpu")
+    assert torch.equal(model.a, eager.a) and torch.equal(model.b, eager.b)

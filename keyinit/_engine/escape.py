@@ -148,6 +148,18 @@ def _alive(capture: Capture, replaced: Mapping[int, torch.Tensor]) -> list[Any]:
     return [r for r in capture.made if (t := r()) is not None and id(t) not in replaced]
 
 
+def _deref(reference: Any) -> Any:
+    return reference()
+
+
+def _only_a_base_of(lazy: torch.Tensor, bases: set[int], found: list) -> bool:
+    """``lazy`` is alive only as the base a model tensor was viewed from (``register_buffer("b", p.data[:2])``):
+    no Python object holds it, so it goes with the stand-ins the model's tables drop."""
+    if id(lazy) not in bases:
+        return False
+    return not any(h is not found and not isinstance(h, types.FrameType) for h in gc.get_referrers(lazy))
+
+
 def _holders(tensor: torch.Tensor, found: list) -> str:
     """What refers to ``tensor`` (but ``found``), in words (a closure cell is named by its function)."""
     names = []
@@ -183,7 +195,11 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
         capture.made.clear()
         return
     gc.collect()  # only what is still referenced counts (weak references do not keep it)
-    found = [t for r in _alive(capture, replaced) if (t := r()) is not None]
+    bases = {id(model._base) for model in map(_deref, capture.made)
+             if model is not None and id(model) in replaced and model._base is not None}
+    # (no walrus here: its name would be a cell of this function holding the last stand-in)
+    found = [lazy for lazy in map(_deref, _alive(capture, replaced)) if lazy is not None]
+    found = [lazy for lazy in found if not _only_a_base_of(lazy, bases, found)]
     capture.made.clear()  # swap_tensors refuses a tensor with weak references
     values = []
     for lazy in found:
