@@ -187,8 +187,10 @@ class _Planner:
         A record that wrote nothing (``torch.empty`` left for later init code) is no record. A
         record of another shape (the tensor was replaced after construction) is not used."""
         self.constructed: set[int] = set()  # modules built by keyinit.deferred whose records hold values
-        renumbered: list[str] = []
-        raw_names = {id(m): raw for raw, _canonical, m in canonical_modules(self.model)}
+        renumbered: list[PlannedTensor] = []
+        raw_names: dict[int, str] = {}
+        for raw, _canonical, m in canonical_modules(self.model):
+            raw_names.setdefault(id(m), raw)  # a module at two paths (a layer inserted twice): its first, t.fqn's
         for t in self.tensors:
             found: list[tuple[torch.nn.Module, str, Node]] = []
             for module, attr in t.locations():
@@ -222,12 +224,31 @@ class _Planner:
             # only where the canonical name is the module path (megatron's experts are renamed to their global index)
             if built is not None and raw == t.fqn == t.key_fqn and not (self.fqn_prefix or self.fqn_map):
                 t.key_fqn = built  # its constructor built it as `built` (depth-scaled inits): that model's values
-                renumbered.append(f"{t.fqn} as {built}")
+                renumbered.append(t)
         if renumbered:
+            self._check_renumbered_keys(renumbered)
+            shown = ", ".join(f"{t.fqn} as {t.key_fqn}" for t in renumbered[:4])
             self.notes.append(f"{len(renumbered)} tensors sit at other ModuleList indices than they were built at "
                               f"(renumbered after construction, as `del layers[0]` does) and are keyed by the names "
                               f"they were built with, so they get the full model's values: "
-                              f"{', '.join(renumbered[:4])}{' ...' if len(renumbered) > 4 else ''}")
+                              f"{shown}{' ...' if len(renumbered) > 4 else ''}")
+
+    def _check_renumbered_keys(self, renumbered: list[PlannedTensor]) -> None:
+        """No two different tensors keyed alike because one was renumbered (``del layers[0]`` and then a
+        new layer appended where the last one was built): they would get the same random values."""
+        moved = {id(t) for t in renumbered}
+        by_key: dict[str, list[PlannedTensor]] = {}
+        for t in self.tensors:
+            by_key.setdefault(t.key_fqn, []).append(t)
+        clashes = [group for group in by_key.values() if len(group) > 1 and any(id(t) in moved for t in group)]
+        if clashes:
+            described = "; ".join(" and ".join(f"{t.fqn}{' (renumbered)' if id(t) in moved else ''}" for t in group)
+                                  + f" would all be keyed as {group[0].key_fqn}" for group in clashes)
+            raise PlanError(f"{described}: different tensors keyed by the same name get the same random values. "
+                            f"A ModuleList entry renumbered after construction is keyed by the name "
+                            f"it was built with; name every tensor's full-model FQN with fqn_map (which turns the "
+                            f"renumbering off), or build the stage's new modules inside the builder",
+                            tuple(t.fqn for group in clashes for t in group))
 
     def _resolve_ties(self) -> None:
         for alias, target in self.ties.items():
