@@ -132,6 +132,7 @@ class Capture:
         self.emptied: dict[int, str] = {}  # id(storage) -> the site whose to_empty forgot its contents
         self.made: list = []  # weak references to the stand-ins made (escape.sweep_escaped)
         self.made_limit = 1024
+        self.overwritten: list[tuple[torch.Tensor, torch.Tensor]] = []  # real tensors written: (memory, old values)
         self.site = "<init code>"
         self.label = "init code"
         self._mode = _Mode(self)
@@ -267,8 +268,28 @@ class Capture:
             return func(*concrete[0], **concrete[1])
         if not any(isinstance(x, LazyTensor) for x in flat) and any(isinstance(x, torch.Tensor) for x in flat) \
                 and func not in _IDENTITY:
+            self._keep_overwritten(func, args, kwargs)
             return func(*args, **kwargs)  # real tensors only: run it for real
         return self._record(func, args, kwargs, random=False)
+
+    def _keep_overwritten(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Before an op writes real tensors (a pretrained module the builder was given:
+        ``backbone.fc.bias.zero_()``), keep what it overwrites, for :meth:`put_back`."""
+        names = _mutated_args(func)
+        if not names:
+            return
+        bound = bind_arguments(func, args, kwargs)
+        for tensor in tensor_leaves([bound.get(name) for name in names]):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                alias = tensor.detach()  # the memory written now, whatever tensor.data becomes later
+                self.overwritten.append((alias, alias.clone()))
+
+    def put_back(self) -> None:
+        """Put back every real tensor's values the captured code overwrote (latest first)."""
+        with torch.no_grad(), _disable_current_modes():
+            while self.overwritten:
+                alias, values = self.overwritten.pop()
+                alias.copy_(values)
 
     def _inplace_view(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``t_``, ``transpose_``, ``unsqueeze_``, ``squeeze_``, ``as_strided_``: the tensor becomes a view of

@@ -30,7 +30,7 @@ import torch
 from keyinit._engine.capture import Capture, CaptureError, LazyTensor
 from keyinit.errors import UnkeyedRandomnessError
 
-__all__ = ["concretize_attributes", "derived_attributes", "sweep_escaped"]
+__all__ = ["concretize_attributes", "derived_attributes", "sweep_escaped", "forget_escaped"]
 
 #: nn.Module's own bookkeeping attributes (its parameter, buffer, module and hook tables).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
@@ -229,3 +229,28 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
                                f"parameters and buffers, where keyinit cannot give it its values in place ({exc}); "
                                f"register it as a buffer") from exc
         del lazy, value
+
+
+def forget_escaped(capture: Capture) -> None:
+    """After captured code failed: every ``functools.lru_cache`` holding one of ``capture``'s stand-ins
+    is cleared, so code that calls it later (an eager model built next) computes real tensors again.
+    (A failed build leaves no model whose stand-ins could be told from escaped ones, so none is made real.)"""
+    made = {id(t) for t in map(_deref, capture.made) if t is not None}
+    capture.made.clear()
+    if not made:
+        return
+    for cache in [obj for obj in gc.get_objects() if type(obj) is functools._lru_cache_wrapper]:  # type(): no __class__
+        if _reaches(cache, made, depth=4):  # the wrapper, its dict, a bounded cache's link, a tuple result
+            cache.cache_clear()
+
+
+def _reaches(obj: Any, ids: set[int], depth: int) -> bool:
+    """Whether an object in ``ids`` is among what ``obj`` refers to, ``depth`` levels down (no modules or
+    functions followed: a cache's wrapped function and its globals are not its contents)."""
+    level = [obj]
+    for _ in range(depth):
+        level = [r for o in level for r in gc.get_referents(o)
+                 if not isinstance(r, (types.ModuleType, types.FunctionType, type))]
+        if any(id(r) in ids for r in level):
+            return True
+    return False
