@@ -49,11 +49,12 @@ from keyinit._engine.init_code import (
 from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import apply_fqn_mapping, canonical_modules
 from keyinit.keys import Key, key
-from keyinit._engine.plan_checks import check_plan, check_scripted, check_shared_memory, unused_init_code_note
+from keyinit._engine.plan_checks import (check_plan, check_renumbered_keys, check_scripted, check_shared_memory,
+                                         unused_init_code_note)
 from keyinit._engine.options import InitOptions
 from keyinit._engine.planned import ModelPlan, PlannedTensor
 from keyinit._engine.deferred import origin_of, record_of, renumbered_as, seed_storage
-from keyinit._engine.escape import derived_attributes
+from keyinit._engine.escape import derived_attributes, forget_escaped, sweep_escaped
 from keyinit._engine.program import Alloc, Node, Random, Read, SlotProgram, Storage, StridedView
 from keyinit.rules import ModuleRule, RuleContext, initializer_problem
 from keyinit.walk import tensors as model_tensors
@@ -226,29 +227,12 @@ class _Planner:
                 t.key_fqn = built  # its constructor built it as `built` (depth-scaled inits): that model's values
                 renumbered.append(t)
         if renumbered:
-            self._check_renumbered_keys(renumbered)
+            check_renumbered_keys(self.tensors, renumbered)
             shown = ", ".join(f"{t.fqn} as {t.key_fqn}" for t in renumbered[:4])
             self.notes.append(f"{len(renumbered)} tensors sit at other ModuleList indices than they were built at "
                               f"(renumbered after construction, as `del layers[0]` does) and are keyed by the names "
                               f"they were built with, so they get the full model's values: "
                               f"{shown}{' ...' if len(renumbered) > 4 else ''}")
-
-    def _check_renumbered_keys(self, renumbered: list[PlannedTensor]) -> None:
-        """No two different tensors keyed alike because one was renumbered (``del layers[0]`` and then a
-        new layer appended where the last one was built): they would get the same random values."""
-        moved = {id(t) for t in renumbered}
-        by_key: dict[str, list[PlannedTensor]] = {}
-        for t in self.tensors:
-            by_key.setdefault(t.key_fqn, []).append(t)
-        clashes = [group for group in by_key.values() if len(group) > 1 and any(id(t) in moved for t in group)]
-        if clashes:
-            described = "; ".join(" and ".join(f"{t.fqn}{' (renumbered)' if id(t) in moved else ''}" for t in group)
-                                  + f" would all be keyed as {group[0].key_fqn}" for group in clashes)
-            raise PlanError(f"{described}: different tensors keyed by the same name get the same random values. "
-                            f"A ModuleList entry renumbered after construction is keyed by the name "
-                            f"it was built with; name every tensor's full-model FQN with fqn_map (which turns the "
-                            f"renumbering off), or build the stage's new modules inside the builder",
-                            tuple(t.fqn for group in clashes for t in group))
 
     def _resolve_ties(self) -> None:
         for alias, target in self.ties.items():
@@ -546,6 +530,16 @@ class _Planner:
                 t.origin = t.rule[0] if t.rule is not None else "kept"
             return
         capture = Capture()
+        try:
+            self._capture_code(capture, calls, declared)
+        except BaseException:
+            forget_escaped(capture)  # no stand-in left in an lru_cache for later eager code
+            raise
+        # what the init code left outside the model (an lru_cache helper's table) gets its real values
+        sweep_escaped(capture, {}, "init code")
+
+    def _capture_code(self, capture: Capture, calls: list, declared: dict[int, SlotProgram]) -> None:
+        """:meth:`capture` with its stand-ins (dropped when this returns: what is still alive escaped)."""
         standins: dict[int, LazyTensor] = {}
         for t in self.tensors:
             replayed = t.record is not None and (t.rule is None or t.rule[0] == "default")

@@ -25,7 +25,7 @@ from keyinit.init import Initializer
 from keyinit.keys import Key
 from keyinit.regions import make_region
 
-__all__ = ["check_plan", "check_scripted", "check_shared_memory", "unused_init_code_note"]
+__all__ = ["check_plan", "check_renumbered_keys", "check_scripted", "check_shared_memory", "unused_init_code_note"]
 
 #: Method names of init code a model may have that nothing runs unless asked (HF, torchtitan, OLMo-core).
 _INIT_METHOD_NAMES = ("_init_weights", "init_weights")
@@ -234,3 +234,21 @@ def _reads_written(read: Read) -> bool:
 def _buffer_label(read: Read) -> str:
     label = root_of(read.version).storage.label
     return "a temporary tensor" if label == "temporary" else label
+
+
+def check_renumbered_keys(tensors: Sequence[PlannedTensor], renumbered: Sequence[PlannedTensor]) -> None:
+    """No two different tensors keyed alike because one was renumbered (``del layers[0]`` and then a
+    new layer appended where the last one was built): they would get the same random values."""
+    moved = {id(t) for t in renumbered}
+    by_key: dict[str, list[PlannedTensor]] = {}
+    for t in tensors:
+        by_key.setdefault(t.key_fqn, []).append(t)
+    clashes = [group for group in by_key.values() if len(group) > 1 and any(id(t) in moved for t in group)]
+    if clashes:
+        described = "; ".join(" and ".join(f"{t.fqn}{' (renumbered)' if id(t) in moved else ''}" for t in group)
+                              + f" would all be keyed as {group[0].key_fqn}" for group in clashes)
+        raise PlanError(f"{described}: different tensors keyed by the same name get the same random values. "
+                        f"A ModuleList entry renumbered after construction is keyed by the name "
+                        f"it was built with; name every tensor's full-model FQN with fqn_map (which turns the "
+                        f"renumbering off), or build the stage's new modules inside the builder",
+                        tuple(t.fqn for group in clashes for t in group))
