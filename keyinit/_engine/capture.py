@@ -133,6 +133,8 @@ class Capture:
         self.made: list = []  # weak references to the stand-ins made (escape.sweep_escaped)
         self.made_limit = 1024
         self.overwritten: list[tuple[torch.Tensor, torch.Tensor]] = []  # real tensors written: (memory, old values)
+        # id(storage) of a view that reinterprets memory, computed as a copy -> (the storage it views, its version)
+        self._copied_views: dict[int, tuple[Storage, Any]] = {}
         self.site = "<init code>"
         self.label = "init code"
         self._mode = _Mode(self)
@@ -192,6 +194,11 @@ class Capture:
         """The node of a tensor argument at this moment."""
         if isinstance(value, LazyTensor):
             storage = self.storage_of(value)
+            taken = self._copied_views.get(id(storage))
+            if taken is not None and taken[0].current is not taken[1]:
+                raise CaptureError(f"{self.site}: init code wrote into {taken[0].label} after taking a view of it "
+                                   f"that reinterprets its memory ({_REINTERPRETING}), which keyinit computes as a "
+                                   f"copy of its values when it is taken: take that view after the last write")
             return Read(storage.current, StridedView.of(value._meta), value.dtype)
         if isinstance(value, torch.Tensor):
             if value.device.type == "meta":
@@ -234,6 +241,7 @@ class Capture:
                     f"{self.site}: init code called nn.init.{frame.f_code.co_name.lstrip('_')}() on a tensor keyinit "
                     f"does not manage (not a parameter, buffer or tensor created inside the init code)")
             initializer = make(frame.f_locals)
+            self._writable(target)
             draw = Random(tuple(target.shape), target.dtype, f"nn.init.{frame.f_code.co_name}", self.site,
                           initializer, by_index=False, element_local=initializer.element_local)
             self.storage_of(target).write(StridedView.of(target._meta), draw, self.label)
@@ -247,6 +255,8 @@ class Capture:
         if any(f.f_code in _LOADERS for f in stack) and not any(isinstance(x, LazyTensor) for x in tensor_leaves(args)):
             with _disable_current_modes():  # torch.load's tensors are real: constants where they land
                 return func(*args, **kwargs)
+        if func in _SET_STORAGE and isinstance(args[0], LazyTensor) and not isinstance(args[1], LazyTensor):
+            return self._from_memory(func, args, kwargs)
         if torch.Tag.inplace_view in getattr(func, "tags", ()):
             return self._inplace_view(func, args, kwargs)
         if self._suppressed(stack):
@@ -271,6 +281,26 @@ class Capture:
             self._keep_overwritten(func, args, kwargs)
             return func(*args, **kwargs)  # real tensors only: run it for real
         return self._record(func, args, kwargs, random=False)
+
+    def _from_memory(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``t.set_(storage, ...)`` of a fresh stand-in (``torch.asarray(storage)``: how safetensors, and so
+        Hugging Face and timm, make tensors of a checkpoint): the stand-in now holds that real memory,
+        a constant of the record, as ``torch.load``'s tensors are."""
+        target = args[0]
+        label = self.storage_of(target).label
+        if label != "temporary":
+            raise CaptureError(f"{self.site}: init code's {_op_name(func)} replaces the memory of {label}; keyinit "
+                               f"captures model tensors of fixed memory (copy_ the values in instead)")
+        with _disable_current_modes():
+            real = func(torch.empty((0,), dtype=target.dtype), *args[1:], **kwargs)
+            whole = torch.empty((0,), dtype=target.dtype).set_(real.untyped_storage())  # all the storage holds
+            base = torch.empty(whole.shape, dtype=target.dtype, device="meta")
+            meta = base.as_strided(real.size(), real.stride(), real.storage_offset())
+        with no_dispatch():  # the wrapper's own sizes and strides, which Python code sees
+            func(*args, **kwargs)
+        self._register(base, label).write(StridedView.of(base), Literal(whole), self.label)
+        target._meta = meta
+        return target
 
     def _keep_overwritten(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Before an op writes real tensors (a pretrained module the builder was given:
@@ -449,7 +479,16 @@ class Capture:
                 f"{self.site}: init code writes into a tensor keyinit does not manage"
                 + (f" (shape {tuple(target.shape)})" if isinstance(target, torch.Tensor) else "")
                 + ": not a parameter, buffer or tensor created inside the init code")
+        self._writable(target)
         self.storage_of(target).write(StridedView.of(target._meta), _fit(value, target._meta), self.label)
+
+    def _writable(self, target: LazyTensor) -> None:
+        """A view that reinterprets memory is a copy (see :meth:`_wrap`): a write into it would not reach what it views."""
+        taken = self._copied_views.get(id(self.storage_of(target)))
+        if taken is not None:
+            raise CaptureError(f"{self.site}: init code writes into a view of {taken[0].label} that reinterprets its "
+                               f"memory ({_REINTERPRETING}), which keyinit computes as a copy of its values: the write "
+                               f"would not reach them; write into the tensor itself")
 
     def _effects(self, func: Any, args: tuple, kwargs: dict, bound: dict[str, Any],
                  outputs: list[torch.Tensor]) -> Effects:
@@ -559,15 +598,35 @@ class Capture:
             for arg in written:
                 if arg._meta.untyped_storage()._cdata == cdata and StridedView.of(arg._meta) == StridedView.of(meta):
                     return arg  # an in-place or out= op returns the argument it wrote
-            if cdata in by_storage:
+            if cdata in by_storage and not _reinterprets(meta, by_storage[cdata]._meta):
                 return LazyTensor(meta, self)  # a view
+            source = self.storage_of(by_storage[cdata]) if cdata in by_storage else None
+            if source is not None:  # a view that reinterprets its memory (view(dtype), view_as_real, conj()): a copy
+                with _disable_current_modes():
+                    meta = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device="meta")
             storage = self._register(meta, "temporary")
+            if source is not None:
+                self._copied_views[id(storage)] = (source, source.current)
             if value is not None:
                 storage.write(StridedView.of(meta), _fit(value, meta), self.label)
             return LazyTensor(meta, self)
 
         return tree_map(wrap, out)
 
+
+#: Views whose values are not the elements of their buffer as stored (:func:`_reinterprets`).
+_REINTERPRETING = "another dtype: view(dtype), view_as_real/complex; or conj()"
+
+
+def _reinterprets(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """A view that reads its memory otherwise than as ``base``'s elements: another dtype, or torch's lazy
+    conjugate/negative bit."""
+    return view.dtype != base.dtype or view.is_conj() != base.is_conj() or view.is_neg() != base.is_neg()
+
+
+#: ``tensor.set_(memory, ...)``: a tensor made from real memory (a checkpoint's bytes), not init.
+_SET_STORAGE = {aten.set_.source_Storage, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
+                aten.set_.source_Tensor_storage_offset}
 
 #: Code whose tensors are data, not init: run for real under a capture (``timm.create_model(pretrained=True)``
 #: from a local file loads a state dict in the constructor).

@@ -153,9 +153,10 @@ def _deref(reference: Any) -> Any:
 
 
 def _only_a_base_of(lazy: torch.Tensor, bases: set[int], found: list) -> bool:
-    """``lazy`` is alive only as the base a model tensor was viewed from (``register_buffer("b", p.data[:2])``):
-    no Python object holds it, so it goes with the stand-ins the model's tables drop."""
-    if id(lazy) not in bases:
+    """``lazy`` is alive only as (a view of) the base a model tensor was viewed from
+    (``register_buffer("b", p.data[:2])``, ``view_as_complex(x.reshape(n, 2))``): no Python object holds it,
+    so it goes with the stand-ins the model's tables drop."""
+    if id(lazy) not in bases and (lazy._base is None or id(lazy._base) not in bases):
         return False
     return not any(h is not found and not isinstance(h, types.FrameType) for h in gc.get_referrers(lazy))
 
