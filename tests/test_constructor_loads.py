@@ -1,6 +1,8 @@
 """Checkpoints loaded inside a deferred constructor (issue 23): safetensors files, read by
 ``safetensors.torch.load_file``, ``safe_open`` (what Hugging Face and timm use) or ``torch.asarray`` of a
-storage, give the loaded values, as ``torch.load`` does: loaded tensors are constants of the record."""
+storage, give the loaded values, as ``torch.load`` does: loaded tensors are constants of the record. Hugging
+Face's ``from_pretrained`` loads them in a thread pool: deterministic work in threads a constructor starts
+runs, a draw there is refused."""
 
 from __future__ import annotations
 
@@ -71,3 +73,36 @@ def test_timm_pretrained_from_a_local_safetensors_file(tmp_path):
     keyinit.materialize(model, 0, device="cpu")
     for name, value in source.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_hugging_face_from_pretrained_of_a_local_checkpoint_in_deferred(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=64)
+    with torch.random.fork_rng(devices=[]):
+        source = transformers.LlamaForCausalLM(config)
+    source.save_pretrained(tmp_path)  # safetensors, which HF loads in a thread pool
+    model = keyinit.deferred(transformers.LlamaForCausalLM.from_pretrained, str(tmp_path))
+    keyinit.materialize(model, 0, device="cpu")
+    for name, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_deterministic_work_in_a_thread_the_constructor_starts_runs_and_a_draw_there_is_refused():
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Threaded(nn.Module):
+        def __init__(self, draw: bool) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            with ThreadPoolExecutor(2) as pool:
+                tables = list(pool.map(lambda i: torch.rand(3) if draw else torch.arange(3.0) * i, range(2)))
+            self.register_buffer("tables", torch.stack(tables))
+
+    model = keyinit.deferred(Threaded, False)
+    keyinit.materialize(model, 0, device="cpu")
+    assert torch.equal(model.tables, torch.stack([torch.arange(3.0) * 0, torch.arange(3.0) * 1]))
+    rng = torch.get_rng_state()
+    with pytest.raises(keyinit.UnkeyedRandomnessError, match=r"ran torch ops \(aten\.rand\.default\) in a thread"):
+        keyinit.deferred(Threaded, True)
+    assert torch.equal(rng, torch.get_rng_state())

@@ -11,8 +11,9 @@ Two things escape it:
 
 :func:`watched` runs a capture's block so that both are an :class:`keyinit.UnkeyedRandomnessError`
 naming the code: the global generators are put back as they were when the block advanced them, and
-every torch op in a thread started inside the block is refused before it runs (nothing of torch's RNG
-is read). A thread that was running before the block (a pool a library keeps) cannot be given the
+every random torch op, or op on a stand-in, in a thread started inside the block is refused before it
+runs (nothing of torch's RNG is read); deterministic work on real tensors there (Hugging Face loads a
+checkpoint's tensors in a pool) runs. A thread that was running before the block (a pool a library keeps) cannot be given the
 refusal; what it draws is seen on torch's global CPU generator, which the block's own thread never
 draws from: put back and refused too. A reseed the code itself makes (``torch.manual_seed`` in a
 constructor) is left, as eager torch leaves it. Nothing is patched: ``threading.setprofile`` is set
@@ -64,24 +65,32 @@ def _torch_rng_moved(before: tuple[int, torch.Tensor]) -> bool:
 
 
 class _RefuseInThread(TorchDispatchMode):
-    """Pushed in a thread started inside a capture: while the capture runs, every torch op there is refused."""
+    """Pushed in a thread started inside a capture: while the capture runs, every random torch op there, and
+    every op on a stand-in, is refused; deterministic work on real tensors (loading a checkpoint's tensors,
+    as Hugging Face's loader does in a pool) runs."""
 
     def __init__(self, watch: _Watch) -> None:
         super().__init__()
         self.watch = watch
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        if self.watch.open:
+        from keyinit._engine.random_ops import is_random
+        from keyinit._engine.standin import LazyTensor, tensor_leaves
+
+        kwargs = kwargs or {}
+        if self.watch.open and (is_random(func) or any(isinstance(x, LazyTensor) for x in tensor_leaves((args, kwargs)))):
             name = threading.current_thread().name
             self.watch.refused.append(name)
             raise UnkeyedRandomnessError(_thread_message(self.watch.site, name, func))
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 def _thread_message(site: str, thread: str, func: Any = None) -> str:
     return (f"{site}: init code ran torch ops{f' ({func})' if func is not None else ''} in a thread it started "
-            f"({thread}); keyinit records the ops of the thread that runs the code, so these would draw from "
-            f"torch's global RNG and be kept as constants: build the modules in the calling thread")
+            f"({thread}) that draw or use keyinit's stand-ins; keyinit records the ops of the thread that runs the "
+            f"code, so a draw there would come from torch's global RNG and be kept as a constant: build the "
+            f"modules and draw in the calling thread (deterministic work on real tensors, such as loading a "
+            f"checkpoint, may use threads)")
 
 
 def _generator_states() -> dict[str, Any]:
@@ -114,8 +123,9 @@ def _restore(name: str, state: Any) -> None:
 
 @contextlib.contextmanager
 def watched(site: str) -> Iterator[None]:
-    """Run a capture's block; a draw from Python's, numpy's or torch's global generator, or a torch op in a
-    thread started here, is an :class:`UnkeyedRandomnessError` naming ``site`` (the generators put back)."""
+    """Run a capture's block; a draw from Python's, numpy's or torch's global generator, or a draw or a
+    stand-in in a thread started here, is an :class:`UnkeyedRandomnessError` naming ``site`` (the
+    generators put back)."""
     watch = _Watch(site)
     before = _generator_states()
     torch_before = _torch_rng()
