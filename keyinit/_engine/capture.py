@@ -269,8 +269,13 @@ class Capture:
             if self._claim(stack):
                 return self._run_suppressed(func, args, kwargs)
             return self._record(func, args, kwargs, random=True)
+        fixed_shape = False  # an indexing op with integer indices only: its shape does not depend on values
+        if func in _INDEXING:
+            args = self._concrete_masks(func, args)
+            fixed_shape = not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
         flat = tensor_leaves((args, kwargs))
-        if _DATA_DEPENDENT & set(getattr(func, "tags", ())) and any(isinstance(x, LazyTensor) for x in flat):
+        if _DATA_DEPENDENT & set(getattr(func, "tags", ())) and not fixed_shape \
+                and any(isinstance(x, LazyTensor) for x in flat):
             # allclose, nonzero, unique: what they return depends on the values, so they are computed
             # on real values (deterministic ones; a draw's values cannot be known: UnkeyedRandomnessError)
             concrete = tree_map(lambda x: self.concrete(x, _op_name(func)) if isinstance(x, LazyTensor) else x,
@@ -281,6 +286,27 @@ class Capture:
             self._keep_overwritten(func, args, kwargs)
             return func(*args, **kwargs)  # real tensors only: run it for real
         return self._record(func, args, kwargs, random=False)
+
+    def _concrete_masks(self, func: Any, args: tuple) -> tuple:
+        """``t[mask]`` / ``t[mask] = v`` with a boolean stand-in mask whose values are known (no draw in them:
+        ``mask == 1`` of a mask of ones, as torch's pruning container takes): the mask becomes its real
+        positions (``nonzero``), so the op has a fixed shape and ``t`` may hold draws. A mask that depends
+        on a draw is left as it is (its op needs the draw's values: see :meth:`handle`)."""
+        indices = args[1]
+        if not any(isinstance(i, LazyTensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return args
+        resolved: list[Any] = []
+        for index in indices:
+            if isinstance(index, LazyTensor) and index.dtype in (torch.bool, torch.uint8):
+                try:
+                    mask = self.concrete(index, _op_name(func))
+                except UnkeyedRandomnessError:
+                    return args
+                with _disable_current_modes():
+                    resolved.extend(mask.bool().nonzero(as_tuple=True))
+            else:
+                resolved.append(index)
+        return (args[0], resolved, *args[2:])
 
     def _from_memory(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``t.set_(storage, ...)`` of a fresh stand-in (``torch.asarray(storage)``: how safetensors, and so
@@ -613,6 +639,9 @@ class Capture:
 
         return tree_map(wrap, out)
 
+
+#: Ops that take a list of index tensors second, where a boolean mask selects elements.
+_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
 #: Views whose values are not the elements of their buffer as stored (:func:`_reinterprets`).
 _REINTERPRETING = "another dtype: view(dtype), view_as_real/complex; or conj()"

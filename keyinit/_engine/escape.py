@@ -161,9 +161,10 @@ def _only_a_base_of(lazy: torch.Tensor, bases: set[int], found: list) -> bool:
     return not any(h is not found and not isinstance(h, types.FrameType) for h in gc.get_referrers(lazy))
 
 
-def _holders(tensor: torch.Tensor, found: list) -> str:
-    """What refers to ``tensor`` (but ``found``), in words (a closure cell is named by its function)."""
-    names = []
+def _holders(tensor: torch.Tensor, found: list) -> tuple[str, list[Any]]:
+    """What refers to ``tensor`` (but ``found``), in words (a closure cell is named by its function, an
+    object's attribute by its name and class), and the objects named."""
+    names, objects = [], []
     for holder in gc.get_referrers(tensor):
         if isinstance(holder, types.FrameType) or holder is tensor or holder is found:
             continue
@@ -172,9 +173,37 @@ def _holders(tensor: torch.Tensor, found: list) -> str:
             owners = [g.__qualname__ for t in functions for g in gc.get_referrers(t)
                       if isinstance(g, types.FunctionType) and g.__closure__ is t]
             names.append(f"a closure of {owners[0]}" if owners else "a closure")
+            continue
+        owner = _owner_of(holder) if type(holder) is dict else holder
+        attributes = vars(owner) if isinstance(getattr(owner, "__dict__", None), dict) else {}
+        attribute = None  # (no generator over ``tensor`` here: it would be a closure cell holding it)
+        for key, value in attributes.items():
+            if value is tensor:
+                attribute = key
+        if attribute is not None:
+            names.append(f"attribute {attribute} of a {type(owner).__module__}.{type(owner).__qualname__}")
+            objects.append(owner)
         else:
             names.append(f"a {type(holder).__module__}.{type(holder).__qualname__}")
-    return ", ".join(dict.fromkeys(names)) or "an object keyinit cannot name"
+            objects.append(holder)
+    return ", ".join(dict.fromkeys(names)), objects
+
+
+def _draws(capture: Capture, lazy: torch.Tensor) -> bool:
+    """Whether ``lazy``'s value depends on a random draw."""
+    try:
+        capture.concrete(lazy, "a tensor stored outside the model")
+    except UnkeyedRandomnessError:
+        return True
+    return False
+
+
+def _owner_of(attributes: dict) -> Any:
+    """The object whose ``__dict__`` is ``attributes``, if any."""
+    for candidate in gc.get_referrers(attributes):
+        if getattr(candidate, "__dict__", None) is attributes:
+            return candidate
+    return None
 
 
 def _referrers(obj: Any, found: list, depth: int) -> list[Any]:
@@ -202,19 +231,32 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
     found = [lazy for lazy in map(_deref, _alive(capture, replaced)) if lazy is not None]
     found = [lazy for lazy in found if not _only_a_base_of(lazy, bases, found)]
     capture.made.clear()  # swap_tensors refuses a tensor with weak references
+    found.sort(key=lambda lazy: lazy._base is None)  # views first: what holds a view can be named
     values = []
     for lazy in found:
         try:
             values.append(capture.concrete(lazy, "a tensor stored outside the model"))
         except UnkeyedRandomnessError as exc:
-            holders = _holders(lazy, found)
+            # name a holder: a stand-in only other stand-ins hold (a slice a kept view was taken through) has none
+            holders, objects = _holders(lazy, found)
+            for other in found:
+                if holders:
+                    break
+                if other is not lazy and _draws(capture, other):
+                    lazy = other
+                    holders, objects = _holders(lazy, found)
+            holders = holders or "an object keyinit cannot name"
             for cache in _referrers(lazy, found, depth=3):  # a cache: cleared, so later calls compute again
                 if isinstance(cache, functools._lru_cache_wrapper):
                     cache.cache_clear()
+            remedy = ("torch's pruning keeps it in its forward pre-hook (global_unstructured, custom_from_mask on "
+                      "drawn weights): prune after materialize, on the real weights"
+                      if any(isinstance(o, _recomputing_hooks()[2]) for o in objects) else
+                      "register it as a buffer (register_buffer) or a parameter")
             raise UnkeyedRandomnessError(
                 f"{site}: code stored a tensor of shape {tuple(lazy.shape)} computed from random draws outside the "
                 f"model's parameters and buffers, in {holders}; keyinit keys a draw by the parameter or "
-                f"buffer it lands in: register it as a buffer (register_buffer) or a parameter") from exc
+                f"buffer it lands in: {remedy}") from exc
     # views first: once swapped, a view's old stand-in (left in ``pairs``) is dropped, and with it its hold
     # on its base, which swap_tensors needs gone
     pairs = sorted(zip(found, values), key=lambda pair: pair[0]._base is None)
