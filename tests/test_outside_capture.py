@@ -133,3 +133,31 @@ def test_a_refused_draw_in_a_keyed_samples_thread_reaches_the_reader_even_if_the
     finally:
         threading.excepthook = hook
     assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_a_stand_in_used_in_a_pool_started_before_the_constructor_is_an_error_naming_threads(warm_pool):
+    from keyinit._engine.capture import CaptureError
+
+    class ZeroedInPool(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 4))
+            warm_pool.submit(lambda: self.w.data.zero_()).result()
+
+    with pytest.raises(CaptureError, match=r"ZeroedInPool\(\.\.\.\): .* in a thread that was running before the capture"):
+        keyinit.deferred(ZeroedInPool)
+
+
+def test_after_that_refusal_the_reading_thread_draws_from_torch_again_and_captures_work():
+    data = keyed_samples(ThreadSwallows(), 0)
+    hook, threading.excepthook = threading.excepthook, lambda args: None
+    try:
+        with pytest.raises(UnkeyedRandomnessError):
+            data[sample_index(1, 0)]
+    finally:
+        threading.excepthook = hook
+    generator = torch.Generator().manual_seed(3)
+    assert torch.equal(torch.rand(3, generator=generator), torch.rand(3, generator=torch.Generator().manual_seed(3)))
+    model = keyinit.deferred(nn.Linear, 4, 4)  # the keyed sample's interception stayed on here: a SIGSEGV
+    keyinit.materialize(model, 0, device="cpu")
+    assert model.weight.isfinite().all()
