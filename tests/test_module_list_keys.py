@@ -45,7 +45,8 @@ def test_a_renumbered_layer_and_a_new_one_keyed_by_the_same_name_are_a_plan_erro
     stage = keyinit.deferred(Stack)
     del stage.layers[0]  # layers.1..3 now sit at 0..2 and are keyed as built
     stage.layers.append(keyinit.deferred(DepthBlock, 9))  # built alone: keyed by where it sits, layers.3
-    clash = r"layers\.2\.fc\.weight \(renumbered\) and layers\.3\.fc\.weight would all be keyed as layers\.3\.fc\.weight"
+    clash = (r"layers\.2\.fc\.weight \(renumbered\) and layers\.3\.fc\.weight would all be keyed as "
+             r"layers\.3\.fc\.weight")
     with pytest.raises(keyinit.PlanError, match=clash + ".*same random values") as error:
         keyinit.materialize(stage, seed=0, device="cpu")
     assert {"layers.2.fc.weight", "layers.3.fc.weight"} <= set(error.value.fqns)

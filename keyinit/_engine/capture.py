@@ -509,7 +509,8 @@ class Capture:
         self.storage_of(target).write(StridedView.of(target._meta), _fit(value, target._meta), self.label)
 
     def _writable(self, target: LazyTensor) -> None:
-        """A view that reinterprets memory is a copy (see :meth:`_wrap`): a write into it would not reach what it views."""
+        """A view that reinterprets memory is a copy (see :meth:`_wrap`): a write into it would not reach
+        what it views."""
         taken = self._copied_views.get(id(self.storage_of(target)))
         if taken is not None:
             raise CaptureError(f"{self.site}: init code writes into a view of {taken[0].label} that reinterprets its "

@@ -207,7 +207,7 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
     # Plain attributes: one that refers to a parameter or buffer (nn.LSTM's _flat_weights)
     # gets its meta replacement; any other stand-in its real value.
     for module_fqn, module in model.named_modules(remove_duplicate=True):
-        concretize_attributes(capture, module, module_fqn, replaced)
+        concretize_attributes(capture, module, module_fqn, replaced, site=f"{builder}(...)")
     sweep_escaped(capture, replaced, f"{builder}(...)")  # an lru_cache, a hook's closure, a class attribute
     for module, record, swaps in installs:  # nothing below can fail
         for table, name, meta in swaps:

@@ -45,7 +45,7 @@ _WALK_DEPTH = 8
 
 def concretize_attributes(capture: Capture, module: torch.nn.Module, module_fqn: str,
                           replaced: Optional[Mapping[int, torch.Tensor]] = None,
-                          seen: Optional[dict[int, Any]] = None) -> None:
+                          seen: Optional[dict[int, Any]] = None, site: str = "init code") -> None:
     """Give stand-ins that code stored outside parameters and buffers their real values, as
     eager torch would have them, so no stand-in escapes the capture: plain attributes, tensors
     inside lists, tuples and dicts there, and inside the attributes of plain objects and
@@ -68,7 +68,8 @@ def concretize_attributes(capture: Capture, module: torch.nn.Module, module_fqn:
                 object.__setattr__(module, name, torch.empty(value.shape, dtype=value.dtype, device="meta"))
             continue
         where = f"{module_fqn}.{name}" if module_fqn else name
-        converted = _concrete_tree(capture, value, where, replaced or {}, seen, _WALK_DEPTH)
+        converted = _concrete_tree(capture, value, where, replaced or {}, seen, _WALK_DEPTH,
+                                   f"{site}: {{}} (an attribute of {type(module).__name__})")
         if converted is not value:
             object.__setattr__(module, name, converted)
 
@@ -90,8 +91,9 @@ def derived_attributes(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def _concrete_tree(capture: Capture, value: Any, where: str, replaced: Mapping[int, torch.Tensor],
-                   seen: dict[int, Any], depth: int) -> Any:
-    """``value`` with every stand-in inside it replaced by its real value (containers in place)."""
+                   seen: dict[int, Any], depth: int, owner: str) -> Any:
+    """``value`` with every stand-in inside it replaced by its real value (containers in place); ``owner``
+    names where it is in errors (``{}`` stands for ``where``)."""
     if id(value) in seen:
         return seen[id(value)][1]
     if isinstance(value, LazyTensor):
@@ -101,16 +103,16 @@ def _concrete_tree(capture: Capture, value: Any, where: str, replaced: Mapping[i
             seen[id(value)] = (value, capture.concrete(value, f"attribute {where}"))
         except UnkeyedRandomnessError as exc:
             raise UnkeyedRandomnessError(
-                f"{where}: code stored a tensor computed from random draws outside the model's parameters "
-                f"and buffers; keyinit keys a draw by the parameter or buffer it lands in: register it as a "
-                f"buffer (register_buffer) or a parameter") from exc
+                f"{owner.replace('{}', where)}: code stored a tensor computed from random draws outside the model's "
+                f"parameters and buffers; keyinit keys a draw by the parameter or buffer it lands in: register it "
+                f"as a buffer (register_buffer) or a parameter") from exc
         return seen[id(value)][1]
     if depth <= 0 or isinstance(value, _LEAVES):
         return value
     seen[id(value)] = (value, value)
 
     def inner(item: Any, suffix: str) -> Any:
-        return _concrete_tree(capture, item, where + suffix, replaced, seen, depth - 1)
+        return _concrete_tree(capture, item, where + suffix, replaced, seen, depth - 1, owner)
 
     if isinstance(value, (list, tuple)):
         items = [inner(v, f"[{i}]") for i, v in enumerate(value)]

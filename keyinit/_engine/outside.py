@@ -13,11 +13,11 @@ Two things escape it:
 naming the code: the global generators are put back as they were when the block advanced them, and
 every random torch op, or op on a stand-in, in a thread started inside the block is refused before it
 runs (nothing of torch's RNG is read); deterministic work on real tensors there (Hugging Face loads a
-checkpoint's tensors in a pool) runs. A thread that was running before the block (a pool a library keeps) cannot be given the
-refusal; what it draws is seen on torch's global CPU generator, which the block's own thread never
-draws from: put back and refused too. A reseed the code itself makes (``torch.manual_seed`` in a
-constructor) is left, as eager torch leaves it. Nothing is patched: ``threading.setprofile`` is set
-for the block and put back.
+checkpoint's tensors in a pool) runs. A thread that was running before the block (a pool a library
+keeps) cannot be given the refusal; what it draws is seen on torch's global CPU generator, which the
+block's own thread never draws from: put back and refused too. A reseed the code itself makes
+(``torch.manual_seed`` in a constructor) is left, as eager torch leaves it. Nothing is patched:
+``threading.setprofile`` is set for the block and put back.
 
 Not seen: a generator object seeded from the operating system (``numpy.random.default_rng()``,
 ``random.Random()`` without a seed). Its values become constants of the record that differ in every
@@ -78,7 +78,8 @@ class _RefuseInThread(TorchDispatchMode):
         from keyinit._engine.standin import LazyTensor, tensor_leaves
 
         kwargs = kwargs or {}
-        if self.watch.open and (is_random(func) or any(isinstance(x, LazyTensor) for x in tensor_leaves((args, kwargs)))):
+        stand_in = any(isinstance(x, LazyTensor) for x in tensor_leaves((args, kwargs)))
+        if self.watch.open and (stand_in or is_random(func)):
             name = threading.current_thread().name
             self.watch.refused.append(name)
             raise UnkeyedRandomnessError(_thread_message(self.watch.site, name, func))
