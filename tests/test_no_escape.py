@@ -228,3 +228,28 @@ def test_a_draw_init_code_leaves_in_an_lru_cache_is_an_error_naming_it_and_the_c
     with pytest.raises(keyinit.UnkeyedRandomnessError, match="lru_cache"):
         keyinit.materialize(model, 0, device="cpu", init_method="init_weights")
     assert model.proj.weight.is_meta and _jitter.cache_info().currsize == 0
+
+
+@functools.lru_cache
+def _cached_noise(n: int) -> torch.Tensor:
+    return torch.randn(n)
+
+
+def _add(module: nn.Module, args: tuple, table: torch.Tensor) -> tuple:
+    return (args[0] + table,)
+
+
+def test_a_cached_draw_viewed_into_a_partial_hook_names_both_holders_and_clears_the_cache():
+    class Hooked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+            self.register_forward_pre_hook(functools.partial(_add, table=_cached_noise(4).reshape(2, 2)))
+
+    _cached_noise.cache_clear()
+    with pytest.raises(keyinit.UnkeyedRandomnessError,
+                       match=r"Hooked\(\.\.\.\): code stored a tensor .* in a dict in a functools\.partial, "
+                             r"a functools\._lru_cache_wrapper;"):
+        keyinit.deferred(Hooked)
+    assert _cached_noise.cache_info().currsize == 0  # the view was named first and the cache kept its stand-in
+    assert type(_cached_noise(4)) is torch.Tensor

@@ -163,12 +163,13 @@ def _only_a_base_of(lazy: torch.Tensor, bases: set[int], found: list) -> bool:
     return not any(h is not found and not isinstance(h, types.FrameType) for h in gc.get_referrers(lazy))
 
 
-def _holders(tensor: torch.Tensor, found: list) -> tuple[str, list[Any]]:
-    """What refers to ``tensor`` (but ``found``), in words (a closure cell is named by its function, an
-    object's attribute by its name and class), and the objects named."""
+def _holders(tensor: torch.Tensor, found: list, drawn: list) -> tuple[str, list[Any]]:
+    """What refers to ``tensor`` (but the lists ``found`` and ``drawn`` of the sweep), in words (a closure
+    cell is named by its function, an object's attribute by its name and class), and the objects named."""
     names, objects = [], []
-    for holder in gc.get_referrers(tensor):
-        if isinstance(holder, types.FrameType) or holder is tensor or holder is found:
+    referrers = gc.get_referrers(tensor)
+    for holder in referrers:
+        if isinstance(holder, types.FrameType) or holder is tensor or holder is found or holder is drawn:
             continue
         if type(holder).__name__ == "cell":
             functions = [f for f in gc.get_referrers(holder) if isinstance(f, tuple)]
@@ -185,6 +186,12 @@ def _holders(tensor: torch.Tensor, found: list) -> tuple[str, list[Any]]:
         if attribute is not None:
             names.append(f"attribute {attribute} of a {type(owner).__module__}.{type(owner).__qualname__}")
             objects.append(owner)
+        elif type(holder) is dict:  # a plain dict: named by what holds it (a functools.partial's keywords)
+            parents = [r for r in gc.get_referrers(holder)
+                       if r is not referrers and r is not found and not isinstance(r, types.FrameType)]
+            names.append(f"a dict in a {type(parents[0]).__module__}.{type(parents[0]).__qualname__}" if parents
+                         else "a dict")
+            objects.append(parents[0] if parents else holder)
         else:
             names.append(f"a {type(holder).__module__}.{type(holder).__qualname__}")
             objects.append(holder)
@@ -239,18 +246,22 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
         try:
             values.append(capture.concrete(lazy, "a tensor stored outside the model"))
         except UnkeyedRandomnessError as exc:
-            # name a holder: a stand-in only other stand-ins hold (a slice a kept view was taken through) has none
-            holders, objects = _holders(lazy, found)
+            # every escaped stand-in that holds a draw: each cache holding one is cleared, and what holds
+            # them is named (a stand-in only other stand-ins hold, a slice a kept view was taken through, has none)
+            drawn = [lazy]  # (a loop, not a comprehension over ``lazy``: that would be a closure holding it)
             for other in found:
-                if holders:
-                    break
                 if other is not lazy and _draws(capture, other):
-                    lazy = other
-                    holders, objects = _holders(lazy, found)
-            holders = holders or "an object keyinit cannot name"
-            for cache in _referrers(lazy, found, depth=3):  # a cache: cleared, so later calls compute again
-                if isinstance(cache, functools._lru_cache_wrapper):
-                    cache.cache_clear()
+                    drawn.append(other)
+            names: list[str] = []
+            objects: list[Any] = []
+            for tensor in drawn:
+                held, by = _holders(tensor, found, drawn)
+                names += [held] if held else []
+                objects += by
+                for cache in _referrers(tensor, found, depth=3):  # a cache: cleared, so later calls compute again
+                    if isinstance(cache, functools._lru_cache_wrapper):
+                        cache.cache_clear()
+            holders = ", ".join(dict.fromkeys(names)) or "an object keyinit cannot name"
             remedy = ("torch's pruning keeps it in its forward pre-hook (global_unstructured, custom_from_mask on "
                       "drawn weights): prune after materialize, on the real weights"
                       if any(isinstance(o, _recomputing_hooks()[2]) for o in objects) else
