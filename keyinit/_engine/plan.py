@@ -50,7 +50,7 @@ from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import apply_fqn_mapping, canonical_modules
 from keyinit.keys import Key, key
 from keyinit._engine.plan_checks import (check_plan, check_renumbered_keys, check_scripted, check_shared_memory,
-                                         unused_init_code_note)
+                                         shared_records_note, unused_init_code_note)
 from keyinit._engine.options import InitOptions
 from keyinit._engine.planned import ModelPlan, PlannedTensor
 from keyinit._engine.deferred import origin_of, record_of, renumbered_as, seed_storage
@@ -226,6 +226,9 @@ class _Planner:
             if built is not None and raw == t.fqn == t.key_fqn and not (self.fqn_prefix or self.fqn_map):
                 t.key_fqn = built  # its constructor built it as `built` (depth-scaled inits): that model's values
                 renumbered.append(t)
+        shared = shared_records_note(self.tensors)
+        if shared is not None:
+            self.notes.append(shared)
         if renumbered:
             check_renumbered_keys(self.tensors, renumbered)
             shown = ", ".join(f"{t.fqn} as {t.key_fqn}" for t in renumbered[:4])
