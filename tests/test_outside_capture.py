@@ -161,3 +161,25 @@ def test_after_that_refusal_the_reading_thread_draws_from_torch_again_and_captur
     model = keyinit.deferred(nn.Linear, 4, 4)  # the keyed sample's interception stayed on here: a SIGSEGV
     keyinit.materialize(model, 0, device="cpu")
     assert model.weight.isfinite().all()
+
+
+class BuildsAModel:
+    """A dataset whose item builds (and materializes) a small model, then augments."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model = keyinit.deferred(nn.Linear, 3, 3)
+        keyinit.materialize(model, 0, device="cpu")
+        return model.weight.detach(), torch.rand(2)
+
+
+def test_a_capture_inside_a_keyed_sample_keys_its_draws_itself():
+    # the keyed sample's op kernels sit above the capture's mode: they wrote a draw through a stand-in (SIGSEGV)
+    data = keyed_samples(BuildsAModel(), 0)
+    (weight, noise), (weight_again, noise_again) = data[sample_index(1, 0)], data[sample_index(1, 0)]
+    model = keyinit.deferred(nn.Linear, 3, 3)
+    keyinit.materialize(model, 0, device="cpu")
+    assert torch.equal(weight, model.weight.detach()) and torch.equal(weight_again, weight)  # keyed as init
+    assert torch.equal(noise, noise_again) and not torch.equal(noise, data[sample_index(2, 0)][1])  # per sample

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -50,7 +51,16 @@ from keyinit._engine.outside import watched
 from keyinit._engine.replay import Evaluator
 from keyinit._engine.standin import CaptureError, LazyTensor, tensor_leaves, tree_map
 
-__all__ = ["LazyTensor", "Capture", "CaptureError"]
+__all__ = ["LazyTensor", "Capture", "CaptureError", "capturing"]
+
+#: How many captures run on this thread now (:func:`capturing`).
+_THREAD = threading.local()
+
+
+def capturing() -> bool:
+    """Whether code on this thread runs under a capture now: a random op there is the capture's to key
+    (one thread-local read; keyed samples' op kernels pass such an op on, see keyinit.data._intercept)."""
+    return getattr(_THREAD, "depth", 0) > 0
 
 aten = torch.ops.aten
 
@@ -182,10 +192,12 @@ class Capture:
         """Run init code under capture; ``site`` names it in errors, ``label`` in reports."""
         before = (self.site, self.label)
         self.site, self.label = site, label
+        _THREAD.depth = getattr(_THREAD, "depth", 0) + 1
         try:
             with watched(site), torch.no_grad(), self._mode:  # Python's and numpy's generators, threads
                 yield
         finally:
+            _THREAD.depth -= 1
             self.site, self.label = before
             self._claimed.clear()
 
