@@ -294,7 +294,7 @@ def test_python_code_may_read_deterministic_values_but_not_random_ones():
     model = Reads(draw=False)
     keyinit.init_model(model, 0)
     assert torch.equal(model.w, torch.arange(4.0) / 3)
-    with pytest.raises(keyinit.UnkeyedRandomnessError, match=r"Reads at <root>: .*before the draw landed"):
+    with pytest.raises(keyinit.UnkeyedRandomnessError, match=r"Reads at <root>: .*known only when keyinit has keyed it"):
         keyinit.init_model(Reads(draw=True), 0)
 
 

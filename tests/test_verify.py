@@ -87,3 +87,40 @@ def test_a_layout_with_too_many_distinct_shards_is_a_clear_error():
 
     with pytest.raises(CLIError, match=r"distinct shards to check"):
         verify(wide, ["fsdp100000"], progress=False)
+
+
+class Lopsided(nn.Module):
+    """A vocabulary much larger than the block stack: any pipeline cut leaves nearly everything on stage 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(4096, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+
+def test_verifys_final_line_says_when_a_pipeline_cut_tested_little(tmp_path, capsys):
+    from keyinit.cli import main
+
+    (tmp_path / "lopsided_models.py").write_text(
+        "from tests.test_verify import Lopsided\n\ndef build():\n    return Lopsided()\n")
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        code = main(["verify", "lopsided_models:build", "--layouts", "pp2,fsdp2", "--summary"])
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("lopsided_models", None)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code == 0 and last.startswith("OK: bit-identical under every layout")
+    assert "pp2 left 99% of the elements on one stage" in last, last  # it read as a full pass before
+
+
+def test_verifys_failure_line_also_says_when_a_pipeline_cut_tested_little():
+    from keyinit.cli.verify import _summary
+
+    result = {"layouts_ok": False, "layouts": [
+        {"layout": "pp2", "identical": 8, "total": 9, "unbalanced": "stage 0 holds ...", "stage_elements": [99, 1]},
+        {"layout": "fsdp2", "identical": 9, "total": 9, "unbalanced": None, "stage_elements": [100]}]}
+    assert _summary(result, None) == ("FAILED: bit-identical under 1 of 2 layouts (pp2 left 99% on one stage: little "
+                                      "of the cut tested). Passed: fidelity not checked (--no-fidelity).")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -50,7 +51,16 @@ from keyinit._engine.outside import watched
 from keyinit._engine.replay import Evaluator
 from keyinit._engine.standin import CaptureError, LazyTensor, tensor_leaves, tree_map
 
-__all__ = ["LazyTensor", "Capture", "CaptureError"]
+__all__ = ["LazyTensor", "Capture", "CaptureError", "capturing"]
+
+#: How many captures run on this thread now (:func:`capturing`).
+_THREAD = threading.local()
+
+
+def capturing() -> bool:
+    """Whether code on this thread runs under a capture now: a random op there is the capture's to key
+    (one thread-local read; keyed samples' op kernels pass such an op on, see keyinit.data._intercept)."""
+    return getattr(_THREAD, "depth", 0) > 0
 
 aten = torch.ops.aten
 
@@ -132,6 +142,9 @@ class Capture:
         self.emptied: dict[int, str] = {}  # id(storage) -> the site whose to_empty forgot its contents
         self.made: list = []  # weak references to the stand-ins made (escape.sweep_escaped)
         self.made_limit = 1024
+        self.overwritten: list[tuple[torch.Tensor, torch.Tensor]] = []  # real tensors written: (memory, old values)
+        # id(storage) of a view that reinterprets memory, computed as a copy -> (the storage it views, its version)
+        self._copied_views: dict[int, tuple[Storage, Any]] = {}
         self.site = "<init code>"
         self.label = "init code"
         self._mode = _Mode(self)
@@ -179,10 +192,12 @@ class Capture:
         """Run init code under capture; ``site`` names it in errors, ``label`` in reports."""
         before = (self.site, self.label)
         self.site, self.label = site, label
+        _THREAD.depth = getattr(_THREAD, "depth", 0) + 1
         try:
             with watched(site), torch.no_grad(), self._mode:  # Python's and numpy's generators, threads
                 yield
         finally:
+            _THREAD.depth -= 1
             self.site, self.label = before
             self._claimed.clear()
 
@@ -191,6 +206,11 @@ class Capture:
         """The node of a tensor argument at this moment."""
         if isinstance(value, LazyTensor):
             storage = self.storage_of(value)
+            taken = self._copied_views.get(id(storage))
+            if taken is not None and taken[0].current is not taken[1]:
+                raise CaptureError(f"{self.site}: init code wrote into {taken[0].label} after taking a view of it "
+                                   f"that reinterprets its memory ({_REINTERPRETING}), which keyinit computes as a "
+                                   f"copy of its values when it is taken: take that view after the last write")
             return Read(storage.current, StridedView.of(value._meta), value.dtype)
         if isinstance(value, torch.Tensor):
             if value.device.type == "meta":
@@ -233,6 +253,7 @@ class Capture:
                     f"{self.site}: init code called nn.init.{frame.f_code.co_name.lstrip('_')}() on a tensor keyinit "
                     f"does not manage (not a parameter, buffer or tensor created inside the init code)")
             initializer = make(frame.f_locals)
+            self._writable(target)
             draw = Random(tuple(target.shape), target.dtype, f"nn.init.{frame.f_code.co_name}", self.site,
                           initializer, by_index=False, element_local=initializer.element_local)
             self.storage_of(target).write(StridedView.of(target._meta), draw, self.label)
@@ -246,6 +267,8 @@ class Capture:
         if any(f.f_code in _LOADERS for f in stack) and not any(isinstance(x, LazyTensor) for x in tensor_leaves(args)):
             with _disable_current_modes():  # torch.load's tensors are real: constants where they land
                 return func(*args, **kwargs)
+        if func in _SET_STORAGE and isinstance(args[0], LazyTensor) and not isinstance(args[1], LazyTensor):
+            return self._from_memory(func, args, kwargs)
         if torch.Tag.inplace_view in getattr(func, "tags", ()):
             return self._inplace_view(func, args, kwargs)
         if self._suppressed(stack):
@@ -258,8 +281,13 @@ class Capture:
             if self._claim(stack):
                 return self._run_suppressed(func, args, kwargs)
             return self._record(func, args, kwargs, random=True)
+        fixed_shape = False  # an indexing op with integer indices only: its shape does not depend on values
+        if func in _INDEXING:
+            args = self._concrete_masks(func, args)
+            fixed_shape = not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
         flat = tensor_leaves((args, kwargs))
-        if _DATA_DEPENDENT & set(getattr(func, "tags", ())) and any(isinstance(x, LazyTensor) for x in flat):
+        if _DATA_DEPENDENT & set(getattr(func, "tags", ())) and not fixed_shape \
+                and any(isinstance(x, LazyTensor) for x in flat):
             # allclose, nonzero, unique: what they return depends on the values, so they are computed
             # on real values (deterministic ones; a draw's values cannot be known: UnkeyedRandomnessError)
             concrete = tree_map(lambda x: self.concrete(x, _op_name(func)) if isinstance(x, LazyTensor) else x,
@@ -267,8 +295,69 @@ class Capture:
             return func(*concrete[0], **concrete[1])
         if not any(isinstance(x, LazyTensor) for x in flat) and any(isinstance(x, torch.Tensor) for x in flat) \
                 and func not in _IDENTITY:
+            self._keep_overwritten(func, args, kwargs)
             return func(*args, **kwargs)  # real tensors only: run it for real
         return self._record(func, args, kwargs, random=False)
+
+    def _concrete_masks(self, func: Any, args: tuple) -> tuple:
+        """``t[mask]`` / ``t[mask] = v`` with a boolean stand-in mask whose values are known (no draw in them:
+        ``mask == 1`` of a mask of ones, as torch's pruning container takes): the mask becomes its real
+        positions (``nonzero``), so the op has a fixed shape and ``t`` may hold draws. A mask that depends
+        on a draw is left as it is (its op needs the draw's values: see :meth:`handle`)."""
+        indices = args[1]
+        if not any(isinstance(i, LazyTensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return args
+        resolved: list[Any] = []
+        for index in indices:
+            if isinstance(index, LazyTensor) and index.dtype in (torch.bool, torch.uint8):
+                try:
+                    mask = self.concrete(index, _op_name(func))
+                except UnkeyedRandomnessError:
+                    return args
+                with _disable_current_modes():
+                    resolved.extend(mask.bool().nonzero(as_tuple=True))
+            else:
+                resolved.append(index)
+        return (args[0], resolved, *args[2:])
+
+    def _from_memory(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``t.set_(storage, ...)`` of a fresh stand-in (``torch.asarray(storage)``: how safetensors, and so
+        Hugging Face and timm, make tensors of a checkpoint): the stand-in now holds that real memory,
+        a constant of the record, as ``torch.load``'s tensors are."""
+        target = args[0]
+        label = self.storage_of(target).label
+        if label != "temporary":
+            raise CaptureError(f"{self.site}: init code's {_op_name(func)} replaces the memory of {label}; keyinit "
+                               f"captures model tensors of fixed memory (copy_ the values in instead)")
+        with _disable_current_modes():
+            real = func(torch.empty((0,), dtype=target.dtype), *args[1:], **kwargs)
+            whole = torch.empty((0,), dtype=target.dtype).set_(real.untyped_storage())  # all the storage holds
+            base = torch.empty(whole.shape, dtype=target.dtype, device="meta")
+            meta = base.as_strided(real.size(), real.stride(), real.storage_offset())
+        with no_dispatch():  # the wrapper's own sizes and strides, which Python code sees
+            func(*args, **kwargs)
+        self._register(base, label).write(StridedView.of(base), Literal(whole), self.label)
+        target._meta = meta
+        return target
+
+    def _keep_overwritten(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Before an op writes real tensors (a pretrained module the builder was given:
+        ``backbone.fc.bias.zero_()``), keep what it overwrites, for :meth:`put_back`."""
+        names = _mutated_args(func)
+        if not names:
+            return
+        bound = bind_arguments(func, args, kwargs)
+        for tensor in tensor_leaves([bound.get(name) for name in names]):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                alias = tensor.detach()  # the memory written now, whatever tensor.data becomes later
+                self.overwritten.append((alias, alias.clone()))
+
+    def put_back(self) -> None:
+        """Put back every real tensor's values the captured code overwrote (latest first)."""
+        with torch.no_grad(), _disable_current_modes():
+            while self.overwritten:
+                alias, values = self.overwritten.pop()
+                alias.copy_(values)
 
     def _inplace_view(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``t_``, ``transpose_``, ``unsqueeze_``, ``squeeze_``, ``as_strided_``: the tensor becomes a view of
@@ -428,7 +517,17 @@ class Capture:
                 f"{self.site}: init code writes into a tensor keyinit does not manage"
                 + (f" (shape {tuple(target.shape)})" if isinstance(target, torch.Tensor) else "")
                 + ": not a parameter, buffer or tensor created inside the init code")
+        self._writable(target)
         self.storage_of(target).write(StridedView.of(target._meta), _fit(value, target._meta), self.label)
+
+    def _writable(self, target: LazyTensor) -> None:
+        """A view that reinterprets memory is a copy (see :meth:`_wrap`): a write into it would not reach
+        what it views."""
+        taken = self._copied_views.get(id(self.storage_of(target)))
+        if taken is not None:
+            raise CaptureError(f"{self.site}: init code writes into a view of {taken[0].label} that reinterprets its "
+                               f"memory ({_REINTERPRETING}), which keyinit computes as a copy of its values: the write "
+                               f"would not reach them; write into the tensor itself")
 
     def _effects(self, func: Any, args: tuple, kwargs: dict, bound: dict[str, Any],
                  outputs: list[torch.Tensor]) -> Effects:
@@ -538,15 +637,38 @@ class Capture:
             for arg in written:
                 if arg._meta.untyped_storage()._cdata == cdata and StridedView.of(arg._meta) == StridedView.of(meta):
                     return arg  # an in-place or out= op returns the argument it wrote
-            if cdata in by_storage:
+            if cdata in by_storage and not _reinterprets(meta, by_storage[cdata]._meta):
                 return LazyTensor(meta, self)  # a view
+            source = self.storage_of(by_storage[cdata]) if cdata in by_storage else None
+            if source is not None:  # a view that reinterprets its memory (view(dtype), view_as_real, conj()): a copy
+                with _disable_current_modes():
+                    meta = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device="meta")
             storage = self._register(meta, "temporary")
+            if source is not None:
+                self._copied_views[id(storage)] = (source, source.current)
             if value is not None:
                 storage.write(StridedView.of(meta), _fit(value, meta), self.label)
             return LazyTensor(meta, self)
 
         return tree_map(wrap, out)
 
+
+#: Ops that take a list of index tensors second, where a boolean mask selects elements.
+_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+#: Views whose values are not the elements of their buffer as stored (:func:`_reinterprets`).
+_REINTERPRETING = "another dtype: view(dtype), view_as_real/complex; or conj()"
+
+
+def _reinterprets(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """A view that reads its memory otherwise than as ``base``'s elements: another dtype, or torch's lazy
+    conjugate/negative bit."""
+    return view.dtype != base.dtype or view.is_conj() != base.is_conj() or view.is_neg() != base.is_neg()
+
+
+#: ``tensor.set_(memory, ...)``: a tensor made from real memory (a checkpoint's bytes), not init.
+_SET_STORAGE = {aten.set_.source_Storage, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
+                aten.set_.source_Tensor_storage_offset}
 
 #: Code whose tensors are data, not init: run for real under a capture (``timm.create_model(pretrained=True)``
 #: from a local file loads a state dict in the constructor).

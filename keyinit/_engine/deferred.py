@@ -33,7 +33,8 @@ import torch
 
 from keyinit._engine.megatron_records import whole_node
 from keyinit._engine.capture import Capture, LazyTensor
-from keyinit._engine.escape import concretize_attributes, sweep_escaped
+from keyinit._engine.escape import concretize_attributes, forget_escaped, sweep_escaped
+from keyinit._engine.guard import ModelState
 from keyinit._engine.program import StridedView, Literal, Node, Read, Storage, Write
 
 __all__ = ["deferred", "ConstructorRecord", "record_of", "origin_of", "renumbered_as", "seed_storage", "RECORD_ATTRIBUTE"]
@@ -134,14 +135,44 @@ def deferred(fn: Callable[..., M], /, *args: Any, **kwargs: Any) -> M:
         # Inside another capture (a factory that returns keyinit.deferred(...), built by
         # `keyinit verify` or an outer deferred): the outer capture records this construction.
         return fn(*args, **kwargs)
+    given = ModelState(*_given(args, kwargs))  # what the caller passed (a pretrained backbone), to put back
     capture = Capture()
-    with capture.active(f"{builder}(...)", "constructor"):
-        with torch.enable_grad():  # constructors run with grad mode as usual (Parameter flags)
-            model = fn(*args, **kwargs)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"keyinit.deferred: {builder} returned {type(model).__name__}, not an nn.Module")
-    _finish(model, capture, builder)
+    try:
+        with capture.active(f"{builder}(...)", "constructor"):
+            with torch.enable_grad():  # constructors run with grad mode as usual (Parameter flags)
+                model = fn(*args, **kwargs)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"keyinit.deferred: {builder} returned {type(model).__name__}, not an nn.Module")
+        _finish(model, capture, builder)
+    except BaseException:
+        capture.put_back()  # values the constructor wrote into the caller's real tensors
+        given.restore()  # their modules' tables, tensors' data and requires_grad, hooks, train/eval mode
+        forget_escaped(capture)  # no stand-in left in an lru_cache for later eager code
+        raise
     return model
+
+
+def _given(args: tuple, kwargs: dict) -> tuple[list[torch.nn.Module], list[tuple[str, torch.Tensor]]]:
+    """The modules (with their submodules) and tensors among a builder's arguments (in lists, tuples and
+    dicts too), and every tensor they hold."""
+    modules: dict[int, torch.nn.Module] = {}
+    named: dict[int, tuple[str, torch.Tensor]] = {}
+    stack: list[tuple[Any, int]] = [(list(args) + list(kwargs.values()), 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, torch.nn.Module):
+            for module in value.modules():
+                modules.setdefault(id(module), module)
+                for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+                    if tensor is not None:
+                        named.setdefault(id(tensor), (name, tensor))
+        elif isinstance(value, torch.Tensor):
+            named.setdefault(id(value), ("argument", value))
+        elif isinstance(value, (list, tuple)) and depth < 4:
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, dict) and depth < 4:
+            stack.extend((item, depth + 1) for item in value.values())
+    return list(modules.values()), list(named.values())
 
 
 def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
@@ -176,7 +207,7 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
     # Plain attributes: one that refers to a parameter or buffer (nn.LSTM's _flat_weights)
     # gets its meta replacement; any other stand-in its real value.
     for module_fqn, module in model.named_modules(remove_duplicate=True):
-        concretize_attributes(capture, module, module_fqn, replaced)
+        concretize_attributes(capture, module, module_fqn, replaced, site=f"{builder}(...)")
     sweep_escaped(capture, replaced, f"{builder}(...)")  # an lru_cache, a hook's closure, a class attribute
     for module, record, swaps in installs:  # nothing below can fail
         for table, name, meta in swaps:

@@ -30,7 +30,7 @@ import torch
 from keyinit._engine.capture import Capture, CaptureError, LazyTensor
 from keyinit.errors import UnkeyedRandomnessError
 
-__all__ = ["concretize_attributes", "derived_attributes", "sweep_escaped"]
+__all__ = ["concretize_attributes", "derived_attributes", "sweep_escaped", "forget_escaped"]
 
 #: nn.Module's own bookkeeping attributes (its parameter, buffer, module and hook tables).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
@@ -45,7 +45,7 @@ _WALK_DEPTH = 8
 
 def concretize_attributes(capture: Capture, module: torch.nn.Module, module_fqn: str,
                           replaced: Optional[Mapping[int, torch.Tensor]] = None,
-                          seen: Optional[dict[int, Any]] = None) -> None:
+                          seen: Optional[dict[int, Any]] = None, site: str = "init code") -> None:
     """Give stand-ins that code stored outside parameters and buffers their real values, as
     eager torch would have them, so no stand-in escapes the capture: plain attributes, tensors
     inside lists, tuples and dicts there, and inside the attributes of plain objects and
@@ -68,7 +68,8 @@ def concretize_attributes(capture: Capture, module: torch.nn.Module, module_fqn:
                 object.__setattr__(module, name, torch.empty(value.shape, dtype=value.dtype, device="meta"))
             continue
         where = f"{module_fqn}.{name}" if module_fqn else name
-        converted = _concrete_tree(capture, value, where, replaced or {}, seen, _WALK_DEPTH)
+        converted = _concrete_tree(capture, value, where, replaced or {}, seen, _WALK_DEPTH,
+                                   f"{site}: {{}} (an attribute of {type(module).__name__})")
         if converted is not value:
             object.__setattr__(module, name, converted)
 
@@ -90,8 +91,9 @@ def derived_attributes(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def _concrete_tree(capture: Capture, value: Any, where: str, replaced: Mapping[int, torch.Tensor],
-                   seen: dict[int, Any], depth: int) -> Any:
-    """``value`` with every stand-in inside it replaced by its real value (containers in place)."""
+                   seen: dict[int, Any], depth: int, owner: str) -> Any:
+    """``value`` with every stand-in inside it replaced by its real value (containers in place); ``owner``
+    names where it is in errors (``{}`` stands for ``where``)."""
     if id(value) in seen:
         return seen[id(value)][1]
     if isinstance(value, LazyTensor):
@@ -101,16 +103,16 @@ def _concrete_tree(capture: Capture, value: Any, where: str, replaced: Mapping[i
             seen[id(value)] = (value, capture.concrete(value, f"attribute {where}"))
         except UnkeyedRandomnessError as exc:
             raise UnkeyedRandomnessError(
-                f"{where}: code stored a tensor computed from random draws outside the model's parameters "
-                f"and buffers; keyinit keys a draw by the parameter or buffer it lands in: register it as a "
-                f"buffer (register_buffer) or a parameter") from exc
+                f"{owner.replace('{}', where)}: code stored a tensor computed from random draws outside the model's "
+                f"parameters and buffers; keyinit keys a draw by the parameter or buffer it lands in: register it "
+                f"as a buffer (register_buffer) or a parameter") from exc
         return seen[id(value)][1]
     if depth <= 0 or isinstance(value, _LEAVES):
         return value
     seen[id(value)] = (value, value)
 
     def inner(item: Any, suffix: str) -> Any:
-        return _concrete_tree(capture, item, where + suffix, replaced, seen, depth - 1)
+        return _concrete_tree(capture, item, where + suffix, replaced, seen, depth - 1, owner)
 
     if isinstance(value, (list, tuple)):
         items = [inner(v, f"[{i}]") for i, v in enumerate(value)]
@@ -148,20 +150,69 @@ def _alive(capture: Capture, replaced: Mapping[int, torch.Tensor]) -> list[Any]:
     return [r for r in capture.made if (t := r()) is not None and id(t) not in replaced]
 
 
-def _holders(tensor: torch.Tensor, found: list) -> str:
-    """What refers to ``tensor`` (but ``found``), in words (a closure cell is named by its function)."""
-    names = []
-    for holder in gc.get_referrers(tensor):
-        if isinstance(holder, types.FrameType) or holder is tensor or holder is found:
+def _deref(reference: Any) -> Any:
+    return reference()
+
+
+def _only_a_base_of(lazy: torch.Tensor, bases: set[int], found: list) -> bool:
+    """``lazy`` is alive only as (a view of) the base a model tensor was viewed from
+    (``register_buffer("b", p.data[:2])``, ``view_as_complex(x.reshape(n, 2))``): no Python object holds it,
+    so it goes with the stand-ins the model's tables drop."""
+    if id(lazy) not in bases and (lazy._base is None or id(lazy._base) not in bases):
+        return False
+    return not any(h is not found and not isinstance(h, types.FrameType) for h in gc.get_referrers(lazy))
+
+
+def _holders(tensor: torch.Tensor, found: list, drawn: list) -> tuple[str, list[Any]]:
+    """What refers to ``tensor`` (but the lists ``found`` and ``drawn`` of the sweep), in words (a closure
+    cell is named by its function, an object's attribute by its name and class), and the objects named."""
+    names, objects = [], []
+    referrers = gc.get_referrers(tensor)
+    for holder in referrers:
+        if isinstance(holder, types.FrameType) or holder is tensor or holder is found or holder is drawn:
             continue
         if type(holder).__name__ == "cell":
             functions = [f for f in gc.get_referrers(holder) if isinstance(f, tuple)]
             owners = [g.__qualname__ for t in functions for g in gc.get_referrers(t)
                       if isinstance(g, types.FunctionType) and g.__closure__ is t]
             names.append(f"a closure of {owners[0]}" if owners else "a closure")
+            continue
+        owner = _owner_of(holder) if type(holder) is dict else holder
+        attributes = vars(owner) if isinstance(getattr(owner, "__dict__", None), dict) else {}
+        attribute = None  # (no generator over ``tensor`` here: it would be a closure cell holding it)
+        for key, value in attributes.items():
+            if value is tensor:
+                attribute = key
+        if attribute is not None:
+            names.append(f"attribute {attribute} of a {type(owner).__module__}.{type(owner).__qualname__}")
+            objects.append(owner)
+        elif type(holder) is dict:  # a plain dict: named by what holds it (a functools.partial's keywords)
+            parents = [r for r in gc.get_referrers(holder)
+                       if r is not referrers and r is not found and not isinstance(r, types.FrameType)]
+            names.append(f"a dict in a {type(parents[0]).__module__}.{type(parents[0]).__qualname__}" if parents
+                         else "a dict")
+            objects.append(parents[0] if parents else holder)
         else:
             names.append(f"a {type(holder).__module__}.{type(holder).__qualname__}")
-    return ", ".join(dict.fromkeys(names)) or "an object keyinit cannot name"
+            objects.append(holder)
+    return ", ".join(dict.fromkeys(names)), objects
+
+
+def _draws(capture: Capture, lazy: torch.Tensor) -> bool:
+    """Whether ``lazy``'s value depends on a random draw."""
+    try:
+        capture.concrete(lazy, "a tensor stored outside the model")
+    except UnkeyedRandomnessError:
+        return True
+    return False
+
+
+def _owner_of(attributes: dict) -> Any:
+    """The object whose ``__dict__`` is ``attributes``, if any."""
+    for candidate in gc.get_referrers(attributes):
+        if getattr(candidate, "__dict__", None) is attributes:
+            return candidate
+    return None
 
 
 def _referrers(obj: Any, found: list, depth: int) -> list[Any]:
@@ -183,21 +234,42 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
         capture.made.clear()
         return
     gc.collect()  # only what is still referenced counts (weak references do not keep it)
-    found = [t for r in _alive(capture, replaced) if (t := r()) is not None]
+    bases = {id(model._base) for model in map(_deref, capture.made)
+             if model is not None and id(model) in replaced and model._base is not None}
+    # (no walrus here: its name would be a cell of this function holding the last stand-in)
+    found = [lazy for lazy in map(_deref, _alive(capture, replaced)) if lazy is not None]
+    found = [lazy for lazy in found if not _only_a_base_of(lazy, bases, found)]
     capture.made.clear()  # swap_tensors refuses a tensor with weak references
+    found.sort(key=lambda lazy: lazy._base is None)  # views first: what holds a view can be named
     values = []
     for lazy in found:
         try:
             values.append(capture.concrete(lazy, "a tensor stored outside the model"))
         except UnkeyedRandomnessError as exc:
-            holders = _holders(lazy, found)
-            for cache in _referrers(lazy, found, depth=3):  # a cache: cleared, so later calls compute again
-                if isinstance(cache, functools._lru_cache_wrapper):
-                    cache.cache_clear()
+            # every escaped stand-in that holds a draw: each cache holding one is cleared, and what holds
+            # them is named (a stand-in only other stand-ins hold, a slice a kept view was taken through, has none)
+            drawn = [lazy]  # (a loop, not a comprehension over ``lazy``: that would be a closure holding it)
+            for other in found:
+                if other is not lazy and _draws(capture, other):
+                    drawn.append(other)
+            names: list[str] = []
+            objects: list[Any] = []
+            for tensor in drawn:
+                held, by = _holders(tensor, found, drawn)
+                names += [held] if held else []
+                objects += by
+                for cache in _referrers(tensor, found, depth=3):  # a cache: cleared, so later calls compute again
+                    if isinstance(cache, functools._lru_cache_wrapper):
+                        cache.cache_clear()
+            holders = ", ".join(dict.fromkeys(names)) or "an object keyinit cannot name"
+            remedy = ("torch's pruning keeps it in its forward pre-hook (global_unstructured, custom_from_mask on "
+                      "drawn weights): prune after materialize, on the real weights"
+                      if any(isinstance(o, _recomputing_hooks()[2]) for o in objects) else
+                      "register it as a buffer (register_buffer) or a parameter")
             raise UnkeyedRandomnessError(
                 f"{site}: code stored a tensor of shape {tuple(lazy.shape)} computed from random draws outside the "
                 f"model's parameters and buffers, in {holders}; keyinit keys a draw by the parameter or "
-                f"buffer it lands in: register it as a buffer (register_buffer) or a parameter") from exc
+                f"buffer it lands in: {remedy}") from exc
     # views first: once swapped, a view's old stand-in (left in ``pairs``) is dropped, and with it its hold
     # on its base, which swap_tensors needs gone
     pairs = sorted(zip(found, values), key=lambda pair: pair[0]._base is None)
@@ -213,3 +285,28 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
                                f"parameters and buffers, where keyinit cannot give it its values in place ({exc}); "
                                f"register it as a buffer") from exc
         del lazy, value
+
+
+def forget_escaped(capture: Capture) -> None:
+    """After captured code failed: every ``functools.lru_cache`` holding one of ``capture``'s stand-ins
+    is cleared, so code that calls it later (an eager model built next) computes real tensors again.
+    (A failed build leaves no model whose stand-ins could be told from escaped ones, so none is made real.)"""
+    made = {id(t) for t in map(_deref, capture.made) if t is not None}
+    capture.made.clear()
+    if not made:
+        return
+    for cache in [obj for obj in gc.get_objects() if type(obj) is functools._lru_cache_wrapper]:  # type(): no __class__
+        if _reaches(cache, made, depth=4):  # the wrapper, its dict, a bounded cache's link, a tuple result
+            cache.cache_clear()
+
+
+def _reaches(obj: Any, ids: set[int], depth: int) -> bool:
+    """Whether an object in ``ids`` is among what ``obj`` refers to, ``depth`` levels down (no modules or
+    functions followed: a cache's wrapped function and its globals are not its contents)."""
+    level = [obj]
+    for _ in range(depth):
+        level = [r for o in level for r in gc.get_referents(o)
+                 if not isinstance(r, (types.ModuleType, types.FunctionType, type))]
+        if any(id(r) in ids for r in level):
+            return True
+    return False

@@ -76,14 +76,18 @@ def _data_state(tensor: torch.Tensor) -> tuple:
 
 class ModelState:
     """The structure of ``modules`` (their parameter, buffer and child tables) and the data and
-    ``requires_grad`` of the ``named`` tensors, kept without copying a value, to check and put back."""
+    ``requires_grad`` of the ``named`` tensors, kept without copying a value, to check and put back.
+    :meth:`restore` also puts back each module's other attributes (train/eval mode, hook tables,
+    plain attributes), so code that failed leaves the modules as they were."""
 
     _TABLES = ("_parameters", "_buffers", "_modules")
 
     def __init__(self, modules: Iterable[torch.nn.Module], named: Iterable[tuple[str, torch.Tensor]]) -> None:
         # a torch.jit.script module's tables are C++ wrappers, which Python code cannot re-assign: not kept
-        self.tables = [(m, table, dict(getattr(m, table))) for m in modules for table in self._TABLES
-                       if not isinstance(m, torch.jit.ScriptModule)]
+        modules = [m for m in modules if not isinstance(m, torch.jit.ScriptModule)]
+        self.tables = [(m, table, dict(getattr(m, table))) for m in modules for table in self._TABLES]
+        self.attributes = [(m, dict(vars(m)), {k: _contents(v) for k, v in vars(m).items()
+                                               if isinstance(v, (dict, set))}) for m in modules]
         self.tensors = [(name, t, t.data, _data_state(t)) for name, t in named]
 
     def changes(self) -> tuple[list[str], list[str]]:
@@ -94,6 +98,15 @@ class ModelState:
         return assigned, swapped
 
     def restore(self) -> None:
+        for m, attributes, contents in self.attributes:
+            current = vars(m)
+            for name in [name for name in current if name not in attributes]:
+                del current[name]
+            current.update(attributes)
+            for name, items in contents.items():  # hook tables, the non-persistent buffer set
+                if not _same_contents(attributes[name], items):
+                    attributes[name].clear()
+                    attributes[name].update(items)
         for m, table, before in self.tables:
             current = getattr(m, table)
             if len(current) != len(before) or any(current.get(k, current) is not v for k, v in before.items()):
@@ -105,6 +118,18 @@ class ModelState:
                     if _data_state(t)[:-1] != state[:-1]:
                         t.data = data
                     t.requires_grad_(state[-1])
+
+
+def _contents(container: "dict | set") -> "dict | set":
+    """A shallow copy of a module's dict (a hook table) or set (of buffer names)."""
+    return dict(container) if isinstance(container, dict) else set(container)
+
+
+def _same_contents(now: "dict | set", before: "dict | set") -> bool:
+    """A dict holds the same objects under the same keys (a hook is not compared by value); a set the same names."""
+    if isinstance(before, dict):
+        return now.keys() == before.keys() and all(now[k] is v for k, v in before.items())
+    return now == before
 
 
 def _problem(assigned: list[str], swapped: list[str]) -> str:

@@ -1,4 +1,4 @@
-"""What a capture cannot record: Python's and numpy's global generators, and threads the code starts.
+"""What a capture cannot record: Python's and numpy's global generators, and threads.
 
 A :class:`~keyinit._engine.capture.Capture` records the torch ops of the thread that runs the code.
 Two things escape it:
@@ -10,9 +10,20 @@ Two things escape it:
   torch's global RNG and advance it.
 
 :func:`watched` runs a capture's block so that both are an :class:`keyinit.UnkeyedRandomnessError`
-naming the code: the two global generators are put back as they were when the block advanced them,
-and every torch op in a thread started inside the block is refused before it runs (nothing of
-torch's RNG is read). Nothing is patched: ``threading.setprofile`` is set for the block and put back.
+naming the code: the global generators are put back as they were when the block advanced them, and
+every random torch op, or op on a stand-in, in a thread started inside the block is refused before it
+runs (nothing of torch's RNG is read); deterministic work on real tensors there (Hugging Face loads a
+checkpoint's tensors in a pool) runs. A thread that was running before the block (a pool a library
+keeps) cannot be given the refusal; what it draws is seen on torch's global CPU generator, which the
+block's own thread never draws from: put back and refused too. A reseed the code itself makes
+(``torch.manual_seed`` in a constructor) is left, as eager torch leaves it. Nothing is patched:
+``threading.setprofile`` is set for the block and put back.
+
+Not seen: a generator object seeded from the operating system (``numpy.random.default_rng()``,
+``random.Random()`` without a seed). Its values become constants of the record that differ in every
+process; numpy's generators draw in compiled code no Python hook observes, and ``RandomState(seed)``
+reads the same entropy as ``RandomState()`` before it seeds, so neither can be told apart without
+patching numpy (docs/api.md says to seed them).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Optional
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit.errors import UnkeyedRandomnessError
@@ -37,25 +49,49 @@ class _Watch:
         self.refused: list[str] = []
 
 
+def _torch_rng() -> tuple[int, torch.Tensor]:
+    return torch.initial_seed(), torch.default_generator.get_state()
+
+
+def _torch_rng_moved(before: tuple[int, torch.Tensor]) -> bool:
+    """Whether torch's global CPU generator was drawn from since ``before``; a reseed alone
+    (``torch.manual_seed`` in the code: a fresh state of the new seed) is not a draw."""
+    seed, state = _torch_rng()
+    if torch.equal(state, before[1]):
+        return False
+    if seed != before[0]:
+        return not torch.equal(state, torch.Generator().manual_seed(seed).get_state())
+    return True
+
+
 class _RefuseInThread(TorchDispatchMode):
-    """Pushed in a thread started inside a capture: while the capture runs, every torch op there is refused."""
+    """Pushed in a thread started inside a capture: while the capture runs, every random torch op there, and
+    every op on a stand-in, is refused; deterministic work on real tensors (loading a checkpoint's tensors,
+    as Hugging Face's loader does in a pool) runs."""
 
     def __init__(self, watch: _Watch) -> None:
         super().__init__()
         self.watch = watch
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        if self.watch.open:
+        from keyinit._engine.random_ops import is_random
+        from keyinit._engine.standin import LazyTensor, tensor_leaves
+
+        kwargs = kwargs or {}
+        stand_in = any(isinstance(x, LazyTensor) for x in tensor_leaves((args, kwargs)))
+        if self.watch.open and (stand_in or is_random(func)):
             name = threading.current_thread().name
             self.watch.refused.append(name)
             raise UnkeyedRandomnessError(_thread_message(self.watch.site, name, func))
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 def _thread_message(site: str, thread: str, func: Any = None) -> str:
     return (f"{site}: init code ran torch ops{f' ({func})' if func is not None else ''} in a thread it started "
-            f"({thread}); keyinit records the ops of the thread that runs the code, so these would draw from "
-            f"torch's global RNG and be kept as constants: build the modules in the calling thread")
+            f"({thread}) that draw or use keyinit's stand-ins; keyinit records the ops of the thread that runs the "
+            f"code, so a draw there would come from torch's global RNG and be kept as a constant: build the "
+            f"modules and draw in the calling thread (deterministic work on real tensors, such as loading a "
+            f"checkpoint, may use threads)")
 
 
 def _generator_states() -> dict[str, Any]:
@@ -88,10 +124,12 @@ def _restore(name: str, state: Any) -> None:
 
 @contextlib.contextmanager
 def watched(site: str) -> Iterator[None]:
-    """Run a capture's block; a draw from Python's or numpy's global generator, or a torch op in a
-    thread started here, is an :class:`UnkeyedRandomnessError` naming ``site`` (the generators put back)."""
+    """Run a capture's block; a draw from Python's, numpy's or torch's global generator, or a draw or a
+    stand-in in a thread started here, is an :class:`UnkeyedRandomnessError` naming ``site`` (the
+    generators put back)."""
     watch = _Watch(site)
     before = _generator_states()
+    torch_before = _torch_rng()
     previous: Optional[Any] = threading.getprofile()
 
     def start(frame: Any, event: str, arg: Any) -> None:  # the first event of each thread started here
@@ -108,11 +146,19 @@ def watched(site: str) -> Iterator[None]:
         advanced = [name for name, state in before.items() if not _same(_generator_states().get(name), state)]
         for name in advanced:
             _restore(name, before[name])
+        drawn_elsewhere = _torch_rng_moved(torch_before)
+        if drawn_elsewhere:
+            torch.default_generator.set_state(torch_before[1])
     if advanced:
         raise UnkeyedRandomnessError(
             f"{site}: init code drew from the global generator of {' and '.join(advanced)}: its values would depend on "
             f"that generator's state (different on two ranks), and keyinit cannot key them; draw with torch (keyed "
             f"by the tensor it lands in) or keyinit.random; the generator's state was put back")
+    if drawn_elsewhere:
+        raise UnkeyedRandomnessError(
+            f"{site}: torch's global RNG was drawn from while the code ran, by a thread the capture does not record "
+            f"(one running before it started: a pool a library keeps); those values would be kept as constants, "
+            f"different on two ranks: build the modules and draw in the calling thread; torch's RNG was put back")
     if watch.refused:
         raise UnkeyedRandomnessError(_thread_message(site, watch.refused[0]))
 
@@ -164,3 +210,8 @@ class ThreadDrawsRefused:
     def __exit__(self, *exc_info: Any) -> None:
         threading.setprofile(self.previous)
         self.watch.open = False
+        if self.watch.refused and exc_info[0] is None:  # the thread swallowed it (threading's excepthook)
+            raise UnkeyedRandomnessError(
+                f"{self.watch.site}: a random op in a thread started while the sample was read "
+                f"({self.watch.refused[0]}) was refused; keyinit keys the randomness of the thread that reads the "
+                f"sample: augment in the calling thread")

@@ -49,11 +49,12 @@ from keyinit._engine.init_code import (
 from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import apply_fqn_mapping, canonical_modules
 from keyinit.keys import Key, key
-from keyinit._engine.plan_checks import check_plan, check_scripted, check_shared_memory, unused_init_code_note
+from keyinit._engine.plan_checks import (check_plan, check_renumbered_keys, check_scripted, check_shared_memory,
+                                         shared_records_note, unused_init_code_note)
 from keyinit._engine.options import InitOptions
 from keyinit._engine.planned import ModelPlan, PlannedTensor
 from keyinit._engine.deferred import origin_of, record_of, renumbered_as, seed_storage
-from keyinit._engine.escape import derived_attributes
+from keyinit._engine.escape import derived_attributes, forget_escaped, sweep_escaped
 from keyinit._engine.program import Alloc, Node, Random, Read, SlotProgram, Storage, StridedView
 from keyinit.rules import ModuleRule, RuleContext, initializer_problem
 from keyinit.walk import tensors as model_tensors
@@ -187,8 +188,10 @@ class _Planner:
         A record that wrote nothing (``torch.empty`` left for later init code) is no record. A
         record of another shape (the tensor was replaced after construction) is not used."""
         self.constructed: set[int] = set()  # modules built by keyinit.deferred whose records hold values
-        renumbered: list[str] = []
-        raw_names = {id(m): raw for raw, _canonical, m in canonical_modules(self.model)}
+        renumbered: list[PlannedTensor] = []
+        raw_names: dict[int, str] = {}
+        for raw, _canonical, m in canonical_modules(self.model):
+            raw_names.setdefault(id(m), raw)  # a module at two paths (a layer inserted twice): its first, t.fqn's
         for t in self.tensors:
             found: list[tuple[torch.nn.Module, str, Node]] = []
             for module, attr in t.locations():
@@ -222,12 +225,17 @@ class _Planner:
             # only where the canonical name is the module path (megatron's experts are renamed to their global index)
             if built is not None and raw == t.fqn == t.key_fqn and not (self.fqn_prefix or self.fqn_map):
                 t.key_fqn = built  # its constructor built it as `built` (depth-scaled inits): that model's values
-                renumbered.append(f"{t.fqn} as {built}")
+                renumbered.append(t)
+        shared = shared_records_note(self.tensors)
+        if shared is not None:
+            self.notes.append(shared)
         if renumbered:
+            check_renumbered_keys(self.tensors, renumbered)
+            shown = ", ".join(f"{t.fqn} as {t.key_fqn}" for t in renumbered[:4])
             self.notes.append(f"{len(renumbered)} tensors sit at other ModuleList indices than they were built at "
                               f"(renumbered after construction, as `del layers[0]` does) and are keyed by the names "
                               f"they were built with, so they get the full model's values: "
-                              f"{', '.join(renumbered[:4])}{' ...' if len(renumbered) > 4 else ''}")
+                              f"{shown}{' ...' if len(renumbered) > 4 else ''}")
 
     def _resolve_ties(self) -> None:
         for alias, target in self.ties.items():
@@ -525,6 +533,16 @@ class _Planner:
                 t.origin = t.rule[0] if t.rule is not None else "kept"
             return
         capture = Capture()
+        try:
+            self._capture_code(capture, calls, declared)
+        except BaseException:
+            forget_escaped(capture)  # no stand-in left in an lru_cache for later eager code
+            raise
+        # what the init code left outside the model (an lru_cache helper's table) gets its real values
+        sweep_escaped(capture, {}, "init code")
+
+    def _capture_code(self, capture: Capture, calls: list, declared: dict[int, SlotProgram]) -> None:
+        """:meth:`capture` with its stand-ins (dropped when this returns: what is still alive escaped)."""
         standins: dict[int, LazyTensor] = {}
         for t in self.tensors:
             replayed = t.record is not None and (t.rule is None or t.rule[0] == "default")

@@ -25,7 +25,8 @@ from keyinit.init import Initializer
 from keyinit.keys import Key
 from keyinit.regions import make_region
 
-__all__ = ["check_plan", "check_scripted", "check_shared_memory", "unused_init_code_note"]
+__all__ = ["check_plan", "check_renumbered_keys", "check_scripted", "check_shared_memory", "shared_records_note",
+           "unused_init_code_note"]
 
 #: Method names of init code a model may have that nothing runs unless asked (HF, torchtitan, OLMo-core).
 _INIT_METHOD_NAMES = ("_init_weights", "init_weights")
@@ -234,3 +235,40 @@ def _reads_written(read: Read) -> bool:
 def _buffer_label(read: Read) -> str:
     label = root_of(read.version).storage.label
     return "a temporary tensor" if label == "temporary" else label
+
+
+def check_renumbered_keys(tensors: Sequence[PlannedTensor], renumbered: Sequence[PlannedTensor]) -> None:
+    """No two different tensors keyed alike because one was renumbered (``del layers[0]`` and then a
+    new layer appended where the last one was built): they would get the same random values."""
+    moved = {id(t) for t in renumbered}
+    by_key: dict[str, list[PlannedTensor]] = {}
+    for t in tensors:
+        by_key.setdefault(t.key_fqn, []).append(t)
+    clashes = [group for group in by_key.values() if len(group) > 1 and any(id(t) in moved for t in group)]
+    if clashes:
+        described = "; ".join(" and ".join(f"{t.fqn}{' (renumbered)' if id(t) in moved else ''}" for t in group)
+                              + f" would all be keyed as {group[0].key_fqn}" for group in clashes)
+        raise PlanError(f"{described}: different tensors keyed by the same name get the same random values. "
+                        f"A ModuleList entry renumbered after construction is keyed by the name "
+                        f"it was built with; name every tensor's full-model FQN with fqn_map (which turns the "
+                        f"renumbering off), or build the stage's new modules inside the builder",
+                        tuple(t.fqn for group in clashes for t in group))
+
+
+def shared_records_note(tensors: Sequence[PlannedTensor]) -> Optional[str]:
+    """The report's note for different tensors a constructor built as views sharing elements of one buffer
+    (``a = Parameter(base)``, ``b = Parameter(base[:2])``): each gets its own memory holding the
+    constructor's values, on every layout alike, as torch's ``to_empty`` and FSDP2 give them."""
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for t in tensors:
+        if isinstance(t.record, Read):
+            g = t.record.geometry
+            end = g.offset + 1 + sum((n - 1) * s for n, s in zip(g.size, g.stride)) if all(g.size) else g.offset
+            spans.setdefault(id(root_of(t.record.version).storage), []).append((g.offset, end, t.fqn))
+    pairs = [f"{a} and {b}" for group in spans.values() for i, (s1, e1, a) in enumerate(group)
+             for s2, e2, b in group[i + 1:] if s1 < e2 and s2 < e1]
+    if not pairs:
+        return None
+    return (f"{'; '.join(pairs[:4])}{' ...' if len(pairs) > 4 else ''} shared memory when the constructor built them; "
+            f"each gets its own, holding the constructor's values on every layout (as torch's to_empty and FSDP2 "
+            f"give them): tie or view them again after materialize if they must share")

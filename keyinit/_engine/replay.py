@@ -99,8 +99,10 @@ class Evaluator:
         if key is None:
             raise UnkeyedRandomnessError(
                 f"{node.site}: init code {self.why_unkeyed or 'needs the values of a random draw'} "
-                f"({node.what}) before the draw landed in a model tensor; keyinit keys a draw by the "
-                f"tensor it ends up in, so it cannot let Python code depend on random values"
+                f"({node.what}); a draw's values are known only when keyinit has keyed it (by the tensor it "
+                f"ends up in and the seed, when the model is materialized), so code keyinit captures cannot "
+                f"depend on them: give the tensors that code writes a rule, or run that code after "
+                f"materialize (on the real values: torch's iterative pruning, for one)"
             )
         return key
 

@@ -81,9 +81,10 @@ class LazyTensor(torch.Tensor):
         site = running.site if running is not None and running.site != "<init code>" else None
         raise CaptureError(
             (f"{site}: " if site else "") + f"a keyinit stand-in tensor was used outside keyinit's capture ({func})"
-            + ("; the op ran beneath the capture's dispatch mode, e.g. inside another tensor subclass's "
-               "__torch_dispatch__ (torchao's NF4Tensor: torchtune's QLoRA), whose ops on the stand-ins it wraps "
-               "keyinit cannot record"
+            + ("; the op ran where the capture's dispatch mode is not: in a thread that was running before the "
+               "capture started (keyinit records the thread that runs the code), or beneath the mode, inside "
+               "another tensor subclass's __torch_dispatch__ (torchao's NF4Tensor: torchtune's QLoRA), whose ops "
+               "on the stand-ins it wraps keyinit cannot record"
                if site else ""))
 
 

@@ -358,17 +358,26 @@ def _verdict(result: dict[str, Any], faithful: Any) -> int:
     if not result["ok"]:
         print("\n" + _summary(result, faithful))
         return 1
+    little = "".join(f" {s['layout']} left {_share(s['stage_elements'])} of the elements on one stage, so it tested "
+                     f"little of its cut." for s in result["layouts"] if s.get("unbalanced"))
     if faithful is None:
-        print("\nOK: bit-identical under every layout (not compared with the model's own eager init: --no-fidelity).")
+        print("\nOK: bit-identical under every layout (not compared with the model's own eager init: --no-fidelity)."
+              + little)
     elif faithful.skipped:
         print("\nOK: bit-identical under every layout (NOT compared with the model's own eager init: "
-              "see 'not checked' above).")
+              "see 'not checked' above)." + little)
     else:
         explained = len(faithful.with_status("explained"))
         tail = (f", except {explained} tensor{'s' if explained != 1 else ''} that follow{'s' if explained == 1 else ''} "
                 f"the rules/init_method given" if explained else "")
-        print(f"\nOK: bit-identical under every layout, and every tensor follows the model's own eager init{tail}.")
+        print(f"\nOK: bit-identical under every layout, and every tensor follows the model's own eager init{tail}."
+              + little)
     return 0
+
+
+def _share(stage_elements: list[int]) -> str:
+    """The largest stage's share of the elements, as a percentage."""
+    return f"{max(stage_elements) / sum(stage_elements):.0%}"
 
 
 def _summary(result: dict[str, Any], faithful: Any) -> str:
@@ -377,6 +386,10 @@ def _summary(result: dict[str, Any], faithful: Any) -> str:
     layouts = (f"bit-identical under every layout ({n})" if result["layouts_ok"] else
                f"bit-identical under {sum(1 for s in result['layouts'] if s['identical'] == s['total'])} of {n} "
                f"layouts")
+    little = [f"{s['layout']} left {_share(s['stage_elements'])} on one stage" for s in result["layouts"]
+              if s.get("unbalanced")]
+    if little:
+        layouts += f" ({'; '.join(little)}: little of the cut tested)"
     failed, passed = [], []
     (passed if result["layouts_ok"] else failed).append(layouts)
     if faithful is None:

@@ -190,8 +190,10 @@ class keyed_randomness:
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self._threads.__exit__(*exc)
-            self._mode.__exit__(*exc)
+            try:
+                self._threads.__exit__(*exc)  # raises if a thread's draw was refused and swallowed
+            finally:
+                self._mode.__exit__(*exc)
         finally:
             try:
                 global_states().restore(self._saved)

@@ -27,6 +27,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from keyinit._engine.capture import capturing
+
 __all__ = ["available", "enter", "leave", "Handler"]
 
 #: The dispatch key of keyinit's random-op kernels (see the module docstring).
@@ -71,8 +73,8 @@ def _make_kernel(op: Any) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(excluded):
             handler = getattr(_state, "handler", None)  # _handler(), inlined: this runs for every random op
-            if handler is None:  # not inside a keyed call: the op as it was
-                return op(*args, **kwargs)
+            if handler is None or capturing():  # not inside a keyed call, or a capture (keyinit.deferred in
+                return op(*args, **kwargs)  # __getitem__) keys it: the op goes on, to the capture's mode
             return handler(op, args, kwargs)
 
     _not_traced(kernel.__code__)
