@@ -23,8 +23,9 @@ list of 0-d tensors) gets it computed on the spot when it depends on no random d
 depending on one is an :class:`keyinit.UnkeyedRandomnessError`, because a draw is keyed
 by where it lands. The global torch RNG is never read or advanced.
 
-The stand-in tensor itself is :mod:`keyinit._engine.standin`; giving real values to stand-ins
-that code stored outside parameters and buffers is :mod:`keyinit._engine.escape`.
+The stand-in tensor itself is :mod:`keyinit._engine.standin`; what each aten op is to a capture (the
+op tables, schema facts) is :mod:`keyinit._engine.aten_kinds`; giving real values to stand-ins that
+code stored outside parameters and buffers is :mod:`keyinit._engine.escape`.
 """
 
 from __future__ import annotations
@@ -34,18 +35,21 @@ import sys
 import threading
 import types
 from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from keyinit import init as _init
 from keyinit._engine.random_ops import Effects, bind_arguments, is_random, keyed_effects
 from keyinit.errors import UnkeyedRandomnessError
-from keyinit._engine.program import (
-    Alloc, Cat, Const, StridedView, Item, Literal, Node, Pointwise, Random, Read, Storage, Suppressed, Whole,
+from keyinit._engine.program import Alloc, Cat, Const, StridedView, Item, Literal, Node, Pointwise, Random, Read
+from keyinit._engine.program import Storage, Suppressed, Whole
+from keyinit._engine.aten_kinds import (
+    ALLOC, CAT, CONST_FACTORIES, COPY, DATA_DEPENDENT, FILL_VALUE, FULL, IDENTITY, INDEXING, LOADERS, REINTERPRETING,
+    SET_STORAGE, VALUE_OPS, ZERO, aten, convert, fit, is_kwarg_only, mutated_args, op_name, recognised, reinterprets,
+    returns_self,
 )
 from keyinit._engine.outside import watched
 from keyinit._engine.replay import Evaluator
@@ -53,70 +57,13 @@ from keyinit._engine.standin import CaptureError, LazyTensor, tensor_leaves, tre
 
 __all__ = ["LazyTensor", "Capture", "CaptureError", "capturing"]
 
-#: How many captures run on this thread now (:func:`capturing`).
-_THREAD = threading.local()
+_THREAD = threading.local()  # .depth: how many captures run on this thread now (capturing())
 
 
 def capturing() -> bool:
     """Whether code on this thread runs under a capture now: a random op there is the capture's to key
     (one thread-local read; keyed samples' op kernels pass such an op on, see keyinit.data._intercept)."""
     return getattr(_THREAD, "depth", 0) > 0
-
-aten = torch.ops.aten
-
-
-#: Init functions whose torch algorithm draws in a loop; recorded as keyinit's initializer.
-def _recognised() -> dict[types.CodeType, Callable[[dict], Any]]:
-    nn_init = torch.nn.init
-    table: dict[types.CodeType, Callable[[dict], Any]] = {}
-
-    def trunc(loc: dict) -> Any:
-        return _init.truncated_normal(mean=float(loc["mean"]), std=float(loc["std"]), a=float(loc["a"]), b=float(loc["b"]))
-
-    def orthogonal(loc: dict) -> Any:
-        return _init.orthogonal(gain=float(loc["gain"]))
-
-    for name, make in (("trunc_normal_", trunc), ("_no_grad_trunc_normal_", trunc), ("orthogonal_", orthogonal)):
-        fn = getattr(nn_init, name, None)
-        if fn is not None:
-            table[fn.__code__] = make
-    return table
-
-
-_FILL_VALUE = {aten.fill_.Scalar, aten.fill.Scalar, aten.fill_.Tensor, aten.fill.Tensor}
-_ZERO = {aten.zero_.default, aten.zero.default}
-_COPY = {aten.copy_.default}
-_ALLOC = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
-          aten.new_empty_strided.default, aten.empty_like.default, aten.empty_permuted.default}
-_CONST_FACTORIES = {
-    aten.zeros.default: 0, aten.ones.default: 1, aten.zeros_like.default: 0, aten.ones_like.default: 1,
-    aten.new_zeros.default: 0, aten.new_ones.default: 1,
-}
-_FULL = {aten.full.default, aten.full_like.default, aten.new_full.default, aten.scalar_tensor.default}
-_IDENTITY = {aten.clone.default, aten._to_copy.default, aten.copy.default, aten.lift_fresh_copy.default,
-             aten.lift_fresh.default, aten.alias_copy.default, aten.detach_copy.default, aten.to.dtype}
-_CAT = {aten.cat.default: False, aten.stack.default: True}
-#: Ops whose results are Python values (no tensors): computed on real values.
-_VALUE_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
-#: Ops whose results (values or shapes) depend on their inputs' values: computed on real values too.
-_DATA_DEPENDENT = {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape}
-
-
-def _mutated_args(func: Any) -> list[str]:
-    names = _MUTATED.get(func)
-    if names is None:
-        names = _MUTATED[func] = tuple(arg.name for arg in func._schema.arguments
-                                       if arg.alias_info is not None and arg.alias_info.is_write)
-    return list(names)
-
-
-#: ``func -> names of the arguments it writes`` (a cache of schema facts, not state).
-_MUTATED: dict[Any, tuple[str, ...]] = {}
-
-
-def _op_name(func: Any) -> str:
-    name = func._schema.name.replace("aten::", "")
-    return name if func._overloadname == "default" else f"{name}.{func._overloadname}"
 
 
 class _Mode(TorchDispatchMode):
@@ -138,7 +85,7 @@ class Capture:
         self._storages: dict[int, Storage] = {}
         self._bases: list[torch.Tensor] = []  # keeps meta storages alive, so their ids stay unique
         self._claimed: list[types.FrameType] = []
-        self._recognised = _recognised()
+        self._recognised = recognised()
         self.emptied: dict[int, str] = {}  # id(storage) -> the site whose to_empty forgot its contents
         self.made: list = []  # weak references to the stand-ins made (escape.sweep_escaped)
         self.made_limit = 1024
@@ -209,7 +156,7 @@ class Capture:
             taken = self._copied_views.get(id(storage))
             if taken is not None and taken[0].current is not taken[1]:
                 raise CaptureError(f"{self.site}: init code wrote into {taken[0].label} after taking a view of it "
-                                   f"that reinterprets its memory ({_REINTERPRETING}), which keyinit computes as a "
+                                   f"that reinterprets its memory ({REINTERPRETING}), which keyinit computes as a "
                                    f"copy of its values when it is taken: take that view after the last write")
             return Read(storage.current, StridedView.of(value._meta), value.dtype)
         if isinstance(value, torch.Tensor):
@@ -264,17 +211,17 @@ class Capture:
     # ------------------------------------------------------------------ dispatch
     def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
         stack = self._stack()
-        if any(f.f_code in _LOADERS for f in stack) and not any(isinstance(x, LazyTensor) for x in tensor_leaves(args)):
+        if any(f.f_code in LOADERS for f in stack) and not any(isinstance(x, LazyTensor) for x in tensor_leaves(args)):
             with _disable_current_modes():  # torch.load's tensors are real: constants where they land
                 return func(*args, **kwargs)
-        if func in _SET_STORAGE and isinstance(args[0], LazyTensor) and not isinstance(args[1], LazyTensor):
+        if func in SET_STORAGE and isinstance(args[0], LazyTensor) and not isinstance(args[1], LazyTensor):
             return self._from_memory(func, args, kwargs)
         if torch.Tag.inplace_view in getattr(func, "tags", ()):
             return self._inplace_view(func, args, kwargs)
         if self._suppressed(stack):
             return self._run_suppressed(func, args, kwargs)
-        if func in _VALUE_OPS:
-            concrete = tree_map(lambda x: self.concrete(x, _op_name(func)) if isinstance(x, LazyTensor) else x,
+        if func in VALUE_OPS:
+            concrete = tree_map(lambda x: self.concrete(x, op_name(func)) if isinstance(x, LazyTensor) else x,
                                 (args, kwargs))
             return func(*concrete[0], **concrete[1])
         if is_random(func):
@@ -282,19 +229,19 @@ class Capture:
                 return self._run_suppressed(func, args, kwargs)
             return self._record(func, args, kwargs, random=True)
         fixed_shape = False  # an indexing op with integer indices only: its shape does not depend on values
-        if func in _INDEXING:
+        if func in INDEXING:
             args = self._concrete_masks(func, args)
             fixed_shape = not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
         flat = tensor_leaves((args, kwargs))
-        if _DATA_DEPENDENT & set(getattr(func, "tags", ())) and not fixed_shape \
+        if DATA_DEPENDENT & set(getattr(func, "tags", ())) and not fixed_shape \
                 and any(isinstance(x, LazyTensor) for x in flat):
             # allclose, nonzero, unique: what they return depends on the values, so they are computed
             # on real values (deterministic ones; a draw's values cannot be known: UnkeyedRandomnessError)
-            concrete = tree_map(lambda x: self.concrete(x, _op_name(func)) if isinstance(x, LazyTensor) else x,
+            concrete = tree_map(lambda x: self.concrete(x, op_name(func)) if isinstance(x, LazyTensor) else x,
                                 (args, kwargs))
             return func(*concrete[0], **concrete[1])
         if not any(isinstance(x, LazyTensor) for x in flat) and any(isinstance(x, torch.Tensor) for x in flat) \
-                and func not in _IDENTITY:
+                and func not in IDENTITY:
             self._keep_overwritten(func, args, kwargs)
             return func(*args, **kwargs)  # real tensors only: run it for real
         return self._record(func, args, kwargs, random=False)
@@ -311,7 +258,7 @@ class Capture:
         for index in indices:
             if isinstance(index, LazyTensor) and index.dtype in (torch.bool, torch.uint8):
                 try:
-                    mask = self.concrete(index, _op_name(func))
+                    mask = self.concrete(index, op_name(func))
                 except UnkeyedRandomnessError:
                     return args
                 with _disable_current_modes():
@@ -327,7 +274,7 @@ class Capture:
         target = args[0]
         label = self.storage_of(target).label
         if label != "temporary":
-            raise CaptureError(f"{self.site}: init code's {_op_name(func)} replaces the memory of {label}; keyinit "
+            raise CaptureError(f"{self.site}: init code's {op_name(func)} replaces the memory of {label}; keyinit "
                                f"captures model tensors of fixed memory (copy_ the values in instead)")
         with _disable_current_modes():
             real = func(torch.empty((0,), dtype=target.dtype), *args[1:], **kwargs)
@@ -343,7 +290,7 @@ class Capture:
     def _keep_overwritten(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Before an op writes real tensors (a pretrained module the builder was given:
         ``backbone.fc.bias.zero_()``), keep what it overwrites, for :meth:`put_back`."""
-        names = _mutated_args(func)
+        names = mutated_args(func)
         if not names:
             return
         bound = bind_arguments(func, args, kwargs)
@@ -362,7 +309,7 @@ class Capture:
     def _inplace_view(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``t_``, ``transpose_``, ``unsqueeze_``, ``squeeze_``, ``as_strided_``: the tensor becomes a view of
         its own buffer. Nothing is written; the stand-in's metadata (and its meta twin's) change in place."""
-        [name] = _mutated_args(func)
+        [name] = mutated_args(func)
         target = bind_arguments(func, args, kwargs)[name]
         if not isinstance(target, LazyTensor):
             return func(*args, **kwargs)
@@ -370,7 +317,7 @@ class Capture:
             return target  # resize_ to its own shape (torch's out= handling): nothing changes
         label = self.storage_of(target).label
         if label != "temporary":
-            raise CaptureError(f"{self.site}: init code's {_op_name(func)} changes the shape of {label} in place; "
+            raise CaptureError(f"{self.site}: init code's {op_name(func)} changes the shape of {label} in place; "
                                f"keyinit captures model tensors of fixed shape (assign a new tensor instead)")
         margs, mkwargs = self._to_meta(func, args, kwargs)
         func(*margs, **mkwargs)  # the meta twin: the buffer geometry every later op reads
@@ -418,26 +365,26 @@ class Capture:
 
     def _run_suppressed(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Inside a recognised init function: shapes only, nothing recorded."""
-        if func in _VALUE_OPS:
+        if func in VALUE_OPS:
             return False if func is not aten._local_scalar_dense.default else 0
         out = self._run_meta(func, args, kwargs)
         outputs = [o for o in tensor_leaves(out) if isinstance(o, torch.Tensor)]
         returns = [Suppressed(tuple(o.shape), o.dtype) for o in outputs]
-        return self._wrap(args, kwargs, bind_arguments(func, args, kwargs), _mutated_args(func), out, returns)
+        return self._wrap(args, kwargs, bind_arguments(func, args, kwargs), mutated_args(func), out, returns)
 
     def _record(self, func: Any, args: tuple, kwargs: dict, *, random: bool) -> Any:
         bound = bind_arguments(func, args, kwargs)
-        mutated = [bound[m] for m in _mutated_args(func) if isinstance(bound.get(m), LazyTensor)]
+        mutated = [bound[m] for m in mutated_args(func) if isinstance(bound.get(m), LazyTensor)]
         before = [StridedView.of(t._meta) for t in mutated]
         try:
             # An in-place draw returns its own argument: no need to run torch's (Python) meta decomposition.
-            out = mutated[0]._meta if random and mutated and _returns_self(func) else self._run_meta(func, args, kwargs)
+            out = mutated[0]._meta if random and mutated and returns_self(func) else self._run_meta(func, args, kwargs)
         except Exception as exc:  # no meta kernel, or a data-dependent shape: compute it for real
             if random:
                 try:
                     out = self._infer(func, args, kwargs, exc)  # shapes only: the draw itself is keyed below
                 except CaptureError as failure:
-                    raise UnkeyedRandomnessError(f"{self.site}: init code called {_op_name(func)}(), which keyinit "
+                    raise UnkeyedRandomnessError(f"{self.site}: init code called {op_name(func)}(), which keyinit "
                                                  f"cannot key: it cannot run on stand-ins ({exc})") from failure
             else:
                 try:
@@ -445,12 +392,12 @@ class Capture:
                 except UnkeyedRandomnessError:
                     out = self._infer(func, args, kwargs, exc)  # the inputs depend on draws: record it
         if any(StridedView.of(t._meta) != g for t, g in zip(mutated, before)):
-            raise CaptureError(f"{self.site}: init code's {_op_name(func)} resizes the tensor it writes into (an out= "
+            raise CaptureError(f"{self.site}: init code's {op_name(func)} resizes the tensor it writes into (an out= "
                                f"argument of another shape); keyinit captures writes into tensors of fixed shape")
         outputs = [o for o in tensor_leaves(out) if isinstance(o, torch.Tensor)]
         if random:
             effects = keyed_effects(func, args, kwargs, outputs, self.site, self.node)
-            names = _mutated_args(func)
+            names = mutated_args(func)
             if names and not effects.writes and any(v is not None for v in effects.returns):
                 # an out= variant: the returns are written into the out arguments, in order
                 effects = Effects((None,) * len(effects.returns), tuple(zip(names, effects.returns)))
@@ -458,7 +405,7 @@ class Capture:
             effects = self._effects(func, args, kwargs, bound, outputs)
         for name, value in effects.writes:
             self._write(bound.get(name), value)
-        return self._wrap(args, kwargs, bound, _mutated_args(func), out, list(effects.returns))
+        return self._wrap(args, kwargs, bound, mutated_args(func), out, list(effects.returns))
 
     def _infer(self, func: Any, args: tuple, kwargs: dict, why: Exception) -> Any:
         """Output shapes of an op with no meta kernel (``geqrf``): run it on zeros of the inputs' shapes.
@@ -466,11 +413,11 @@ class Capture:
         Only for ops whose output shapes cannot depend on the input values."""
         tags = set(getattr(func, "tags", ()))
         if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
-            raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: its output shape depends on values "
+            raise CaptureError(f"{self.site}: cannot capture {op_name(func)}: its output shape depends on values "
                                f"that depend on random draws ({why})") from why
         random = is_random(func)
         if random and not any(a.name == "generator" for a in func._schema.arguments):
-            raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: no meta kernel ({why})") from why
+            raise CaptureError(f"{self.site}: cannot capture {op_name(func)}: no meta kernel ({why})") from why
         with _disable_current_modes():
             def zeros(x: Any) -> Any:
                 if isinstance(x, LazyTensor):
@@ -489,18 +436,18 @@ class Capture:
             try:
                 result = func(*dummy_args, **dummy_kwargs)
             except Exception as exc:
-                raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: {why}") from exc
+                raise CaptureError(f"{self.site}: cannot capture {op_name(func)}: {why}") from exc
             return tree_map(lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
                             if isinstance(x, torch.Tensor) else x, result)
 
     def _run_concrete(self, func: Any, args: tuple, kwargs: dict, why: Exception) -> Any:
         with _disable_current_modes():
-            concrete_args = tree_map(lambda x: self.concrete(x, _op_name(func)) if isinstance(x, LazyTensor) else x,
+            concrete_args = tree_map(lambda x: self.concrete(x, op_name(func)) if isinstance(x, LazyTensor) else x,
                                      (args, kwargs))
             try:
                 result = func(*concrete_args[0], **concrete_args[1])
             except Exception as exc:
-                raise CaptureError(f"{self.site}: cannot capture {_op_name(func)}: {why}") from exc
+                raise CaptureError(f"{self.site}: cannot capture {op_name(func)}: {why}") from exc
 
         def lift(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
@@ -518,7 +465,7 @@ class Capture:
                 + (f" (shape {tuple(target.shape)})" if isinstance(target, torch.Tensor) else "")
                 + ": not a parameter, buffer or tensor created inside the init code")
         self._writable(target)
-        self.storage_of(target).write(StridedView.of(target._meta), _fit(value, target._meta), self.label)
+        self.storage_of(target).write(StridedView.of(target._meta), fit(value, target._meta), self.label)
 
     def _writable(self, target: LazyTensor) -> None:
         """A view that reinterprets memory is a copy (see :meth:`_wrap`): a write into it would not reach
@@ -526,14 +473,14 @@ class Capture:
         taken = self._copied_views.get(id(self.storage_of(target)))
         if taken is not None:
             raise CaptureError(f"{self.site}: init code writes into a view of {taken[0].label} that reinterprets its "
-                               f"memory ({_REINTERPRETING}), which keyinit computes as a copy of its values: the write "
+                               f"memory ({REINTERPRETING}), which keyinit computes as a copy of its values: the write "
                                f"would not reach them; write into the tensor itself")
 
     def _effects(self, func: Any, args: tuple, kwargs: dict, bound: dict[str, Any],
                  outputs: list[torch.Tensor]) -> Effects:
         """What a deterministic op computes: values of its new outputs and of its mutated arguments."""
-        name = _op_name(func)
-        mutated = _mutated_args(func)
+        name = op_name(func)
+        mutated = mutated_args(func)
         first = outputs[0] if outputs else None
 
         def result(value: Optional[Node]) -> Effects:
@@ -541,34 +488,34 @@ class Capture:
                 return Effects((None,) * len(outputs), ((mutated[0], value),) if value is not None else ())
             return Effects((value,), ())
 
-        if func in _ALLOC:
+        if func in ALLOC:
             return Effects((None,) * len(outputs), ())
-        if func in _CONST_FACTORIES:
-            return result(Const(tuple(first.shape), first.dtype, _CONST_FACTORIES[func]))
-        if func in _FULL:
+        if func in CONST_FACTORIES:
+            return result(Const(tuple(first.shape), first.dtype, CONST_FACTORIES[func]))
+        if func in FULL:
             return result(Const(tuple(first.shape), first.dtype, bound.get("fill_value", bound.get("s"))))
-        if func in _ZERO or func in _FILL_VALUE:
-            value = 0 if func in _ZERO else bound["value"]
+        if func in ZERO or func in FILL_VALUE:
+            value = 0 if func in ZERO else bound["value"]
             if isinstance(value, torch.Tensor):
-                return result(_convert(self.node(value), tuple(first.shape), first.dtype, name))
+                return result(convert(self.node(value), tuple(first.shape), first.dtype, name))
             return result(Const(tuple(first.shape), first.dtype, value))
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         if not positions:  # a factory with no tensor inputs (arange, linspace, eye, ...): compute it
             values = self._factory(func, args, kwargs)
             return Effects(tuple(values), ())
-        if func in _COPY:
-            return result(_convert(self.node(bound["src"]), tuple(first.shape), first.dtype, name))
-        if func in _IDENTITY:
-            return result(_convert(self.node(flat[positions[0]]), tuple(first.shape), first.dtype, name))
-        if func in _CAT:
+        if func in COPY:
+            return result(convert(self.node(bound["src"]), tuple(first.shape), first.dtype, name))
+        if func in IDENTITY:
+            return result(convert(self.node(flat[positions[0]]), tuple(first.shape), first.dtype, name))
+        if func in CAT:
             nodes = [self.node(t) for t in bound["tensors"]]
             d = int(bound.get("dim", 0)) % len(first.shape)
-            if not _CAT[func]:  # torch.cat skips 1-D empty tensors of any other shape
+            if not CAT[func]:  # torch.cat skips 1-D empty tensors of any other shape
                 nodes = [n for n in nodes if n.numel or len(n.shape) == len(first.shape)]
             return result(Cat(tuple(first.shape), first.dtype,
-                              tuple(_convert(n, n.shape, first.dtype, name) for n in nodes), d, _CAT[func]))
-        out_kwargs = {m for m in mutated if _is_kwarg_only(func, m)}
+                              tuple(convert(n, n.shape, first.dtype, name) for n in nodes), d, CAT[func]))
+        out_kwargs = {m for m in mutated if is_kwarg_only(func, m)}
         # the position of each written argument, in the order of the op's mutated arguments: an in-place
         # op's own tensor (``w.mul_(w)`` reads w as the other operand), an out= argument in the kwargs
         # (``torch.add(x, 1, out=x)`` reads x as the input)
@@ -637,7 +584,7 @@ class Capture:
             for arg in written:
                 if arg._meta.untyped_storage()._cdata == cdata and StridedView.of(arg._meta) == StridedView.of(meta):
                     return arg  # an in-place or out= op returns the argument it wrote
-            if cdata in by_storage and not _reinterprets(meta, by_storage[cdata]._meta):
+            if cdata in by_storage and not reinterprets(meta, by_storage[cdata]._meta):
                 return LazyTensor(meta, self)  # a view
             source = self.storage_of(by_storage[cdata]) if cdata in by_storage else None
             if source is not None:  # a view that reinterprets its memory (view(dtype), view_as_real, conj()): a copy
@@ -647,58 +594,7 @@ class Capture:
             if source is not None:
                 self._copied_views[id(storage)] = (source, source.current)
             if value is not None:
-                storage.write(StridedView.of(meta), _fit(value, meta), self.label)
+                storage.write(StridedView.of(meta), fit(value, meta), self.label)
             return LazyTensor(meta, self)
 
         return tree_map(wrap, out)
-
-
-#: Ops that take a list of index tensors second, where a boolean mask selects elements.
-_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
-
-#: Views whose values are not the elements of their buffer as stored (:func:`_reinterprets`).
-_REINTERPRETING = "another dtype: view(dtype), view_as_real/complex; or conj()"
-
-
-def _reinterprets(view: torch.Tensor, base: torch.Tensor) -> bool:
-    """A view that reads its memory otherwise than as ``base``'s elements: another dtype, or torch's lazy
-    conjugate/negative bit."""
-    return view.dtype != base.dtype or view.is_conj() != base.is_conj() or view.is_neg() != base.is_neg()
-
-
-#: ``tensor.set_(memory, ...)``: a tensor made from real memory (a checkpoint's bytes), not init.
-_SET_STORAGE = {aten.set_.source_Storage, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
-                aten.set_.source_Tensor_storage_offset}
-
-#: Code whose tensors are data, not init: run for real under a capture (``timm.create_model(pretrained=True)``
-#: from a local file loads a state dict in the constructor).
-_LOADERS = {torch.serialization.load.__code__, torch.serialization._load.__code__}
-
-
-def _returns_self(func: Any) -> bool:
-    """``func`` is an in-place op on its first argument that returns it (``normal_``, ``uniform_``)."""
-    schema = func._schema
-    if len(schema.returns) != 1 or not schema.arguments:
-        return False
-    first, ret = schema.arguments[0].alias_info, schema.returns[0].alias_info
-    return first is not None and first.is_write and ret is not None and ret.is_write and \
-        set(first.before_set) == set(ret.before_set)
-
-
-def _is_kwarg_only(func: Any, name: str) -> bool:
-    return any(a.name == name and a.kwarg_only for a in func._schema.arguments)
-
-
-def _fit(value: Node, meta: torch.Tensor) -> Node:
-    if tuple(value.shape) == tuple(meta.shape) and value.dtype == meta.dtype:
-        return value
-    return _convert(value, tuple(meta.shape), meta.dtype, "broadcast")
-
-
-def _convert(node: Node, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> Node:
-    """``node`` broadcast to ``shape`` and converted to ``dtype`` (exact data movement)."""
-    if tuple(node.shape) == tuple(shape) and node.dtype == dtype:
-        return node
-    if isinstance(node, Const):
-        return Const(tuple(shape), dtype, node.value)
-    return Pointwise(tuple(shape), dtype, lambda x: x.to(dtype), (node,), f"{name}:to", exact=True)
