@@ -175,7 +175,9 @@ class KeyedSampler(Sampler[int]):
             self._stop = self.step + self.num_steps
         return self._stop
 
-    def __iter__(self) -> Iterator[Any]:
+    def _steps(self) -> Iterator[tuple["_Chunk", int, int]]:
+        """``(chunk, first, end)`` for each step left in this iteration: its entries are the chunk's items
+        ``first .. end - 1``; the caller counts the step done (``self.step += 1``) once it hands them out."""
         stop = self._begin()
         per_chunk = max(1, _CHUNK // self.local_batch_size)
         local = self.local_batch_size
@@ -184,11 +186,14 @@ class KeyedSampler(Sampler[int]):
             chunk = _Chunk(*sample_indices(self.root, self.n, self._positions(self.step, steps), self.shuffle),
                            self.yield_epoch)
             for s in range(steps):
-                end = (s + 1) * local
-                yield from chunk.items(s * local, end - 1)
-                last, = chunk.items(end - 1, end)
-                self.step += 1  # the step is done once its last sample is handed out
-                yield last
+                yield chunk, s * local, (s + 1) * local
+
+    def __iter__(self) -> Iterator[Any]:
+        for chunk, first, end in self._steps():
+            yield from chunk.items(first, end - 1)
+            last, = chunk.items(end - 1, end)
+            self.step += 1  # the step is done once its last sample is handed out
+            yield last
 
     def set_epoch(self, epoch: int) -> None:
         """``DistributedSampler.set_epoch`` compatibility: the next iteration is pass ``epoch``.
@@ -208,17 +213,10 @@ class KeyedSampler(Sampler[int]):
 
     def batches(self) -> Iterator[list[Any]]:
         """Like iterating, but one list per step (this rank's ``B / W`` entries); advances the same state."""
-        stop = self._begin()
-        per_chunk = max(1, _CHUNK // self.local_batch_size)
-        local = self.local_batch_size
-        while self.step < stop:
-            steps = min(per_chunk, stop - self.step)
-            chunk = _Chunk(*sample_indices(self.root, self.n, self._positions(self.step, steps), self.shuffle),
-                           self.yield_epoch)
-            for s in range(steps):
-                batch = list(chunk.items(s * local, (s + 1) * local))
-                self.step += 1
-                yield batch
+        for chunk, first, end in self._steps():
+            batch = list(chunk.items(first, end))
+            self.step += 1
+            yield batch
 
     def batch_sampler(self) -> "Sampler[list[Any]]":
         """This sampler as a DataLoader ``batch_sampler`` (one list per step, no per-sample Python loop)::
