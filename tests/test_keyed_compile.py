@@ -208,25 +208,59 @@ def test_activation_checkpointing_inside(reentrant):
     assert all(torch.equal(a, b) for a, b in zip(eager[1], compiled[1]))
 
 
-def test_a_draw_that_runs_eagerly_is_refused():
+def test_a_module_whose_draws_run_eagerly_runs_as_an_eager_keyed_forward():
     class LayerDrop(nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2)) for _ in range(3)])
+            self.norm = nn.BatchNorm1d(3)
 
         def forward(self, x):
+            x = self.norm(x)  # running statistics: written once per call, also by the abandoned compiled try
             for layer in self.layers:
                 if torch.rand([]) < 0.5:  # a graph break on a draw: dynamo runs this frame eagerly
                     continue
                 x = layer(x)
             return x
 
-    compiled = knn.compile(LayerDrop().train(), backend="aot_eager")
+    with torch.random.fork_rng():
+        model = LayerDrop().train()
+        twin = LayerDrop().train()
+    twin.load_state_dict(model.state_dict())
+    compiled = knn.compile(model, backend="aot_eager")
     state = torch.get_rng_state()
+    for step in range(3):
+        with knn.keyed(twin, 0, step=step, sample_offset=2):
+            eager = twin(_inputs())
+        if step == 0:
+            with pytest.warns(UserWarning, match=r"runs part of its forward eagerly.*aten\.rand\.default"):
+                with knn.keyed(compiled, 0, step=step, sample_offset=2):
+                    out = compiled(_inputs())
+        else:
+            with knn.keyed(compiled, 0, step=step, sample_offset=2):
+                out = compiled(_inputs())
+        assert torch.equal(out, eager)
+        assert torch.equal(model.norm.running_mean, twin.norm.running_mean)  # written once, not twice
+        assert model.norm.num_batches_tracked == twin.norm.num_batches_tracked == step + 1
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_after_its_first_call_a_draw_that_runs_eagerly_is_refused():
+    class Late(nn.Module):
+        def forward(self, x):
+            if x.shape[0] > 3:
+                return x * 2
+            for _ in range(2):
+                if torch.rand([]) < 0.5:  # only for small batches: dynamo runs this frame eagerly then
+                    x = x + 1
+            return x
+
+    compiled = knn.compile(Late().train(), backend="aot_eager")
+    with knn.keyed(compiled, 0, step=0):
+        compiled(_inputs())  # compiled, no draw: the module has run compiled once
     with pytest.raises(UnkeyedRandomnessError, match=r"aten\.rand\.default ran eagerly, outside the compiled graphs"):
         with knn.keyed(compiled, 0, step=0):
-            compiled(_inputs())
-    assert torch.equal(torch.get_rng_state(), state)
+            compiled(_inputs()[:2])
 
 
 def test_outside_keyed_a_draw_is_refused_and_eval_runs():
@@ -241,7 +275,7 @@ def test_outside_keyed_a_draw_is_refused_and_eval_runs():
     assert torch.equal(compiled(_inputs()), model(_inputs()))
 
 
-def test_a_draw_inside_another_higher_order_op_is_refused():
+def test_a_draw_inside_another_higher_order_op_runs_eagerly():
     class Noisy(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -255,10 +289,13 @@ def test_a_draw_inside_another_higher_order_op_is_refused():
         def forward(self, x):
             return Noisy.apply(x)
 
-    compiled = knn.compile(M().train(), backend="aot_eager")
-    with pytest.raises(UnkeyedRandomnessError, match="inside torch.ops.higher_order"):
+    model = M().train()
+    compiled = knn.compile(model, backend="aot_eager")
+    with knn.keyed(model, 0, step=0):
+        eager = model(_inputs().requires_grad_())
+    with pytest.warns(UserWarning, match="inside torch.ops.higher_order"):
         with knn.keyed(compiled, 0, step=0):
-            compiled(_inputs().requires_grad_())
+            assert torch.equal(compiled(_inputs().requires_grad_()), eager)
 
 
 def test_hf_opt_and_timm_vit():

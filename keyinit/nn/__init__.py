@@ -17,8 +17,8 @@ See ``docs/dropout.md``.
 
 from keyinit.nn import functional
 from keyinit.nn._compile import KeyedCompiled, compile
-from keyinit.nn._declare import batch_dim
-from keyinit.nn._keyed import Keyed, keyed
+from keyinit.nn._api import batch_dim, keyed
+from keyinit.nn._keyed import Keyed
 from keyinit.nn._pipeline import micro_batches
 from keyinit.nn._keys import DROPOUT_DOMAIN, dropout_key
 from keyinit.nn.modules import Dropout

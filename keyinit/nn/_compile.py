@@ -20,10 +20,13 @@ by dynamo with keyinit's backend instead:
    never a recompilation, and the values are the eager keyed forward's.
 
 The compiled module's own calls are numbered on across its graphs (a graph
-break in its forward is fine). What cannot be keyed this way is refused with
-:class:`~keyinit.errors.UnkeyedRandomnessError`: a random op that runs outside
-the compiled graphs (dynamo ran that code eagerly: a graph break on a draw, as
-in LayerDrop), or a draw in a forward dynamo compiled as a frame of its own.
+break in its forward is fine). A draw that cannot be keyed this way (a random
+op that dynamo ran eagerly, outside the compiled graphs, as after LayerDrop's
+branch on a draw; a draw in a forward dynamo compiled as a frame of its own or
+inside a custom ``autograd.Function``) raises :class:`RanEagerly` before it
+draws. On the module's first call that call is undone and run again as an eager
+keyed forward, which the module then stays (with a warning); later, it is an
+:class:`~keyinit.errors.UnkeyedRandomnessError`.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from keyinit.nn._batch import Batch, annotate, record
 from keyinit.nn._forward import Forward
 from keyinit.nn._keyed import context_of
 from keyinit.nn._sites import Trace
-from keyinit.nn._tracing import Call, Frames, Interpreter, TraceContext, TraceForward, bind, source_name
+from keyinit.nn._tracing import (
+    Call, Frames, Interpreter, RanEagerly, TraceContext, TraceForward, bind, source_name,
+)
 
 __all__ = ["compile", "KeyedCompiled"]
 
@@ -272,7 +277,8 @@ class _Trap:
 
         if getattr(_runtime, "untrapped", 0) or draws_nothing(op, args, kwargs) or _fake(args, kwargs):
             return op(*args, **kwargs)
-        raise UnkeyedRandomnessError(
+        raise RanEagerly(
+            str(op),
             f"keyinit.nn.compile({type(self.owner.module).__name__}): {op} ran eagerly, outside the compiled "
             "graphs (dynamo fell back to Python for that code, e.g. after a graph break on a draw such as "
             "LayerDrop's `if torch.rand([]) < p`), where keyinit cannot key it. Remove the graph break "
@@ -353,6 +359,8 @@ class KeyedCompiled(torch.nn.Module):
 
             backend = lookup_backend(backend)
         object.__setattr__(self, "_inner", backend)
+        object.__setattr__(self, "_eager", False)  # its draws run eagerly: it runs as an eager keyed forward
+        object.__setattr__(self, "_proven", False)  # a call ran compiled (no more undo)
         object.__setattr__(self, "_compiled", torch.compile(module, backend=self._backend, **options))
 
     @property
@@ -370,6 +378,8 @@ class KeyedCompiled(torch.nn.Module):
         ctx = context_of(module)
         if ctx is None:
             return self._run(None, args, kwargs)
+        if self._eager:
+            return self._run_eagerly(ctx, args, kwargs)
         fqn = ctx.module_fqn(module)
         frame = ctx.current_frame()
         if frame is not None:  # inside an eager keyed forward: its root forward, its host generators
@@ -377,12 +387,41 @@ class KeyedCompiled(torch.nn.Module):
         else:
             forward = ctx.root_forward(module, fqn, args, kwargs)
             host = ctx.host_random(forward)
+        # until one call has run compiled, a call that turns out to run draws eagerly is undone and run again
+        # eagerly: what it drew is forgotten and the buffers it wrote (running statistics) are put back
+        undo = None if self._proven else (ctx.save_draws(forward), [(b, b.detach().clone()) for b in module.buffers()])
         suspended = ctx.suspend(module, fqn, forward)  # modes off, the module's own frame open
         try:
             with host:
-                return self._run(Call(ctx, forward, fqn, module, suspended[-1]), args, kwargs)
-        finally:
+                out = self._run(Call(ctx, forward, fqn, module, suspended[-1]), args, kwargs)
+        except RanEagerly as exc:
+            if undo is None:
+                raise
             ctx.resume(suspended)
+            suspended = None
+            ctx.restore_draws(forward, undo[0])
+            with torch.no_grad():
+                for buffer, value in undo[1]:
+                    buffer.copy_(value)
+            object.__setattr__(self, "_eager", True)
+            warnings.warn(f"keyinit.nn.compile({type(module).__name__}): dynamo runs part of its forward eagerly "
+                          f"(a graph break it cannot compile around), where keyinit cannot key a draw ({exc.what}); "
+                          "the module runs eagerly under keyinit.nn.keyed from now on (the same values, not "
+                          "compiled). torch._dynamo.explain lists the graph breaks", stacklevel=2)
+            return self._run_eagerly(ctx, args, kwargs)
+        finally:
+            if suspended is not None:
+                ctx.resume(suspended)
+        object.__setattr__(self, "_proven", True)
+        return out
+
+    def _run_eagerly(self, ctx: Any, args: tuple, kwargs: dict) -> Any:
+        """The module's forward as an eager keyed forward (keyed()'s hooks on its modules for the call)."""
+        added = ctx.hook_modules(self._orig_mod)
+        try:
+            return self._orig_mod(*args, **kwargs)
+        finally:
+            ctx.unhook_modules(added)
 
     def _run(self, call: Optional[Call], args: tuple, kwargs: dict) -> Any:
         if call is not None:

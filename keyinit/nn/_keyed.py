@@ -45,7 +45,7 @@ from keyinit.nn._forward import (
 from keyinit.nn._hostrandom import HOST_RANDOM, HostRandom
 from keyinit.nn._modes import BatchMode, FunctionMode, mode_is_active, mode_is_top
 
-__all__ = ["keyed", "Keyed", "inside_keyed_forward", "current_forward", "context_of"]
+__all__ = ["Keyed", "inside_keyed_forward", "current_forward", "context_of"]
 
 INDEX_RULES = ("tracked", "dim0")
 
@@ -425,6 +425,33 @@ class Keyed:
         host.raises = True
         return host
 
+    def hook_modules(self, module: torch.nn.Module) -> list:
+        """Put this context's hooks on ``module`` and its submodules that have none (a compiled module
+        run eagerly: its forward keyed as any eager one); :meth:`unhook_modules` takes them off."""
+        added = []
+        for sub in module.modules():
+            fqn = self.module_fqn(sub)
+            if fqn is not None and id(sub) not in self._hooked:
+                self._hook(sub, fqn)
+                added.append(id(sub))
+        return added
+
+    def unhook_modules(self, added: list) -> None:
+        for ident in added:
+            found = self._hooked.pop(ident, None)
+            for handle in found[2] if found is not None else ():
+                handle.remove()
+
+    def save_draws(self, forward: "Forward") -> tuple:
+        """What a call that draws changes of the block's record of forwards (see :meth:`restore_draws`)."""
+        return list(self._forwards), forward.drew, {fqn: len(rows) for fqn, rows in self._history.items()}
+
+    def restore_draws(self, forward: "Forward", saved: tuple) -> None:
+        """Forget the draws of a call that was abandoned (it runs again): no repeat is counted for it."""
+        forwards, forward.drew, lengths = saved
+        self._forwards[:] = forwards
+        self._history = {fqn: rows[:lengths[fqn]] for fqn, rows in self._history.items() if fqn in lengths}
+
     def suspend(self, module: torch.nn.Module, fqn: str, forward: "Forward") -> list:
         """Leave this thread's modes and take this context's hooks off ``module`` and its submodules while
         compiled code runs (dynamo traces neither), and open the frame of ``module``'s execution (its calls
@@ -528,58 +555,3 @@ class Keyed:
             return
         self._teardown()
         self._state = "exited"
-
-
-def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: int,
-          sample_offset: Optional[int] = None, index: str = "tracked", inputs: Any = (),
-          host_random: str = "sample") -> Keyed:
-    """Key every random op in ``model``'s forward by (seed, step, module FQN, call ordinal, sample, place).
-
-    Use it around each forward (and backward)::
-
-        with keyinit.nn.keyed(model, seed, step=step, sample_offset=first_sample):
-            loss = loss_fn(model(batch), target)
-            loss.backward()
-
-    Inside, the ``n``-th random call made directly in the forward of the module
-    with canonical FQN ``fqn`` (``keyinit.fqn.canonical_modules``: wrappers such as
-    ``_orig_mod``, ``_checkpoint_wrapped_module`` and DDP's ``module`` are stripped)
-    uses ``dropout_key(seed, step=step, fqn=fqn, ordinal=n)``: the dropout family
-    (``nn.Dropout``, ``F.dropout*``, alpha dropout), attention dropout (SDPA,
-    ``nn.MultiheadAttention``) and every other random ATen op (``rand``,
-    ``bernoulli_``, ``normal_``, ``exponential_``, ...; ``docs/spec.md`` 14.7).
-    Each element is indexed by its global sample and its place within that
-    sample, tracked from the model's inputs through every op
-    (:mod:`keyinit.nn._batch`; ``docs/spec.md`` 14.6): the inputs' dimension 0 is
-    the batch, local row ``r`` global sample ``sample_offset + r``. So splitting a
-    batch across data-parallel ranks, micro-batches (``ctx.micro_batch(offset)``,
-    :func:`micro_batches` for pipelining schedules) or gradient-accumulation steps
-    never changes a value, nor does flattening the batch with heads or tokens.
-    A draw whose samples cannot be placed raises
-    :class:`keyinit.errors.UnkeyedRandomnessError` naming the module, the op and
-    why; :func:`keyinit.nn.batch_dim` declares a tensor's batch.
-
-    Python's ``random`` and ``numpy.random`` are seeded per root forward and
-    restored after it; ``host_random`` (``"sample"``, ``"forward"``,
-    ``"replicated"``) says from what, and whether a forward of several samples
-    may draw from them (:mod:`keyinit.nn._hostrandom`, ``docs/spec.md`` 14.7).
-    Randomness outside the model's forwards is left alone; the global RNGs are
-    never read or advanced. ``index="dim0"`` keeps stream v1's first rule
-    (dimension 0 of each dropout input is the batch; other draws refused).
-
-    ``model`` may also be a name (``"diffusion.noise"``): the whole block is then
-    one root forward under that FQN, whose batch-holding tensors are ``inputs``
-    (randomness of a training loop: ``torch.randn_like(latents)``,
-    ``torch.randint(0, T, (latents.shape[0],))``).
-
-    ``seed`` is an int in ``[0, 2**64)`` or a :class:`keyinit.Key` (the root of
-    every key, as for :func:`dropout_key`); ``step`` and ``sample_offset`` are ints
-    in ``[0, 2**64)``. ``sample_offset`` defaults to 0 in a single process. When
-    ``torch.distributed`` is initialized with more than one rank it must be given
-    (a ``ValueError`` otherwise): keyinit cannot tell data-parallel ranks (each
-    with its own rows) from tensor-parallel ones (all with the whole batch). A
-    model wrapped in ``DistributedDataParallel`` on a group rank other than 0
-    refuses ``sample_offset=0``. DTensor activations place their rows themselves
-    (their placements add to ``sample_offset``).
-    """
-    return Keyed(model, seed, step, sample_offset, index, inputs, host_random)

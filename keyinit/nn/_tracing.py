@@ -24,7 +24,7 @@ from keyinit.nn._forward import Forward
 from keyinit.nn._intercept import Frame
 from keyinit.nn._sites import Trace
 
-__all__ = ["Call", "TraceContext", "TraceForward", "Frames", "Interpreter", "bind", "source_name"]
+__all__ = ["Call", "RanEagerly", "TraceContext", "TraceForward", "Frames", "Interpreter", "bind", "source_name"]
 
 
 class Call:
@@ -80,6 +80,15 @@ class _State:
         self.modes, self.pending, self.frames, self.foreign = modes, None, [], False
 
 
+class RanEagerly(UnkeyedRandomnessError):
+    """A draw of a compiled module that dynamo ran eagerly (or in a frame of its own): keyinit cannot key it
+    there. On a module's first calls it makes the module run as an eager keyed forward instead."""
+
+    def __init__(self, what: str, message: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
 class TraceForward(Forward):
     """The traced forward: its calls' keys become slots of the control tensor."""
 
@@ -87,7 +96,7 @@ class TraceForward(Forward):
 
     def call_key(self, ctx: Any, fqn: str, ordinal: int) -> Any:
         if fqn not in self.numbered:
-            raise UnkeyedRandomnessError(self.why(fqn))
+            raise RanEagerly(fqn.strip("<>"), self.why(fqn))
         if self.trace is None:  # run eagerly: the call's key itself
             return self.owner_call.key(fqn, ordinal)
         return self.trace.slot(fqn, ordinal)

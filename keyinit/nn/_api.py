@@ -1,0 +1,92 @@
+"""The entry points of keyed forwards: ``keyinit.nn.keyed(model, seed, step=...)`` (the context,
+:class:`keyinit.nn._keyed.Keyed`) and ``keyinit.nn.batch_dim(tensor, dim)`` (where a tensor's batch is)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+
+from keyinit.nn._batch import Batch, annotate, declare
+from keyinit.keys import Key
+from keyinit.nn._keyed import Keyed, current_forward
+
+__all__ = ["keyed", "batch_dim"]
+
+
+def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+    """Declare where ``tensor``'s batch is for :func:`keyinit.nn.keyed`; returns ``tensor``.
+
+    Before the forward (a model input): ``dim`` is the dimension that indexes the
+    samples (``0`` is the default for every input whose dimension 0 has the batch's
+    size), or ``None`` for an input that holds no batch (replicated: the same for
+    every sample, e.g. a position table). Inside a keyed forward: the tensor's
+    dimension ``dim`` holds the samples of the running forward, in order.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"batch_dim: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if dim is not None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(f"batch_dim: dim must be None or a dimension of the {tensor.dim()}-D tensor, got {dim!r}")
+        dim %= tensor.dim()
+    declare(tensor, dim)
+    forward = current_forward()
+    if forward is not None:
+        record = None if dim is None else Batch(dim, int(tensor.shape[dim]), forward.start)
+        annotate(tensor, forward, record)
+    return tensor
+
+
+def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: int,
+          sample_offset: Optional[int] = None, index: str = "tracked", inputs: Any = (),
+          host_random: str = "sample") -> Keyed:
+    """Key every random op in ``model``'s forward by (seed, step, module FQN, call ordinal, sample, place).
+
+    Use it around each forward (and backward)::
+
+        with keyinit.nn.keyed(model, seed, step=step, sample_offset=first_sample):
+            loss = loss_fn(model(batch), target)
+            loss.backward()
+
+    Inside, the ``n``-th random call made directly in the forward of the module
+    with canonical FQN ``fqn`` (``keyinit.fqn.canonical_modules``: wrappers such as
+    ``_orig_mod``, ``_checkpoint_wrapped_module`` and DDP's ``module`` are stripped)
+    uses ``dropout_key(seed, step=step, fqn=fqn, ordinal=n)``: the dropout family
+    (``nn.Dropout``, ``F.dropout*``, alpha dropout), attention dropout (SDPA,
+    ``nn.MultiheadAttention``) and every other random ATen op (``rand``,
+    ``bernoulli_``, ``normal_``, ``exponential_``, ...; ``docs/spec.md`` 14.7).
+    Each element is indexed by its global sample and its place within that
+    sample, tracked from the model's inputs through every op
+    (:mod:`keyinit.nn._batch`; ``docs/spec.md`` 14.6): the inputs' dimension 0 is
+    the batch, local row ``r`` global sample ``sample_offset + r``. So splitting a
+    batch across data-parallel ranks, micro-batches (``ctx.micro_batch(offset)``,
+    :func:`micro_batches` for pipelining schedules) or gradient-accumulation steps
+    never changes a value, nor does flattening the batch with heads or tokens.
+    A draw whose samples cannot be placed raises
+    :class:`keyinit.errors.UnkeyedRandomnessError` naming the module, the op and
+    why; :func:`keyinit.nn.batch_dim` declares a tensor's batch.
+
+    Python's ``random`` and ``numpy.random`` are seeded per root forward and
+    restored after it; ``host_random`` (``"sample"``, ``"forward"``,
+    ``"replicated"``) says from what, and whether a forward of several samples
+    may draw from them (:mod:`keyinit.nn._hostrandom`, ``docs/spec.md`` 14.7).
+    Randomness outside the model's forwards is left alone; the global RNGs are
+    never read or advanced. ``index="dim0"`` keeps stream v1's first rule
+    (dimension 0 of each dropout input is the batch; other draws refused).
+
+    ``model`` may also be a name (``"diffusion.noise"``): the whole block is then
+    one root forward under that FQN, whose batch-holding tensors are ``inputs``
+    (randomness of a training loop: ``torch.randn_like(latents)``,
+    ``torch.randint(0, T, (latents.shape[0],))``).
+
+    ``seed`` is an int in ``[0, 2**64)`` or a :class:`keyinit.Key` (the root of
+    every key, as for :func:`dropout_key`); ``step`` and ``sample_offset`` are ints
+    in ``[0, 2**64)``. ``sample_offset`` defaults to 0 in a single process. When
+    ``torch.distributed`` is initialized with more than one rank it must be given
+    (a ``ValueError`` otherwise): keyinit cannot tell data-parallel ranks (each
+    with its own rows) from tensor-parallel ones (all with the whole batch). A
+    model wrapped in ``DistributedDataParallel`` on a group rank other than 0
+    refuses ``sample_offset=0``. DTensor activations place their rows themselves
+    (their placements add to ``sample_offset``).
+    """
+    return Keyed(model, seed, step, sample_offset, index, inputs, host_random)
