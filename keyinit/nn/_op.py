@@ -116,5 +116,8 @@ def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: Sequence[int], s
     fake/meta tensors and tensor subclasses take; both give the same values.
     """
     if type(x) is torch.Tensor and x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling():
-        return _EagerDropout.apply(x, plan(x.shape, k0, k1, p, gstrides, starts, indices, stream))
+        geometry = plan(x.shape, k0, k1, p, gstrides, starts, indices, stream)
+        if not (x.requires_grad and torch.is_grad_enabled()):  # no backward to plan for (eval, a compiled site)
+            return run(x, geometry)
+        return _EagerDropout.apply(x, geometry)
     return dropout(x, k0, k1, p, list(gstrides), list(starts), list(indices), stream)
