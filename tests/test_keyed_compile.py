@@ -375,3 +375,21 @@ def test_a_graph_break_in_the_compiled_forward_numbers_its_draws_on():
         with knn.keyed(compiled, 0, step=step, sample_offset=1):
             assert torch.equal(compiled(_inputs()), eager)
     assert inner.calls == 2  # two graphs, each compiled once
+
+
+def test_batch_rules_that_read_index_values_while_tracing():
+    class Gather(nn.Module):  # rows picked by x[arange(B)[:, None], cols]: the rule checks the index's values
+        def forward(self, x):
+            b = x.shape[0]
+            rows = torch.arange(b)[:, None]
+            cols = torch.tensor([2, 0, 1])
+            return F.dropout(x[rows, cols], 0.3, self.training)
+
+    model = Gather().train()
+    compiled = knn.compile(model, backend="aot_eager")
+    for step, offset, rows in [(0, 0, _inputs()), (1, 2, _inputs()[2:])]:
+        with knn.keyed(model, 0, step=step, sample_offset=offset):
+            eager = model(rows)
+        with knn.keyed(compiled, 0, step=step, sample_offset=offset), warnings.catch_warnings():
+            warnings.filterwarnings("error", message="keyinit")  # traced and compiled, not run eagerly
+            assert torch.equal(compiled(rows), eager)

@@ -176,7 +176,7 @@ class _Graph:
             try:
                 traced = make_fx(run, tracing_mode="real")(*args, trace.ctl)
             except RuntimeError as exc:
-                if "_local_scalar_dense" not in str(exc):
+                if "get value out of a tracing tensor" not in str(exc):  # .item(), torch.equal, ... on a value
                     raise
                 # the graph reads a tensor's value (.item()): a trace would freeze it, so this graph runs
                 # eagerly under keyed()'s modes (the eager keyed forward's values, not compiled)

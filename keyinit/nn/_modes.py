@@ -424,7 +424,14 @@ class BatchMode(TorchDispatchMode):
             for leaf in leaves:  # computed in this forward from replicated tensors: replicated
                 annotate(leaf, forward, None)
             return out
-        for leaf, rec in zip(leaves, propagate(func, args, kwargs, out, records)):
+        if getattr(self.ctx, "trace", None) is not None:  # tracing (keyinit.nn.compile): the rules' own ops
+            from torch.utils._python_dispatch import _disable_current_modes  # (index checks read values) untraced
+
+            with _disable_current_modes():
+                found = propagate(func, args, kwargs, out, records)
+        else:
+            found = propagate(func, args, kwargs, out, records)
+        for leaf, rec in zip(leaves, found):
             annotate(leaf, forward, rec)
         return out
 
