@@ -393,3 +393,38 @@ def test_batch_rules_that_read_index_values_while_tracing():
         with knn.keyed(compiled, 0, step=step, sample_offset=offset), warnings.catch_warnings():
             warnings.filterwarnings("error", message="keyinit")  # traced and compiled, not run eagerly
             assert torch.equal(compiled(rows), eager)
+
+
+#: HF causal LMs by how they lay out the batch where they draw. Every dropout-like probability is 0.1,
+#: LayerDrop's too: OPT's `if torch.rand([]) < layerdrop` and BART's data-dependent branches make dynamo
+#: run their decoders eagerly, so those run as eager keyed forwards (after a warning).
+HF_COMPILED = ("bert", "gpt2", "llama", "opt", "xlnet", "bart")
+HF_EAGER = ("opt", "bart")
+
+
+@pytest.mark.parametrize("model_type", HF_COMPILED)
+def test_hf_architectures_compiled_equal_eager(model_type):
+    transformers = pytest.importorskip("transformers")
+    from tests._hf_arch import lm_architectures, tiny_config
+
+    class_name = dict(lm_architectures())[model_type]
+    config = tiny_config(model_type, dropout=0.1)
+    with torch.random.fork_rng(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = getattr(transformers, class_name)(config).train()
+    ids = (torch.arange(4 * 8).reshape(4, 8) * 7 + 3) % (config.vocab_size - 4) + 4
+
+    def logits(m, x):
+        out = m(input_ids=x)
+        return out.logits if getattr(out, "logits", None) is not None else out[0]
+
+    compiled = knn.compile(model, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, offset, rows in [(0, 0, ids), (1, 2, ids[2:])]:
+            with knn.keyed(model, 0, step=step, sample_offset=offset):
+                eager = logits(model, rows)
+            with knn.keyed(compiled, 0, step=step, sample_offset=offset):
+                assert torch.equal(logits(compiled, rows), eager)
+    assert compiled.runs_eagerly == (model_type in HF_EAGER)

@@ -367,6 +367,11 @@ class KeyedCompiled(torch.nn.Module):
     def module(self) -> torch.nn.Module:
         return self._orig_mod
 
+    @property
+    def runs_eagerly(self) -> bool:
+        """Its draws run eagerly under dynamo, so it runs as an eager keyed forward (see :func:`compile`)."""
+        return self._eager
+
     def inner(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         return self._inner(gm, example_inputs)
 
