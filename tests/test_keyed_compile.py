@@ -249,7 +249,7 @@ def test_after_its_first_call_a_draw_that_runs_eagerly_is_refused():
     class Late(nn.Module):
         def forward(self, x):
             if x.shape[0] > 3:
-                return x * 2
+                return F.dropout(x, 0.5, self.training)
             for _ in range(2):
                 if torch.rand([]) < 0.5:  # only for small batches: dynamo runs this frame eagerly then
                     x = x + 1
@@ -257,10 +257,34 @@ def test_after_its_first_call_a_draw_that_runs_eagerly_is_refused():
 
     compiled = knn.compile(Late().train(), backend="aot_eager")
     with knn.keyed(compiled, 0, step=0):
-        compiled(_inputs())  # compiled, no draw: the module has run compiled once
+        compiled(_inputs())  # a draw in a compiled graph: no more undo
+    state = torch.get_rng_state()
     with pytest.raises(UnkeyedRandomnessError, match=r"aten\.rand\.default ran eagerly, outside the compiled graphs"):
         with knn.keyed(compiled, 0, step=0):
             compiled(_inputs()[:2])
+    assert torch.equal(torch.get_rng_state(), state) and not compiled.runs_eagerly
+
+
+def test_a_call_that_drew_nothing_compiled_leaves_the_fallback_open():
+    class Late(nn.Module):
+        def forward(self, x):
+            if x.shape[0] > 3:
+                return x * 2
+            for _ in range(2):
+                if torch.rand([]) < 0.5:
+                    x = x + 1
+            return x
+
+    model = Late().train()
+    compiled = knn.compile(model, backend="aot_eager")
+    with knn.keyed(compiled, 0, step=0):
+        compiled(_inputs())  # compiled, no draw
+    with knn.keyed(model, 0, step=1):
+        eager = model(_inputs()[:2])
+    with pytest.warns(UserWarning, match="runs part of its forward eagerly"):
+        with knn.keyed(compiled, 0, step=1):
+            assert torch.equal(compiled(_inputs()[:2]), eager)
+    assert compiled.runs_eagerly
 
 
 def test_outside_keyed_a_draw_is_refused_and_eval_runs():

@@ -24,9 +24,9 @@ break in its forward is fine). A draw that cannot be keyed this way (a random
 op that dynamo ran eagerly, outside the compiled graphs, as after LayerDrop's
 branch on a draw; a draw in a forward dynamo compiled as a frame of its own or
 inside a custom ``autograd.Function``) raises :class:`RanEagerly` before it
-draws. On the module's first call that call is undone and run again as an eager
-keyed forward, which the module then stays (with a warning); later, it is an
-:class:`~keyinit.errors.UnkeyedRandomnessError`.
+draws. Until a call of the module has drawn in compiled graphs, that call is
+undone and run again as an eager keyed forward, which the module then stays
+(with a warning); later, it is an :class:`~keyinit.errors.UnkeyedRandomnessError`.
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ class _Graph:
                 k = call.key(relative, ordinal)
                 words += (k.k0, k.k1)
             out = entry.fn(*args, torch.tensor(words, dtype=torch.int64))
+            call.drew = call.drew or bool(entry.slots)
         call.frame.calls += entry.own  # the compiled module's own draws: numbered on across its graphs
         leaves = out if isinstance(out, (tuple, list)) else (out,)
         for leaf, rec in zip(leaves, entry.outputs):  # the outputs' batch, for what the forward does next
@@ -152,12 +153,12 @@ class _Graph:
         forward.why = lambda fqn: _unnumbered(self.owner, fqn, code, module)
         tctx = TraceContext(call, trace)
         bound = bind(self.gm, args, call, forward)
-        for mode in tctx._local.state.modes:
+        for mode in tctx.modes:
             mode.__enter__()
         try:
             out = Interpreter(self.gm, tctx, frames).run(*bound)
         finally:
-            for mode in reversed(tctx._local.state.modes):
+            for mode in reversed(tctx.modes):
                 mode.__exit__(None, None, None)
         return out, forward, frames.own_calls()
 
@@ -360,7 +361,7 @@ class KeyedCompiled(torch.nn.Module):
             backend = lookup_backend(backend)
         object.__setattr__(self, "_inner", backend)
         object.__setattr__(self, "_eager", False)  # its draws run eagerly: it runs as an eager keyed forward
-        object.__setattr__(self, "_proven", False)  # a call ran compiled (no more undo)
+        object.__setattr__(self, "_proven", False)  # a call drew in compiled graphs (no more undo)
         object.__setattr__(self, "_compiled", torch.compile(module, backend=self._backend, **options))
 
     @property
@@ -392,13 +393,14 @@ class KeyedCompiled(torch.nn.Module):
         else:
             forward = ctx.root_forward(module, fqn, args, kwargs)
             host = ctx.host_random(forward)
-        # until one call has run compiled, a call that turns out to run draws eagerly is undone and run again
-        # eagerly: what it drew is forgotten and the buffers it wrote (running statistics) are put back
+        # until a call has drawn in compiled graphs, a call that turns out to run a draw eagerly is undone and
+        # run again eagerly: what it drew is forgotten and the buffers it wrote (running statistics) put back
         undo = None if self._proven else (ctx.save_draws(forward), [(b, b.detach().clone()) for b in module.buffers()])
         suspended = ctx.suspend(module, fqn, forward)  # modes off, the module's own frame open
+        call = Call(ctx, forward, fqn, module, suspended[-1])
         try:
             with host:
-                out = self._run(Call(ctx, forward, fqn, module, suspended[-1]), args, kwargs)
+                out = self._run(call, args, kwargs)
         except RanEagerly as exc:
             if undo is None:
                 raise
@@ -417,7 +419,8 @@ class KeyedCompiled(torch.nn.Module):
         finally:
             if suspended is not None:
                 ctx.resume(suspended)
-        object.__setattr__(self, "_proven", True)
+        if call.drew:
+            object.__setattr__(self, "_proven", True)
         return out
 
     def _run_eagerly(self, ctx: Any, args: tuple, kwargs: dict) -> Any:

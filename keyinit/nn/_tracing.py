@@ -32,10 +32,11 @@ class Call:
     the frame of the module's execution (its calls are numbered across the graphs and the eager code of
     one call: a graph's ``n``-th own draw is call ``frame.calls + n``)."""
 
-    __slots__ = ("ctx", "forward", "fqn", "module", "frame")
+    __slots__ = ("ctx", "forward", "fqn", "module", "frame", "drew")
 
     def __init__(self, ctx: Any, forward: Forward, fqn: str, module: torch.nn.Module, frame: Frame) -> None:
         self.ctx, self.forward, self.fqn, self.module, self.frame = ctx, forward, fqn, module, frame
+        self.drew = False  # a compiled graph of this call drew (keyinit.nn._compile)
 
     def key(self, relative: str, ordinal: int) -> Any:
         """The key of call ``ordinal`` of module ``relative`` (to the compiled module) in the running graph."""
@@ -63,6 +64,11 @@ class TraceContext:
         self._local.state = _State([FunctionMode(self), BatchMode(self)])
         self.frame: Optional[Frame] = None
 
+    @property
+    def modes(self) -> list:
+        """keyed()'s two modes for this trace (entered around the graph's run)."""
+        return self._local.state.modes
+
     def _current_frame(self) -> Optional[Frame]:
         return self.frame
 
@@ -82,7 +88,8 @@ class _State:
 
 class RanEagerly(UnkeyedRandomnessError):
     """A draw of a compiled module that dynamo ran eagerly (or in a frame of its own): keyinit cannot key it
-    there. On a module's first calls it makes the module run as an eager keyed forward instead."""
+    there. Until a call of the module has drawn in compiled graphs, it makes the module run as an eager keyed
+    forward instead."""
 
     def __init__(self, what: str, message: str) -> None:
         super().__init__(message)
