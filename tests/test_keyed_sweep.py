@@ -191,6 +191,49 @@ def _same_rng(a: tuple, b: tuple) -> bool:
     return torch.equal(a[0], b[0]) and numpy_same and a[2] == b[2]
 
 
+def check_keyed_splits(model: Any, run: Any, splits: Any, eval_whole: torch.Tensor, label: str, differs: Any) -> None:
+    """``run(None)`` (the whole batch) and ``run((lo, hi))`` (rows ``lo:hi``, ``sample_offset=lo``) under
+    ``keyed``: each split's joined logits equal the whole batch's (with a tolerance), every dropout module's
+    mask is the whole batch's bitwise, the same modules run, the draws are live (``differs`` from the eval
+    logits), step 1 ``differs`` from step 0, and no global RNG is read or advanced."""
+    before = _rng_state()
+    taps = _Taps(model)
+    try:
+        with knn.keyed(model, 0, step=0):
+            whole = run(None)
+        (masks, ran), taps.masks, taps.ran = (dict(taps.masks), list(taps.ran)), {}, []
+        results = []
+        for split in splits:
+            parts, part_taps = [], []
+            for lo, hi in split:
+                with knn.keyed(model, 0, step=0, sample_offset=lo):
+                    parts.append(run((lo, hi)))
+                part_taps.append((dict(taps.masks), list(taps.ran)))
+                taps.masks, taps.ran = {}, []
+            results.append((torch.cat(parts), part_taps))
+        with knn.keyed(model, 0, step=1):
+            step1 = run(None)
+    finally:
+        taps.remove()
+    after = _rng_state()
+
+    assert _same_rng(before, after), f"{label}: a keyed forward read or advanced a global RNG"
+    assert differs(whole, eval_whole), f"{label}: keyed draws are not live"
+    assert differs(whole, step1), f"{label}: step 1 gives step 0's values"
+    for split, (joined_logits, part_taps) in zip(splits, results):
+        torch.testing.assert_close(joined_logits, whole, **TOL,
+                                   msg=lambda m: f"{label}: split {split} changes logits: {m}")
+        for part_masks, part_ran in part_taps:
+            assert part_ran == ran, f"{label}: split {split} ran other modules (a LayerDrop decision differs)"
+            assert part_masks.keys() == masks.keys(), f"{label}: dropout calls differ in split {split}"
+        for call, (mask, nonzero) in masks.items():
+            joined = _joined(mask, [p[0][call][0] for p in part_taps], f"{label} {call}")
+            live = _joined(nonzero, [p[0][call][1] for p in part_taps], f"{label} {call}")
+            for got, got_live in zip(joined, live):
+                both = nonzero & got_live  # a zero input gives a zero output whatever the mask
+                assert torch.equal(got & both, mask & both), f"{label}: the mask of {call} depends on the split"
+
+
 @pytest.mark.parametrize("model_type,class_name", SELECTED)
 def test_keyed_training_forward_is_split_invariant(model_type, class_name):
     model, ids = _build(model_type, class_name)
@@ -215,40 +258,6 @@ def test_keyed_training_forward_is_split_invariant(model_type, class_name):
             if torch.equal(_logits(model, ids), eval_whole):
                 _skip(model_type, "its train forward draws nothing (no dropout-like op)")
 
-        before = _rng_state()
-        taps = _Taps(model)
-        try:
-            with knn.keyed(model, 0, step=0):
-                whole = _logits(model, ids)
-            whole_taps, taps.masks, taps.ran = (dict(taps.masks), list(taps.ran)), {}, []
-            splits = []
-            for split in SPLITS if model_type in REPRESENTATIVE else SPLITS[:1]:
-                parts, part_taps = [], []
-                for lo, hi in split:
-                    with knn.keyed(model, 0, step=0, sample_offset=lo):
-                        parts.append(_logits(model, ids[lo:hi]))
-                    part_taps.append((dict(taps.masks), list(taps.ran)))
-                    taps.masks, taps.ran = {}, []
-                splits.append((torch.cat(parts), part_taps))
-            with knn.keyed(model, 0, step=1):
-                step1 = _logits(model, ids)
-        finally:
-            taps.remove()
-        after = _rng_state()
-
-    assert _same_rng(before, after), f"{model_type}: a keyed forward read or advanced a global RNG"
-    assert not torch.allclose(whole, eval_whole, **TOL), f"{model_type}: keyed dropout is not live"
-    assert not torch.allclose(whole, step1, **TOL), f"{model_type}: step 1 gives step 0's values"
-    masks, ran = whole_taps
-    for split, (joined_logits, part_taps) in zip(SPLITS, splits):
-        torch.testing.assert_close(joined_logits, whole, **TOL,
-                                   msg=lambda m: f"{model_type}: split {split} changes logits: {m}")
-        for part_masks, part_ran in part_taps:
-            assert part_ran == ran, f"{model_type}: split {split} ran other modules (a LayerDrop decision differs)"
-            assert part_masks.keys() == masks.keys(), f"{model_type}: dropout calls differ in split {split}"
-        for call, (mask, nonzero) in masks.items():
-            joined = _joined(mask, [p[0][call][0] for p in part_taps], f"{model_type} {call}")
-            live = _joined(nonzero, [p[0][call][1] for p in part_taps], f"{model_type} {call}")
-            for got, got_live in zip(joined, live):
-                both = nonzero & got_live  # a zero input gives a zero output whatever the mask
-                assert torch.equal(got & both, mask & both), f"{model_type}: the mask of {call} depends on the split"
+        splits = SPLITS if model_type in REPRESENTATIVE else SPLITS[:1]
+        check_keyed_splits(model, lambda rows: _logits(model, ids if rows is None else ids[rows[0]:rows[1]]),
+                           splits, eval_whole, model_type, differs=lambda a, b: not torch.allclose(a, b, **TOL))

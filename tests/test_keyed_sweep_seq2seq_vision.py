@@ -31,14 +31,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import keyinit.nn as knn  # noqa: E402
 from tests._hf_arch import (  # noqa: E402
     image_classification_architectures,
     seq2seq_architectures,
     tiny_config,
     tiny_vision_config,
 )
-from tests.test_keyed_sweep import TOL, _joined, _rng_state, _same_rng, _Taps  # noqa: E402
+from tests.test_keyed_sweep import SPLITS, TOL, check_keyed_splits  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -46,7 +45,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 #: small layer scales, so 0.3 makes their draws show in a batch of 4.
 P = {"seq2seq": 0.1, "vision": 0.3}
 MAX_ELEMENTS = 5_000_000
-SPLITS = (((0, 2), (2, 4)), ((0, 1), (1, 2), (2, 3), (3, 4)))
 
 REPRESENTATIVE = {
     "seq2seq": (
@@ -168,39 +166,5 @@ def test_keyed_training_forward_is_split_invariant(kind, model_type, class_name)
             if torch.equal(_logits(model, batch), eval_whole):
                 _skip(kind, model_type, "its train forward draws nothing (no dropout-like op)")
 
-        before = _rng_state()
-        taps = _Taps(model)
-        try:
-            with knn.keyed(model, 0, step=0):
-                whole = _logits(model, batch)
-            masks, ran = dict(taps.masks), list(taps.ran)
-            splits = []
-            for split in SPLITS:
-                parts, part_taps = [], []
-                for lo, hi in split:
-                    taps.masks, taps.ran = {}, []
-                    with knn.keyed(model, 0, step=0, sample_offset=lo):
-                        parts.append(_logits(model, _rows(batch, lo, hi)))
-                    part_taps.append((dict(taps.masks), list(taps.ran)))
-                splits.append((torch.cat(parts), part_taps))
-            with knn.keyed(model, 0, step=1):
-                step1 = _logits(model, batch)
-        finally:
-            taps.remove()
-        after = _rng_state()
-
-    assert _same_rng(before, after), f"{model_type}: a keyed forward read or advanced a global RNG"
-    assert not torch.equal(whole, eval_whole), f"{model_type}: keyed draws are not live"
-    assert not torch.equal(whole, step1), f"{model_type}: step 1 gives step 0's values"
-    for k, (joined_logits, part_taps) in enumerate(splits):
-        torch.testing.assert_close(joined_logits, whole, **TOL,
-                                   msg=lambda m: f"{model_type}: split {SPLITS[k]} changes logits: {m}")
-        for part_masks, part_ran in part_taps:
-            assert part_ran == ran, f"{model_type}: split {SPLITS[k]} ran other modules (LayerDrop/DropPath)"
-            assert part_masks.keys() == masks.keys(), f"{model_type}: dropout calls differ in split {SPLITS[k]}"
-        for call, (mask, nonzero) in masks.items():
-            got = _joined(mask, [p[0][call][0] for p in part_taps], f"{model_type} {call}")
-            live = _joined(nonzero, [p[0][call][1] for p in part_taps], f"{model_type} {call}")
-            for g, g_live in zip(got, live):
-                both = nonzero & g_live
-                assert torch.equal(g & both, mask & both), f"{model_type}: the mask of {call} depends on the split"
+        check_keyed_splits(model, lambda rows: _logits(model, batch if rows is None else _rows(batch, *rows)),
+                           SPLITS, eval_whole, model_type, differs=lambda a, b: not torch.equal(a, b))
