@@ -39,7 +39,7 @@ def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
 
 def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: int,
           sample_offset: Optional[int] = None, index: str = "tracked", inputs: Any = (),
-          host_random: str = "sample") -> Keyed:
+          host_random: str = "sample", calls: Optional[str] = None) -> Keyed:
     """Key every random op in ``model``'s forward by (seed, step, module FQN, call ordinal, sample, place).
 
     Use it around each forward (and backward)::
@@ -48,10 +48,12 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
             loss = loss_fn(model(batch), target)
             loss.backward()
 
-    Inside, the ``n``-th random call made directly in the forward of the module
-    with canonical FQN ``fqn`` (``keyinit.fqn.canonical_modules``: wrappers such as
-    ``_orig_mod``, ``_checkpoint_wrapped_module`` and DDP's ``module`` are stripped)
-    uses ``dropout_key(seed, step=step, fqn=fqn, ordinal=n)``: the dropout family
+    Inside, the ``n``-th random call made directly by the module with canonical FQN
+    ``fqn`` (``keyinit.fqn.canonical_modules``: wrappers such as ``_orig_mod``,
+    ``_checkpoint_wrapped_module`` and DDP's ``module`` are stripped) in the root
+    forward, counted across the module's executions (a module run twice goes on
+    numbering, so its executions never share a key), uses
+    ``dropout_key(seed, step=step, fqn=fqn, ordinal=n)``: the dropout family
     (``nn.Dropout``, ``F.dropout*``, alpha dropout), attention dropout (SDPA,
     ``nn.MultiheadAttention``) and every other random ATen op (``rand``,
     ``bernoulli_``, ``normal_``, ``exponential_``, ...; ``docs/spec.md`` 14.7).
@@ -72,7 +74,10 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     may draw from them (:mod:`keyinit.nn._hostrandom`, ``docs/spec.md`` 14.7).
     Randomness outside the model's forwards is left alone; the global RNGs are
     never read or advanced. ``index="dim0"`` keeps stream v1's first rule
-    (dimension 0 of each dropout input is the batch; other draws refused).
+    (dimension 0 of each dropout input is the batch; other draws refused; calls
+    numbered per execution). ``calls="execution"`` keeps that rule's numbering
+    alone: the count restarts at each execution of a module, so two executions of
+    one module in a forward share their keys (``docs/spec.md`` 14.4).
 
     ``model`` may also be a name (``"diffusion.noise"``): the whole block is then
     one root forward under that FQN, whose batch-holding tensors are ``inputs``
@@ -89,4 +94,4 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     refuses ``sample_offset=0``. DTensor activations place their rows themselves
     (their placements add to ``sample_offset``).
     """
-    return Keyed(model, seed, step, sample_offset, index, inputs, host_random)
+    return Keyed(model, seed, step, sample_offset, index, inputs, host_random, calls)

@@ -59,12 +59,14 @@ _CAPACITY = 1024  # random sites a trace has room for at first (a larger model r
 class _Entry:
     """One traced and compiled form of a graph: its function (None: run eagerly under keyed()'s modes),
     whether it takes the control tensor (``keyed``), its slots, its outputs' batch records, and how many
-    draws it makes directly in the compiled module's forward (``own``)."""
+    call ordinals its modules take (``own``: ``{FQN relative to the compiled module: count}``)."""
 
     __slots__ = ("fn", "keyed", "slots", "outputs", "own")
 
-    def __init__(self, fn: Optional[Callable], keyed: bool, slots: list, outputs: list, own: int = 0) -> None:
-        self.fn, self.keyed, self.slots, self.outputs, self.own = fn, keyed, slots, outputs, own
+    def __init__(self, fn: Optional[Callable], keyed: bool, slots: list, outputs: list,
+                 own: Optional[dict] = None) -> None:
+        self.fn, self.keyed, self.slots, self.outputs = fn, keyed, slots, outputs
+        self.own: dict = {} if own is None else own
 
 
 class _Graph:
@@ -77,9 +79,9 @@ class _Graph:
 
     def _signature(self, args: tuple, call: Optional[Call]) -> tuple:
         """What a trace is specialized on beyond dynamo's guards: the inputs' shapes (dynamo keeps the batch
-        dimension dynamic, a trace does not), scalars, and the batch records of the inputs that are not
-        parameters or buffers (their starts relative to the forward's)."""
-        parts: list = [torch.is_grad_enabled(), None if call is None else call.ctx.root.stream]
+        dimension dynamic, a trace does not), scalars, the batch records of the inputs that are not
+        parameters or buffers (their starts relative to the forward's), and how calls are numbered."""
+        parts: list = [torch.is_grad_enabled(), None if call is None else (call.ctx.root.stream, call.ctx.calls)]
         for constant, value in zip(self.constant, args):
             if constant:
                 continue
@@ -115,7 +117,7 @@ class _Graph:
                 words += (k.k0, k.k1)
             out = entry.fn(*args, torch.tensor(words, dtype=torch.int64))
             call.drew = call.drew or bool(entry.slots)
-        call.frame.calls += entry.own  # the compiled module's own draws: numbered on across its graphs
+        call.taken(entry.own)  # its ordinals taken: the next graph (or eager code) numbers on
         leaves = out if isinstance(out, (tuple, list)) else (out,)
         for leaf, rec in zip(leaves, entry.outputs):  # the outputs' batch, for what the forward does next
             if isinstance(leaf, torch.Tensor):
@@ -143,7 +145,7 @@ class _Graph:
     def _interpret(self, args: tuple, call: Call, trace: Optional[Trace]) -> tuple[Any, TraceForward, int]:
         """Run the graph under keyed()'s modes, its calls numbered from its nodes' modules: with ``trace``,
         every draw is a site op (inside ``make_fx``); without, the eager keyed forward's draws. Returns the
-        output, the forward that holds its records, and the draws made directly in the compiled module."""
+        output, the forward that holds its records, and the call ordinals its modules took."""
         forward = TraceForward(call.ctx, call.fqn, call.forward.start, call.forward.count, call.forward.repeat)
         forward.trace, forward.numbered, forward.owner_call = trace, set(), call
         code, module = self.frame

@@ -28,7 +28,11 @@ from keyinit.nn._hostrandom import SAMPLE_FIXES, HostRandom, host_stream_key
 from keyinit.nn._keys import keyed_call_key, keyed_module_key
 
 __all__ = ["Forward", "MicroBatch", "Named", "CheckpointingFunction", "input_tensors", "sequence_first_module",
-           "sequence_first_dropouts", "resolve_sample_offset", "remember", "remember_host", "recomputed"]
+           "sequence_first_dropouts", "resolve_sample_offset", "remember", "remember_host", "remember_counts",
+           "recompute_counts", "recomputed", "CALLS_RULES"]
+
+#: The values of ``keyed(..., calls=...)``: how a module's call ordinals are numbered (docs/spec.md 14.4).
+CALLS_RULES = ("forward", "execution")
 
 
 class Forward:
@@ -41,7 +45,7 @@ class Forward:
     """
 
     __slots__ = ("start", "count", "repeat", "fqn", "constants", "owner", "grad", "drew", "records", "probe", "escaped",
-                 "host", "host_states", "__weakref__")
+                 "host", "host_states", "counts", "counts_at", "__weakref__")
 
     def __init__(self, ctx: Any, fqn: str, start: int, count: int, repeat: int) -> None:
         self.fqn, self.start, self.count, self.repeat = fqn, start, count, repeat
@@ -61,6 +65,11 @@ class Forward:
         # the host generators' states where a module under activation checkpointing began (remember_host):
         # _replay_key of its first input -> HostRandom.state(), or None where they were as seeded
         self.host_states: dict[tuple, Any] = {}
+        # the call ordinals its modules have taken (FQN -> count; keyed(..., calls="forward"): shared by
+        # every frame of the forward), and where they stood as a module under activation checkpointing
+        # began (_replay_key of its first input -> a copy, or AMBIGUOUS): its recompute numbers from there
+        self.counts: dict[str, int] = {}
+        self.counts_at: dict[tuple, Any] = {}
 
     def host_key(self, ctx: Any) -> Key:
         """The key that seeds Python's and numpy's generators in this forward (docs/spec.md 14.7)."""
@@ -209,6 +218,47 @@ def remember(ctx: Any, fqn: str, forward: "Forward", args: tuple, kwargs: dict) 
 def _host_replay_key(fqn: str, args: tuple, kwargs: dict) -> Optional[tuple]:
     tensors = input_tensors(args, kwargs)
     return _replay_key(fqn, tensors[0]) if tensors else None
+
+
+#: A ``Forward.counts_at`` entry for a module run twice under activation checkpointing on the same input
+#: memory with different counts before it: which one a recompute is cannot be told.
+AMBIGUOUS = object()
+
+
+def remember_counts(fqn: str, forward: "Forward", counts: dict, args: tuple, kwargs: dict) -> None:
+    """A module run under activation checkpointing inside ``forward``: the call ordinals taken before it
+    began, for its recompute in backward to number its calls (and its children's) as its first execution did
+    (found by its first input's memory, as the host generators' states are)."""
+    replay = _host_replay_key(fqn, args, kwargs)
+    if replay is None:
+        return
+    seen = forward.counts_at.get(replay)
+    snapshot = dict(counts)
+    if seen is not None and seen is not AMBIGUOUS and _subtree(seen, fqn) != _subtree(snapshot, fqn):
+        snapshot = AMBIGUOUS
+    forward.counts_at[replay] = snapshot
+
+
+def _subtree(counts: dict, fqn: str) -> dict:
+    prefix = fqn + "." if fqn else ""
+    return {k: v for k, v in counts.items() if k == fqn or k.startswith(prefix)}
+
+
+def recompute_counts(ctx: Any, forward: "Forward", fqn: str, args: tuple, kwargs: dict) -> dict:
+    """The counts a recompute of module ``fqn`` in ``forward`` starts from (see :func:`remember_counts`)."""
+    if fqn == forward.fqn:
+        return {}  # the whole root forward: numbered from the start
+    found = forward.counts_at.get(_host_replay_key(fqn, args, kwargs))
+    if found is AMBIGUOUS:
+        from keyinit.errors import UnkeyedRandomnessError
+
+        raise UnkeyedRandomnessError(
+            f"keyed({type(ctx.model).__name__}): activation checkpointing recomputes module '{fqn}', which ran "
+            "more than once in the forward on the same input memory with different call counts before it, so "
+            "keyinit cannot tell which execution this recompute is (its keys would be a guess). Checkpoint the "
+            "enclosing module instead, or pass a fresh tensor to each execution"
+        )
+    return dict(found) if found is not None else {}
 
 
 def remember_host(fqn: str, forward: "Forward", args: tuple, kwargs: dict) -> None:

@@ -47,21 +47,36 @@ __all__ = ["Frame", "activation_batch", "placed"]
 
 
 class Frame:
-    __slots__ = ("module", "fqn", "calls", "pushed", "foreign", "forward")
+    """One execution of one module's forward in a keyed forward: its module, canonical FQN and root forward.
 
-    def __init__(self, module: torch.nn.Module, fqn: str, foreign: bool, forward: Any) -> None:
+    ``counts`` maps an FQN to the call ordinals its module has taken so far. Under the default rule
+    (``keyed(..., calls="forward")``, docs/spec.md 14.4) every frame of one root forward (or of one
+    recompute) shares one dict, so a module run twice in a forward goes on numbering its calls and its
+    executions never share a key; under ``calls="execution"`` (stream v1's first rule) each frame has
+    its own, and the count restarts at each execution.
+    """
+
+    __slots__ = ("module", "fqn", "counts", "pushed", "foreign", "forward")
+
+    def __init__(self, module: torch.nn.Module, fqn: str, foreign: bool, forward: Any,
+                 counts: Optional[dict] = None) -> None:
         self.module = module
         self.fqn = fqn
-        self.calls = 0
+        self.counts: dict[str, int] = {} if counts is None else counts
         self.pushed: list[Any] = []  # the modes this forward entered (exited by its post-hook)
         self.foreign = foreign  # a forward in a thread other than the one that entered the context
         self.forward = forward  # the root forward (keyinit.nn._keyed.Forward) this execution belongs to
 
+    def take(self) -> int:
+        """The ordinal of this module's next random call (counted)."""
+        counts = self.counts
+        ordinal = counts.get(self.fqn, 0)
+        counts[self.fqn] = ordinal + 1
+        return ordinal
+
     def key(self, ctx: "Keyed") -> Any:
         """The key of this frame's next random call (its ordinal counted)."""
-        ordinal = self.calls
-        self.calls += 1
-        return self.forward.call_key(ctx, self.fqn, ordinal)
+        return self.forward.call_key(ctx, self.fqn, self.take())
 
     def describe(self) -> str:
         if getattr(self.module, "_keyinit_block", False):
@@ -208,8 +223,7 @@ def keyed_masked(kind: str, mask: str, input: torch.Tensor, p: float, key, rec: 
 
 def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op: bool, args: tuple,
                     kwargs: dict) -> torch.Tensor:
-    ordinal = frame.calls
-    frame.calls += 1
+    ordinal = frame.take()  # every call of the family takes one, also one that draws nothing (14.4)
     input = argument(args, kwargs, 0, "input", None)
     if kind.startswith("torch."):
         p = argument(args, kwargs, 1, "p", None)

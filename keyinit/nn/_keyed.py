@@ -39,8 +39,11 @@ from keyinit.nn._forward import (
     sequence_first_dropouts,
     sequence_first_module,
     recomputed,
+    recompute_counts,
     remember,
+    remember_counts,
     remember_host,
+    CALLS_RULES,
 )
 from keyinit.nn._hostrandom import HOST_RANDOM, HostRandom
 from keyinit.nn._modes import BatchMode, FunctionMode, mode_is_active, mode_is_top
@@ -80,11 +83,9 @@ def inside_keyed_forward() -> bool:
 def _warn_if_compiled() -> None:
     """A ``torch.compile(model)`` called inside ``keyed``: dynamo does not trace under keyed()'s modes, so it
     runs eagerly (right values, nothing compiled); ``keyinit.nn.compile`` is the compiled form."""
-    try:
-        from torch._dynamo.eval_frame import _is_in_optimized_module
-    except ImportError:  # pragma: no cover - another torch
-        return
-    if _is_in_optimized_module():
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled (and importing
+    is_in = getattr(eval_frame, "_is_in_optimized_module", None)  # dynamo costs seconds)
+    if is_in is not None and is_in():
         warnings.warn("keyinit.nn.keyed: a torch.compile(model) forward runs eagerly under keyed() (dynamo does not "
                       "trace under its modes); compile it with keyinit.nn.compile(model) to key a compiled forward",
                       stacklevel=4)
@@ -137,7 +138,7 @@ class Keyed:
 
     def __init__(self, model: Union[torch.nn.Module, str], seed: Union[int, Key], step: int,
                  sample_offset: Optional[int], index: str = "tracked", inputs: Any = (),
-                 host_random: str = "sample") -> None:
+                 host_random: str = "sample", calls: Optional[str] = None) -> None:
         self._inputs: tuple = ()
         if isinstance(model, str):
             from keyinit.nn._keys import check_fqn
@@ -158,7 +159,14 @@ class Keyed:
             raise ValueError(f"keyed: index must be one of {INDEX_RULES}, got {index!r}")
         if host_random not in HOST_RANDOM:
             raise ValueError(f"keyed: host_random must be one of {HOST_RANDOM}, got {host_random!r}")
+        if calls is None:
+            calls = "execution" if index == "dim0" else "forward"  # index="dim0" is stream v1's first rule, whole
+        if calls not in CALLS_RULES:
+            raise ValueError(f"keyed: calls must be one of {CALLS_RULES}, got {calls!r}")
         self.index = index
+        #: How call ordinals are numbered (docs/spec.md 14.4): "forward" on across a module's executions in a
+        #: root forward, "execution" from 0 at each (v1's first rule: executions of a module share keys).
+        self.calls = calls
         self.host_mode = host_random  # keyed(..., host_random=): see keyinit.nn._hostrandom
         self.model = model
         #: The root of every dropout key (:func:`keyinit.nn.dropout_key`'s ``seed``); ``key`` checks an int.
@@ -250,29 +258,38 @@ class Keyed:
             state = self._thread_state()
             foreign = state.foreign
             if state.frames:
-                forward = state.frames[-1].forward
-                foreign = state.frames[-1].foreign  # a recompute's children are keyed as it is
+                parent = state.frames[-1]
+                forward = parent.forward
+                foreign = parent.foreign  # a recompute's children are keyed as it is
+                counts = parent.counts if self.calls == "forward" else {}
                 if forward.grad and not torch.is_grad_enabled():
                     remember(self, fqn, forward, args, kwargs)
                     self._recomputable = True
-                elif forward.host is not None and _saved_tensor_hooks_active():
-                    remember_host(fqn, forward, args, kwargs)  # non-reentrant checkpointing may start here
+                    if self.calls == "forward":
+                        remember_counts(fqn, forward, counts, args, kwargs)
+                elif _saved_tensor_hooks_active():  # non-reentrant checkpointing may start here
+                    if forward.host is not None:
+                        remember_host(fqn, forward, args, kwargs)
+                    if self.calls == "forward":
+                        remember_counts(fqn, forward, counts, args, kwargs)
             else:
                 in_backward = torch._C._current_graph_task_id() != -1
                 forward = recomputed(self, fqn, args, kwargs) if in_backward else None
                 if forward is not None:
                     foreign = False  # a recompute runs in autograd's thread, with the first execution's keys
+                    counts = recompute_counts(self, forward, fqn, args, kwargs) if self.calls == "forward" else {}
                 elif self._state != "entered":
                     return  # left: only recomputes of its own forwards are keyed
                 else:
                     forward = self._root_forward(module, fqn, args, kwargs)
+                    counts = forward.counts
                     _warn_if_compiled()
                     if not torch.is_grad_enabled():
                         remember(self, fqn, forward, args, kwargs)
                         self._recomputable = True
             if not self._recomputable and _saved_tensor_hooks_active():
                 self._recomputable = True  # non-reentrant checkpointing (saved-tensor hooks) may recompute this
-            frame = Frame(module, fqn, foreign, forward)
+            frame = Frame(module, fqn, foreign, forward, counts)
             if not state.frames and not foreign:
                 host = forward.host_random(self, fqn, args, kwargs)
                 host.__enter__()
@@ -443,12 +460,19 @@ class Keyed:
                 handle.remove()
 
     def save_draws(self, forward: "Forward") -> tuple:
-        """What a call that draws changes of the block's record of forwards (see :meth:`restore_draws`)."""
-        return list(self._forwards), forward.drew, {fqn: len(rows) for fqn, rows in self._history.items()}
+        """What a call that draws changes of the block's record of forwards and call ordinals (see
+        :meth:`restore_draws`)."""
+        frame = self._current_frame()
+        counts = frame.counts if frame is not None and self.calls == "forward" else forward.counts
+        return (list(self._forwards), forward.drew, {fqn: len(rows) for fqn, rows in self._history.items()},
+                counts, dict(counts))
 
     def restore_draws(self, forward: "Forward", saved: tuple) -> None:
-        """Forget the draws of a call that was abandoned (it runs again): no repeat is counted for it."""
-        forwards, forward.drew, lengths = saved
+        """Forget the draws of a call that was abandoned (it runs again): no repeat is counted for it, and the
+        call ordinals it took are taken again."""
+        forwards, forward.drew, lengths, counts, before = saved
+        counts.clear()
+        counts.update(before)
         self._forwards[:] = forwards
         self._history = {fqn: rows[:lengths[fqn]] for fqn, rows in self._history.items() if fqn in lengths}
 
@@ -476,8 +500,13 @@ class Keyed:
                     for handle in found[2]:
                         handle.remove()
                     removed.append(found)
-        frame = Frame(module, fqn, False, forward)
-        self._thread_state().frames.append(frame)
+        frames = self._thread_state().frames
+        if self.calls == "execution":
+            counts: dict = {}
+        else:
+            counts = frames[-1].counts if frames else forward.counts
+        frame = Frame(module, fqn, False, forward, counts)
+        frames.append(frame)
         return [left, removed, frame]
 
     def resume(self, suspended: list) -> None:

@@ -29,8 +29,9 @@ __all__ = ["Call", "RanEagerly", "TraceContext", "TraceForward", "Frames", "Inte
 
 class Call:
     """A compiled module's call inside a keyed context: the context, its root forward, the module's FQN, and
-    the frame of the module's execution (its calls are numbered across the graphs and the eager code of
-    one call: a graph's ``n``-th own draw is call ``frame.calls + n``)."""
+    the frame of the module's execution. Call ordinals go on from the frame's counts, as in an eager forward:
+    a graph's ``n``-th draw of module ``m`` is call ``counts[m] + n`` (under ``keyed(..., calls="execution")``
+    only the compiled module's own draws go on across its graphs; a submodule's restart at each execution)."""
 
     __slots__ = ("ctx", "forward", "fqn", "module", "frame", "drew")
 
@@ -38,12 +39,30 @@ class Call:
         self.ctx, self.forward, self.fqn, self.module, self.frame = ctx, forward, fqn, module, frame
         self.drew = False  # a compiled graph of this call drew (keyinit.nn._compile)
 
-    def key(self, relative: str, ordinal: int) -> Any:
-        """The key of call ``ordinal`` of module ``relative`` (to the compiled module) in the running graph."""
+    def full_fqn(self, relative: str) -> str:
+        """The canonical FQN of module ``relative`` (to the compiled module)."""
         if not relative:
-            return self.forward.call_key(self.ctx, self.fqn, self.frame.calls + ordinal)
-        fqn = f"{self.fqn}.{relative}" if self.fqn else relative
+            return self.fqn
+        return f"{self.fqn}.{relative}" if self.fqn else relative
+
+    def numbered_on(self, relative: str) -> bool:
+        """The calls of module ``relative`` go on from the counts of the call's frame."""
+        return not relative or self.ctx.calls == "forward"
+
+    def key(self, relative: str, ordinal: int) -> Any:
+        """The key of the graph's call ``ordinal`` of module ``relative`` (to the compiled module)."""
+        fqn = self.full_fqn(relative)
+        if self.numbered_on(relative):
+            ordinal += self.frame.counts.get(fqn, 0)
         return self.forward.call_key(self.ctx, fqn, ordinal)
+
+    def taken(self, counts: dict) -> None:
+        """A graph of the call ran: the ordinals it took (``{relative FQN: count}``) are taken."""
+        mine = self.frame.counts
+        for relative, n in counts.items():
+            if self.numbered_on(relative):
+                fqn = self.full_fqn(relative)
+                mine[fqn] = mine.get(fqn, 0) + n
 
 
 # ----------------------------------------------------------------------------- the trace
@@ -121,6 +140,8 @@ class Frames:
         for _, fqn, module in canonical_modules(root):
             self.fqns.setdefault(id(module), fqn)
         self.frames: dict[str, Frame] = {}
+        # keyed(..., calls="forward"): one count per module for all its executions in the graph
+        self.shared: Optional[dict[str, int]] = {} if forward.owner_call.ctx.calls == "forward" else None
 
     def module_at(self, path: str) -> Optional[torch.nn.Module]:
         _, _, relative = path.partition(".")  # "L['self'].layers.0.drop" -> "layers.0.drop"
@@ -131,10 +152,12 @@ class Frames:
         except AttributeError:
             return None
 
-    def own_calls(self) -> int:
-        """The draws made directly in the compiled module's forward (its frame's calls) in this graph."""
-        frame = self.frames.get("")
-        return frame.calls if frame is not None else 0
+    def own_calls(self) -> dict:
+        """The ordinals the graph's frames took: ``{FQN relative to the compiled module: count}``."""
+        if self.shared is not None:
+            return dict(self.shared)
+        frame = self.frames.get("")  # each execution numbered from 0: only the compiled module's own go on
+        return {"": frame.counts.get(frame.fqn, 0)} if frame is not None and frame.fqn == "" else {}
 
     def opaque(self, name: str, around: Optional[Frame]) -> Frame:
         """The frame of what runs inside higher-order op ``name``: its draws are refused."""
@@ -156,7 +179,7 @@ class Frames:
             else:
                 self.forward.numbered.add(fqn)
             frame = self.frames[execution] = Frame(module if module is not None else self.root, fqn, False,
-                                                   self.forward)
+                                                   self.forward, self.shared)
         return frame
 
 
