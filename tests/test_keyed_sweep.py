@@ -14,7 +14,9 @@ Checked:
   bitwise the whole batch's, joined along the dimension the halves split; and the modules run
   are the same in every forward (a LayerDrop decision is the same for every split);
 * dropout is live (the logits are not the eval logits), step 1 gives other logits than step 0,
-  and the global torch, numpy and Python RNGs are untouched.
+  and the global torch, numpy and Python RNGs are untouched;
+* no two draws of the whole batch's forward share a key (a module run twice numbers its calls on:
+  T5-style shared dropout modules).
 
 An architecture is skipped, with the reason, when its tiny config does not build or run from
 ``input_ids`` alone, when it is larger than ``MAX_ELEMENTS``, when it is not split-invariant even
@@ -29,6 +31,7 @@ refuses today, each with the reason (strict xfails: they fail loudly once they p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import warnings
@@ -191,6 +194,26 @@ def _same_rng(a: tuple, b: tuple) -> bool:
     return torch.equal(a[0], b[0]) and numpy_same and a[2] == b[2]
 
 
+@contextlib.contextmanager
+def _keys_drawn():
+    """``{id(root forward): [the key of each of its draws]}`` while it is open."""
+    from keyinit.nn._forward import Forward
+
+    drawn: dict = {}
+    original = Forward.call_key
+
+    def call_key(self, ctx, fqn, ordinal):
+        k = original(self, ctx, fqn, ordinal)
+        drawn.setdefault(id(self), []).append(k)
+        return k
+
+    Forward.call_key = call_key
+    try:
+        yield drawn
+    finally:
+        Forward.call_key = original
+
+
 def check_keyed_splits(model: Any, run: Any, splits: Any, eval_whole: torch.Tensor, label: str, differs: Any) -> None:
     """``run(None)`` (the whole batch) and ``run((lo, hi))`` (rows ``lo:hi``, ``sample_offset=lo``) under
     ``keyed``: each split's joined logits equal the whole batch's (with a tolerance), every dropout module's
@@ -199,7 +222,7 @@ def check_keyed_splits(model: Any, run: Any, splits: Any, eval_whole: torch.Tens
     before = _rng_state()
     taps = _Taps(model)
     try:
-        with knn.keyed(model, 0, step=0):
+        with _keys_drawn() as drawn, knn.keyed(model, 0, step=0):
             whole = run(None)
         (masks, ran), taps.masks, taps.ran = (dict(taps.masks), list(taps.ran)), {}, []
         results = []
@@ -218,6 +241,9 @@ def check_keyed_splits(model: Any, run: Any, splits: Any, eval_whole: torch.Tens
     after = _rng_state()
 
     assert _same_rng(before, after), f"{label}: a keyed forward read or advanced a global RNG"
+    for forward_keys in drawn.values():  # a module run twice numbers its calls on (docs/spec.md 14.4)
+        shared = {k for k in forward_keys if forward_keys.count(k) > 1}
+        assert not shared, f"{label}: two draws of one forward share a key: {sorted(map(str, shared))[:3]}"
     assert differs(whole, eval_whole), f"{label}: keyed draws are not live"
     assert differs(whole, step1), f"{label}: step 1 gives step 0's values"
     for split, (joined_logits, part_taps) in zip(splits, results):
