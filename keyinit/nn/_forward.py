@@ -22,9 +22,9 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit.keys import Key, as_uint64, fold_in
+from keyinit.keys import Key, as_uint64
 from keyinit.nn._batch import annotate, record
-from keyinit.nn._hostrandom import SAMPLE_FIXES, HostRandom, host_stream_key
+from keyinit.nn._hostrandom import SAMPLE_FIXES, HostRandom, fold, host_stream_key
 from keyinit.nn._keys import keyed_call_key, keyed_module_key
 
 __all__ = ["Forward", "MicroBatch", "Named", "CheckpointingFunction", "input_tensors", "sequence_first_module",
@@ -73,9 +73,9 @@ class Forward:
 
     def host_key(self, ctx: Any) -> Key:
         """The key that seeds Python's and numpy's generators in this forward (docs/spec.md 14.7)."""
-        k = fold_in(keyed_module_key(ctx.root, ctx.step, self.fqn), "host")
+        k = fold(keyed_module_key(ctx.root, ctx.step, self.fqn), "host")
         if self.repeat:
-            k = fold_in(k, self.repeat)
+            k = fold(k, self.repeat)
         return host_stream_key(k, self.start, self.count, ctx.host_mode)
 
     def host_random(self, ctx: Any, fqn: str, args: tuple = (), kwargs: Optional[dict] = None) -> HostRandom:
@@ -120,7 +120,7 @@ class Forward:
             self.mark_drawn(ctx)
         k = keyed_call_key(ctx.root, ctx.step, fqn, ordinal)
         if self.repeat:
-            k = fold_in(fold_in(k, "repeat"), self.repeat)
+            k = fold(fold(k, "repeat"), self.repeat)
         return k
 
 

@@ -35,12 +35,20 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from keyinit.keys import Key, fold_in
+from keyinit.keys import Key
 
-__all__ = ["HOST_RANDOM", "HostRandom", "SAMPLE_FIXES", "host_stream_key"]
+__all__ = ["HOST_RANDOM", "HostRandom", "SAMPLE_FIXES", "fold", "host_stream_key"]
 
 #: The values of ``keyed(..., host_random=...)``.
 HOST_RANDOM = ("sample", "forward", "replicated")
+
+
+def fold(parent: Key, data: int | str) -> Key:
+    """``fold_in(parent, data)``, its Philox in C where the CPU kernel library is loaded (a root forward
+    derives its host key at every step)."""
+    from keyinit.data._fill import fold_with, kernel_library
+
+    return fold_with(kernel_library(), parent, data)
 
 
 def host_stream_key(base: Key, start: int, count: int, mode: str) -> Key:
@@ -48,7 +56,7 @@ def host_stream_key(base: Key, start: int, count: int, mode: str) -> Key:
     ``mode`` is ``"replicated"`` or the forward holds no batch, else folded with its samples."""
     if mode == "replicated" or count == 0:
         return base
-    return fold_in(fold_in(fold_in(base, "samples"), start), count)
+    return fold(fold(fold(base, "samples"), start), count)
 
 
 class HostRandom:
