@@ -182,6 +182,7 @@ class Keyed:
         self._owner: Optional[_ThreadState] = None
         self._covered_by: Optional["Keyed"] = None  # an outer context that keys this model already
         self._sequence_first: frozenset[int] = frozenset()  # see _sequence_first_dropouts
+        self._sequence_first_modules: set[int] = set()  # ids of its sequence-first torch layers (_pre_hook)
         self._state = "new"
         self._rows = 0  # the running micro-batch's first sample, relative to sample_offset (micro_batch)
         self._probing = False  # root forwards now are shape probes (keyinit.nn.micro_batches between chunks)
@@ -268,6 +269,7 @@ class Keyed:
                     if self.calls == "forward":
                         remember_counts(fqn, forward, counts, args, kwargs)
                 elif _saved_tensor_hooks_active():  # non-reentrant checkpointing may start here
+                    self._recomputable = True
                     if forward.host is not None:
                         remember_host(fqn, forward, args, kwargs)
                     if self.calls == "forward":
@@ -302,7 +304,7 @@ class Keyed:
                     mode.__enter__()
                     frame.pushed.append(mode)
             state.frames.append(frame)
-            if self.index == "tracked" and len(state.frames) > 1 and sequence_first_module(module):
+            if self.index == "tracked" and len(state.frames) > 1 and id(module) in self._sequence_first_modules:
                 try:
                     self._check_sequence_first(module, frame, args, kwargs)
                 except BaseException:
@@ -416,6 +418,8 @@ class Keyed:
                    module.register_forward_hook(self._shared_post_hook, always_call=True)]
         self._handles.extend(handles)
         self._hooked[id(module)] = (module, fqn, handles)
+        if sequence_first_module(module):
+            self._sequence_first_modules.add(id(module))
 
     # -- what a compiled module (keyinit.nn.compile) asks of the context around its call
 
