@@ -31,7 +31,7 @@ from keyinit.distributions import Bernoulli
 from keyinit.keys import DEFAULT_STREAM
 from keyinit.regions import MAX_NUMEL, Region, make_region, normalize_shape, row_major_strides
 
-__all__ = ["Layout", "Geometry", "layout_for", "dtensor_layout", "rows_layout", "make_geometry", "ranges_geometry", "with_key", "constants"]
+__all__ = ["Layout", "Geometry", "layout_for", "dtensor_layout", "rows_layout", "make_geometry", "ranges_geometry", "rows_template", "with_key", "constants"]
 
 
 class Layout(NamedTuple):
@@ -235,6 +235,15 @@ def _ranges_template(shape: tuple[int, ...], p: float, gstrides: tuple[int, ...]
     return Geometry(k0=0, k1=0, threshold=threshold, scale32=scale32, scale64=scale64, base=base,
                     sizes=tuple(d[0] for d in dims), gstrides=tuple(d[2] for d in dims),
                     indices=(None,) * len(dims), stream=stream)
+
+
+@functools.lru_cache(maxsize=1024)
+def rows_template(shape: tuple[int, ...], row_offset: int, p: float, stream: str) -> Geometry:
+    """The key-less :class:`Geometry` (key words 0) of a contiguous activation of ``shape`` laid out by
+    :func:`rows_layout` (row ``r`` is global sample ``row_offset + r``), memoized; :func:`with_key` gives a
+    call's geometry."""
+    layout = rows_layout(shape, row_offset)
+    return _ranges_template(tuple(map(int, shape)), p, layout.gstrides, layout.starts, stream)
 
 
 def with_key(template: Geometry, k0: int, k1: int) -> Geometry:

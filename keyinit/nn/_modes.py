@@ -135,7 +135,12 @@ def mode_is_active(mode: Any) -> bool:
         length, at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
     else:
         length, at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
-    for i in range(length() - 1, -1, -1):
+    top = length() - 1
+    if top < 0:
+        return False
+    if at(top) is mode:  # (where it is while a forward runs)
+        return True
+    for i in range(top - 1, -1, -1):
         if at(i) is mode:
             return True
     return False
@@ -221,8 +226,14 @@ class FunctionMode(TorchFunctionMode):
         frame = self.ctx._current_frame()
         if frame is None:
             return func(*args, **kwargs)
+        kind, mask, inplace = self.family[func]
+        if mask == "element" and _guard_alone(self.ctx, args[0] if args else kwargs.get("input")):
+            # the guard is the only dispatch mode and the input a plain tensor: the handler's ops (all on
+            # plain tensors) skip it, as with the guard left, without leaving and re-entering it
+            with _NoDispatch():
+                return handle_dropout(self.ctx, frame, kind, mask, inplace, args, kwargs)
         with GuardSuspended(self.ctx):
-            return handle_dropout(self.ctx, frame, *self.family[func], args, kwargs)
+            return handle_dropout(self.ctx, frame, kind, mask, inplace, args, kwargs)
 
     def _sdpa(self, func, args, kwargs):
         dropout_p = argument(args, kwargs, 4, "dropout_p", 0.0)
@@ -311,6 +322,16 @@ class GuardSuspended:
     def __exit__(self, *exc_info: Any) -> None:
         if self.guard is not None:
             self.guard.__enter__()
+
+
+def _guard_alone(ctx: "Keyed", input: Any) -> bool:
+    """``input`` is a plain tensor, nothing is being traced, and this thread's seeded-op guard is the only
+    dispatch mode: what :class:`GuardSuspended` does is then what ``torch._C._DisableTorchDispatch`` does."""
+    if type(input) is not torch.Tensor or getattr(ctx, "trace", None) is not None \
+            or torch._C._len_torch_dispatch_stack() != 1:
+        return False
+    state = getattr(ctx._local, "state", None)
+    return state is not None and bool(state.modes) and torch._C._get_dispatch_stack_at(0) is state.modes[-1]
 
 
 def _innermost_dispatch_mode() -> Any:

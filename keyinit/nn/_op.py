@@ -30,10 +30,10 @@ import attrs
 import torch
 
 from keyinit._draw import dispatch
-from keyinit.keys import DEFAULT_STREAM
-from keyinit._draw.dropout_geometry import Geometry, make_geometry as plan, ranges_geometry
+from keyinit.keys import DEFAULT_STREAM, Key
+from keyinit._draw.dropout_geometry import Geometry, make_geometry as plan, rows_layout, rows_template, with_key
 
-__all__ = ["dropout", "run", "call", "call_ranges"]
+__all__ = ["dropout", "run", "call", "call_rows"]
 
 # ``stream`` has no default: the dispatcher drops arguments equal to their default before autograd,
 # which would make the backward's gradient count depend on the stream.
@@ -135,14 +135,16 @@ def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: Sequence[int], s
     return dropout(x, k0, k1, p, list(gstrides), list(starts), list(indices), stream)
 
 
-def call_ranges(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: Sequence[int], starts: Sequence[int],
-                stream: str = DEFAULT_STREAM) -> torch.Tensor:
-    """:func:`call` of a layout with no index vector (``indices`` all None), planned from a memo."""
+def call_rows(x: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:
+    """:func:`call` of ``x`` laid out by :func:`keyinit._draw.dropout_geometry.rows_layout` (row ``r`` is
+    global sample ``row_offset + r``) under ``key``: keyed() dropout of an activation whose batch is its
+    dimension 0, planned from a memo of its shape."""
     if type(x) is torch.Tensor and not _is_compiling():
         device = x.device.type
         if device == "cpu" or device == "cuda":
-            return _eager(x, ranges_geometry(x.shape, k0, k1, p, gstrides, starts, stream))
-    return dropout(x, k0, k1, p, list(gstrides), list(starts), [None] * len(gstrides), stream)
+            return _eager(x, with_key(rows_template(x.shape, row_offset, p, key.stream), key.k0, key.k1))
+    layout = rows_layout(tuple(x.shape), row_offset)
+    return call(x, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream)
 
 
 def _eager(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:

@@ -128,14 +128,20 @@ def _encode_tensor(value: torch.Tensor, kind: type, parts: list, tensors: list, 
             parts += (_ALIAS, position)
             return True
     dtype = value.dtype
-    if not (dtype.is_floating_point or dtype.is_complex) and value.numel() == 1:
+    if dtype.is_floating_point:
+        conj = False  # (only a complex tensor has the conjugate bit)
+    elif dtype.is_complex:
+        conj = value.is_conj()
+    elif value.numel() == 1:
         return False  # an integer tensor of one element passes for an int (a size, a dim): its value counts
+    else:
+        conj = False
     entry = forward.records.get(id(value))  # (record()'s own first look, without its call)
     rec = entry[1] if entry is not None and entry[0]() is value else record(value, forward)
     tensors.append(value)
     records.append(rec)
-    parts += (_TENSOR, (kind, _record_code(rec), value.shape, value.stride(), value.storage_offset(), dtype,
-                        value.device, value.layout, value.requires_grad, value.is_neg(), value.is_conj()))
+    parts += (_TENSOR, (kind, _record_code(rec), value.shape, value.stride(), value.storage_offset(), dtype, value.device,
+                        value.layout, value.requires_grad, value.is_neg(), conj))
     return True
 
 
@@ -148,7 +154,7 @@ def signature(func: Any, args: tuple, kwargs: dict, forward: Any) -> Optional[tu
     records: list = []
     for value in args:
         kind = type(value)
-        if kind is torch.Tensor or kind is torch.nn.Parameter:
+        if kind is _Tensor or kind is _Parameter:
             if not _encode_tensor(value, kind, parts, tensors, records, forward):
                 return None
         elif kind in _SCALARS:
@@ -164,6 +170,10 @@ def signature(func: Any, args: tuple, kwargs: dict, forward: Any) -> Optional[tu
     if func is _GETITEM and _holds_tensor(args[1:]):
         return None  # a tensor index picks elements by its values (advanced indexing)
     return tuple(parts), tensors, records
+
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 
 
 def _holds_tensor(value: Any) -> bool:

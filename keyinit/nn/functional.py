@@ -143,8 +143,7 @@ def dropout_rows(input: torch.Tensor, p: float, key: Key, row_offset: int) -> to
     if type(input) is torch.Tensor:  # (the common case: a plain activation; no DTensor lookup)
         if input.dtype not in FLOAT_DTYPES:
             check_input(input)
-        layout = rows_layout(input.shape, row_offset)
-        return _op().call_ranges(input, key.k0, key.k1, p, layout.gstrides, layout.starts, key.stream)
+        return _op().call_rows(input, p, key, row_offset)
     check_input(input)
     if is_dtensor(input):
         return _dtensor_dropout(input, p, key, row_offset)
