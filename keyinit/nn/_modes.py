@@ -157,13 +157,19 @@ class FunctionMode(TorchFunctionMode):
     def __init__(self, ctx: "Keyed") -> None:
         super().__init__()
         self.ctx = ctx
-        self.family = dropout_family()
+        family = dropout_family()  # the functions as they are now (a test may have patched one)
         self.sdpa = torch.nn.functional.scaled_dot_product_attention
         self.mha = torch.nn.functional.multi_head_attention_forward
-        self.handlers = dict(_handlers())  # the functions as they are now (a test may have patched one)
-        self.handlers.update(dict.fromkeys(self.family, FunctionMode._dropout))
-        self.handlers[self.sdpa] = FunctionMode._sdpa
-        self.handlers[self.mha] = FunctionMode._mha
+        # the tables of the last functions seen, shared by the modes made with them (read only)
+        signature = (tuple(family.items()), self.sdpa, self.mha)
+        cached = _TABLES.get("modes")
+        if cached is None or cached[0] != signature:
+            handlers = dict(_handlers())
+            handlers.update(dict.fromkeys(family, FunctionMode._dropout))
+            handlers[self.sdpa] = FunctionMode._sdpa
+            handlers[self.mha] = FunctionMode._mha
+            cached = _TABLES["modes"] = (signature, family, handlers)
+        self.family, self.handlers = cached[1], cached[2]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         handler = self.handlers.get(func)
@@ -279,7 +285,7 @@ class FunctionMode(TorchFunctionMode):
         return out
 
 
-_TABLES: dict = {}  # built once: "handlers" (function -> FunctionMode handler)
+_TABLES: dict = {}  # "handlers" (function -> FunctionMode handler), built once; "modes": FunctionMode's last tables
 
 
 def _handlers() -> dict:

@@ -197,7 +197,7 @@ def eligible(mode: Any) -> bool:
     no saved-tensor hooks are set, autocast is off, no functorch transform (vmap, grad) is active and
     nothing is being compiled."""
     return (_dispatch_modes() == 1 and _dispatch_mode_at(0) is mode and _saved_tensor_hooks(False) is None
-            and not _autocast() and not _functorch() and not torch.compiler.is_compiling())
+            and not _autocast() and not _functorch() and not _compiling())
 
 
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -205,6 +205,7 @@ _dispatch_mode_at = torch._C._get_dispatch_stack_at
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _autocast = torch._C._is_any_autocast_enabled
 _functorch = torch._C._are_functorch_transforms_active
+_compiling = torch.compiler.is_compiling
 
 
 def _leaves(out: Any) -> list:
