@@ -31,7 +31,8 @@ from keyinit.distributions import Bernoulli
 from keyinit.keys import DEFAULT_STREAM
 from keyinit.regions import MAX_NUMEL, Region, make_region, normalize_shape, row_major_strides
 
-__all__ = ["Layout", "Geometry", "layout_for", "dtensor_layout", "rows_layout", "make_geometry", "ranges_geometry", "rows_template", "with_key", "constants"]
+__all__ = ["Layout", "Geometry", "layout_for", "dtensor_layout", "rows_layout", "make_geometry", "ranges_geometry",
+           "rows_template", "with_key", "constants"]
 
 
 class Layout(NamedTuple):

@@ -24,8 +24,8 @@ from keyinit._kernels.fill.cpu import MIN_PARALLEL_ELEMENTS
 from keyinit.keys import Key, fold_in, fold_inputs
 from keyinit.regions import make_region
 
-__all__ = ["fold", "fold_str", "fold_with", "fold_words", "fold_words_v1", "folded", "draw_key", "kernel_library", "Geometry", "fill",
-           "fill_folded"]
+__all__ = ["fold", "fold_str", "fold_with", "fold_words", "fold_words_v1", "folded", "draw_key", "kernel_library",
+           "Geometry", "fill", "fill_folded"]
 
 #: ``fold_in`` of an int and of a str (the names the fast path's callers use; one derivation: keys.fold_in).
 fold = fold_in

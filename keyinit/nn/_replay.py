@@ -140,8 +140,8 @@ def _encode_tensor(value: torch.Tensor, kind: type, parts: list, tensors: list, 
     rec = entry[1] if entry is not None and entry[0]() is value else record(value, forward)
     tensors.append(value)
     records.append(rec)
-    parts += (_TENSOR, (kind, _record_code(rec), value.shape, value.stride(), value.storage_offset(), dtype, value.device,
-                        value.layout, value.requires_grad, value.is_neg(), conj))
+    parts += (_TENSOR, (kind, _record_code(rec), value.shape, value.stride(), value.storage_offset(), dtype,
+                        value.device, value.layout, value.requires_grad, value.is_neg(), conj))
     return True
 
 
