@@ -91,6 +91,21 @@ class Key:
         return f"Key(0x{self.k0:08x}, 0x{self.k1:08x}, stream={self.stream!r})"
 
 
+_new_object = object.__new__
+_set_slot = object.__setattr__
+
+
+def derived_key(k0: int, k1: int, stream: str) -> Key:
+    """``Key(k0, k1, stream)`` without its checks, for keyinit's own derivations, whose words come from a
+    derivation (ints in ``[0, 2**32)``) under the stream of an existing key (a registered name). Equal to
+    the checked key in every way (it is one); anything else must call :class:`Key`."""
+    made = _new_object(Key)
+    _set_slot(made, "k0", k0)
+    _set_slot(made, "k1", k1)
+    _set_slot(made, "stream", stream)
+    return made
+
+
 def _is_bool(value: object) -> bool:
     """Python, numpy and torch booleans (refused wherever an int is expected)."""
     if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):

@@ -72,8 +72,28 @@ FAMILIES = ("fill", "dropout", "permutation")
 
 
 def kernels_disabled() -> bool:
-    """True when ``KEYINIT_DISABLE_KERNELS`` is set to a true value (1, true, yes, on)."""
-    return os.environ.get("KEYINIT_DISABLE_KERNELS", "").strip().lower() in ("1", "true", "yes", "on")
+    """True when ``KEYINIT_DISABLE_KERNELS`` is set to a true value (1, true, yes, on), read at each call."""
+    if _ENVIRON_DATA is not None and os.environ is _ENVIRON:
+        # ``os.environ``'s own dict (what ``os.environ.get`` reads), looked up without the KeyError that
+        # ``get`` raises and catches for an unset variable: every kernel call asks
+        raw = _ENVIRON_DATA.get(_DISABLE_KEY)
+        if raw is None:
+            return False
+        value = os.environ.decodevalue(raw)
+    else:  # pragma: no cover - another Python's os.environ
+        value = os.environ.get("KEYINIT_DISABLE_KERNELS", "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _environ_data() -> tuple[Optional[dict], Any]:
+    data, encodekey = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+    if not isinstance(data, dict) or encodekey is None or not hasattr(os.environ, "decodevalue"):
+        return None, None  # pragma: no cover
+    return data, encodekey("KEYINIT_DISABLE_KERNELS")
+
+
+_ENVIRON = os.environ
+_ENVIRON_DATA, _DISABLE_KEY = _environ_data()
 
 
 @attrs.frozen

@@ -31,7 +31,8 @@ from keyinit.distributions import Bernoulli
 from keyinit.keys import DEFAULT_STREAM
 from keyinit.regions import MAX_NUMEL, Region, make_region, normalize_shape, row_major_strides
 
-__all__ = ["Layout", "Geometry", "layout_for", "dtensor_layout", "rows_layout", "make_geometry", "constants"]
+__all__ = ["Layout", "Geometry", "layout_for", "dtensor_layout", "rows_layout", "make_geometry", "ranges_geometry",
+           "rows_template", "with_key", "constants"]
 
 
 class Layout(NamedTuple):
@@ -217,19 +218,54 @@ def constants(p: float) -> tuple[int, float, float]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _ranges(shape: tuple[int, ...], gstrides: tuple[int, ...], starts: tuple[int, ...]
-            ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    """``(base, sizes, gstrides)`` of :func:`make_geometry` for a layout of ranges only (no index vector),
-    memoized: a pure function of ints, and a keyed forward plans the same few shapes at every step."""
+def _ranges_template(shape: tuple[int, ...], p: float, gstrides: tuple[int, ...], starts: tuple[int, ...],
+                     stream: str) -> Geometry:
+    """The :class:`Geometry` of a layout of ranges only (no index vector) with key words 0: everything but
+    the key, memoized (a pure function of ints, ``p`` and the stream name, and a keyed forward plans the
+    same few shapes at every step; :func:`make_geometry` copies it under each call's key)."""
+    shape = tuple(map(int, shape))
+    if not (len(gstrides) == len(starts) == len(shape)):
+        raise ValueError(
+            f"keyinit::dropout: {len(shape)}-D input but {len(gstrides)} strides, {len(starts)} starts and "
+            f"{len(shape)} index entries"
+        )
+    threshold, scale32, scale64 = constants(p)
+    gstrides, starts = tuple(map(int, gstrides)), tuple(map(int, starts))
     base, dims = coalesce(zip(shape, row_major_strides(shape), gstrides, (g * s for g, s in zip(gstrides, starts)),
                               (None,) * len(shape)))
-    return base, tuple(d[0] for d in dims), tuple(d[2] for d in dims)
+    return Geometry(k0=0, k1=0, threshold=threshold, scale32=scale32, scale64=scale64, base=base,
+                    sizes=tuple(d[0] for d in dims), gstrides=tuple(d[2] for d in dims),
+                    indices=(None,) * len(dims), stream=stream)
+
+
+@functools.lru_cache(maxsize=1024)
+def rows_template(shape: tuple[int, ...], row_offset: int, p: float, stream: str) -> Geometry:
+    """The key-less :class:`Geometry` (key words 0) of a contiguous activation of ``shape`` laid out by
+    :func:`rows_layout` (row ``r`` is global sample ``row_offset + r``), memoized; :func:`with_key` gives a
+    call's geometry."""
+    layout = rows_layout(shape, row_offset)
+    return _ranges_template(tuple(map(int, shape)), p, layout.gstrides, layout.starts, stream)
+
+
+def with_key(template: Geometry, k0: int, k1: int) -> Geometry:
+    """``template`` (a :class:`Geometry`) with the key words ``(k0, k1)``."""
+    return Geometry(int(k0), int(k1), template.threshold, template.scale32, template.scale64, template.base,
+                    template.sizes, template.gstrides, template.indices, template.stream)
+
+
+def ranges_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Sequence[int],
+                    starts: Sequence[int], stream: str = DEFAULT_STREAM) -> Geometry:
+    """:func:`make_geometry` of a layout with no index vector (the caller knows it has none)."""
+    return with_key(_ranges_template(tuple(shape), p, tuple(gstrides), tuple(starts), stream), k0, k1)
 
 
 def make_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Sequence[int], starts: Sequence[int],
          indices: Sequence[Optional[torch.Tensor]], stream: str = DEFAULT_STREAM) -> Geometry:
     """The coalesced :class:`Geometry` of a contiguous tensor of ``shape`` placed by the op's layout arguments,
     for the key ``(k0, k1)`` of stream version ``stream``."""
+    if len(indices) == len(shape) and all(index is None for index in indices):
+        # ranges only: the coalesced dims depend on the ints alone
+        return ranges_geometry(shape, k0, k1, p, gstrides, starts, stream)
     shape = tuple(map(int, shape))
     if not (len(gstrides) == len(starts) == len(indices) == len(shape)):
         raise ValueError(
@@ -237,10 +273,6 @@ def make_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Se
             f"{len(indices)} index entries"
         )
     threshold, scale32, scale64 = constants(p)
-    if all(index is None for index in indices):  # ranges only: the coalesced dims depend on the ints alone
-        base, sizes, strides = _ranges(shape, tuple(map(int, gstrides)), tuple(map(int, starts)))
-        return Geometry(k0=int(k0), k1=int(k1), threshold=threshold, scale32=scale32, scale64=scale64, base=base,
-                        sizes=sizes, gstrides=strides, indices=(None,) * len(sizes), stream=stream)
 
     def dims_in() -> Iterator[tuple[int, int, int, int, Optional[torch.Tensor]]]:
         # the output is contiguous: row-major strides of the shape

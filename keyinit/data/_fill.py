@@ -24,8 +24,8 @@ from keyinit._kernels.fill.cpu import MIN_PARALLEL_ELEMENTS
 from keyinit.keys import Key, fold_in, fold_inputs
 from keyinit.regions import make_region
 
-__all__ = ["fold", "fold_str", "fold_with", "fold_words", "folded", "draw_key", "kernel_library", "Geometry", "fill",
-           "fill_folded"]
+__all__ = ["fold", "fold_str", "fold_with", "fold_words", "fold_words_v1", "folded", "draw_key", "kernel_library",
+           "Geometry", "fill", "fill_folded"]
 
 #: ``fold_in`` of an int and of a str (the names the fast path's callers use; one derivation: keys.fold_in).
 fold = fold_in
@@ -52,6 +52,18 @@ def fold_words(lib: Any, parent: Key, data: Union[int, str]) -> tuple[int, int]:
             words = lib.keyinit_derive(parent.k0, parent.k1, *_counter(data))
             return words & _MASK32, words >> 32
     return fold_in(parent, data).words  # fold_in says what is wrong with data
+
+
+def fold_words_v1(lib: Any, k0: int, k1: int, data: Union[int, str]) -> Optional[tuple[int, int]]:
+    """The words of ``fold_in(Key(k0, k1, "v1"), data)`` by the C Philox of the kernel library ``lib``, or
+    None where it does not apply (``data`` not an int in ``[0, 2**64)`` nor a str)."""
+    if type(data) is int and 0 <= data <= 0xFFFFFFFFFFFFFFFF:
+        words = lib.keyinit_derive(k0, k1, data & _MASK32, data >> 32, 2, 0)
+    elif type(data) is str:
+        words = lib.keyinit_derive(k0, k1, *_counter(data))
+    else:
+        return None
+    return words & _MASK32, words >> 32
 
 
 def fold_with(lib: Any, parent: Key, data: Union[int, str]) -> Key:

@@ -18,9 +18,9 @@ weight whatever the FQNs.
 from __future__ import annotations
 
 import functools
-from typing import Union
+from typing import Any, Union
 
-from keyinit.keys import Key, as_uint64, fold_in, key
+from keyinit.keys import Key, as_uint64, derived_key, fold_in, key
 
 __all__ = ["DROPOUT_DOMAIN", "dropout_key"]
 
@@ -39,37 +39,57 @@ def check_fqn(fqn: object) -> tuple[str, ...]:
     return parts
 
 
-def _fold(parent: Key, data: Union[int, str]) -> Key:
-    """``fold_in(parent, data)``, its Philox in C where the CPU fill library is loaded (the keyed data
-    paths' derivation, checked against ``fold_in`` when the library loads): a new step derives a key per
-    module and call."""
-    from keyinit.data._fill import fold_with, kernel_library
+def _fold(words: tuple[int, int], stream: str, data: Union[int, str], lib: Any) -> tuple[int, int]:
+    """The words of ``fold_in(Key(*words, stream), data)``: the Philox in C where ``lib`` (the CPU fill
+    library, checked against ``fold_in`` when it loads) is given and the stream is v1, else ``fold_in``
+    (which also says what is wrong with ``data``)."""
+    if lib is not None and stream == "v1":
+        found = _fill().fold_words_v1(lib, words[0], words[1], data)
+        if found is not None:
+            return found
+    return fold_in(Key(words[0], words[1], stream), data).words
 
-    return fold_with(kernel_library(), parent, data)
+
+def _fill() -> Any:
+    """:mod:`keyinit.data._fill` (imported on first use)."""
+    module = _FILL.get("module")
+    if module is None:
+        from keyinit.data import _fill as module
+
+        _FILL["module"] = module
+    return module
+
+
+_FILL: dict = {}
 
 
 @functools.lru_cache(maxsize=4096)
-def _module_key(root: Key, step: int, parts: tuple[str, ...]) -> Key:
-    """``dropout_key`` before the ordinal fold (memoized: a pure function of immutable values; prefixes shared)."""
+def _module_words(k0: int, k1: int, stream: str, step: int, parts: tuple[str, ...], lib: Any) -> tuple[int, int]:
+    """The words of ``dropout_key`` before the ordinal fold, for the root key ``(k0, k1)`` of ``stream``
+    (memoized by ints and strings, hashed in C: a pure function of them; prefixes shared; ``lib`` is
+    only how the words are computed, not what they are)."""
     if not parts:
-        return _fold(_fold(root, DROPOUT_DOMAIN), step)
-    return _fold(_module_key(root, step, parts[:-1]), parts[-1])
+        return _fold(_fold((k0, k1), stream, DROPOUT_DOMAIN, lib), stream, step, lib)
+    return _fold(_module_words(k0, k1, stream, step, parts[:-1], lib), stream, parts[-1], lib)
 
 
 @functools.lru_cache(maxsize=8192)
-def _call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
-    return _fold(_module_key(root, step, check_fqn(fqn)), ordinal)
+def _call_key(k0: int, k1: int, stream: str, step: int, fqn: str, ordinal: int, lib: Any) -> Key:
+    words = _fold(_module_words(k0, k1, stream, step, check_fqn(fqn), lib), stream, ordinal, lib)
+    return derived_key(words[0], words[1], stream)
 
 
 def keyed_call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
     """``dropout_key(root, step=step, fqn=fqn, ordinal=ordinal)`` for a root key and validated ints (what
     ``keyed`` asks for each call), memoized."""
-    return _call_key(root, step, fqn, ordinal)
+    return _call_key(root.k0, root.k1, root.stream, step, fqn, ordinal, _fill().kernel_library())
 
 
 def keyed_module_key(root: Key, step: int, fqn: str) -> Key:
     """``dropout_key`` before its ordinal fold: ``fold_in(fold_in(R, DROPOUT_DOMAIN), step)`` then fqn's parts."""
-    return _module_key(root, step, check_fqn(fqn))
+    stream = root.stream
+    words = _module_words(root.k0, root.k1, stream, step, check_fqn(fqn), _fill().kernel_library())
+    return derived_key(words[0], words[1], stream)
 
 
 def dropout_key(seed: Union[int, Key], *, step: int, fqn: str = "", ordinal: int = 0) -> Key:

@@ -135,7 +135,12 @@ def mode_is_active(mode: Any) -> bool:
         length, at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
     else:
         length, at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
-    for i in range(length() - 1, -1, -1):
+    top = length() - 1
+    if top < 0:
+        return False
+    if at(top) is mode:  # (where it is while a forward runs)
+        return True
+    for i in range(top - 1, -1, -1):
         if at(i) is mode:
             return True
     return False
@@ -152,13 +157,19 @@ class FunctionMode(TorchFunctionMode):
     def __init__(self, ctx: "Keyed") -> None:
         super().__init__()
         self.ctx = ctx
-        self.family = dropout_family()
+        family = dropout_family()  # the functions as they are now (a test may have patched one)
         self.sdpa = torch.nn.functional.scaled_dot_product_attention
         self.mha = torch.nn.functional.multi_head_attention_forward
-        self.handlers = dict(_handlers())  # the functions as they are now (a test may have patched one)
-        self.handlers.update(dict.fromkeys(self.family, FunctionMode._dropout))
-        self.handlers[self.sdpa] = FunctionMode._sdpa
-        self.handlers[self.mha] = FunctionMode._mha
+        # the tables of the last functions seen, shared by the modes made with them (read only)
+        signature = (tuple(family.items()), self.sdpa, self.mha)
+        cached = _TABLES.get("modes")
+        if cached is None or cached[0] != signature:
+            handlers = dict(_handlers())
+            handlers.update(dict.fromkeys(family, FunctionMode._dropout))
+            handlers[self.sdpa] = FunctionMode._sdpa
+            handlers[self.mha] = FunctionMode._mha
+            cached = _TABLES["modes"] = (signature, family, handlers)
+        self.family, self.handlers = cached[1], cached[2]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         handler = self.handlers.get(func)
@@ -221,8 +232,14 @@ class FunctionMode(TorchFunctionMode):
         frame = self.ctx._current_frame()
         if frame is None:
             return func(*args, **kwargs)
+        kind, mask, inplace = self.family[func]
+        if mask == "element" and _guard_alone(self.ctx, args[0] if args else kwargs.get("input")):
+            # the guard is the only dispatch mode and the input a plain tensor: the handler's ops (all on
+            # plain tensors) skip it, as with the guard left, without leaving and re-entering it
+            with _NoDispatch():
+                return handle_dropout(self.ctx, frame, kind, mask, inplace, args, kwargs)
         with GuardSuspended(self.ctx):
-            return handle_dropout(self.ctx, frame, *self.family[func], args, kwargs)
+            return handle_dropout(self.ctx, frame, kind, mask, inplace, args, kwargs)
 
     def _sdpa(self, func, args, kwargs):
         dropout_p = argument(args, kwargs, 4, "dropout_p", 0.0)
@@ -268,7 +285,7 @@ class FunctionMode(TorchFunctionMode):
         return out
 
 
-_TABLES: dict = {}  # built once: "handlers" (function -> FunctionMode handler)
+_TABLES: dict = {}  # "handlers" (function -> FunctionMode handler), built once; "modes": FunctionMode's last tables
 
 
 def _handlers() -> dict:
@@ -311,6 +328,16 @@ class GuardSuspended:
     def __exit__(self, *exc_info: Any) -> None:
         if self.guard is not None:
             self.guard.__enter__()
+
+
+def _guard_alone(ctx: "Keyed", input: Any) -> bool:
+    """``input`` is a plain tensor, nothing is being traced, and this thread's seeded-op guard is the only
+    dispatch mode: what :class:`GuardSuspended` does is then what ``torch._C._DisableTorchDispatch`` does."""
+    if type(input) is not torch.Tensor or getattr(ctx, "trace", None) is not None \
+            or torch._C._len_torch_dispatch_stack() != 1:
+        return False
+    state = getattr(ctx._local, "state", None)
+    return state is not None and bool(state.modes) and torch._C._get_dispatch_stack_at(0) is state.modes[-1]
 
 
 def _innermost_dispatch_mode() -> Any:

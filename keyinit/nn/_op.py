@@ -30,10 +30,10 @@ import attrs
 import torch
 
 from keyinit._draw import dispatch
-from keyinit.keys import DEFAULT_STREAM
-from keyinit._draw.dropout_geometry import Geometry, make_geometry as plan
+from keyinit.keys import DEFAULT_STREAM, Key
+from keyinit._draw.dropout_geometry import Geometry, make_geometry as plan, rows_layout, rows_template, with_key
 
-__all__ = ["dropout", "run", "call"]
+__all__ = ["dropout", "run", "call", "call_rows"]
 
 # ``stream`` has no default: the dispatcher drops arguments equal to their default before autograd,
 # which would make the backward's gradient count depend on the stream.
@@ -89,23 +89,36 @@ class _EagerDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         # the index vectors (if any) are saved as tensors, the rest of the geometry is a few ints
-        ctx.has_index = [index is not None for index in geometry.indices]
-        if any(ctx.has_index):
-            ctx.geometry = attrs.evolve(geometry, indices=tuple(None for _ in geometry.indices))
-            ctx.save_for_backward(*(index for index in geometry.indices if index is not None))
-        else:
-            ctx.geometry = geometry  # nothing to save: the backward's geometry is this one
+        indices = geometry.indices
+        for index in indices:
+            if index is not None:
+                ctx.has_index = [i is not None for i in indices]
+                ctx.geometry = attrs.evolve(geometry, indices=tuple(None for _ in indices))
+                ctx.save_for_backward(*(i for i in indices if i is not None))
+                return run(x, geometry)
+        ctx.has_index = None
+        ctx.geometry = geometry  # nothing to save: the backward's geometry is this one
         return run(x, geometry)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if not any(ctx.has_index):
-            if not torch.is_grad_enabled():  # no double backward: the op itself, without recording it
+        if ctx.has_index is None:
+            if not _grad_enabled():  # no double backward: the op itself, without recording it
                 return run(grad, ctx.geometry), None
             return _EagerDropout.apply(grad, ctx.geometry), None
         saved = iter(ctx.saved_tensors)
         indices = tuple(next(saved) if has else None for has in ctx.has_index)
         return _EagerDropout.apply(grad, attrs.evolve(ctx.geometry, indices=indices)), None
+
+
+# ``_EagerDropout.apply`` without ``torch.autograd.Function.apply``'s Python wrapper, for calls outside any
+# functorch transform: what that wrapper does there (its default-argument binding only applies to a
+# Function with a ``setup_context``, which this one has not), with the dead-wrapper check on the input.
+_apply = super(torch.autograd.Function, _EagerDropout).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_functorch_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
 
 
 def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: Sequence[int], starts: Sequence[int],
@@ -115,9 +128,30 @@ def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: Sequence[int], s
     The custom op (with its fake kernel) is what ``torch.compile`` traces and what
     fake/meta tensors and tensor subclasses take; both give the same values.
     """
-    if type(x) is torch.Tensor and x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling():
-        geometry = plan(x.shape, k0, k1, p, gstrides, starts, indices, stream)
-        if not (x.requires_grad and torch.is_grad_enabled()):  # no backward to plan for (eval, a compiled site)
-            return run(x, geometry)
-        return _EagerDropout.apply(x, geometry)
+    if type(x) is torch.Tensor and not _is_compiling():
+        device = x.device.type
+        if device == "cpu" or device == "cuda":
+            return _eager(x, plan(x.shape, k0, k1, p, gstrides, starts, indices, stream))
     return dropout(x, k0, k1, p, list(gstrides), list(starts), list(indices), stream)
+
+
+def call_rows(x: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:
+    """:func:`call` of ``x`` laid out by :func:`keyinit._draw.dropout_geometry.rows_layout` (row ``r`` is
+    global sample ``row_offset + r``) under ``key``: keyed() dropout of an activation whose batch is its
+    dimension 0, planned from a memo of its shape."""
+    if type(x) is torch.Tensor and not _is_compiling():
+        device = x.device.type
+        if device == "cpu" or device == "cuda":
+            return _eager(x, with_key(rows_template(x.shape, row_offset, p, key.stream), key.k0, key.k1))
+    layout = rows_layout(tuple(x.shape), row_offset)
+    return call(x, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream)
+
+
+def _eager(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    """The eager form on a plain tensor: the op alone where there is no backward to plan for (eval, a
+    compiled site), else the autograd function."""
+    if not (x.requires_grad and _grad_enabled()):
+        return run(x, geometry)
+    if _functorch_active():
+        return _EagerDropout.apply(x, geometry)
+    return _apply(_unwrap_if_dead(x), geometry)

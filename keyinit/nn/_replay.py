@@ -128,14 +128,20 @@ def _encode_tensor(value: torch.Tensor, kind: type, parts: list, tensors: list, 
             parts += (_ALIAS, position)
             return True
     dtype = value.dtype
-    if not (dtype.is_floating_point or dtype.is_complex) and value.numel() == 1:
+    if dtype.is_floating_point:
+        conj = False  # (only a complex tensor has the conjugate bit)
+    elif dtype.is_complex:
+        conj = value.is_conj()
+    elif value.numel() == 1:
         return False  # an integer tensor of one element passes for an int (a size, a dim): its value counts
+    else:
+        conj = False
     entry = forward.records.get(id(value))  # (record()'s own first look, without its call)
     rec = entry[1] if entry is not None and entry[0]() is value else record(value, forward)
     tensors.append(value)
     records.append(rec)
     parts += (_TENSOR, (kind, _record_code(rec), value.shape, value.stride(), value.storage_offset(), dtype,
-                        value.device, value.layout, value.requires_grad, value.is_neg(), value.is_conj()))
+                        value.device, value.layout, value.requires_grad, value.is_neg(), conj))
     return True
 
 
@@ -148,7 +154,7 @@ def signature(func: Any, args: tuple, kwargs: dict, forward: Any) -> Optional[tu
     records: list = []
     for value in args:
         kind = type(value)
-        if kind is torch.Tensor or kind is torch.nn.Parameter:
+        if kind is _Tensor or kind is _Parameter:
             if not _encode_tensor(value, kind, parts, tensors, records, forward):
                 return None
         elif kind in _SCALARS:
@@ -164,6 +170,10 @@ def signature(func: Any, args: tuple, kwargs: dict, forward: Any) -> Optional[tu
     if func is _GETITEM and _holds_tensor(args[1:]):
         return None  # a tensor index picks elements by its values (advanced indexing)
     return tuple(parts), tensors, records
+
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 
 
 def _holds_tensor(value: Any) -> bool:
@@ -187,7 +197,7 @@ def eligible(mode: Any) -> bool:
     no saved-tensor hooks are set, autocast is off, no functorch transform (vmap, grad) is active and
     nothing is being compiled."""
     return (_dispatch_modes() == 1 and _dispatch_mode_at(0) is mode and _saved_tensor_hooks(False) is None
-            and not _autocast() and not _functorch() and not torch.compiler.is_compiling())
+            and not _autocast() and not _functorch() and not _compiling())
 
 
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -195,6 +205,7 @@ _dispatch_mode_at = torch._C._get_dispatch_stack_at
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _autocast = torch._C._is_any_autocast_enabled
 _functorch = torch._C._are_functorch_transforms_active
+_compiling = torch.compiler.is_compiling
 
 
 def _leaves(out: Any) -> list:

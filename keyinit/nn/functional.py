@@ -59,10 +59,22 @@ def is_dtensor(input: torch.Tensor) -> bool:
 
 
 def run_layout(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch.Tensor:
-    from keyinit.nn import _op
+    """The ``keyinit::dropout`` op on ``local`` placed by ``layout``, under ``key`` (its words and its stream
+    version, which the op keeps)."""
+    return _op().call(local, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream)
 
-    # the key's words and its stream version, which the op keeps
-    return _op.call(local, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream)
+
+def _op() -> Any:
+    """:mod:`keyinit.nn._op` (imported on first use: it registers the custom op with torch)."""
+    module = _OP.get("module")
+    if module is None:
+        from keyinit.nn import _op as module
+
+        _OP["module"] = module
+    return module
+
+
+_OP: dict = {}
 
 
 def _dtensor_dropout(input: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:
@@ -128,6 +140,10 @@ def dropout_rows(input: torch.Tensor, p: float, key: Key, row_offset: int) -> to
     What :func:`keyinit.nn.keyed` applies to every activation (``p`` in ``(0, 1]``).
     A DTensor's own row ``r`` (after its placements) is global row ``row_offset + r``.
     """
+    if type(input) is torch.Tensor:  # (the common case: a plain activation; no DTensor lookup)
+        if input.dtype not in FLOAT_DTYPES:
+            check_input(input)
+        return _op().call_rows(input, p, key, row_offset)
     check_input(input)
     if is_dtensor(input):
         return _dtensor_dropout(input, p, key, row_offset)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -66,6 +67,12 @@ def _int64_array(values: tuple[int, ...]) -> ctypes.Array:
     return (ctypes.c_int64 * len(values))(*values)
 
 
+@functools.lru_cache(maxsize=1024)
+def _arrays(sizes: tuple[int, ...], gstrides: tuple[int, ...]) -> tuple[int, ctypes.Array, ctypes.Array, ctypes.Array]:
+    """``(ndim, sizes, gstrides, null index pointers)`` as the kernel takes them (memoized, read-only to it)."""
+    return len(sizes), _int64_array(sizes), _int64_array(gstrides), _null_pointers(len(sizes))
+
+
 @functools.lru_cache(maxsize=None)
 def _null_pointers(n: int) -> ctypes.Array:
     """``n`` null index pointers (no dimension indexed), read-only to the kernel."""
@@ -86,13 +93,13 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = N
     lib = lib if lib is not None else KERNEL.usable(library)
     if lib is None:
         return False
-    nd = len(geometry.sizes)
-    sizes, gstrides = _int64_array(tuple(geometry.sizes)), _int64_array(tuple(geometry.gstrides))
-    if all(i is None for i in geometry.indices):
-        keep_alive, pointers = (), _null_pointers(nd)
-    else:
-        keep_alive = [None if i is None else i.contiguous() for i in geometry.indices]
-        pointers = (ctypes.c_void_p * nd)(*(None if i is None else i.data_ptr() for i in keep_alive))
+    nd, sizes, gstrides, pointers = _arrays(tuple(geometry.sizes), tuple(geometry.gstrides))
+    keep_alive: Sequence = ()
+    for index in geometry.indices:
+        if index is not None:  # index vectors: their pointers (the arrays' null pointers otherwise)
+            keep_alive = [None if i is None else i.contiguous() for i in geometry.indices]
+            pointers = (ctypes.c_void_p * nd)(*(None if i is None else i.data_ptr() for i in keep_alive))
+            break
     if threads is None:
         threads = 1 if x.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
     rc = lib.keyinit_dropout(
