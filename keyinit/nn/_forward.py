@@ -83,7 +83,7 @@ class Forward:
         or a module that activation checkpointing recomputes: from the states its first execution began
         with), with what is refused there."""
         model = ctx.model
-        if getattr(model, "_keyinit_block", False):
+        if getattr(type(model), "_keyinit_block", False):
             where = f"keyed block '{model.name}'"
         else:
             where = f"keyed({type(model).__name__}): the forward of " + (f"module '{self.fqn}'" if self.fqn else

@@ -396,7 +396,7 @@ class Keyed(CompiledCalls):
                 self._names[id(module)] = (module, fqn)
                 if any(c == "" or raw == c or raw.startswith(c + ".") for c in compiled):
                     continue
-                if getattr(module, "keys_its_calls", False):  # keyinit.nn.KeyedCompiled: no hooks for dynamo to see
+                if getattr(type(module), "keys_its_calls", False):  # keyinit.nn.KeyedCompiled: no hooks for dynamo to see
                     compiled.append(raw)
                     continue
                 self._hook(module, fqn)
