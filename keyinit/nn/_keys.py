@@ -18,6 +18,8 @@ weight whatever the FQNs.
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 from typing import Any, Union
 
 from keyinit.keys import Key, as_uint64, derived_key, fold_in, key
@@ -52,15 +54,7 @@ def _fold(words: tuple[int, int], stream: str, data: Union[int, str], lib: Any) 
 
 def _fill() -> Any:
     """:mod:`keyinit.data._fill` (imported on first use)."""
-    module = _FILL.get("module")
-    if module is None:
-        from keyinit.data import _fill as module
-
-        _FILL["module"] = module
-    return module
-
-
-_FILL: dict = {}
+    return sys.modules.get("keyinit.data._fill") or importlib.import_module("keyinit.data._fill")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -13,7 +13,9 @@ key; no mask is stored. Exact arithmetic per dtype: ``docs/spec.md`` section 14.
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -66,15 +68,7 @@ def run_layout(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch
 
 def _op() -> Any:
     """:mod:`keyinit.nn._op` (imported on first use: it registers the custom op with torch)."""
-    module = _OP.get("module")
-    if module is None:
-        from keyinit.nn import _op as module
-
-        _OP["module"] = module
-    return module
-
-
-_OP: dict = {}
+    return sys.modules.get("keyinit.nn._op") or importlib.import_module("keyinit.nn._op")
 
 
 def _dtensor_dropout(input: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:
