@@ -142,7 +142,7 @@ class _Graph:
             except OverflowError:
                 capacity *= 8
 
-    def _interpret(self, args: tuple, call: Call, trace: Optional[Trace]) -> tuple[Any, TraceForward, int]:
+    def _interpret(self, args: tuple, call: Call, trace: Optional[Trace]) -> tuple[Any, TraceForward, dict]:
         """Run the graph under keyed()'s modes, its calls numbered from its nodes' modules: with ``trace``,
         every draw is a site op (inside ``make_fx``); without, the eager keyed forward's draws. Returns the
         output, the forward that holds its records, and the call ordinals its modules took."""
