@@ -197,7 +197,9 @@ def _hf_grads(model_type: str, class_name: str, reentrant, backward_inside: bool
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("model_type,class_name", [("bart", "BartForCausalLM"), ("gpt2", "GPT2LMHeadModel")])
+# phi: a layer that runs one dropout module twice (resid_dropout), its recompute numbering both calls on
+@pytest.mark.parametrize("model_type,class_name", [("bart", "BartForCausalLM"), ("gpt2", "GPT2LMHeadModel"),
+                                                  ("phi", "PhiForCausalLM")])
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("backward_inside", [True, False])
 def test_transformers_gradient_checkpointing_recomputes_the_first_executions_masks(
