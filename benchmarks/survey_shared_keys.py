@@ -27,29 +27,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402
 
 import keyinit.nn as knn  # noqa: E402
-from keyinit.nn._forward import Forward  # noqa: E402
+from tests._drawn_keys import keys_drawn  # noqa: E402
 from tests._hf_arch import lm_architectures, seq2seq_architectures, tiny_config  # noqa: E402
 
 
 def shared_keys(model: torch.nn.Module, inputs: dict, calls: str) -> dict[str, int]:
     """``{FQN: draws whose key an earlier draw of the forward had}`` of one keyed forward."""
-    drawn: list = []
-    original = Forward.call_key
-
-    def call_key(self, ctx, fqn, ordinal):
-        k = original(self, ctx, fqn, ordinal)
-        drawn.append((fqn, k))
-        return k
-
-    Forward.call_key = call_key
-    try:
-        with knn.keyed(model, 0, step=0, calls=calls):
-            model(**inputs)
-    finally:
-        Forward.call_key = original
+    with keys_drawn() as drawn, knn.keyed(model, 0, step=0, calls=calls):
+        model(**inputs)
     seen: set = set()
     repeated: Counter = Counter()
-    for fqn, k in drawn:
+    for _, fqn, k in drawn:
         if k in seen:
             repeated[fqn] += 1
         seen.add(k)

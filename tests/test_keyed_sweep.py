@@ -31,7 +31,6 @@ refuses today, each with the reason (strict xfails: they fail loudly once they p
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import warnings
@@ -44,6 +43,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import keyinit.nn as knn  # noqa: E402
+from tests._drawn_keys import keys_drawn  # noqa: E402
 from tests._hf_arch import lm_architectures, tiny_config  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -194,26 +194,6 @@ def _same_rng(a: tuple, b: tuple) -> bool:
     return torch.equal(a[0], b[0]) and numpy_same and a[2] == b[2]
 
 
-@contextlib.contextmanager
-def _keys_drawn():
-    """``{id(root forward): [the key of each of its draws]}`` while it is open."""
-    from keyinit.nn._forward import Forward
-
-    drawn: dict = {}
-    original = Forward.call_key
-
-    def call_key(self, ctx, fqn, ordinal):
-        k = original(self, ctx, fqn, ordinal)
-        drawn.setdefault(id(self), []).append(k)
-        return k
-
-    Forward.call_key = call_key
-    try:
-        yield drawn
-    finally:
-        Forward.call_key = original
-
-
 def check_keyed_splits(model: Any, run: Any, splits: Any, eval_whole: torch.Tensor, label: str, differs: Any) -> None:
     """``run(None)`` (the whole batch) and ``run((lo, hi))`` (rows ``lo:hi``, ``sample_offset=lo``) under
     ``keyed``: each split's joined logits equal the whole batch's (with a tolerance), every dropout module's
@@ -222,7 +202,7 @@ def check_keyed_splits(model: Any, run: Any, splits: Any, eval_whole: torch.Tens
     before = _rng_state()
     taps = _Taps(model)
     try:
-        with _keys_drawn() as drawn, knn.keyed(model, 0, step=0):
+        with keys_drawn() as drawn, knn.keyed(model, 0, step=0):
             whole = run(None)
         (masks, ran), taps.masks, taps.ran = (dict(taps.masks), list(taps.ran)), {}, []
         results = []
@@ -241,9 +221,9 @@ def check_keyed_splits(model: Any, run: Any, splits: Any, eval_whole: torch.Tens
     after = _rng_state()
 
     assert _same_rng(before, after), f"{label}: a keyed forward read or advanced a global RNG"
-    for forward_keys in drawn.values():  # a module run twice numbers its calls on (docs/spec.md 14.4)
-        shared = {k for k in forward_keys if forward_keys.count(k) > 1}
-        assert not shared, f"{label}: two draws of one forward share a key: {sorted(map(str, shared))[:3]}"
+    keys = [(forward, k) for forward, _, k in drawn]  # a module run twice numbers its calls on (spec 14.4)
+    shared = sorted({str(k) for forward, k in keys if keys.count((forward, k)) > 1})
+    assert not shared, f"{label}: two draws of one forward share a key: {shared[:3]}"
     assert differs(whole, eval_whole), f"{label}: keyed draws are not live"
     assert differs(whole, step1), f"{label}: step 1 gives step 0's values"
     for split, (joined_logits, part_taps) in zip(splits, results):

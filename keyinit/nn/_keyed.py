@@ -264,15 +264,16 @@ class Keyed(CompiledCalls):
                 forward = parent.forward
                 foreign = parent.foreign  # a recompute's children are keyed as it is
                 counts = parent.counts if self.calls == "forward" else {}
-                if forward.grad and not torch.is_grad_enabled():
+                checkpointed = True
+                if forward.grad and not torch.is_grad_enabled():  # reentrant checkpointing
                     remember(self, fqn, forward, args, kwargs)
-                    self._recomputable = True
-                    if self.calls == "forward":
-                        remember_counts(fqn, forward, counts, args, kwargs)
                 elif _saved_tensor_hooks_active():  # non-reentrant checkpointing may start here
-                    self._recomputable = True
                     if forward.host is not None:
                         remember_host(fqn, forward, args, kwargs)
+                else:
+                    checkpointed = False
+                if checkpointed:
+                    self._recomputable = True
                     if self.calls == "forward":
                         remember_counts(fqn, forward, counts, args, kwargs)
             else:

@@ -135,12 +135,7 @@ def mode_is_active(mode: Any) -> bool:
         length, at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
     else:
         length, at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
-    top = length() - 1
-    if top < 0:
-        return False
-    if at(top) is mode:  # (where it is while a forward runs)
-        return True
-    for i in range(top - 1, -1, -1):
+    for i in range(length() - 1, -1, -1):
         if at(i) is mode:
             return True
     return False
