@@ -74,11 +74,18 @@ def test_index_by_arange_over_the_batch_picks_each_samples_own_rows():
     whole, halves = _masks(own_rows, X)
     assert torch.equal(whole, halves)
 
-    def by_value(x):
-        return F.dropout(x[x[:, 0, 0].argsort()], 0.5)  # rows picked by values: which sample is unknown
+    # rows picked by values (keyinit.nn._routed): the dropout of the picked rows is the picked rows of the dropout
+    def pick_then_drop(x):
+        return F.dropout(x[x[:, 0, 0].argsort()], 0.5)
 
-    with knn.keyed(model := Fn(by_value), 0, step=0), pytest.raises(UnkeyedRandomnessError, match="by index"):
-        model(X)
+    def drop_then_pick(x):
+        return F.dropout(x, 0.5)[x[:, 0, 0].argsort()]
+
+    outs = []
+    for fn in (pick_then_drop, drop_then_pick):
+        with knn.keyed(model := Fn(fn), 0, step=0):
+            outs.append(model(X))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_scatter_keeps_rows_along_another_dimension_and_refuses_the_batch_one():

@@ -19,7 +19,8 @@ A tensor's record is kept by the root forward that made it (a weak map: it dies
 with the tensor, and another forward does not see it). A tensor without a record
 (a parameter, a buffer, a constant) holds no batch: it is *replicated*. An op
 without a rule whose inputs hold a batch gives outputs whose batch is
-*unknown*; a random op on such a tensor raises
+*unknown* (rows picked by index values have a *routed* record,
+:mod:`keyinit.nn._routed`, an unknown that the ops it knows follow); a random op on such a tensor raises
 :class:`~keyinit.errors.UnkeyedRandomnessError` rather than guess.
 
 Sizes carry the fact too: inside a keyed forward, ``x.shape``/``x.size()`` of a
@@ -40,7 +41,7 @@ import attrs
 import torch
 
 __all__ = ["Batch", "Unknown", "Foreign", "FOREIGN", "BatchSize", "DerivedSize", "declare", "declared", "record",
-           "annotate", "canonical"]
+           "annotate", "canonical", "same_for_every_sample"]
 
 
 @attrs.frozen
@@ -199,7 +200,8 @@ def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what:
             aligned: Batch = rec
         else:
             aligned = rec.moved(rec.dim + ndim - in_ndim)
-            if size == 1 and rec.count == 1 and rec.inner == 1:
+            if size == 1 and rec.count == 1 and rec.inner == 1 and rec.start >= 0:
+                # (a negative start: one row picked by values, keyinit.nn._routed: never broadcast as a sample)
                 # a batch of one: broadcast against the others' samples (the same values for each), or,
                 # when no other input holds a batch, the one sample of a forward of one row
                 single = aligned if single is None or single == aligned else Unknown(
@@ -265,6 +267,18 @@ def sliced(rec: Batch, dim: int, size: int, start: int, end: int, step: int, wha
     if start == 0 and end >= size and step == 1:
         return rec
     return Unknown(f"{what} slices the batch dimension {dim} ([{start}:{end}:{step}] of {size})")
+
+
+def same_for_every_sample(tensor: torch.Tensor, rec: Batch) -> bool:
+    """Every sample's elements of ``tensor`` (batch ``rec``) equal the first sample's, in place: its values say
+    nothing of which sample a row is (read on the values)."""
+    if rec.dim is None or rec.count < 2 or tensor.is_floating_point() or tensor.is_complex():
+        return False
+    split, _, _ = canonical(tuple(tensor.shape), rec)
+    with torch._C.DisableTorchFunction():
+        parts = tensor.reshape(split)
+        d = rec.dim + 1  # the count dimension of the split
+        return bool(torch.equal(parts, parts.narrow(d, 0, 1).expand_as(parts)))
 
 
 def canonical(shape: Sequence[int], rec: Batch) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

@@ -23,9 +23,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from keyinit.nn._batch import FOREIGN, Batch, Foreign, Record, Unknown, merge, reshape, sliced
+from keyinit.nn._batch import FOREIGN, Batch, Foreign, Record, Unknown, merge, reshape, same_for_every_sample, sliced
 from keyinit.nn._batch_rules_nn import NN_RULES
 from keyinit.nn._batch_rules_nn import arg as _arg
+from keyinit.nn._routed import Routed, picked, proxied, routed_rule, unproxied
 
 __all__ = ["propagate", "restride_keeps_elements"]
 
@@ -206,7 +207,7 @@ def _rule_index_select(func, args, kwargs, outs, records):
         return [rec]
     dim = int(args[1]) % t.dim()
     if dim == rec.dim:
-        return [Unknown(f"{func} picks rows of the batch dimension by index")]
+        return [picked(rec, int(t.shape[dim]), dim, args[2])]  # rows by the index's values (keyinit.nn._routed)
     return [rec]
 
 
@@ -217,8 +218,13 @@ def _rule_gather(func, args, kwargs, outs, records):
     dim = int(args[1]) % max(t.dim(), 1)
     if isinstance(rec, Batch) and rec.dim == dim:
         return [Unknown(f"{func} gathers along the batch dimension")]
-    return [merge([(rec, t.dim(), None if not isinstance(rec, Batch) or rec.dim is None else int(t.shape[rec.dim])),
-                   (irec, index.dim(), None)], outs[0].dim(), func)]
+    own = (rec, t.dim(), None if not isinstance(rec, Batch) or rec.dim is None else int(t.shape[rec.dim]))
+    found = merge([own, (irec, index.dim(), None)], outs[0].dim(), func)
+    if type(found) is Unknown and isinstance(irec, Batch) and same_for_every_sample(index, irec):
+        # an index whose values are every sample's (relative position buckets repeated per sample and head,
+        # ProphetNet): it picks the same positions in each row, whichever sample its own rows are laid out as
+        found = merge([own], outs[0].dim(), func)
+    return [found]
 
 
 def _rule_embedding(func, args, kwargs, outs, records):
@@ -361,7 +367,7 @@ _SAME = {
     "aten::tril", "aten::triu", "aten::tril_", "aten::triu_", "aten::_softmax_backward_data",
     "aten::nan_to_num", "aten::uniform_", "aten::normal_", "aten::bernoulli_",
     "aten::exponential_", "aten::geometric_", "aten::cauchy_", "aten::log_normal_", "aten::random_",
-    "aten::set_",
+    "aten::set_", "aten::floor_divide", "aten::floor_divide_",  # (elementwise, not tagged pointwise)
 }
 
 _RULES: dict[str, Callable] = {
@@ -455,6 +461,14 @@ def propagate(func: Any, args: tuple, kwargs: dict, out: Any, records: list[tupl
         records = [(t, None if isinstance(r, Foreign) else r) for t, r in records]
         if all(r is None for _, r in records):
             return [FOREIGN] * len(outs)
+    groups: list = []
+    if any(type(r) is Routed for _, r in records):
+        # rows picked by values: the ops that read the values have their own rules; the others see each
+        # routing as a batch of one-row samples (keyinit.nn._routed)
+        found = routed_rule(func, args, kwargs, records)
+        if found is not None:
+            return found + [found[-1]] * (len(outs) - len(found))
+        records, groups = proxied(records)
     if rule is None:
         first = next((r for _, r in records if isinstance(r, Unknown)), None)
         return [first or Unknown(f"{func} (keyinit has no rule for where this op puts the batch)")] * len(outs)
@@ -464,11 +478,11 @@ def propagate(func: Any, args: tuple, kwargs: dict, out: Any, records: list[tupl
         result = [Unknown(f"{func}: {exc}")] * len(outs)
     if len(result) < len(outs):
         result = result + [result[-1]] * (len(outs) - len(result))
-    if any(isinstance(r, Unknown) and not r.constant for r in result):
+    if any(type(r) is Unknown and not r.constant for r in result):
         sample = _one_sample(records)
         if sample is not None:
-            result = [sample if isinstance(r, Unknown) and not r.constant else r for r in result]
+            result = [sample if type(r) is Unknown and not r.constant else r for r in result]
     if foreign:
         # a result computed from a tensor of unknown origin and no batch-holding tensor: of unknown origin too
         result = [FOREIGN if r is None else r for r in result]
-    return result
+    return unproxied(result, groups, func) if groups else result

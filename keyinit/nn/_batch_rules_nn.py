@@ -12,16 +12,20 @@ Each rule states a fact of the op's definition, not of the sizes it sees:
   and extents say each output index stays within one sample's block of memory.
 
 A batch dimension that an op mixes (convolved channels, a normalized or transformed
-dimension, a pooled dimension, indexed rows) gives an output of unknown batch.
+dimension, a pooled dimension) gives an output of unknown batch. Rows of it picked or
+written by index values (a router's dispatch, a segment reduce, ``_grouped_mm`` of the
+picked rows) are followed on the values (:mod:`keyinit.nn._routed`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import torch
 
 from keyinit.nn._batch import Batch, Record, Unknown, merge
+from keyinit.nn._routed import batch_samples, picked, written
 
 __all__ = ["NN_RULES", "arg"]
 
@@ -251,7 +255,7 @@ def _rule_index(func, args, kwargs, outs, records):
         if rec.dim is not None and rec.dim in covered:
             picker = next((i for first, width, i in consumed if first == rec.dim and width == 1), None)
             if picker is None or not _own_rows(self, rec, picker, _record_of(records, picker)):
-                return [Unknown(f"{func} picks elements of the batch dimension {rec.dim} by index")]
+                return [_picked_rows(func, self, rec, consumed, lead)]
             # every element picks a row of its own sample (x[arange(B)[:, None], ...]): the index's batch,
             # added below, is the output's
         else:
@@ -272,6 +276,33 @@ def _rule_index(func, args, kwargs, outs, records):
         else:
             candidates.append((irec, out_nd, None))
     return [merge(candidates, out_nd, str(func))]
+
+
+def _picked_rows(func: Any, self: torch.Tensor, rec: Batch, consumed: list, lead: int) -> Record:
+    """``self[indices]`` whose indices pick rows of the batch dimension by their values: routed rows
+    (:mod:`keyinit.nn._routed`) when one 1-D index or one mask does, the batch dimension among the ones the
+    mask covers; rows picked together with positions of other dimensions keep only their samples."""
+    masks = [i for _, _, i in consumed if i.dtype in (torch.bool, torch.uint8)]
+    if masks and len(consumed) > 1:
+        return Unknown(f"{func} picks elements of the batch dimension {rec.dim} by a mask and other indices")
+    with torch._C.DisableTorchFunction():
+        if masks:
+            first, width, mask = consumed[0]
+            sizes = [int(n) for n in self.shape[first:first + width]]
+            after = math.prod(int(n) for n in self.shape[rec.dim + 1:first + width])
+            base = Batch(first, rec.count, rec.start, rec.inner * after)
+            return picked(base, math.prod(sizes), lead, mask.reshape(-1).nonzero().reshape(-1))
+        picker = next(((w, i) for first, w, i in consumed if first == rec.dim), None)
+        if picker is None or picker[0] != 1 or picker[1].is_floating_point():
+            return Unknown(f"{func} picks elements of the batch dimension {rec.dim} by index")
+        index = picker[1]
+        shape = torch.broadcast_shapes(*(i.shape for _, _, i in consumed))
+        if len(shape) != 1:
+            return Unknown(f"{func} picks rows of the batch dimension {rec.dim} by a multi-dimensional index")
+        found = picked(rec, int(self.shape[rec.dim]), lead, index.expand(shape))
+    if len(consumed) > 1 and type(found) is not Batch:
+        found = found.moved(found.dim, None, found.samples)  # other dimensions picked too: samples only
+    return found
 
 
 def _own_rows(self: torch.Tensor, rec: Batch, index: torch.Tensor, irec: Record) -> bool:
@@ -345,7 +376,14 @@ def _rule_scatter(func, args, kwargs, outs, records):
     rec = _record_of(records, self)
     others = [(t, _record_of(records, t)) for t in args[2:4] if isinstance(t, torch.Tensor)]
     if any(isinstance(r, Batch) and r.dim == dim for _, r in others):
-        return [rec if isinstance(rec, Batch) else Unknown(f"{func} writes rows of the batch dimension by index")]
+        if isinstance(rec, Batch):
+            return [rec]
+        src = args[3] if len(args) > 3 and isinstance(args[3], torch.Tensor) else None
+        srec = _record_of(records, src) if src is not None else None
+        if isinstance(srec, Batch) and srec.dim in (dim, None) and tuple(args[2].shape) == tuple(src.shape):
+            # a segment reduce into a tensor laid out per sample (TAPAS): where each element went, by value
+            return [_written_rows(self, rec, dim, args[2], src, srec)]
+        return [Unknown(f"{func} writes rows of the batch dimension by index")]
     return [merge([(r, t.dim(), None) for t, r in [(self, rec), *others]], self.dim(), str(func))]
 
 
@@ -357,13 +395,39 @@ def _rule_index_into(func, args, kwargs, outs, records):
     if isinstance(rec, Batch):
         return [rec]  # self's positions keep their samples; what is written there is the model's business
     index = args[2]
+    source = args[3] if len(args) > 3 and isinstance(args[3], torch.Tensor) else None
+    srec = _record_of(records, source) if source is not None else None
+    if isinstance(srec, Batch) and srec.dim in (dim, None):
+        return [_written_rows(self, rec, dim, index, source, srec)]  # where each row went, by value
     if _record_of(records, index) is not None:
         return [Unknown(f"{func} writes by a batch-holding index")]
-    source = args[3] if isinstance(args[3], torch.Tensor) else None
-    srec = _record_of(records, source) if source is not None else None
-    if isinstance(srec, Batch) and srec.dim == dim:
-        return [Unknown(f"{func} writes rows of the batch dimension by index")]
     return [merge([(rec, self.dim(), None), (srec, self.dim(), None)], self.dim(), str(func))]
+
+
+def _written_rows(self: torch.Tensor, rec: Record, dim: int, index: torch.Tensor, source: torch.Tensor,
+                  srec: Batch) -> Record:
+    """``self`` (replicated or constant) after ``index`` wrote ``source``'s rows, whose batch is ``srec`` in
+    ``dim``, into its dimension ``dim``: laid out per sample when the index values keep every row's sample."""
+    size = int(source.shape[dim])
+    if srec.dim is None:  # every element one sample's (a forward of one row)
+        srec = Batch(dim, 1, srec.start, max(size, 1))
+    return written(self, rec, dim, index, batch_samples(srec, size, source.device), srec, size)
+
+
+def _rule_grouped_mm(func, args, kwargs, outs, records):
+    """``_grouped_mm(self (S, K), mat2 (G, K, N), offs)``: row ``i`` of the output is row ``i`` of ``self`` times
+    the matrix of its group, the groups given by the values of ``offs`` (a router's choice of parameters,
+    not of rows): the output's rows are ``self``'s. The other forms are not followed."""
+    self, mat2 = args[0], args[1]
+    rec = {id(t): r for t, r in records}
+    ra, rb = rec.get(id(self)), rec.get(id(mat2))
+    if self.dim() != 2 or mat2.dim() != 3 or rb is not None or (isinstance(ra, Batch) and ra.dim not in (None, 0)):
+        return [ra if isinstance(ra, Unknown) else Unknown(f"{func} of these operands is not followed")]
+    bias = arg(func, args, kwargs, "bias")
+    cands: list[tuple[Record, int, Optional[int]]] = [(ra, 2, None)]
+    if isinstance(bias, torch.Tensor):
+        cands.append((rec.get(id(bias)), bias.dim(), None))
+    return [merge(cands, 2, func)]
 
 
 def _rule_put_into(func, args, kwargs, outs, records):
@@ -412,7 +476,7 @@ NN_RULES = {
         "upsample_nearest3d", "upsample_trilinear3d", "_upsample_nearest_exact3d", "reflection_pad3d",
         "replication_pad3d", "pixel_shuffle", "pixel_unshuffle")},
     "aten::im2col": _rule_im2col,
-    "aten::stack": _rule_stack, "aten::index": _rule_index,
+    "aten::stack": _rule_stack, "aten::index": _rule_index, "aten::_grouped_mm": _rule_grouped_mm,
     "aten::_fft_c2c": _rule_fft, "aten::_fft_r2c": _rule_fft, "aten::_fft_c2r": _rule_fft,
     "aten::as_strided": _rule_as_strided,
     **{f"aten::{name}": _rule_scatter for name in (

@@ -23,6 +23,7 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit._draw.dropout_geometry import Layout, constants
 from keyinit.nn import functional as KF
 from keyinit.nn._batch import Batch, Foreign, Unknown, annotate, canonical, record
+from keyinit.nn._routed import Routed, duplicated, routed_layout
 from keyinit.regions import row_major_strides
 
 
@@ -241,6 +242,12 @@ def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op:
     if frame.foreign:
         refuse_foreign(ctx, frame, f"{kind}(p={p})")
     key = frame.forward.call_key(ctx, frame.fqn, ordinal)
+    if ctx.index != "dim0" and mask == "element" and type(record(input, frame.forward)) is Routed:
+        out = _routed_dropout(ctx, frame, kind, input, p, key, record(input, frame.forward))
+        if inplace:
+            input.copy_(out)
+            return input
+        return out
     rec = activation_batch(ctx, frame, input, kind)
     try:
         trace = getattr(ctx, "trace", None)
@@ -255,6 +262,33 @@ def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op:
     if inplace:
         input.copy_(out)
         return input
+    annotate(out, frame.forward, rec)
+    return out
+
+
+def _routed_dropout(ctx: "Keyed", frame: Frame, kind: str, input: torch.Tensor, p: float, key: Any,
+                    rec: Routed) -> torch.Tensor:
+    """Element-wise keyed dropout of rows picked from the batch by values: each element keyed as the same
+    element of the virtual tensor, the rows in their place in the batch (keyinit.nn._routed)."""
+    why = None
+    if getattr(ctx, "trace", None) is not None:
+        why = "under keyinit.nn.compile (the rows are known only from the index values)"
+    elif KF.is_dtensor(input):
+        why = "of a DTensor"
+    elif rec.rows is None:
+        why = "whose positions in their samples keyinit does not follow (rows routed two ways, or picked with " \
+              "positions of other dimensions)"
+    elif duplicated(rec):
+        why = "where some row was picked more than once (a token sent to several experts): its copies would " \
+              "draw the same mask"
+    if why is not None:
+        raise UnkeyedRandomnessError(
+            f"{frame.describe()}: {kind} on a {tuple(input.shape)} tensor of rows picked from the batch by index "
+            f"values, {why}. Apply the dropout before the rows are picked or after they are written back, or "
+            "declare the batch with keyinit.nn.batch_dim"
+        )
+    KF.check_input(input)
+    out = KF.run_layout(input.contiguous(), p, key, routed_layout(tuple(input.shape), rec))
     annotate(out, frame.forward, rec)
     return out
 
@@ -301,8 +335,9 @@ def _probs_start(ctx: "Keyed", frame: Frame, query: torch.Tensor, batch_dim: int
     rec = activation_batch(ctx, frame, query, what)
     if rec is None:
         return 0, None
-    if ctx.index != "dim0" and not (rec.dim == batch_dim and rec.inner == 1 and query.dim() > batch_dim
-                                    and int(query.shape[batch_dim]) == rec.count):
+    one_row = rec.dim is None and query.dim() > batch_dim and int(query.shape[batch_dim]) == 1  # (sample start's)
+    if ctx.index != "dim0" and not one_row and not (rec.dim == batch_dim and rec.inner == 1 and query.dim() > batch_dim
+                                                    and int(query.shape[batch_dim]) == rec.count):
         raise UnkeyedRandomnessError(
             f"{frame.describe()}: {what}: the query's batch is {rec}, but attention dropout keys the probabilities "
             f"by dimension {batch_dim} of the query; declare the batch with keyinit.nn.batch_dim"

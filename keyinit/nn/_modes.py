@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
 from keyinit.nn._batch_rules import propagate, restride_keeps_elements
+from keyinit.nn._routed import Routed
 from keyinit.nn._replay import REMEMBERED, eligible, learn, replay, replayable, signature
 from keyinit.nn._intercept import (
     Keyed,
@@ -105,6 +106,9 @@ def _shape_of(t: torch.Tensor, sizes: Any, forward: Any) -> Any:
         # a tensor of unknown origin: its sizes say nothing of where samples are (a factory sized by
         # them holds an unknown batch)
         return torch.Size(tuple(DerivedSize(int(n)) for n in sizes))
+    if type(rec) is Routed and not isinstance(sizes, int) and rec.dim < len(sizes):
+        # rows picked by values: a factory sized by their number holds an unknown batch
+        return torch.Size(tuple(DerivedSize(int(n)) if i == rec.dim else n for i, n in enumerate(sizes)))
     if not isinstance(rec, Batch) or rec.dim is None:
         return sizes
     d = rec.dim

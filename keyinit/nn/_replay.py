@@ -37,6 +37,7 @@ from typing import Any, Optional
 import torch
 
 from keyinit.nn._batch import Batch, BatchSize, Unknown, record
+from keyinit.nn._routed import Routed
 
 __all__ = ["replayable", "signature", "eligible", "replay", "learn", "MAX_SIGNATURES", "REMEMBERED"]
 
@@ -138,6 +139,8 @@ def _encode_tensor(value: torch.Tensor, kind: type, parts: list, tensors: list, 
         conj = False
     entry = forward.records.get(id(value))  # (record()'s own first look, without its call)
     rec = entry[1] if entry is not None and entry[0]() is value else record(value, forward)
+    if type(rec) is Routed:
+        return False  # rows picked by values: what the rules give depends on the values
     tensors.append(value)
     records.append(rec)
     parts += (_TENSOR, (kind, _record_code(rec), value.shape, value.stride(), value.storage_offset(), dtype,
@@ -225,6 +228,8 @@ def learn(memory: dict, key: tuple, inputs: list, before: list, out: Any, forwar
         entry = records.get(id(leaf))
         if entry is None or entry[0]() is not leaf:
             return  # an output the ATen ops did not make (or did not record): nothing to replay
+        if type(entry[1]) is Routed:
+            return  # rows picked by values: not a function of the signature
         found.append(entry[1])
     if len(memory) >= MAX_SIGNATURES:
         memory.clear()

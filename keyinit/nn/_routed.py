@@ -1,0 +1,328 @@
+"""Rows of the batch picked by values: mixture-of-experts dispatch, masked selection, ``index_select``.
+
+An op that picks rows of a batch dimension by the values of an index gives rows
+whose samples only those values say: ``x[idx]``, ``x.index_select(0, idx)`` and
+``x[mask]`` on a ``(B*L, D)`` activation (a router sending tokens to its experts),
+then ``zeros.index_add(0, idx, y)`` writing the experts' rows back. keyinit follows
+the fact, on the values: such a tensor's record is a :class:`Routed`, which holds,
+for each index ``i`` of its routed dimension,
+
+- ``rows[i]``: the row of the *virtual* batch dimension it was picked from, a
+  dimension of ``size`` rows laid out as ``Batch(count=count, start=start,
+  inner=inner)`` (the dimension the first pick read, with the dimensions a mask
+  covered merged into it);
+- ``samples[i] = start + (rows[i] // inner) % count``: its global sample.
+
+Ops that move, slice, join or compute on routed rows without mixing them carry
+the record by the ordinary rules (:func:`proxied`: each distinct ``Routed`` is
+shown to the rules as a batch of ``n`` one-row samples with a start no real batch
+has, and mapped back). A second pick along the routed dimension composes the
+index vectors. Writing routed rows into a tensor by an index (``index_add``,
+``index_copy``) gives that tensor a batch when the values say every row went to a
+position of its own sample (:func:`written`). A ``Routed`` whose samples are laid
+out as a batch again (``y[inv_perm]`` after ``x[perm]``) is that :class:`Batch`
+(:func:`normalized`).
+
+Element-wise dropout of routed rows is keyed as the same dropout of the virtual
+tensor (the rows in their place in the batch) would be (:func:`routed_layout`).
+Every other draw on routed rows is refused (``Routed`` is an :class:`Unknown`, so
+whatever does not know it refuses it), as is a pick by a multi-dimensional index.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import attrs
+import torch
+
+from keyinit._draw.dropout_geometry import Layout
+from keyinit.nn._batch import Batch, Record, Unknown, canonical
+from keyinit.regions import row_major_strides
+
+__all__ = ["Routed", "picked", "normalized", "proxied", "unproxied", "written", "routed_layout", "composed",
+           "routed_rule", "duplicated",
+           "batch_samples"]
+
+_WHY = ("its rows were picked from the batch by index values (a router's dispatch, a mask); keyinit keys only "
+        "element-wise dropout on such rows")
+
+
+@attrs.frozen(eq=False)
+class Routed(Unknown):
+    """Rows of dimension ``dim`` picked by values from a virtual batch dimension (see the module docstring).
+
+    The rows are ``length`` consecutive entries from ``first`` of one routing (``source_rows``,
+    ``source_samples``: the pick that made them), so that slices of a routing joined again (an expert
+    layer's ``split``, per-expert matmuls, ``cat``) are seen to be that routing. ``source_rows`` is None
+    when only the samples are known. Compared by identity: it holds tensors.
+    """
+
+    dim: int = attrs.field(kw_only=True)
+    count: int = attrs.field(kw_only=True)
+    start: int = attrs.field(kw_only=True)
+    inner: int = attrs.field(kw_only=True)
+    size: int = attrs.field(kw_only=True)
+    source_rows: Optional[torch.Tensor] = attrs.field(kw_only=True)
+    source_samples: torch.Tensor = attrs.field(kw_only=True)
+    first: int = attrs.field(kw_only=True, default=0)
+    length: int = attrs.field(kw_only=True, default=-1)
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    @property
+    def n(self) -> int:
+        return int(self.source_samples.numel()) if self.length < 0 else self.length
+
+    @property
+    def rows(self) -> Optional[torch.Tensor]:
+        """The virtual batch row of each index of the routed dimension (None: unknown)."""
+        if self.source_rows is None:
+            return None
+        return self.source_rows[self.first:self.first + self.n]
+
+    @property
+    def samples(self) -> torch.Tensor:
+        """The global sample of each index of the routed dimension."""
+        return self.source_samples[self.first:self.first + self.n]
+
+    def moved(self, dim: int, rows: Optional[torch.Tensor], samples: torch.Tensor) -> "Routed":
+        """The same virtual batch, rows ``rows`` (samples ``samples``) in dimension ``dim``: a new routing."""
+        return Routed(self.why, dim=dim, count=self.count, start=self.start, inner=self.inner, size=self.size,
+                      source_rows=rows, source_samples=samples)
+
+    def sliced(self, dim: int, first: int, length: int) -> "Routed":
+        """Entries ``first:first + length`` of this record's rows, in dimension ``dim``: the same routing."""
+        return attrs.evolve(self, dim=dim, first=self.first + first, length=length)
+
+
+_NoFunction = torch._C.DisableTorchFunction
+
+
+def picked(rec: Batch, size: int, dim: int, index: torch.Tensor) -> Record:
+    """The record of rows ``index`` (1-D integers or a 1-D index of flat positions) picked from a dimension of
+    ``size`` rows whose batch is ``rec`` (a :class:`Batch` in that dimension), landing in dimension ``dim``."""
+    with _NoFunction():
+        rows = index.detach().reshape(-1).to(torch.int64, copy=True)
+        rows = torch.where(rows < 0, rows + size, rows)
+        samples = rec.start + rows.div(rec.inner, rounding_mode="floor").remainder(rec.count)
+    return normalized(Routed(_WHY, dim=dim, count=rec.count, start=rec.start, inner=rec.inner, size=size,
+                             source_rows=rows, source_samples=samples))
+
+
+def composed(rec: Routed, dim: int, index: torch.Tensor) -> Record:
+    """Rows ``index`` (1-D) of routed rows ``rec`` along its routed dimension, landing in dimension ``dim``."""
+    with _NoFunction():
+        index = index.detach().reshape(-1).to(torch.int64)
+        rows = None if rec.rows is None else rec.rows.index_select(0, index.remainder(rec.rows.numel()))
+        samples = rec.samples.index_select(0, index.remainder(max(rec.samples.numel(), 1)))
+    return normalized(rec.moved(dim, rows, samples))
+
+
+def normalized(rec: Routed) -> Record:
+    """``rec``, or the :class:`Batch` it is.
+
+    Rows that are the virtual batch dimension itself, in order, are its batch. Other rows, each picked once,
+    stay routed: a draw keys them by their place in the batch, which no batch layout of the picked rows
+    gives. Rows known only by their samples, or picked more than once (top-k routing's copies of a token),
+    are a batch when each sample's rows are together and the samples in order (``y[inv_perm]`` after
+    ``x[perm]``): a draw then keys them by their place among their sample's rows, as on any batch.
+    """
+    with _NoFunction():
+        samples, rows = rec.samples, rec.rows
+        n = int(samples.numel())
+        if n == 0:
+            return Batch(rec.dim, 0, rec.start)
+        if rows is not None:
+            if n == rec.size and bool(torch.equal(rows, torch.arange(n, device=rows.device))):
+                return Batch(rec.dim, rec.count, rec.start, rec.inner)
+            if int(torch.unique(rows).numel()) == n:
+                return rec
+        first, last = int(samples.min()), int(samples.max())
+        if first == last:
+            return Batch(rec.dim, 1, first, n)  # every row one sample's
+        if n % rec.count == 0:
+            inner = n // rec.count
+            expect = rec.start + torch.arange(n, device=samples.device).div(inner, rounding_mode="floor")
+            if bool(torch.equal(samples, expect)):
+                return Batch(rec.dim, rec.count, rec.start, inner)
+    return rec
+
+
+# ----------------------------------------------------------------------------- through the ordinary rules
+
+_SENTINEL = 1 << 62  # proxy k's start is -(k + 1) * _SENTINEL: no real batch starts below 0
+
+
+def _same_rows(a: Routed, b: Routed) -> Optional[bool]:
+    """Of two routings' sources: True, the same rows of the same virtual batch; None, the same samples
+    only; False, other samples."""
+    if a.source_samples is b.source_samples and a.source_rows is b.source_rows:
+        return True
+    with _NoFunction():
+        if a.source_samples.shape != b.source_samples.shape or \
+                not bool(torch.equal(a.source_samples, b.source_samples)):
+            return False
+        same_base = (a.count, a.start, a.inner, a.size) == (b.count, b.start, b.inner, b.size)
+        if same_base and a.source_rows is not None and b.source_rows is not None and \
+                bool(torch.equal(a.source_rows, b.source_rows)):
+            return True
+    return None
+
+
+def proxied(records: list) -> tuple[list, list]:
+    """``(records, groups)``: the routed records replaced by proxies, and the routings in proxy order.
+
+    Routing ``k``'s proxy is a :class:`Batch` of one-row samples whose start, ``-(k + 1) * 2**62`` plus the
+    record's first entry, no real batch has: the rules then keep slices of it apart from other rows and
+    join consecutive slices of it again. Routings of the same samples by other rows share a proxy, as the
+    samples only.
+    """
+    groups: list[Routed] = []
+    out = []
+    for t, r in records:
+        if type(r) is not Routed:
+            out.append((t, r))
+            continue
+        for k, g in enumerate(groups):
+            same = _same_rows(g, r)
+            if same is None and g.source_rows is not None:
+                groups[k] = attrs.evolve(g, source_rows=None)
+            if same is not False:
+                break
+        else:
+            k = len(groups)
+            groups.append(r)
+        out.append((t, Batch(r.dim, r.n, -(k + 1) * _SENTINEL + r.first)))
+    return out, groups
+
+
+def unproxied(result: list, groups: list, what: Any) -> list:
+    """The rules' ``result`` with proxy batches mapped back to the routings they stand for."""
+    out = []
+    for r in result:
+        if not isinstance(r, Batch) or r.start >= 0:
+            out.append(r)
+            continue
+        k = (-r.start - 1) // _SENTINEL
+        first = r.start + (k + 1) * _SENTINEL
+        g = groups[k] if 0 <= k < len(groups) else None
+        if g is None or r.dim is None or r.inner != 1 or first + r.count > int(g.source_samples.numel()):
+            out.append(Unknown(f"{what} lays out rows picked by values in a way keyinit does not follow"))
+            continue
+        out.append(normalized(attrs.evolve(g, dim=r.dim, first=first, length=r.count)))
+    return out
+
+
+# ----------------------------------------------------------------------------- writes back
+
+
+def written(dest: torch.Tensor, rec: Record, dim: int, index: torch.Tensor, samples: torch.Tensor, source: Any,
+            size: int) -> Record:
+    """The record of ``dest`` (record ``rec``: replicated or constant) after positions ``index`` of its
+    dimension ``dim`` took rows of ``samples`` (the global sample of each source row along ``dim``), picked
+    from (or being) a batch dimension of ``size`` rows laid out as ``source`` (a :class:`Batch` or
+    :class:`Routed`): that layout, scaled to ``dest``'s rows, when the values say every row went to a
+    position of its own sample; else unknown. ``index`` is 1-D (``index_add``: one position per source row)
+    or the source's shape (``scatter``: one per element)."""
+    if not (rec is None or (type(rec) is Unknown and rec.constant)):
+        return Unknown("rows of the batch written by index into a tensor whose batch is unknown")
+    m = int(dest.shape[dim])
+    if (source.inner * m) % size:
+        return Unknown(f"rows of the batch written by index into a dimension of {m} rows (from {size})")
+    layout = Batch(dim, source.count, source.start, source.inner * m // size)
+    with _NoFunction():
+        index = index.detach().to(torch.int64)
+        if index.dim() <= 1:
+            index, where = index.reshape(-1), samples
+        else:
+            shape = [1] * index.dim()
+            shape[dim] = -1
+            where = samples.reshape(shape)[tuple(slice(0, int(n)) for n in index.shape)].expand(index.shape)
+        if index.shape != where.shape:
+            return Unknown("an index_add/index_copy whose index and source rows differ in number")
+        at = layout.start + index.remainder(m).div(layout.inner, rounding_mode="floor").remainder(layout.count)
+        if not bool(torch.equal(at, where)):
+            return Unknown("rows of the batch were written by index to positions of other samples")
+    return layout
+
+
+def batch_samples(rec: Batch, n: int, device: Any) -> torch.Tensor:
+    """The global sample of each of the ``n`` indices of ``rec``'s batch dimension."""
+    with _NoFunction():
+        return rec.start + torch.arange(n, device=device).div(rec.inner, rounding_mode="floor").remainder(rec.count)
+
+
+# ----------------------------------------------------------------------------- draws
+
+
+def routed_layout(shape: tuple, rec: Routed) -> Optional[Layout]:
+    """Where the elements of a tensor of ``shape`` whose routed rows are ``rec`` sit in the stream: where the same
+    elements of the virtual tensor (the rows in their place in the batch) sit; None when the rows are unknown."""
+    if rec.rows is None:
+        return None
+    d = rec.dim
+    vshape = tuple(shape[:d]) + (rec.size,) + tuple(shape[d + 1:])
+    vrec = Batch(d, rec.count, rec.start, rec.inner)
+    split, order, sample_shape = canonical(vshape, vrec)
+    strides = row_major_strides((rec.start + rec.count,) + sample_shape)
+    gs = tuple(strides[order.index(i)] for i in range(len(split)))
+    with _NoFunction():
+        rows = rec.rows
+        offsets = (gs[d] * rows.div(rec.count * rec.inner, rounding_mode="floor")
+                   + gs[d + 1] * (rec.start + rows.div(rec.inner, rounding_mode="floor").remainder(rec.count))
+                   + gs[d + 2] * rows.remainder(rec.inner))
+    gstrides = gs[:d] + (1,) + gs[d + 3:]
+    indices = (None,) * d + (offsets.to("cpu"),) + (None,) * (len(shape) - d - 1)
+    return Layout(gstrides, (0,) * len(shape), indices)
+
+
+# ----------------------------------------------------------------------------- ops that read the values
+
+
+def routed_rule(func: Any, args: tuple, kwargs: dict, records: list) -> Optional[list]:
+    """The records of an op that picks or writes routed rows by index (a second pick composes, a write back
+    is checked on the values); None for an op the ordinary rules carry routed rows through."""
+    name = func._schema.name
+    rec = next((r for t, r in records if t is args[0]), None)
+    if name == "aten::index_select":
+        dim = int(args[1]) % max(args[0].dim(), 1)
+        if type(rec) is Routed and rec.dim == dim:
+            return [composed(rec, dim, args[2])]
+        return None
+    if name == "aten::index":
+        if type(rec) is not Routed:
+            return None
+        indices = list(args[1])
+        position, covering = 0, []
+        for index in indices:
+            width = 1 if index is None or index.dtype not in (torch.bool, torch.uint8) else index.dim()
+            if index is not None and position <= rec.dim < position + width:
+                covering.append((position, width, index))
+            position += width
+        if not covering:
+            return None
+        picks = [i for i in indices if i is not None]
+        first, width, index = covering[0]
+        if len(picks) == 1 and width == 1 and index.dim() == 1:
+            if index.dtype in (torch.bool, torch.uint8):
+                with _NoFunction():
+                    index = index.nonzero().reshape(-1)
+            return [composed(rec, rec.dim, index)]
+        return [Unknown(f"{func} picks rows picked by values again, by a multi-dimensional index")]
+    if name in ("aten::index_add", "aten::index_add_", "aten::index_copy", "aten::index_copy_"):
+        dest, dim = args[0], int(args[1]) % max(args[0].dim(), 1)
+        source = next((r for t, r in records if t is args[3]), None)
+        if type(source) is not Routed or source.dim != dim:
+            return None
+        if isinstance(rec, Batch):
+            return [rec]  # dest's positions keep their samples (keyinit.nn._batch_rules_nn._rule_index_into)
+        return [written(dest, rec, dim, args[2], source.samples, source, source.size)]
+    return None
+
+
+def duplicated(rec: Routed) -> bool:
+    """Some row of the virtual batch was picked more than once (top-k routing's copies of a token)."""
+    with _NoFunction():
+        return rec.rows is not None and int(torch.unique(rec.rows).numel()) != int(rec.rows.numel())

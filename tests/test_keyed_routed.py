@@ -1,0 +1,224 @@
+"""Rows of the batch picked by values (keyinit.nn._routed): mixture-of-experts dispatch under keyed().
+
+The promise, tested as a promise: element-wise dropout of rows a router picked (``x[idx]``, ``x[mask]``,
+``index_select``) is keyed as the same dropout of the *virtual* tensor (the rows in their place in the batch,
+``dropout_rows`` of a ``(B, L, F)`` tensor), bit for bit, so the masks depend neither on the batch split nor
+on which expert a row went to; rows written back (``index_add``, ``index_copy``, ``y[inv_perm]``) are a batch
+again, checked on the values; what cannot be keyed is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import keyinit.nn as knn
+from keyinit.errors import UnkeyedRandomnessError
+from keyinit.nn import dropout_key
+from keyinit.nn.functional import dropout_rows
+
+P = 0.3
+B, L, D = 4, 5, 8
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down, self.drop = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Dropout(P)
+
+    def forward(self, x):
+        return self.down(self.drop(F.gelu(self.up(x))))
+
+
+class Top1(nn.Module):
+    """Switch/Mixtral-style top-1 dispatch: ``torch.where`` rows per expert, ``x[idx]``, ``index_add_`` back.
+    ``dispatch``: ``index`` (``x[idx]``), ``select`` (``index_select``) or ``mask`` (``h[mask]`` on the
+    unflattened ``(B, L, D)`` activation, written back with ``out[mask] = y``)."""
+
+    def __init__(self, experts: int = 3, dispatch: str = "index") -> None:
+        super().__init__()
+        self.router = nn.Linear(D, experts)
+        self.experts = nn.ModuleList(Expert(D) for _ in range(experts))
+        self.drop = nn.Dropout(P)
+        self.dispatch = dispatch
+        self.picked: dict[int, torch.Tensor] = {}  # expert -> the flat (b * L + l) rows it got, last forward
+
+    def forward(self, h):
+        b, l, d = h.shape
+        x = h.reshape(-1, d)
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(h) if self.dispatch == "mask" else torch.zeros_like(x)
+        self.picked = {}
+        for i, expert in enumerate(self.experts):
+            if self.dispatch == "mask":
+                mask = (choice == i).view(b, l)
+                if not bool(mask.any()):
+                    continue
+                self.picked[i] = mask.reshape(-1).nonzero().reshape(-1)
+                out[mask] = expert(h[mask])
+                continue
+            idx = torch.where(choice == i)[0]
+            if idx.numel() == 0:
+                continue
+            self.picked[i] = idx
+            rows = x[idx] if self.dispatch == "index" else x.index_select(0, idx)
+            out.index_add_(0, idx, expert(rows))
+        return self.drop(out.view(b, l, d)) + h
+
+
+def _tap(model: nn.Module) -> tuple[dict, list]:
+    """Forward hooks on every expert's dropout: ``{expert: (input, output)}`` of the last forward."""
+    seen: dict = {}
+    handles = [e.drop.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, (a[0].detach(), o.detach())))
+               for i, e in enumerate(model.experts)]
+    return seen, handles
+
+
+def _virtual(step: int, expert: int, x: torch.Tensor, rows: torch.Tensor, first_sample: int, count: int):
+    """The keyed dropout of the virtual ``(count, L, F)`` tensor holding ``x``'s rows at ``rows`` (flat
+    ``b * L + l``, local), at those rows: what keyed() must give the routed rows."""
+    virtual = torch.zeros(count * L, x.shape[1])
+    virtual[rows] = x
+    k = dropout_key(0, step=step, fqn=f"experts.{expert}.drop", ordinal=0)
+    return dropout_rows(virtual.view(count, L, -1), P, k, first_sample).view(count * L, -1)[rows]
+
+
+@pytest.mark.parametrize("dispatch", ["index", "select", "mask"])
+def test_routed_dropout_is_the_virtual_tensors_dropout_and_split_invariant(dispatch):
+    torch.manual_seed(0)
+    model = Top1(dispatch=dispatch).train()
+    h = torch.randn(B, L, D)
+    seen, handles = _tap(model)
+    try:
+        for step in (0, 1):  # a new step: new masks, the same routing (the replay cache keeps no rows)
+            with knn.keyed(model, 0, step=step):
+                whole = model(h)
+            assert len(seen) >= 2, "the test needs rows routed to at least two experts"
+            for i, (x, y) in seen.items():
+                assert torch.equal(y, _virtual(step, i, x, model.picked[i], 0, B)), (dispatch, step, i)
+            whole_seen, parts, part_seen = dict(seen), [], []
+            for lo, hi in ((0, 1), (1, 3), (3, 4)):
+                seen.clear()
+                with knn.keyed(model, 0, step=step, sample_offset=lo):
+                    parts.append(model(h[lo:hi]))
+                for i, (x, y) in seen.items():
+                    assert torch.equal(y, _virtual(step, i, x, model.picked[i], lo, hi - lo)), (dispatch, lo, i)
+                part_seen.append(dict(seen))
+            torch.testing.assert_close(torch.cat(parts), whole)
+            for i, (_, y) in whole_seen.items():  # the split's rows of an expert, in order, are the whole's
+                torch.testing.assert_close(torch.cat([p[i][1] for p in part_seen if i in p]), y)
+            seen.clear()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_routed_rows_differ_per_step_and_route():
+    """Two experts' dropouts of the same row draw different masks (their FQNs), a step draws new ones."""
+    torch.manual_seed(1)
+    model = Top1().train()
+    h = torch.randn(B, L, D)
+    seen, handles = _tap(model)
+    try:
+        outs = []
+        for step in (0, 1):
+            with knn.keyed(model, 0, step=step):
+                outs.append(model(h))
+        assert not torch.equal(outs[0], outs[1])
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class TopK(nn.Module):
+    """Nemotron-H/grouped-GEMM-style top-k dispatch: tokens sorted by expert (``x[perm // k]``), weighted,
+    unsorted by ``inv_perm`` and summed over their k copies; then a dropout of the (B, L, D) output."""
+
+    def __init__(self, k: int = 2, experts: int = 4, drop_copies: bool = False) -> None:
+        super().__init__()
+        self.k, self.router = k, nn.Linear(D, experts)
+        self.w = nn.Parameter(torch.randn(experts, D, D) * 0.1)
+        self.drop = nn.Dropout(P)
+        self.copies = nn.Dropout(P) if drop_copies else None
+
+    def forward(self, h):
+        b, l, d = h.shape
+        x = h.reshape(-1, d)
+        weights, experts = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        _, perm = torch.sort(experts.reshape(-1))
+        rows = x[perm // self.k]
+        if self.copies is not None:
+            rows = self.copies(rows)
+        # each row's expert matrix by its own token's choice (the sorted ids would be a sort's values: unknown)
+        chosen = self.w[experts.reshape(-1)[perm]]
+        y = torch.bmm(rows.unsqueeze(1), chosen).squeeze(1) * weights.reshape(-1)[perm].unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel())
+        out = y[inv].view(b * l, self.k, d).sum(1)
+        return self.drop(out.view(b, l, d)) + h
+
+
+def test_sorted_topk_dispatch_is_a_batch_again_after_unsorting():
+    torch.manual_seed(0)
+    model = TopK().train()
+    h = torch.randn(B, L, D)
+    with knn.keyed(model, 0, step=3):
+        whole = model(h)
+    parts = []
+    for lo, hi in ((0, 2), (2, 4)):
+        with knn.keyed(model, 0, step=3, sample_offset=lo):
+            parts.append(model(h[lo:hi]))
+    torch.testing.assert_close(torch.cat(parts), whole)
+    # the output dropout's mask is dropout_rows' own (the batch came back in dimension 0)
+    with torch.no_grad(), knn.keyed(model, 0, step=3):
+        model.drop.register_forward_hook(lambda m, a, o: setattr(m, "seen", (a[0], o)))
+        model(h)
+    x, y = model.drop.seen
+    assert torch.equal(y, dropout_rows(x, P, dropout_key(0, step=3, fqn="drop", ordinal=0), 0))
+
+
+def test_dropout_of_a_token_picked_k_times_is_refused():
+    model = TopK(drop_copies=True).train()
+    with pytest.raises(UnkeyedRandomnessError, match="picked more than once"):
+        with knn.keyed(model, 0, step=0):
+            model(torch.randn(B, L, D))
+
+
+class Misrouted(nn.Module):
+    """Each token's row written back to the position of the token L rows on (another sample's), then dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(D, D), nn.Dropout(P)
+
+    def forward(self, h):
+        x = h.reshape(-1, D)
+        n = x.shape[0]
+        perm = torch.arange(n).roll(L)
+        out = torch.zeros(n, D).index_add(0, torch.arange(n), self.lin(x[perm]))
+        return self.drop(out)
+
+
+def test_rows_written_to_other_samples_positions_are_refused():
+    model = Misrouted().train()
+    with pytest.raises(UnkeyedRandomnessError, match="written by index to positions of other samples"):
+        with knn.keyed(model, 0, step=0):
+            model(torch.randn(B, L, D))
+
+
+class Noisy(nn.Module):
+    """A draw other than dropout on routed rows: refused, never keyed by a guess."""
+
+    def forward(self, h):
+        x = h.reshape(-1, D)
+        rows = x[torch.tensor([3, 0, 7])]
+        return rows + torch.rand_like(rows)
+
+
+def test_other_draws_on_routed_rows_are_refused():
+    model = Noisy()
+    with pytest.raises(UnkeyedRandomnessError, match="picked from the batch by index values"):
+        with knn.keyed(model, 0, step=0):
+            model(torch.randn(B, L, D))
