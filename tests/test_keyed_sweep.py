@@ -25,8 +25,9 @@ draws nothing (no dropout-like op: train equals eval without keyed).
 
 Every architecture runs by default: the whole sweep takes about 25 s on 2 cores (``pytest
 --durations``). ``KEYINIT_FULL_SWEEP=0`` runs only :data:`REPRESENTATIVE`, chosen for the ways
-they lay the batch out; those may not be skipped. :data:`KNOWN_GAPS` are the architectures keyed()
-refuses today, each with the reason (strict xfails: they fail loudly once they pass).
+they lay the batch out; those may not be skipped. :data:`KNOWN_GAPS` would list the architectures keyed()
+refuses, each with the reason (strict xfails: they fail loudly once they pass); there are none now: the
+rows a router, a segment id or a shared index picks are followed on their values (``keyinit.nn._routed``).
 """
 
 from __future__ import annotations
@@ -71,20 +72,15 @@ REPRESENTATIVE = (
     "whisper",  # LayerDrop, the Whisper decoder
     "xlnet",  # sequence-first (L, B, D) activations, einsum attention
     "funnel",  # pooling along the sequence, new_ones masks, relative attention
+    "jetmoe",  # MoE: x[batch_index] rows per expert, split/cat, zeros.index_add back (values checked)
+    "nemotron_h",  # MoE: tokens sorted by expert, x[perm // k], _grouped_mm, y[inv_perm] back to a batch
+    "tapas",  # segment reduce: scatter_reduce into (batch * segments) rows, positions checked on the values
+    "prophetnet",  # gather by relative buckets that are every sample's (laid out as another merge)
 )
 
 
-#: Refused by keyed() (UnkeyedRandomnessError), and why: the sample of the elements drawn on is decided
-#: by values (routing, segment ids), which the model of the batch does not follow.
-KNOWN_GAPS = {
-    "jetmoe": "MoE dispatch: expert outputs index_add-ed into zeros(bsz * length, D) by router-sorted token "
-              "indices (the rows' samples are decided by values)",
-    "tapas": "segment reduce: scatter_reduce along a flattened (batch * segments) dimension by index values",
-    "prophetnet": "n-gram relative buckets: gather of a (B*H, ...) tensor by an index whose batch is merged "
-                  "with another factor",
-    "nemotron_h": "MoE dispatch (transformers/integrations/moe.py): tokens sorted by expert id, gathered by "
-                  "perm // top_k, un-permuted by inv_perm (the rows' samples are decided by values)",
-}
+#: Refused by keyed() (UnkeyedRandomnessError), and why (none now).
+KNOWN_GAPS: dict = {}
 
 
 def _selected() -> list:
@@ -194,6 +190,18 @@ def _same_rng(a: tuple, b: tuple) -> bool:
     return torch.equal(a[0], b[0]) and numpy_same and a[2] == b[2]
 
 
+def _routed(name: str) -> bool:
+    """A module of a mixture of experts' experts (run only on the rows a router sends it)."""
+    return ".experts." in name or ".expert_" in name
+
+
+def _fixed(calls: Any) -> Any:
+    """The modules (a list) or dropout calls (a dict) of a forward that are not an expert's."""
+    if isinstance(calls, dict):
+        return {k: v for k, v in calls.items() if not _routed(k[0])}.keys()
+    return [name for name in calls if not _routed(name)]
+
+
 def check_keyed_splits(model: Any, run: Any, splits: Any, eval_whole: torch.Tensor, label: str, differs: Any) -> None:
     """``run(None)`` (the whole batch) and ``run((lo, hi))`` (rows ``lo:hi``, ``sample_offset=lo``) under
     ``keyed``: each split's joined logits equal the whole batch's (with a tolerance), every dropout module's
@@ -229,12 +237,19 @@ def check_keyed_splits(model: Any, run: Any, splits: Any, eval_whole: torch.Tens
     for split, (joined_logits, part_taps) in zip(splits, results):
         torch.testing.assert_close(joined_logits, whole, **TOL,
                                    msg=lambda m: f"{label}: split {split} changes logits: {m}")
+        # A mixture of experts runs an expert only on the rows routed to it: a part whose rows no token of
+        # sends there does not run it (nor draw its masks). Every other module runs in every part.
         for part_masks, part_ran in part_taps:
-            assert part_ran == ran, f"{label}: split {split} ran other modules (a LayerDrop decision differs)"
-            assert part_masks.keys() == masks.keys(), f"{label}: dropout calls differ in split {split}"
+            assert _fixed(part_ran) == _fixed(ran), \
+                f"{label}: split {split} ran other modules (a LayerDrop decision differs)"
+            assert _fixed(part_masks) == _fixed(masks), f"{label}: dropout calls differ in split {split}"
+            assert set(part_ran) <= set(ran) and part_masks.keys() <= masks.keys(), \
+                f"{label}: split {split} ran an expert the whole batch did not"
+        assert set().union(*(p[1] for p in part_taps)) == set(ran), f"{label}: split {split} skipped an expert"
         for call, (mask, nonzero) in masks.items():
-            joined = _joined(mask, [p[0][call][0] for p in part_taps], f"{label} {call}")
-            live = _joined(nonzero, [p[0][call][1] for p in part_taps], f"{label} {call}")
+            drawn = [p for p in part_taps if call in p[0]]  # (all of them, but for an expert: those routed to it)
+            joined = _joined(mask, [p[0][call][0] for p in drawn], f"{label} {call}")
+            live = _joined(nonzero, [p[0][call][1] for p in drawn], f"{label} {call}")
             for got, got_live in zip(joined, live):
                 both = nonzero & got_live  # a zero input gives a zero output whatever the mask
                 assert torch.equal(got & both, mask & both), f"{label}: the mask of {call} depends on the split"
