@@ -34,8 +34,10 @@ class Expert(nn.Module):
 
 class Top1(nn.Module):
     """Switch/Mixtral-style top-1 dispatch: ``torch.where`` rows per expert, ``x[idx]``, ``index_add_`` back.
-    ``dispatch``: ``index`` (``x[idx]``), ``select`` (``index_select``) or ``mask`` (``h[mask]`` on the
-    unflattened ``(B, L, D)`` activation, written back with ``out[mask] = y``)."""
+    ``dispatch``: ``index`` (``x[idx]``), ``select`` (``index_select``), ``mask`` (``h[mask]`` on the
+    unflattened ``(B, L, D)`` activation, written back with ``out[mask] = y``), ``put`` (``x[idx]`` written
+    into ``torch.zeros(B * L, D)`` with ``out[idx] = y``) or ``gather`` (``x.gather(0, idx.expand)``,
+    ``scatter_add_`` back into ``x.new_zeros(x.shape)``)."""
 
     def __init__(self, experts: int = 3, dispatch: str = "index") -> None:
         super().__init__()
@@ -49,7 +51,14 @@ class Top1(nn.Module):
         b, l, d = h.shape
         x = h.reshape(-1, d)
         choice = self.router(x).argmax(-1)
-        out = torch.zeros_like(h) if self.dispatch == "mask" else torch.zeros_like(x)
+        if self.dispatch == "mask":
+            out = torch.zeros_like(h)
+        elif self.dispatch == "put":
+            out = torch.zeros(b * l, d)  # constant, sized by arithmetic on the batch size
+        elif self.dispatch == "gather":
+            out = x.new_zeros(x.shape)
+        else:
+            out = torch.zeros_like(x)
         self.picked = {}
         for i, expert in enumerate(self.experts):
             if self.dispatch == "mask":
@@ -63,8 +72,14 @@ class Top1(nn.Module):
             if idx.numel() == 0:
                 continue
             self.picked[i] = idx
-            rows = x[idx] if self.dispatch == "index" else x.index_select(0, idx)
-            out.index_add_(0, idx, expert(rows))
+            if self.dispatch == "gather":
+                at = idx[:, None].expand(-1, d)
+                out.scatter_add_(0, at, expert(x.gather(0, at)))
+            elif self.dispatch == "put":
+                out[idx] = expert(x[idx])
+            else:
+                rows = x[idx] if self.dispatch == "index" else x.index_select(0, idx)
+                out.index_add_(0, idx, expert(rows))
         return self.drop(out.view(b, l, d)) + h
 
 
@@ -85,7 +100,7 @@ def _virtual(step: int, expert: int, x: torch.Tensor, rows: torch.Tensor, first_
     return dropout_rows(virtual.view(count, L, -1), P, k, first_sample).view(count * L, -1)[rows]
 
 
-@pytest.mark.parametrize("dispatch", ["index", "select", "mask"])
+@pytest.mark.parametrize("dispatch", ["index", "select", "mask", "put", "gather"])
 def test_routed_dropout_is_the_virtual_tensors_dropout_and_split_invariant(dispatch):
     torch.manual_seed(0)
     model = Top1(dispatch=dispatch).train()

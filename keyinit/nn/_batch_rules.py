@@ -26,7 +26,7 @@ import torch
 from keyinit.nn._batch import FOREIGN, Batch, Foreign, Record, Unknown, merge, reshape, same_for_every_sample, sliced
 from keyinit.nn._batch_rules_nn import NN_RULES
 from keyinit.nn._batch_rules_nn import arg as _arg
-from keyinit.nn._routed import Routed, picked, proxied, routed_rule, unproxied
+from keyinit.nn._routed import Routed, gathered_rows, picked, proxied, routed_rule, unproxied
 
 __all__ = ["propagate", "restride_keeps_elements"]
 
@@ -217,7 +217,7 @@ def _rule_gather(func, args, kwargs, outs, records):
     irec = next((r for tt, r in records if tt is index), None)
     dim = int(args[1]) % max(t.dim(), 1)
     if isinstance(rec, Batch) and rec.dim == dim:
-        return [Unknown(f"{func} gathers along the batch dimension")]
+        return [gathered_rows(rec, t, dim, index)]  # rows picked by values (keyinit.nn._routed), or unknown
     own = (rec, t.dim(), None if not isinstance(rec, Batch) or rec.dim is None else int(t.shape[rec.dim]))
     found = merge([own, (irec, index.dim(), None)], outs[0].dim(), func)
     if type(found) is Unknown and isinstance(irec, Batch) and same_for_every_sample(index, irec):

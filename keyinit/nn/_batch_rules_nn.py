@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from keyinit.nn._batch import Batch, Record, Unknown, merge
-from keyinit.nn._routed import batch_samples, picked, written
+from keyinit.nn._routed import batch_samples, picked, put_rows, written
 
 __all__ = ["NN_RULES", "arg"]
 
@@ -438,6 +438,10 @@ def _rule_put_into(func, args, kwargs, outs, records):
     rec = _record_of(records, self)
     if isinstance(rec, Batch):
         return [rec]
+    if func._schema.name in ("aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
+        found = put_rows(func, args, records)  # rows of the batch written back: where each went, by value
+        if found is not None:
+            return [found]
     for t, r in records:
         if t is not self and r is not None:
             return [r if isinstance(r, Unknown) and not r.constant else

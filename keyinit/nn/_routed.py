@@ -42,7 +42,7 @@ from keyinit.regions import row_major_strides
 
 __all__ = ["Routed", "picked", "normalized", "proxied", "unproxied", "written", "routed_layout", "composed",
            "routed_rule", "duplicated",
-           "batch_samples"]
+           "batch_samples", "put_rows", "gathered_rows"]
 
 _WHY = ("its rows were picked from the batch by index values (a router's dispatch, a mask); keyinit keys only "
         "element-wise dropout on such rows")
@@ -202,6 +202,9 @@ def unproxied(result: list, groups: list, what: Any) -> list:
     """The rules' ``result`` with proxy batches mapped back to the routings they stand for."""
     out = []
     for r in result:
+        if type(r) is Routed and r.start < 0:  # (a pick of a proxy: no rule should make one)
+            out.append(Unknown(f"{what} picks rows picked by values again in a way keyinit does not follow"))
+            continue
         if not isinstance(r, Batch) or r.start >= 0:
             out.append(r)
             continue
@@ -311,6 +314,28 @@ def routed_rule(func: Any, args: tuple, kwargs: dict, records: list) -> Optional
                     index = index.nonzero().reshape(-1)
             return [composed(rec, rec.dim, index)]
         return [Unknown(f"{func} picks rows picked by values again, by a multi-dimensional index")]
+    if name == "aten::gather":
+        dim = int(args[1]) % max(args[0].dim(), 1)
+        if type(rec) is not Routed or rec.dim != dim:
+            return None
+        index = args[2]
+        with _NoFunction():
+            rows = index.movedim(dim, 0).reshape(int(index.shape[dim]), -1)
+            if index.numel() == 0 or not bool(torch.equal(rows, rows[:, :1].expand_as(rows))):
+                return [Unknown(f"{func} gathers elements of several rows picked by values")]
+        return [composed(rec, dim, rows[:, 0])]
+    if name.startswith("aten::scatter"):
+        dest, dim = args[0], int(args[1]) % max(args[0].dim(), 1)
+        src = args[3] if len(args) > 3 and isinstance(args[3], torch.Tensor) else None
+        srec = next((r for t, r in records if t is src), None) if src is not None else None
+        if type(srec) is not Routed or srec.dim != dim or isinstance(rec, Batch):
+            return None
+        if tuple(args[2].shape) != tuple(src.shape):
+            return [Unknown(f"{func} writes rows picked by values by an index shaped unlike them")]
+        return [written(dest, rec, dim, args[2], srec.samples, srec, srec.size)]
+    if name in ("aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
+        found = None if isinstance(rec, Batch) else put_rows(func, args, records)
+        return None if found is None else [found]
     if name in ("aten::index_add", "aten::index_add_", "aten::index_copy", "aten::index_copy_"):
         dest, dim = args[0], int(args[1]) % max(args[0].dim(), 1)
         source = next((r for t, r in records if t is args[3]), None)
@@ -320,6 +345,47 @@ def routed_rule(func: Any, args: tuple, kwargs: dict, records: list) -> Optional
             return [rec]  # dest's positions keep their samples (keyinit.nn._batch_rules_nn._rule_index_into)
         return [written(dest, rec, dim, args[2], source.samples, source, source.size)]
     return None
+
+
+def put_rows(func: Any, args: tuple, records: list) -> Optional[Record]:
+    """``index_put(self, indices, values)`` of rows of the batch (``values`` routed, or a batch in the indexed
+    dimension) into a replicated or constant ``self`` by one 1-D index: :func:`written`'s record; None for
+    any other form."""
+    dest, indices, values = args[0], list(args[1]), args[2]
+    picks = [(p, i) for p, i in enumerate(indices) if i is not None]
+    if len(picks) != 1 or not isinstance(values, torch.Tensor) or values.dim() != dest.dim():
+        return None
+    p, index = picks[0]
+    if index.dim() != 1 or index.is_floating_point():
+        return None
+    if index.dtype in (torch.bool, torch.uint8):
+        with _NoFunction():
+            index = index.nonzero().reshape(-1)
+    vrec = next((r for t, r in records if t is values), None)
+    rec = next((r for t, r in records if t is dest), None)
+    n = int(values.shape[p])
+    if n != int(index.numel()):
+        return None
+    if type(vrec) is Routed and vrec.dim == p:
+        return written(dest, rec, p, index, vrec.samples, vrec, vrec.size)
+    if type(vrec) is Batch and vrec.dim in (p, None):
+        if vrec.dim is None:  # every element one sample's (a forward of one row)
+            vrec = Batch(p, 1, vrec.start, max(n, 1))
+        return written(dest, rec, p, index, batch_samples(vrec, n, values.device), vrec, n)
+    return None
+
+
+def gathered_rows(rec: Batch, x: torch.Tensor, dim: int, index: torch.Tensor) -> Record:
+    """``x.gather(dim, index)`` along ``x``'s batch dimension ``dim``: rows picked by values when every
+    element of an index row picks the same row (``idx[:, None].expand(-1, D)``) and the index has ``x``'s
+    sizes elsewhere; else unknown."""
+    with _NoFunction():
+        same_sizes = all(int(index.shape[d]) == int(x.shape[d]) for d in range(x.dim()) if d != dim)
+        if index.dim() == x.dim() and same_sizes and index.numel() > 0:
+            rows = index.movedim(dim, 0).reshape(int(index.shape[dim]), -1)
+            if bool(torch.equal(rows, rows[:, :1].expand_as(rows))):
+                return picked(rec, int(x.shape[dim]), dim, rows[:, 0])
+    return Unknown("a gather along the batch dimension whose index rows pick elements of several rows")
 
 
 def duplicated(rec: Routed) -> bool:
