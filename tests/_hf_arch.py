@@ -84,6 +84,15 @@ def tiny_config(model_type: str, dropout: float | None = None) -> Any:
             inner.shared_expert_intermediate_size = 24
         if isinstance(getattr(inner, "rotary_dim", None), int):  # GPT-J, CodeGen: 64 of SMALL's head_dim of 8
             inner.rotary_dim = 4
+        if isinstance(getattr(inner, "qk_rope_head_dim", None), int):
+            # multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, ...): SMALL's head_dim of 8 split into a
+            # rotary and a plain half, latent ranks to match (the defaults' 64 + 128 do not fit head_dim 8)
+            for name, value in (("qk_rope_head_dim", 4), ("qk_nope_head_dim", 4), ("v_head_dim", 8),
+                                ("kv_lora_rank", 8), ("q_lora_rank", 8), ("head_dim", 4)):
+                if hasattr(inner, name):
+                    setattr(inner, name, value)
+        if inner is not None and getattr(inner, "use_cache", None):
+            inner.use_cache = False  # a training forward keeps no cache (hybrid caches refuse input_ids alone)
     if dropout is not None:
         set_dropout(config, dropout, transformers)
     return config

@@ -72,6 +72,7 @@ REPRESENTATIVE = (
     "whisper",  # LayerDrop, the Whisper decoder
     "xlnet",  # sequence-first (L, B, D) activations, einsum attention
     "funnel",  # pooling along the sequence, new_ones masks, relative attention
+    "deepseek_v3",  # MoE with multi-head latent attention: routed experts and a shared expert
     "jetmoe",  # MoE: x[batch_index] rows per expert, split/cat, zeros.index_add back (values checked)
     "nemotron_h",  # MoE: tokens sorted by expert, x[perm // k], _grouped_mm, y[inv_perm] back to a batch
     "tapas",  # segment reduce: scatter_reduce into (batch * segments) rows, positions checked on the values
