@@ -237,3 +237,39 @@ def test_other_draws_on_routed_rows_are_refused():
     with pytest.raises(UnkeyedRandomnessError, match="picked from the batch by index values"):
         with knn.keyed(model, 0, step=0):
             model(torch.randn(B, L, D))
+
+
+class Checkpointed(nn.Module):
+    """The top-1 MoE layer under activation checkpointing: the recompute routes again and draws again."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.moe, self.reentrant = Top1(), reentrant
+
+    def forward(self, h):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.moe, h, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_checkpointed_moe_recomputes_the_same_routed_masks(reentrant, backward_inside):
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant).train()
+    h = torch.randn(B, L, D, requires_grad=True)
+    grads = []
+    for checkpointed in (False, True):
+        model.zero_grad()
+        h.grad = None
+        fn = model if checkpointed else model.moe
+        with knn.keyed(model, 0, step=5):
+            out = fn(h) if checkpointed else model.moe(h)
+            if backward_inside:
+                out.square().sum().backward()
+        if not backward_inside:
+            out.square().sum().backward()
+        grads.append([h.grad.clone()] + [p.grad.clone() for p in model.moe.experts.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
