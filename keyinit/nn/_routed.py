@@ -17,9 +17,13 @@ Ops that move, slice, join or compute on routed rows without mixing them carry
 the record by the ordinary rules (:func:`proxied`: each distinct ``Routed`` is
 shown to the rules as a batch of ``n`` one-row samples with a start no real batch
 has, and mapped back). A second pick along the routed dimension composes the
-index vectors. Writing routed rows into a tensor by an index (``index_add``,
-``index_copy``) gives that tensor a batch when the values say every row went to a
-position of its own sample (:func:`written`). A ``Routed`` whose samples are laid
+index vectors; a ``gather`` along the batch dimension whose index rows each pick
+one row (``idx[:, None].expand(-1, D)``) is a pick too. Writing rows of the batch,
+routed or not, into a replicated or constant tensor by an index (``index_add``,
+``index_copy``, ``out[idx] = y``, ``scatter``/``scatter_add``/``scatter_reduce``)
+gives that tensor a batch when the values say every row went to a position of its
+own sample (:func:`written`); into a tensor that holds the batch, its positions keep
+their samples, as for any write. A ``Routed`` whose samples are laid
 out as a batch again (``y[inv_perm]`` after ``x[perm]``) is that :class:`Batch`
 (:func:`normalized`).
 
@@ -40,9 +44,8 @@ from keyinit._draw.dropout_geometry import Layout
 from keyinit.nn._batch import Batch, Record, Unknown, canonical
 from keyinit.regions import row_major_strides
 
-__all__ = ["Routed", "picked", "normalized", "proxied", "unproxied", "written", "routed_layout", "composed",
-           "routed_rule", "duplicated",
-           "batch_samples", "put_rows", "gathered_rows"]
+__all__ = ["Routed", "picked", "composed", "normalized", "proxied", "unproxied", "written", "batch_samples",
+           "put_rows", "gathered_rows", "routed_rule", "routed_layout", "duplicated"]
 
 _WHY = ("its rows were picked from the batch by index values (a router's dispatch, a mask); keyinit keys only "
         "element-wise dropout on such rows")
