@@ -242,8 +242,9 @@ def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op:
     if frame.foreign:
         refuse_foreign(ctx, frame, f"{kind}(p={p})")
     key = frame.forward.call_key(ctx, frame.fqn, ordinal)
-    if ctx.index != "dim0" and mask == "element" and type(record(input, frame.forward)) is Routed:
-        out = _routed_dropout(ctx, frame, kind, input, p, key, record(input, frame.forward))
+    routed = record(input, frame.forward) if ctx.index != "dim0" and mask == "element" else None
+    if type(routed) is Routed:
+        out = _routed_dropout(ctx, frame, kind, input, p, key, routed)
         if inplace:
             input.copy_(out)
             return input
