@@ -401,22 +401,40 @@ def test_a_graph_break_in_the_compiled_forward_numbers_its_draws_on():
     assert inner.calls == 2  # two graphs, each compiled once
 
 
-def test_batch_rules_that_read_index_values_while_tracing():
-    class Gather(nn.Module):  # rows picked by x[arange(B)[:, None], cols]: the rule checks the index's values
-        def forward(self, x):
-            b = x.shape[0]
-            rows = torch.arange(b)[:, None]
-            cols = torch.tensor([2, 0, 1])
-            return F.dropout(x[rows, cols], 0.3, self.training)
+class _Picks(nn.Module):
+    """Rows of the batch picked by index values: ``x[arange(B)[:, None], cols]`` (the rule checks that each
+    sample picks its own rows), or a router's ``x[idx]`` written back by ``index_add``."""
 
-    model = Gather().train()
+    def __init__(self, routed: bool) -> None:
+        super().__init__()
+        self.routed = routed
+
+    def forward(self, x):
+        if self.routed:
+            flat = x.reshape(-1, x.shape[-1])
+            idx = flat[:, 0].argsort()
+            y = F.dropout(flat[idx], 0.3, self.training)
+            return torch.zeros(flat.shape).index_add(0, idx, y).view(x.shape) * 2
+        rows = torch.arange(x.shape[0])[:, None]
+        return F.dropout(x[rows, torch.tensor([2, 0, 1])], 0.3, self.training)
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_a_graph_whose_batch_rules_read_index_values_runs_eagerly(routed):
+    """A traced graph is replayed for any values, so where its batch goes may not rest on the values seen
+    while tracing (keyinit.nn._tracing.propagate_traced): that graph runs eagerly under keyed()'s modes, each
+    call reading its own values, with the eager keyed forward's values."""
+    model = _Picks(routed).train()
     compiled = knn.compile(model, backend="aot_eager")
-    for step, offset, rows in [(0, 0, _inputs()), (1, 2, _inputs()[2:])]:
+    for step, offset, rows in [(0, 0, _inputs()), (1, 2, _inputs()[2:]), (2, 0, _inputs().flip(0))]:
         with knn.keyed(model, 0, step=step, sample_offset=offset):
             eager = model(rows)
-        with knn.keyed(compiled, 0, step=step, sample_offset=offset), warnings.catch_warnings():
-            warnings.filterwarnings("error", message="keyinit")  # traced and compiled, not run eagerly
+        with knn.keyed(compiled, 0, step=step, sample_offset=offset), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
             assert torch.equal(compiled(rows), eager)
+        if step == 0:
+            assert any("where its batch goes depends on values" in str(w.message) for w in seen), \
+                [str(w.message) for w in seen]
 
 
 #: HF causal LMs by how they lay out the batch where they draw. Every dropout-like probability is 0.1,

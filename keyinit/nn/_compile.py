@@ -184,8 +184,9 @@ class _Graph:
                 # the graph reads a tensor's value (.item()): a trace would freeze it, so this graph runs
                 # eagerly under keyed()'s modes (the eager keyed forward's values, not compiled)
                 warnings.warn(f"keyinit.nn.compile({type(self.owner.module).__name__}): a graph reads a tensor's "
-                              "value (.item(), float(t)); it runs eagerly under keyinit.nn.keyed, not compiled",
-                              stacklevel=2)
+                              "value (.item(), float(t)), or where its batch goes depends on values (rows picked "
+                              "by index, keyinit.nn._tracing.propagate_traced); it runs eagerly under "
+                              "keyinit.nn.keyed, not compiled", stacklevel=2)
                 return _Entry(None, True, [], [])
         out, forward, own = results[0]
         slots = list(trace.slots)

@@ -450,11 +450,13 @@ class BatchMode(TorchDispatchMode):
             for leaf in leaves:  # computed in this forward from replicated tensors: replicated
                 annotate(leaf, forward, None)
             return out
-        if getattr(self.ctx, "trace", None) is not None:  # tracing (keyinit.nn.compile): the rules' own ops
-            from torch.utils._python_dispatch import _disable_current_modes  # (index checks read values) untraced
+        if getattr(self.ctx, "trace", None) is not None:  # tracing (keyinit.nn.compile): the rules on metadata
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            from keyinit.nn._tracing import propagate_traced
 
             with _disable_current_modes():
-                found = propagate(func, args, kwargs, out, records)
+                found = propagate_traced(func, args, kwargs, out, records)
         else:
             found = propagate(func, args, kwargs, out, records)
         for leaf, rec in zip(leaves, found):
