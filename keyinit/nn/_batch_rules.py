@@ -1,7 +1,7 @@
 """How each ATen op carries the batch from its inputs to its outputs (:mod:`keyinit.nn._batch`).
 
-:func:`propagate` is called by the keyed forward's dispatch mode after every op
-whose inputs hold a batch. Rules are by op family:
+:func:`keyinit.nn._propagate.propagate` applies them after every op of a keyed forward
+whose inputs hold a batch (:func:`rule_for` finds an op's rule). Rules are by op family:
 
 - views and copies that keep the shape (``clone``, ``_to_copy``, ``detach``, ...),
   pointwise ops (``torch.Tag.pointwise``) and the ``*_like`` factories: the
@@ -23,12 +23,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from keyinit.nn._batch import FOREIGN, Batch, Foreign, Record, Unknown, merge, reshape, same_for_every_sample, sliced
+from keyinit.nn._batch import Batch, Record, Unknown, merge, reshape, same_for_every_sample, sliced
 from keyinit.nn._batch_rules_nn import NN_RULES
 from keyinit.nn._batch_rules_nn import arg as _arg
-from keyinit.nn._routed import Routed, gathered_rows, picked, proxied, routed_rule, unproxied
+from keyinit.nn._routed import gathered_rows, picked
 
-__all__ = ["propagate", "restride_keeps_elements"]
+__all__ = ["rule_for", "restride_keeps_elements"]
 
 
 def _dims(dims: Any, ndim: int) -> list[int]:
@@ -408,7 +408,8 @@ _RULES: dict[str, Callable] = {
 }
 
 
-def _rule_for(func: Any) -> Optional[Callable]:
+def rule_for(func: Any) -> Optional[Callable]:
+    """The rule of ATen op ``func`` (None: it has none)."""
     name = func._schema.name
     rule = _RULES.get(name)
     if rule is not None:
@@ -421,68 +422,3 @@ def _rule_for(func: Any) -> Optional[Callable]:
     if torch.Tag.pointwise in func.tags:
         return _pointwise
     return None
-
-
-def _one_sample(records: list[tuple[torch.Tensor, Record]]) -> Optional[Batch]:
-    """``Batch(None, 1, s)`` when the inputs that hold a batch all hold the one sample ``s`` (a forward of one
-    row) and none is unknown: whatever the op does with their elements, every element of its result is
-    sample ``s``'s, at its row-major place, so a rule's layout conflict there mixes no samples (a reshape of
-    one sample cannot tell which dimension its batch merged into, and ``einsum`` folds a size-1 batch
-    dimension into the ones it contracts)."""
-    sample: Optional[int] = None
-    for _, rec in records:
-        if isinstance(rec, Unknown):
-            return None
-        if isinstance(rec, Batch):
-            if rec.count != 1 or (sample is not None and rec.start != sample):
-                return None
-            sample = rec.start
-    return None if sample is None else Batch(None, 1, sample)
-
-
-_CACHE: dict[Any, Optional[Callable]] = {}
-
-
-def propagate(func: Any, args: tuple, kwargs: dict, out: Any, records: list[tuple[torch.Tensor, Record]]) -> list:
-    """The records of ``out``'s tensors, flattened as :func:`torch.utils._pytree.tree_leaves` gives them.
-
-    ``records`` are the ``(tensor, record)`` pairs of the op's tensor inputs, in order, at least one
-    of them not replicated.
-    """
-    try:
-        rule = _CACHE[func]
-    except KeyError:
-        rule = _CACHE[func] = _rule_for(func)
-    outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    foreign = any(isinstance(r, Foreign) for _, r in records)
-    if foreign:
-        # a tensor of unknown origin holds no batch the rules can place: they see it as replicated, and a
-        # result that holds no batch is then of unknown origin too (below)
-        records = [(t, None if isinstance(r, Foreign) else r) for t, r in records]
-        if all(r is None for _, r in records):
-            return [FOREIGN] * len(outs)
-    groups: list = []
-    if any(type(r) is Routed for _, r in records):
-        # rows picked by values: the ops that read the values have their own rules; the others see each
-        # routing as a batch of one-row samples (keyinit.nn._routed)
-        found = routed_rule(func, args, kwargs, records)
-        if found is not None:
-            return found + [found[-1]] * (len(outs) - len(found))
-        records, groups = proxied(records)
-    if rule is None:
-        first = next((r for _, r in records if isinstance(r, Unknown)), None)
-        return [first or Unknown(f"{func} (keyinit has no rule for where this op puts the batch)")] * len(outs)
-    try:
-        result = rule(func, args, kwargs, outs, records)
-    except (IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
-        result = [Unknown(f"{func}: {exc}")] * len(outs)
-    if len(result) < len(outs):
-        result = result + [result[-1]] * (len(outs) - len(result))
-    if any(type(r) is Unknown and not r.constant for r in result):
-        sample = _one_sample(records)
-        if sample is not None:
-            result = [sample if type(r) is Unknown and not r.constant else r for r in result]
-    if foreign:
-        # a result computed from a tensor of unknown origin and no batch-holding tensor: of unknown origin too
-        result = [FOREIGN if r is None else r for r in result]
-    return unproxied(result, groups, func) if groups else result

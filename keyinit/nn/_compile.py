@@ -185,7 +185,7 @@ class _Graph:
                 # eagerly under keyed()'s modes (the eager keyed forward's values, not compiled)
                 warnings.warn(f"keyinit.nn.compile({type(self.owner.module).__name__}): a graph reads a tensor's "
                               "value (.item(), float(t)), or where its batch goes depends on values (rows picked "
-                              "by index, keyinit.nn._tracing.propagate_traced); it runs eagerly under "
+                              "by index, keyinit.nn._propagate.propagate_traced); it runs eagerly under "
                               "keyinit.nn.keyed, not compiled", stacklevel=2)
                 return _Entry(None, True, [], [])
         out, forward, own = results[0]

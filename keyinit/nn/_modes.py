@@ -22,7 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
-from keyinit.nn._batch_rules import propagate, restride_keeps_elements
+from keyinit.nn._batch_rules import restride_keeps_elements
+from keyinit.nn._propagate import propagate, propagate_traced
 from keyinit.nn._routed import Routed
 from keyinit.nn._replay import REMEMBERED, eligible, learn, replay, replayable, signature
 from keyinit.nn._intercept import (
@@ -452,8 +453,6 @@ class BatchMode(TorchDispatchMode):
             return out
         if getattr(self.ctx, "trace", None) is not None:  # tracing (keyinit.nn.compile): the rules on metadata
             from torch.utils._python_dispatch import _disable_current_modes
-
-            from keyinit.nn._tracing import propagate_traced
 
             with _disable_current_modes():
                 found = propagate_traced(func, args, kwargs, out, records)

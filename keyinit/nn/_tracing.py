@@ -268,38 +268,3 @@ def _sizesource_name(node: torch.fx.Node) -> tuple[Optional[str], Optional[int]]
     if base is None or idx is None or "SIZE" not in prop:
         return None, None
     return base.name, idx
-
-
-def propagate_traced(func: Any, args: tuple, kwargs: dict, out: Any, records: list) -> list:
-    """:func:`keyinit.nn._batch_rules.propagate` for an op of a graph being traced, on its metadata only.
-
-    A traced graph is replayed for any values, so a record may not rest on the values seen while
-    tracing: the rules run on meta tensors of the same sizes, strides, offsets and dtypes. A rule that
-    reads values (rows picked by index, :mod:`keyinit.nn._routed`; an index that picks each sample's own
-    rows) cannot: the graph then runs eagerly under keyed()'s modes (:mod:`keyinit.nn._compile`), where
-    every call reads its own values. Called with the tracing modes off.
-    """
-    from torch.utils._pytree import tree_map
-
-    from keyinit.nn._batch_rules import propagate
-
-    stand_ins: dict = {}
-
-    def meta(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        found = stand_ins.get(id(value))
-        if found is None:
-            size = value.untyped_storage().nbytes() // max(value.element_size(), 1)
-            base = torch.empty(size, dtype=value.dtype, device="meta")
-            found = stand_ins[id(value)] = base.as_strided(value.shape, value.stride(), value.storage_offset())
-        return found
-
-    try:
-        with torch._C.DisableTorchFunction():
-            return propagate(func, tree_map(meta, args), tree_map(meta, kwargs), tree_map(meta, out),
-                             [(meta(t), r) for t, r in records])
-    except (RuntimeError, NotImplementedError) as exc:
-        # (the message _compile's trace takes for a graph that reads values: it runs eagerly)
-        raise RuntimeError(f"keyinit: cannot get value out of a tracing tensor: the batch rule of {func} reads "
-                           "values") from exc
