@@ -349,7 +349,9 @@ def test_unkeyable_randomness_names_module_and_op():
             self.inner = nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.inner(x) + torch.rand_like(x[torch.tensor([1, 0])])  # rows picked by index: unknown
+            # each row written to the other sample's position: which sample is where, unknown
+            swapped = torch.zeros(2, 4).index_add(0, torch.tensor([1, 0]), x)
+            return self.inner(x) + torch.rand_like(swapped)
 
     class Root(nn.Module):
         def __init__(self) -> None:

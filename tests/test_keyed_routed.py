@@ -223,18 +223,48 @@ def test_rows_written_to_other_samples_positions_are_refused():
             model(torch.randn(B, L, D))
 
 
-class Noisy(nn.Module):
-    """A draw other than dropout on routed rows: refused, never keyed by a guess."""
+class Drawn(nn.Module):
+    """A random op other than dropout on rows a router picked (``pick``), or on the batch before the pick
+    (the same op's values, picked after): keyed alike, element by element (``kind``: ``rand_like``,
+    ``uniform_`` in place, ``bernoulli`` of probabilities of the rows' shape)."""
+
+    def __init__(self, kind: str, pick: bool, rows: list) -> None:
+        super().__init__()
+        self.kind, self.pick, self.rows = kind, pick, rows
+
+    def draw(self, x):
+        if self.kind == "rand_like":
+            return torch.rand_like(x)
+        if self.kind == "uniform_":
+            return x.clone().uniform_(-1.0, 1.0)
+        return torch.bernoulli(x.sigmoid())
 
     def forward(self, h):
         x = h.reshape(-1, D)
-        rows = x[torch.tensor([3, 0, 7])]
-        return rows + torch.rand_like(rows)
+        idx = torch.tensor(self.rows)
+        return self.draw(x[idx]) if self.pick else self.draw(x)[idx]
 
 
-def test_other_draws_on_routed_rows_are_refused():
-    model = Noisy()
-    with pytest.raises(UnkeyedRandomnessError, match="picked from the batch by index values"):
+@pytest.mark.parametrize("kind", ["rand_like", "uniform_", "bernoulli"])
+def test_other_draws_on_routed_rows_are_the_virtual_tensors_values(kind):
+    h = torch.randn(B, L, D)
+    rows = [3, 0, 17, 9, 12]
+    outs = []
+    for pick in (True, False):
+        model = Drawn(kind, pick, rows)
+        with knn.keyed(model, 0, step=4):
+            outs.append(model(h))
+    assert torch.equal(outs[0], outs[1])
+    # the rows of samples 2..3 alone (sample_offset=2): the same values
+    model = Drawn(kind, True, [r - 2 * L for r in rows if r >= 2 * L])
+    with knn.keyed(model, 0, step=4, sample_offset=2):
+        part = model(h[2:])
+    assert torch.equal(part, outs[0][[i for i, r in enumerate(rows) if r >= 2 * L]])
+
+
+def test_draws_on_a_row_picked_twice_are_refused():
+    model = Drawn("rand_like", True, [3, 3, 7])
+    with pytest.raises(UnkeyedRandomnessError, match="picked more than once"):
         with knn.keyed(model, 0, step=0):
             model(torch.randn(B, L, D))
 

@@ -24,7 +24,7 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
 from keyinit.nn._batch_rules import restride_keeps_elements
 from keyinit.nn._propagate import propagate, propagate_traced
-from keyinit.nn._routed import Routed
+from keyinit.nn._routed import Routed, routed_draw
 from keyinit.nn._replay import REMEMBERED, eligible, learn, replay, replayable, signature
 from keyinit.nn._intercept import (
     Keyed,
@@ -477,11 +477,14 @@ class BatchMode(TorchDispatchMode):
                 "the dropout family and attention dropout; use the default index='tracked' to key every random op"
             )
         shape = tuple(records[0][0].shape) if records else ()
-        rec = placed(frame, self._output_record(func, frame, args, kwargs, records), str(func), shape)
+        found = self._output_record(func, frame, args, kwargs, records)
+        if type(found) is Routed and getattr(ctx, "trace", None) is None:
+            found = routed_draw(frame, found, str(func), shape)  # rows picked by values (keyinit.nn._routed)
+        rec = found if type(found) is Routed else placed(frame, found, str(func), shape)
         # a draw of p = 0 (no randomness) takes no call ordinal: any key gives its values
         key = make_key(DROPOUT_DOMAIN) if nothing else frame.key(ctx)
         site = f"{frame.describe()}: {func}"
-        batch = rec if isinstance(rec, Batch) else None
+        batch = rec if isinstance(rec, (Batch, Routed)) else None
         trace = getattr(ctx, "trace", None)
         if trace is not None:  # tracing a compiled keyed forward (keyinit.nn._compile): a site op
             out = trace.draw(func, args, kwargs, key, batch, site)

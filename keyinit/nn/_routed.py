@@ -28,9 +28,12 @@ out as a batch again (``y[inv_perm]`` after ``x[perm]``) is that :class:`Batch`
 (:func:`normalized`).
 
 Element-wise dropout of routed rows is keyed as the same dropout of the virtual
-tensor (the rows in their place in the batch) would be (:func:`routed_layout`).
-Every other draw on routed rows is refused (``Routed`` is an :class:`Unknown`, so
-whatever does not know it refuses it), as is a pick by a multi-dimensional index.
+tensor (the rows in their place in the batch) would be (:func:`routed_layout`), and
+so is every other random op drawing per element (``rand_like``, ``uniform_``,
+``bernoulli``: :func:`keyinit.nn._draws.routed_rows`). A draw on rows known only by
+their samples, or on a row picked twice, is refused (:func:`routed_draw`), and so is
+whatever does not know a ``Routed`` (it is an :class:`Unknown`), as a pick by a
+multi-dimensional index.
 """
 
 from __future__ import annotations
@@ -41,14 +44,15 @@ import attrs
 import torch
 
 from keyinit._draw.dropout_geometry import Layout
+from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, Record, Unknown, canonical
 from keyinit.regions import row_major_strides
 
 __all__ = ["Routed", "picked", "composed", "normalized", "proxied", "unproxied", "written", "batch_samples",
-           "put_rows", "gathered_rows", "routed_rule", "routed_layout", "duplicated"]
+           "put_rows", "gathered_rows", "routed_rule", "routed_layout", "routed_draw", "duplicated"]
 
-_WHY = ("its rows were picked from the batch by index values (a router's dispatch, a mask); keyinit keys only "
-        "element-wise dropout on such rows")
+_WHY = ("its rows were picked from the batch by index values (a router's dispatch, a mask), and this draw "
+        "cannot be keyed on them")
 
 
 @attrs.frozen(eq=False)
@@ -389,6 +393,23 @@ def gathered_rows(rec: Batch, x: torch.Tensor, dim: int, index: torch.Tensor) ->
             if bool(torch.equal(rows, rows[:, :1].expand_as(rows))):
                 return picked(rec, int(x.shape[dim]), dim, rows[:, 0])
     return Unknown("a gather along the batch dimension whose index rows pick elements of several rows")
+
+
+def routed_draw(frame: Any, rec: Routed, what: str, shape: tuple) -> Routed:
+    """``rec`` for a random op drawing per element on routed rows, or the UnkeyedRandomnessError that says why
+    it cannot be keyed (the rows' places in their samples unknown, or a row picked twice)."""
+    why = None
+    if rec.rows is None:
+        why = ("whose places in their samples keyinit does not follow (rows routed two ways, or picked with "
+               "positions of other dimensions)")
+    elif duplicated(rec):
+        why = "where some row was picked more than once (a token sent to several experts): its copies would draw alike"
+    if why is not None:
+        raise UnkeyedRandomnessError(
+            f"{frame.describe()}: {what} on a {shape or 'sized'} tensor of rows picked from the batch by index "
+            f"values, {why}. Draw before the rows are picked or after they are written back, or declare the "
+            "batch with keyinit.nn.batch_dim")
+    return rec
 
 
 def duplicated(rec: Routed) -> bool:
