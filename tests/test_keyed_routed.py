@@ -303,3 +303,21 @@ def test_checkpointed_moe_recomputes_the_same_routed_masks(reentrant, backward_i
     assert len(grads[0]) == len(grads[1])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_compiled_moe_equals_the_eager_keyed_forward():
+    """Under keyinit.nn.compile, rows routed in one part of the forward and dropped in a graph after it: no
+    routing seen while tracing is reused (keyinit.nn._propagate.propagate_traced), each call's values are the
+    eager keyed forward's, for new steps, offsets and routings."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = Top1().train()
+    compiled = knn.compile(model, backend="aot_eager")
+    h = torch.randn(B, L, D)
+    for step, offset, rows in [(0, 0, h), (1, 2, h[2:]), (2, 0, h.flip(0) * 3)]:
+        with knn.keyed(model, 0, step=step, sample_offset=offset):
+            eager = model(rows)
+        with knn.keyed(compiled, 0, step=step, sample_offset=offset), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert torch.equal(compiled(rows), eager), (step, offset)

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from keyinit.nn._batch import Batch, Record, Unknown, merge
-from keyinit.nn._routed import batch_samples, picked, put_rows, written
+from keyinit.nn._routed import picked, put_rows, written_batch
 
 __all__ = ["NN_RULES", "arg"]
 
@@ -382,7 +382,7 @@ def _rule_scatter(func, args, kwargs, outs, records):
         srec = _record_of(records, src) if src is not None else None
         if isinstance(srec, Batch) and srec.dim in (dim, None) and tuple(args[2].shape) == tuple(src.shape):
             # a segment reduce into a tensor laid out per sample (TAPAS): where each element went, by value
-            return [_written_rows(self, rec, dim, args[2], src, srec)]
+            return [written_batch(self, rec, dim, args[2], src, srec)]
         return [Unknown(f"{func} writes rows of the batch dimension by index")]
     return [merge([(r, t.dim(), None) for t, r in [(self, rec), *others]], self.dim(), str(func))]
 
@@ -398,20 +398,10 @@ def _rule_index_into(func, args, kwargs, outs, records):
     source = args[3] if len(args) > 3 and isinstance(args[3], torch.Tensor) else None
     srec = _record_of(records, source) if source is not None else None
     if isinstance(srec, Batch) and srec.dim in (dim, None):
-        return [_written_rows(self, rec, dim, index, source, srec)]  # where each row went, by value
+        return [written_batch(self, rec, dim, index, source, srec)]  # where each row went, by value
     if _record_of(records, index) is not None:
         return [Unknown(f"{func} writes by a batch-holding index")]
     return [merge([(rec, self.dim(), None), (srec, self.dim(), None)], self.dim(), str(func))]
-
-
-def _written_rows(self: torch.Tensor, rec: Record, dim: int, index: torch.Tensor, source: torch.Tensor,
-                  srec: Batch) -> Record:
-    """``self`` (replicated or constant) after ``index`` wrote ``source``'s rows, whose batch is ``srec`` in
-    ``dim``, into its dimension ``dim``: laid out per sample when the index values keep every row's sample."""
-    size = int(source.shape[dim])
-    if srec.dim is None:  # every element one sample's (a forward of one row)
-        srec = Batch(dim, 1, srec.start, max(size, 1))
-    return written(self, rec, dim, index, batch_samples(srec, size, source.device), srec, size)
 
 
 def _rule_grouped_mm(func, args, kwargs, outs, records):

@@ -23,7 +23,7 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit._draw.dropout_geometry import Layout, constants
 from keyinit.nn import functional as KF
 from keyinit.nn._batch import Batch, Foreign, Unknown, annotate, canonical, record
-from keyinit.nn._routed import Routed, duplicated, routed_layout
+from keyinit.nn._routed import Routed, needs_values, routed_draw, routed_layout
 from keyinit.regions import row_major_strides
 
 
@@ -271,23 +271,14 @@ def _routed_dropout(ctx: "Keyed", frame: Frame, kind: str, input: torch.Tensor, 
                     rec: Routed) -> torch.Tensor:
     """Element-wise keyed dropout of rows picked from the batch by values: each element keyed as the same
     element of the virtual tensor, the rows in their place in the batch (keyinit.nn._routed)."""
-    why = None
-    if getattr(ctx, "trace", None) is not None:
-        why = "under keyinit.nn.compile (the rows are known only from the index values)"
-    elif KF.is_dtensor(input):
-        why = "of a DTensor"
-    elif rec.rows is None:
-        why = "whose positions in their samples keyinit does not follow (rows routed two ways, or picked with " \
-              "positions of other dimensions)"
-    elif duplicated(rec):
-        why = "where some row was picked more than once (a token sent to several experts): its copies would " \
-              "draw the same mask"
-    if why is not None:
+    if getattr(ctx, "trace", None) is not None:  # (keyinit.nn.compile: that graph runs eagerly instead)
+        raise needs_values(f"{frame.describe()}: {kind} of rows picked by values")
+    if KF.is_dtensor(input):
         raise UnkeyedRandomnessError(
-            f"{frame.describe()}: {kind} on a {tuple(input.shape)} tensor of rows picked from the batch by index "
-            f"values, {why}. Apply the dropout before the rows are picked or after they are written back, or "
-            "declare the batch with keyinit.nn.batch_dim"
-        )
+            f"{frame.describe()}: {kind} on a DTensor of rows picked from the batch by index values: keyinit keys "
+            "such rows only as plain tensors; apply the dropout before the rows are picked or after they are "
+            "written back")
+    routed_draw(frame, rec, kind, tuple(input.shape))  # (refused: rows known only by samples, or picked twice)
     KF.check_input(input)
     out = KF.run_layout(input.contiguous(), p, key, routed_layout(tuple(input.shape), rec))
     annotate(out, frame.forward, rec)

@@ -24,7 +24,7 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
 from keyinit.nn._batch_rules import restride_keeps_elements
 from keyinit.nn._propagate import propagate, propagate_traced
-from keyinit.nn._routed import Routed, routed_draw
+from keyinit.nn._routed import Routed, needs_values, routed_draw
 from keyinit.nn._replay import REMEMBERED, eligible, learn, replay, replayable, signature
 from keyinit.nn._intercept import (
     Keyed,
@@ -478,8 +478,10 @@ class BatchMode(TorchDispatchMode):
             )
         shape = tuple(records[0][0].shape) if records else ()
         found = self._output_record(func, frame, args, kwargs, records)
-        if type(found) is Routed and getattr(ctx, "trace", None) is None:
-            found = routed_draw(frame, found, str(func), shape)  # rows picked by values (keyinit.nn._routed)
+        if type(found) is Routed:  # rows picked by values (keyinit.nn._routed)
+            if getattr(ctx, "trace", None) is not None:  # (keyinit.nn.compile: that graph runs eagerly instead)
+                raise needs_values(f"{frame.describe()}: {func} on rows picked by values")
+            found = routed_draw(frame, found, str(func), shape)
         rec = found if type(found) is Routed else placed(frame, found, str(func), shape)
         # a draw of p = 0 (no randomness) takes no call ordinal: any key gives its values
         key = make_key(DROPOUT_DOMAIN) if nothing else frame.key(ctx)

@@ -11,7 +11,7 @@ import torch
 
 from keyinit.nn._batch import FOREIGN, Batch, Foreign, Record, Unknown
 from keyinit.nn._batch_rules import rule_for
-from keyinit.nn._routed import Routed, proxied, routed_rule, unproxied
+from keyinit.nn._routed import Routed, needs_values, proxied, routed_rule, unproxied
 
 __all__ = ["propagate", "propagate_traced"]
 
@@ -104,11 +104,12 @@ def propagate_traced(func: Any, args: tuple, kwargs: dict, out: Any, records: li
             found = stand_ins[id(value)] = base.as_strided(value.shape, value.stride(), value.storage_offset())
         return found
 
+    if any(type(r) is Routed for _, r in records):  # rows picked by values in an eager part before the graph
+        raise needs_values(f"the batch of {func}'s rows picked by values")
     try:
         with torch._C.DisableTorchFunction():
             return propagate(func, tree_map(meta, args), tree_map(meta, kwargs), tree_map(meta, out),
                              [(meta(t), r) for t, r in records])
     except (RuntimeError, NotImplementedError) as exc:
         # (the message _compile's trace takes for a graph that reads values: it runs eagerly)
-        raise RuntimeError(f"keyinit: cannot get value out of a tracing tensor: the batch rule of {func} reads "
-                           "values") from exc
+        raise needs_values(f"the batch rule of {func}") from exc

@@ -48,8 +48,8 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, Record, Unknown, canonical
 from keyinit.regions import row_major_strides
 
-__all__ = ["Routed", "picked", "composed", "normalized", "proxied", "unproxied", "written", "batch_samples",
-           "put_rows", "gathered_rows", "routed_rule", "routed_layout", "routed_draw", "duplicated"]
+__all__ = ["Routed", "picked", "composed", "normalized", "proxied", "unproxied", "written", "written_batch",
+           "put_rows", "gathered_rows", "routed_rule", "routed_layout", "routed_draw", "needs_values", "duplicated"]
 
 _WHY = ("its rows were picked from the batch by index values (a router's dispatch, a mask), and this draw "
         "cannot be keyed on them")
@@ -99,12 +99,14 @@ class Routed(Unknown):
         return Routed(self.why, dim=dim, count=self.count, start=self.start, inner=self.inner, size=self.size,
                       source_rows=rows, source_samples=samples)
 
-    def sliced(self, dim: int, first: int, length: int) -> "Routed":
-        """Entries ``first:first + length`` of this record's rows, in dimension ``dim``: the same routing."""
-        return attrs.evolve(self, dim=dim, first=self.first + first, length=length)
-
 
 _NoFunction = torch._C.DisableTorchFunction
+
+
+def _samples(positions: torch.Tensor, count: int, start: int, inner: int) -> torch.Tensor:
+    """The global sample of each of ``positions`` of a batch dimension laid out as ``Batch(count, start,
+    inner)``: ``start + (position // inner) % count``."""
+    return start + positions.div(inner, rounding_mode="floor").remainder(count)
 
 
 def picked(rec: Batch, size: int, dim: int, index: torch.Tensor) -> Record:
@@ -113,7 +115,7 @@ def picked(rec: Batch, size: int, dim: int, index: torch.Tensor) -> Record:
     with _NoFunction():
         rows = index.detach().reshape(-1).to(torch.int64, copy=True)
         rows = torch.where(rows < 0, rows + size, rows)
-        samples = rec.start + rows.div(rec.inner, rounding_mode="floor").remainder(rec.count)
+        samples = _samples(rows, rec.count, rec.start, rec.inner)
     return normalized(Routed(_WHY, dim=dim, count=rec.count, start=rec.start, inner=rec.inner, size=size,
                              source_rows=rows, source_samples=samples))
 
@@ -151,8 +153,8 @@ def normalized(rec: Routed) -> Record:
             return Batch(rec.dim, 1, first, n)  # every row one sample's
         if n % rec.count == 0:
             inner = n // rec.count
-            expect = rec.start + torch.arange(n, device=samples.device).div(inner, rounding_mode="floor")
-            if bool(torch.equal(samples, expect)):
+            if bool(torch.equal(samples, _samples(torch.arange(n, device=samples.device), rec.count, rec.start,
+                                                  inner))):
                 return Batch(rec.dim, rec.count, rec.start, inner)
     return rec
 
@@ -252,16 +254,22 @@ def written(dest: torch.Tensor, rec: Record, dim: int, index: torch.Tensor, samp
             where = samples.reshape(shape)[tuple(slice(0, int(n)) for n in index.shape)].expand(index.shape)
         if index.shape != where.shape:
             return Unknown("an index_add/index_copy whose index and source rows differ in number")
-        at = layout.start + index.remainder(m).div(layout.inner, rounding_mode="floor").remainder(layout.count)
+        at = _samples(index.remainder(m), layout.count, layout.start, layout.inner)
         if not bool(torch.equal(at, where)):
             return Unknown("rows of the batch were written by index to positions of other samples")
     return layout
 
 
-def batch_samples(rec: Batch, n: int, device: Any) -> torch.Tensor:
-    """The global sample of each of the ``n`` indices of ``rec``'s batch dimension."""
+def written_batch(dest: torch.Tensor, rec: Record, dim: int, index: torch.Tensor, source: torch.Tensor,
+                  srec: Batch) -> Record:
+    """:func:`written` of rows of ``source``, whose batch ``srec`` is in ``dim`` (or, ``dim`` None, its one
+    sample's, a forward of one row)."""
+    n = int(source.shape[dim])
+    if srec.dim is None:
+        srec = Batch(dim, 1, srec.start, max(n, 1))
     with _NoFunction():
-        return rec.start + torch.arange(n, device=device).div(rec.inner, rounding_mode="floor").remainder(rec.count)
+        samples = _samples(torch.arange(n, device=source.device), srec.count, srec.start, srec.inner)
+    return written(dest, rec, dim, index, samples, srec, n)
 
 
 # ----------------------------------------------------------------------------- draws
@@ -325,12 +333,10 @@ def routed_rule(func: Any, args: tuple, kwargs: dict, records: list) -> Optional
         dim = int(args[1]) % max(args[0].dim(), 1)
         if type(rec) is not Routed or rec.dim != dim:
             return None
-        index = args[2]
-        with _NoFunction():
-            rows = index.movedim(dim, 0).reshape(int(index.shape[dim]), -1)
-            if index.numel() == 0 or not bool(torch.equal(rows, rows[:, :1].expand_as(rows))):
-                return [Unknown(f"{func} gathers elements of several rows picked by values")]
-        return [composed(rec, dim, rows[:, 0])]
+        rows = _gathered(args[0], dim, args[2])
+        if rows is None:
+            return [Unknown(f"{func} gathers elements of several rows picked by values")]
+        return [composed(rec, dim, rows)]
     if name.startswith("aten::scatter"):
         dest, dim = args[0], int(args[1]) % max(args[0].dim(), 1)
         src = args[3] if len(args) > 3 and isinstance(args[3], torch.Tensor) else None
@@ -376,23 +382,28 @@ def put_rows(func: Any, args: tuple, records: list) -> Optional[Record]:
     if type(vrec) is Routed and vrec.dim == p:
         return written(dest, rec, p, index, vrec.samples, vrec, vrec.size)
     if type(vrec) is Batch and vrec.dim in (p, None):
-        if vrec.dim is None:  # every element one sample's (a forward of one row)
-            vrec = Batch(p, 1, vrec.start, max(n, 1))
-        return written(dest, rec, p, index, batch_samples(vrec, n, values.device), vrec, n)
+        return written_batch(dest, rec, p, index, values, vrec)
     return None
 
 
-def gathered_rows(rec: Batch, x: torch.Tensor, dim: int, index: torch.Tensor) -> Record:
-    """``x.gather(dim, index)`` along ``x``'s batch dimension ``dim``: rows picked by values when every
-    element of an index row picks the same row (``idx[:, None].expand(-1, D)``) and the index has ``x``'s
-    sizes elsewhere; else unknown."""
+def _gathered(x: torch.Tensor, dim: int, index: torch.Tensor) -> Optional[torch.Tensor]:
+    """The row of ``x`` each index row of ``x.gather(dim, index)`` picks, when every element of an index row
+    picks the same row (``idx[:, None].expand(-1, D)``) and the index has ``x``'s sizes elsewhere; else None."""
+    same_sizes = all(int(index.shape[d]) == int(x.shape[d]) for d in range(x.dim()) if d != dim)
+    if index.dim() != x.dim() or not same_sizes or index.numel() == 0:
+        return None
     with _NoFunction():
-        same_sizes = all(int(index.shape[d]) == int(x.shape[d]) for d in range(x.dim()) if d != dim)
-        if index.dim() == x.dim() and same_sizes and index.numel() > 0:
-            rows = index.movedim(dim, 0).reshape(int(index.shape[dim]), -1)
-            if bool(torch.equal(rows, rows[:, :1].expand_as(rows))):
-                return picked(rec, int(x.shape[dim]), dim, rows[:, 0])
-    return Unknown("a gather along the batch dimension whose index rows pick elements of several rows")
+        rows = index.movedim(dim, 0).reshape(int(index.shape[dim]), -1)
+        return rows[:, 0] if bool(torch.equal(rows, rows[:, :1].expand_as(rows))) else None
+
+
+def gathered_rows(rec: Batch, x: torch.Tensor, dim: int, index: torch.Tensor) -> Record:
+    """``x.gather(dim, index)`` along ``x``'s batch dimension ``dim``: rows picked by values (:func:`_gathered`),
+    else unknown."""
+    rows = _gathered(x, dim, index)
+    if rows is None:
+        return Unknown("a gather along the batch dimension whose index rows pick elements of several rows")
+    return picked(rec, int(x.shape[dim]), dim, rows)
 
 
 def routed_draw(frame: Any, rec: Routed, what: str, shape: tuple) -> Routed:
@@ -410,6 +421,12 @@ def routed_draw(frame: Any, rec: Routed, what: str, shape: tuple) -> Routed:
             f"values, {why}. Draw before the rows are picked or after they are written back, or declare the "
             "batch with keyinit.nn.batch_dim")
     return rec
+
+
+def needs_values(what: str) -> RuntimeError:
+    """The error for a graph being traced where ``what`` depends on values: :mod:`keyinit.nn._compile` runs
+    that graph eagerly under keyed()'s modes (its message is the one the trace takes for ``.item()``)."""
+    return RuntimeError(f"keyinit: cannot get value out of a tracing tensor: {what} depends on values")
 
 
 def duplicated(rec: Routed) -> bool:
