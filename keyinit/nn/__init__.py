@@ -10,6 +10,7 @@ global index):
 - :func:`keyed`: a context manager under which every dropout in a model's forward
   (``nn.Dropout``, ``F.dropout``, HF eager attention, ...) is keyed;
 - :func:`compile`: ``torch.compile`` for keyed forwards (keys and offsets are graph inputs);
+- :func:`checkpoint`: ``torch.utils.checkpoint.checkpoint`` whose recompute is keyed as its first execution;
 - :func:`dropout_key`: the key ``keyed`` gives a call (``docs/spec.md`` section 14).
 
 See ``docs/dropout.md``.
@@ -17,11 +18,11 @@ See ``docs/dropout.md``.
 
 from keyinit.nn import functional
 from keyinit.nn._compile import KeyedCompiled, compile
-from keyinit.nn._api import batch_dim, keyed
+from keyinit.nn._api import batch_dim, checkpoint, keyed
 from keyinit.nn._keyed import Keyed
 from keyinit.nn._pipeline import micro_batches
 from keyinit.nn._keys import DROPOUT_DOMAIN, dropout_key
 from keyinit.nn.modules import Dropout
 
-__all__ = ["functional", "Dropout", "keyed", "Keyed", "batch_dim", "micro_batches", "compile", "KeyedCompiled",
+__all__ = ["functional", "Dropout", "keyed", "Keyed", "batch_dim", "checkpoint", "micro_batches", "compile", "KeyedCompiled",
            "dropout_key", "DROPOUT_DOMAIN"]

@@ -9,9 +9,10 @@ import torch
 
 from keyinit.nn._batch import Batch, annotate, declare
 from keyinit.keys import Key
-from keyinit.nn._keyed import Keyed, current_forward
+from keyinit.nn._checkpoint import Region
+from keyinit.nn._keyed import Keyed, current_forward, running_frame
 
-__all__ = ["keyed", "batch_dim"]
+__all__ = ["keyed", "batch_dim", "checkpoint"]
 
 
 def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
@@ -95,3 +96,24 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     (their placements add to ``sample_offset``).
     """
     return Keyed(model, seed, step, sample_offset, index, inputs, host_random, calls)
+
+
+def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(function, *args, **kwargs)`` whose recompute keyed() keys as the
+    first execution.
+
+    Inside a keyed forward, backward recomputes ``function`` with the keys it drew with: its own draws
+    (``torch.rand_like(y)``, ``F.dropout(y, p)`` written in the function), the modules it calls on tensors it
+    computed, and Python's and numpy's generators, each where the first execution left them; reentrant or not
+    (``use_reentrant`` is passed on, as every other argument), with ``backward()`` inside the keyed block or
+    after it. Outside a keyed forward it is torch's checkpoint. torch's own checkpoint of a module
+    (``checkpoint(module, x)``) is keyed as well; of a function, a draw in it is refused
+    (``UnkeyedRandomnessError``) because its recompute would not be seen.
+    """
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    found = running_frame()
+    if found is not None and not found[1].foreign:
+        function = Region(found[0], found[1], function, args)
+        found[0]._recomputable = True  # (its hooks and records stay after the block while its tensors live)
+    return torch_checkpoint(function, *args, **kwargs)

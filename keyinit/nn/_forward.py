@@ -78,10 +78,12 @@ class Forward:
             k = fold(k, self.repeat)
         return host_stream_key(k, self.start, self.count, ctx.host_mode)
 
-    def host_random(self, ctx: Any, fqn: str, args: tuple = (), kwargs: Optional[dict] = None) -> HostRandom:
+    def host_random(self, ctx: Any, fqn: str, args: tuple = (), kwargs: Optional[dict] = None,
+                    resumed: Optional[tuple] = None) -> HostRandom:
         """Python's and numpy's generators keyed for this forward's execution of ``fqn`` (its root module,
         or a module that activation checkpointing recomputes: from the states its first execution began
-        with), with what is refused there."""
+        with; ``resumed``: ``(states,)`` where a ``keyinit.nn.checkpoint`` region began, None for as seeded),
+        with what is refused there."""
         model = ctx.model
         if getattr(type(model), "_keyinit_block", False):
             where = f"keyed block '{model.name}'"
@@ -89,11 +91,13 @@ class Forward:
             where = f"keyed({type(model).__name__}): the forward of " + (f"module '{self.fqn}'" if self.fqn else
                                                                           "the root module")
         refuse, resume = None, None
-        replay = _host_replay_key(fqn, args, kwargs or {}) if fqn != self.fqn else None
+        replay = _host_replay_key(fqn, args, kwargs or {}) if fqn != self.fqn and resumed is None else None
         if ctx.index != "tracked":
             refuse = (f"{where} (index='dim0') drew from ", "'s global state: index='dim0' keys only the dropout "
                       "family, and refuses every other draw rather than reading a global generator. Use "
                       "keyinit.nn.keyed(..., index='tracked') (the default) to key random and numpy.random")
+        elif resumed is not None:
+            resume = resumed[0]
         elif fqn != self.fqn and replay in self.host_states:
             resume = self.host_states[replay]  # None: it began with the generators as seeded
         elif fqn != self.fqn:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 
@@ -23,6 +23,7 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit._draw.dropout_geometry import Layout, constants
 from keyinit.nn import functional as KF
 from keyinit.nn._batch import Batch, Foreign, Unknown, annotate, canonical, record
+from keyinit.nn._checkpoint import refuse_unseen
 from keyinit.nn._routed import Routed, needs_values, routed_draw, routed_layout
 from keyinit.regions import row_major_strides
 
@@ -59,13 +60,15 @@ class Frame:
 
     __slots__ = ("module", "fqn", "counts", "pushed", "foreign", "forward")
 
-    def __init__(self, module: torch.nn.Module, fqn: str, foreign: bool, forward: Any,
+    def __init__(self, module: torch.nn.Module, fqn: str, foreign: Union[bool, str], forward: Any,
                  counts: Optional[dict] = None) -> None:
         self.module = module
         self.fqn = fqn
         self.counts: dict[str, int] = {} if counts is None else counts
         self.pushed: list[Any] = []  # the modes this forward entered (exited by its post-hook)
-        self.foreign = foreign  # a forward in a thread other than the one that entered the context
+        # a forward in a thread other than the one that entered the context (True), or a str: why every draw in
+        # this frame is refused (a module run in backward that keyinit cannot match to the forward it recomputes)
+        self.foreign = foreign
         self.forward = forward  # the root forward (keyinit.nn._keyed.Forward) this execution belongs to
 
     def take(self) -> int:
@@ -87,6 +90,8 @@ class Frame:
 
 
 def refuse_foreign(ctx: "Keyed", frame: Frame, what: str) -> None:
+    if isinstance(frame.foreign, str):
+        raise UnkeyedRandomnessError(f"{frame.describe()}: {what} {frame.foreign}")
     raise UnkeyedRandomnessError(
         f"{frame.describe()}: {what} in thread {threading.current_thread().name!r}, while {ctx!r} was entered in "
         "another thread. A keyed context keys the forwards of the thread that entered it; in any other thread "
@@ -241,6 +246,7 @@ def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op:
         return input
     if frame.foreign:
         refuse_foreign(ctx, frame, f"{kind}(p={p})")
+    refuse_unseen(frame, f"{kind}(p={p})")
     key = frame.forward.call_key(ctx, frame.fqn, ordinal)
     routed = record(input, frame.forward) if ctx.index != "dim0" and mask == "element" else None
     if type(routed) is Routed:
@@ -355,6 +361,7 @@ def keyed_sdpa(ctx: "Keyed", frame: Frame, p: float, args: tuple, kwargs: dict) 
         raise TypeError(f"scaled_dot_product_attention: unexpected arguments {sorted(extra)}")
     if frame.foreign:
         refuse_foreign(ctx, frame, f"scaled_dot_product_attention(dropout_p={p})")
+    refuse_unseen(frame, f"scaled_dot_product_attention(dropout_p={p})")
     key = frame.key(ctx)
     start, rec = _probs_start(ctx, frame, bound["query"], 0, "scaled_dot_product_attention")
     drop = _probs_drop(ctx, p, key, start)
@@ -379,6 +386,7 @@ def keyed_mha(ctx: "Keyed", frame: Frame, args: tuple, kwargs: dict) -> Any:
         return None
     if frame.foreign:
         refuse_foreign(ctx, frame, f"multi-head attention with dropout {p}")
+    refuse_unseen(frame, f"multi-head attention with dropout {p}")
     key = frame.key(ctx)
     query = bound["query"]
     # F.multi_head_attention_forward takes (L, B, E): nn.MultiheadAttention(batch_first=True) transposes first

@@ -45,11 +45,11 @@ from keyinit.nn._forward import (
     remember_host,
     CALLS_RULES,
 )
-from keyinit.nn._hostrandom import HOST_RANDOM
+from keyinit.nn._hostrandom import HOST_RANDOM, HostRandom
 from keyinit.nn._keyed_calls import CompiledCalls
 from keyinit.nn._modes import BatchMode, FunctionMode, mode_is_active
 
-__all__ = ["Keyed", "inside_keyed_forward", "current_forward", "context_of"]
+__all__ = ["Keyed", "inside_keyed_forward", "current_forward", "running_frame", "context_of"]
 
 INDEX_RULES = ("tracked", "dim0")
 
@@ -59,6 +59,21 @@ _entered: list = []  # every Keyed entered and not yet exited, in any thread
 # Contexts left while tensors of their forwards were alive: their hooks key the recomputes that activation
 # checkpointing runs in a backward() after the block, until the next keyed() is entered (see Keyed.__exit__).
 _lingering: list = []
+
+#: Why the draws of a ``keyinit.nn.checkpoint`` recompute are refused once its context is gone (see _resume).
+REGION_LEFT = (
+    "in the recompute of a keyinit.nn.checkpoint region whose keyed context was left for good (another keyed() "
+    "began since): its keys are gone. Run backward() before the next keyed() is entered"
+)
+
+#: Why every draw of a module run in backward that no forward's execution matches is refused (see _pre_hook).
+UNMATCHED_RECOMPUTE = (
+    "in backward: activation checkpointing recomputes this module, but keyinit cannot match the recompute to the "
+    "execution it repeats (its inputs were computed anew in the recompute, outside the model's modules: "
+    "torch.utils.checkpoint of a function that computes before it calls a module), so it cannot give it that "
+    "execution's keys. Checkpoint a module (checkpoint(module, x), checkpoint_wrapper(module)) or checkpoint the "
+    "function with keyinit.nn.checkpoint, whose recompute is keyed as its first execution"
+)
 
 def _active() -> list:
     active = getattr(_state, "active", None)
@@ -109,6 +124,15 @@ def context_of(module: torch.nn.Module) -> Optional["Keyed"]:
     for ctx in reversed(_active()):
         if ctx._covered_by is None and ctx.module_fqn(module) is not None:
             return ctx
+    return None
+
+
+def running_frame() -> Optional[tuple["Keyed", Frame]]:
+    """``(context, frame)`` of the module forward running in this thread inside an active ``keyed``, or None."""
+    for ctx in reversed(_active()):
+        frame = ctx._current_frame()
+        if frame is not None:
+            return ctx, frame
     return None
 
 
@@ -238,6 +262,36 @@ class Keyed(CompiledCalls):
                     annotate(t, forward, Batch(dim, int(t.shape[dim]), start))
         return forward
 
+    def _resume(self, region: Any) -> Frame:
+        """The recompute of a ``keyinit.nn.checkpoint`` region (:class:`keyinit.nn._checkpoint.Region`): a frame
+        of the module that called it, in its forward, with the call ordinals, host generator states (where no
+        frame is open) and modes it began with; left by the post-hook of that module. After the context was
+        left for good (another ``keyed()`` began), its draws are refused."""
+        state = self._thread_state()
+        forward = region.forward
+        foreign: Union[bool, str] = False if self._state != "exited" else REGION_LEFT
+        frame = Frame(region.module, region.fqn, foreign, forward, dict(region.counts))
+        if not state.frames:
+            if foreign:
+                host = HostRandom(forward.host_key(self), (f"{frame.describe()} drew from ", f"'s global state: {foreign}"))
+            else:
+                host = forward.host_random(self, region.fqn, resumed=(region.host,))
+            host.__enter__()
+            frame.pushed.append(host)
+        for mode in state.modes:
+            if not mode_is_active(mode):
+                mode.__enter__()
+                frame.pushed.append(mode)
+        state.frames.append(frame)
+        return frame
+
+    def _unmatched(self, fqn: str) -> Forward:
+        """The forward of a module run in backward that no execution matches (its draws are refused): records
+        of its own, kept by no one."""
+        forward = Forward(self, fqn, self.sample_offset, 0, 0)
+        forward.probe = True
+        return forward
+
     def _check_sequence_first(self, module: torch.nn.Module, frame: Frame, args: tuple, kwargs: dict) -> None:
         """A sequence-first torch layer inside the model whose input's batch is its dimension 0: the model's
         inputs were read batch-first, which this layer contradicts."""
@@ -282,6 +336,11 @@ class Keyed(CompiledCalls):
                 if forward is not None:
                     foreign = False  # a recompute runs in autograd's thread, with the first execution's keys
                     counts = recompute_counts(self, forward, fqn, args, kwargs) if self.calls == "forward" else {}
+                elif in_backward and self._recomputable:
+                    # a module run in backward, after forwards under activation checkpointing, that no forward's
+                    # execution matches: a recompute whose inputs were made anew outside the model's modules.
+                    # Its draws are refused (never keyed as a new forward, never left to torch's generator)
+                    forward, counts, foreign = self._unmatched(fqn), {}, UNMATCHED_RECOMPUTE
                 elif self._state != "entered":
                     return  # left: only recomputes of its own forwards are keyed
                 else:
@@ -298,6 +357,10 @@ class Keyed(CompiledCalls):
                 host = forward.host_random(self, fqn, args, kwargs)
                 host.__enter__()
                 frame.pushed.append(host)  # left by the post-hook, after the modes
+            elif not state.frames and isinstance(foreign, str):  # (its host draws are refused too)
+                host = HostRandom(forward.host_key(self), (f"{frame.describe()} drew from ", f"'s global state: {foreign}"))
+                host.__enter__()
+                frame.pushed.append(host)
             # The modes are active only while one of the model's forwards runs: entered by the outermost
             # forward (and again by a forward that activation checkpointing recomputes in backward, where
             # the autograd engine does not carry torch-function modes), exited by its post-hook.

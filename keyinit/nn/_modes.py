@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
 from keyinit.nn._batch_rules import restride_keeps_elements
+from keyinit.nn._checkpoint import refuse_unseen
 from keyinit.nn._propagate import propagate, propagate_traced
 from keyinit.nn._routed import Routed, needs_values, routed_draw
 from keyinit.nn._replay import REMEMBERED, eligible, learn, replay, replayable, signature
@@ -471,6 +472,7 @@ class BatchMode(TorchDispatchMode):
         self.events += 1
         if frame.foreign:
             refuse_foreign(ctx, frame, str(func))
+        refuse_unseen(frame, str(func))
         if ctx.index == "dim0" and not nothing:
             raise UnkeyedRandomnessError(
                 f"{frame.describe()}: {func} inside a keyinit.nn.keyed(index='dim0') forward: that rule keys only "
