@@ -59,20 +59,26 @@ def canonical_modules(root: torch.nn.Module) -> Iterator[tuple[str, str, torch.n
     ``named_modules(remove_duplicate=False)``.
     """
 
-    def walk(module: torch.nn.Module, raw: str, canonical: str,
-             renamed: Optional[Mapping[str, str]]) -> Iterator[tuple[str, str, torch.nn.Module]]:
+    # depth first, parents first, children in order: an explicit stack (a recursive generator resumes every
+    # level above a module for each module it yields)
+    stack: list[tuple[torch.nn.Module, str, str, Optional[Mapping[str, str]]]] = [(root, "", "", None)]
+    while stack:
+        module, raw, canonical, renamed = stack.pop()
         yield raw, canonical, module
-        strip_module = is_data_parallel(module)
         experts = expert_child_names(module, canonical)  # megatron-core: {local: global expert index}
-        for name, child in module._modules.items():
+        children = module._modules
+        if not children:
+            continue
+        strip_module = is_data_parallel(module)
+        below = []
+        for name, child in children.items():
             if child is None:
                 continue
             stripped = name in WRAPPER_ATTRIBUTES or (strip_module and name == "module")
             child_canonical = canonical if stripped else _join(canonical, renamed.get(name, name) if renamed else name)
-            yield from walk(child, _join(raw, name), child_canonical,
-                            experts if experts is not None and name == "local_experts" else None)
-
-    yield from walk(root, "", "", None)
+            below.append((child, _join(raw, name), child_canonical,
+                          experts if experts is not None and name == "local_experts" else None))
+        stack.extend(reversed(below))
 
 
 def apply_fqn_mapping(fqn: str, prefix: Optional[str], mapping: Optional[FqnMap]) -> str:

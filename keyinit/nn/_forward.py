@@ -18,6 +18,7 @@ The context that uses them is :mod:`keyinit.nn._keyed`.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
@@ -142,6 +143,39 @@ def sequence_first_module(module: torch.nn.Module) -> bool:
     return False
 
 
+def _pure_leaf_types() -> frozenset:
+    """torch.nn's layers whose forward draws nothing and calls no submodule (``RReLU``, ``FractionalMaxPool``,
+    dropout, attention and recurrent layers are not among them)."""
+    nn = torch.nn
+    names = (
+        "Linear", "Bilinear", "Identity", "Embedding", "EmbeddingBag", "LayerNorm", "RMSNorm", "GroupNorm",
+        "LocalResponseNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d", "InstanceNorm2d",
+        "InstanceNorm3d", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+        "Flatten", "Unflatten", "ReLU", "ReLU6", "GELU", "SiLU", "Mish", "Tanh", "Sigmoid", "Softmax", "LogSoftmax",
+        "Softplus", "LeakyReLU", "ELU", "SELU", "CELU", "GLU", "Hardtanh", "Hardswish", "Hardsigmoid", "PReLU",
+        "Softsign", "Tanhshrink", "Threshold", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d",
+        "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "AdaptiveMaxPool1d",
+        "AdaptiveMaxPool2d", "AdaptiveMaxPool3d", "PixelShuffle", "PixelUnshuffle", "ZeroPad1d", "ZeroPad2d",
+        "ConstantPad1d", "ConstantPad2d",
+    )
+    return frozenset(getattr(nn, name) for name in names if hasattr(nn, name))
+
+
+_PURE_LEAVES: dict = {}  # "types": _pure_leaf_types(), built on first use
+
+
+def pure_leaf(module: torch.nn.Module) -> bool:
+    """``module`` is one of torch.nn's layers that draw nothing (exactly that class, its own ``forward``, no
+    submodule): keyed() opens no frame for its executions (they could only be named as their parent's)."""
+    types = _PURE_LEAVES.get("types")
+    if types is None:
+        types = _PURE_LEAVES["types"] = _pure_leaf_types()
+    kind = type(module)
+    if kind not in types or module._modules or "forward" in module.__dict__:
+        return False
+    return getattr(kind.forward, "__module__", "").startswith("torch.nn.modules.")  # (not patched on the class)
+
+
 def _world() -> int:
     import torch.distributed as dist
 
@@ -177,13 +211,13 @@ def resolve_sample_offset(model: torch.nn.Module, sample_offset: Optional[int]) 
     return offset
 
 
-def sequence_first_dropouts(model: torch.nn.Module) -> frozenset[int]:
+def sequence_first_dropouts(modules: Iterable[torch.nn.Module]) -> frozenset[int]:
     """The dropout modules of torch's sequence-first (``batch_first=False``, torch's default)
-    ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``: their activations are
-    ``(sequence, batch, features)``, so dimension 1, not 0, is the batch."""
+    ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer`` among ``modules`` (a model's): their
+    activations are ``(sequence, batch, features)``, so dimension 1, not 0, is the batch."""
     layers = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
     found = set()
-    for module in model.modules():
+    for module in modules:
         if isinstance(module, layers) and not getattr(module.self_attn, "batch_first", True):
             found.update(id(child) for child in module.children() if isinstance(child, torch.nn.Dropout))
     return frozenset(found)

@@ -34,6 +34,7 @@ from keyinit.nn._forward import (
     Forward,
     input_tensors,
     MicroBatch,
+    pure_leaf,
     Named,
     resolve_sample_offset,
     sequence_first_dropouts,
@@ -143,6 +144,20 @@ def current_forward() -> Optional[Forward]:
         if frame is not None:
             return frame.forward
     return None
+
+
+_grad_enabled = torch.is_grad_enabled
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _top_function_mode() -> Any:
+    n = torch._C._len_torch_function_stack()
+    return torch._C._get_function_stack_at(n - 1) if n else None
+
+
+def _top_dispatch_mode() -> Any:
+    n = torch._C._len_torch_dispatch_stack()
+    return torch._C._get_dispatch_stack_at(n - 1) if n else None
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -310,7 +325,20 @@ class Keyed(CompiledCalls):
             )
 
     def _pre_hook(self, fqn: str) -> Callable:
+        local, forward_calls, sequence_first = self._local, self.calls == "forward", self._sequence_first_modules
+
         def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            state = getattr(local, "state", None)
+            if state is not None and state.frames:
+                # the common case: a module inside a running forward, no checkpointing, the two modes innermost
+                parent = state.frames[-1]
+                forward = parent.forward
+                modes = state.modes
+                if (_grad_enabled() or not forward.grad) and _saved_tensor_hooks(False) is None \
+                        and id(module) not in sequence_first and _top_function_mode() is modes[0] \
+                        and _top_dispatch_mode() is modes[1]:
+                    state.frames.append(Frame(module, fqn, parent.foreign, forward, parent.counts if forward_calls else {}))
+                    return
             state = self._thread_state()
             foreign = state.foreign
             if state.frames:
@@ -441,7 +469,6 @@ class Keyed(CompiledCalls):
             old._teardown()
         self._thread = threading.get_ident()
         self._owner = self._thread_state()
-        self._constants = frozenset(id(b) for b in self.model.buffers())
         if isinstance(self.model, Named):  # one root forward for the whole block, its inputs as given
             _active().append(self)
             with _entered_lock:
@@ -453,20 +480,25 @@ class Keyed(CompiledCalls):
                 raise
             return self
         compiled: list[str] = []  # raw paths of keyinit.nn.compile modules: their calls key themselves
+        buffers: set[int] = set()
         try:
             for raw, fqn, module in canonical_modules(self.model):
                 if id(module) in self._names:
                     continue
                 self._names[id(module)] = (module, fqn)
-                if any(c == "" or raw == c or raw.startswith(c + ".") for c in compiled):
+                buffers.update(id(b) for b in module._buffers.values() if b is not None)
+                if compiled and any(c == "" or raw == c or raw.startswith(c + ".") for c in compiled):
                     continue
                 if getattr(type(module), "keys_its_calls", False):  # keyinit.nn.KeyedCompiled: no hooks for dynamo to see
                     compiled.append(raw)
                     continue
+                if module is not self.model and pure_leaf(module):
+                    continue  # draws nothing: its executions need no frame of their own
                 self._hook(module, fqn)
                 if callable(module.__dict__.get("_gradient_checkpointing_func")):  # transformers' checkpointing
                     self._handles.append(CheckpointingFunction(self, module))
-            self._sequence_first = sequence_first_dropouts(self.model)
+            self._constants = frozenset(buffers)  # the model's buffers: replicated unless computed otherwise
+            self._sequence_first = sequence_first_dropouts(module for module, _ in self._names.values())
             _active().append(self)
             with _entered_lock:
                 _entered.append(self)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from keyinit.nn._forward import pure_leaf
 from keyinit.nn._hostrandom import HostRandom
 from keyinit.nn._intercept import Frame
 from keyinit.nn._modes import mode_is_active, mode_is_top
@@ -68,7 +69,7 @@ class CompiledCalls:
         added = []
         for sub in module.modules():
             fqn = self.module_fqn(sub)
-            if fqn is not None and id(sub) not in self._hooked:
+            if fqn is not None and id(sub) not in self._hooked and (sub is self.model or not pure_leaf(sub)):
                 self._hook(sub, fqn)
                 added.append(id(sub))
         return added

@@ -24,6 +24,7 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
 from keyinit.nn._batch_rules import restride_keeps_elements
 from keyinit.nn._checkpoint import refuse_unseen
+from keyinit.nn.functional import _op  # (keyinit.nn._op on first use: it registers the custom op)
 from keyinit.nn._propagate import propagate, propagate_traced
 from keyinit.nn._routed import Routed, needs_values, routed_draw
 from keyinit.nn._replay import REMEMBERED, eligible, learn, replay, replayable, signature
@@ -171,6 +172,7 @@ class FunctionMode(TorchFunctionMode):
             handlers[self.mha] = FunctionMode._mha
             cached = _TABLES["modes"] = (signature, family, handlers)
         self.family, self.handlers = cached[1], cached[2]
+        self.functional_dropout = torch.nn.functional.dropout  # (as it is now: see _rows_dropout)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         handler = self.handlers.get(func)
@@ -233,6 +235,10 @@ class FunctionMode(TorchFunctionMode):
         frame = self.ctx._current_frame()
         if frame is None:
             return func(*args, **kwargs)
+        if func is self.functional_dropout and len(args) == 1:
+            out = self._rows_dropout(frame, args[0], kwargs)
+            if out is not None:
+                return out
         kind, mask, inplace = self.family[func]
         if mask == "element" and _guard_alone(self.ctx, args[0] if args else kwargs.get("input")):
             # the guard is the only dispatch mode and the input a plain tensor: the handler's ops (all on
@@ -241,6 +247,36 @@ class FunctionMode(TorchFunctionMode):
                 return handle_dropout(self.ctx, frame, kind, mask, inplace, args, kwargs)
         with GuardSuspended(self.ctx):
             return handle_dropout(self.ctx, frame, kind, mask, inplace, args, kwargs)
+
+    def _rows_dropout(self, frame: Frame, input: Any, kwargs: dict) -> Any:
+        """``F.dropout(x, p, training=True)`` (``nn.Dropout``'s call) of a plain tensor whose batch is its
+        dimension 0, outside checkpointing and tracing, the guard the only dispatch mode: what
+        ``handle_dropout`` does for it, without its general cases; None where it does not apply."""
+        p = kwargs.get("p")
+        ctx = self.ctx
+        if type(input) is not torch.Tensor or type(p) is not float or not 0.0 < p < 1.0 or len(kwargs) != 3 \
+                or kwargs.get("training") is not True or kwargs.get("inplace") is not False or frame.foreign \
+                or ctx.index != "tracked" or getattr(ctx, "trace", None) is not None or input.dtype not in _FLOATS:
+            return None
+        forward = frame.forward
+        entry = forward.records.get(id(input))
+        if entry is None or entry[0]() is not input:
+            return None
+        rec = entry[1]
+        if type(rec) is not Batch or rec.dim != 0 or rec.inner != 1 or not input.dim() \
+                or input.shape[0] != rec.count or (forward.grad and not _grad_enabled()) \
+                or _saved_tensor_hooks(False) is not None or not _guard_alone(ctx, input):
+            return None
+        key = forward.call_key(ctx, frame.fqn, frame.take())
+        try:
+            with _NoDispatch():
+                out = _op().call_rows(input, p, key, rec.start)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            if type(exc) not in (ValueError, TypeError, RuntimeError):
+                raise
+            raise type(exc)(f"{frame.describe()}: dropout under keyinit.nn.keyed: {exc}") from exc
+        annotate(out, forward, rec)
+        return out
 
     def _sdpa(self, func, args, kwargs):
         dropout_p = argument(args, kwargs, 4, "dropout_p", 0.0)
@@ -304,6 +340,9 @@ def _handlers() -> dict:
 
 
 _NoDispatch = torch._C._DisableTorchDispatch
+_grad_enabled = torch.is_grad_enabled
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_FLOATS = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))
 
 
 class GuardSuspended:

@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit.nn._batch import Batch, BatchSize, Unknown, record
+from keyinit.nn._batch import _DECLARED, Batch, BatchSize, Unknown, record
 from keyinit.nn._routed import Routed
 
 __all__ = ["replayable", "signature", "eligible", "replay", "learn", "MAX_SIGNATURES", "REMEMBERED"]
@@ -124,10 +124,11 @@ def _encode(value: Any, parts: list, tensors: list, records: list, forward: Any)
 
 
 def _encode_tensor(value: torch.Tensor, kind: type, parts: list, tensors: list, records: list, forward: Any) -> bool:
-    for position, seen in enumerate(tensors):
-        if seen is value:
-            parts += (_ALIAS, position)
-            return True
+    if tensors:
+        for position, seen in enumerate(tensors):
+            if seen is value:
+                parts += (_ALIAS, position)
+                return True
     dtype = value.dtype
     if dtype.is_floating_point:
         conj = False  # (only a complex tensor has the conjugate bit)
@@ -138,13 +139,23 @@ def _encode_tensor(value: torch.Tensor, kind: type, parts: list, tensors: list, 
     else:
         conj = False
     entry = forward.records.get(id(value))  # (record()'s own first look, without its call)
-    rec = entry[1] if entry is not None and entry[0]() is value else record(value, forward)
-    if type(rec) is Routed:
+    if entry is not None and entry[0]() is value:
+        rec = entry[1]
+    elif kind is _Parameter and getattr(value, _DECLARED, None) is None:
+        rec = None  # a plain parameter, never declared: replicated (record()'s answer, without its checks)
+    else:
+        rec = record(value, forward)
+    kind_of_record = type(rec)
+    if kind_of_record is Batch:
+        code: Any = (rec.dim, rec.count, rec.start, rec.inner)  # (see _record_code)
+    elif kind_of_record is Routed:
         return False  # rows picked by values: what the rules give depends on the values
+    else:
+        code = rec
     tensors.append(value)
     records.append(rec)
-    parts += (_TENSOR, (kind, _record_code(rec), value.shape, value.stride(), value.storage_offset(), dtype,
-                        value.device, value.layout, value.requires_grad, value.is_neg(), conj))
+    parts += (_TENSOR, (kind, code, value.shape, value.stride(), value.storage_offset(), dtype, value.device,
+                        value.layout, value.requires_grad, value.is_neg(), conj))
     return True
 
 
