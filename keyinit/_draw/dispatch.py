@@ -160,6 +160,9 @@ KERNELS: dict[str, dict[str, Kernels]] = {
 }
 
 
+_NO_FAMILIES: dict = {}
+
+
 def _check_family(family: str) -> None:
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; the families are {list(FAMILIES)}")
@@ -230,7 +233,7 @@ def _intercepted(tensor: torch.Tensor) -> bool:
 def dropout(x: torch.Tensor, geometry: Any) -> torch.Tensor:
     """Keyed dropout of ``x`` laid out by ``geometry`` (a :class:`keyinit._draw.dropout_geometry.Geometry`,
     which carries the key's words and stream version): a new contiguous tensor."""
-    family = kernels(geometry.stream, "dropout")
+    family = KERNELS.get(geometry.stream, _NO_FAMILIES).get("dropout") or kernels(geometry.stream, "dropout")
     x = x.contiguous()
     if type(x) is torch.Tensor:  # the same tensor as below (x is contiguous), made a third as slowly
         out = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -21,7 +21,7 @@ from keyinit._draw.dispatch import kernels_disabled
 from keyinit._draw.geometry import coalesce
 from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
 from keyinit._kernels.fill.cpu import MIN_PARALLEL_ELEMENTS
-from keyinit.keys import Key, fold_in, fold_inputs
+from keyinit.keys import Key, derived_key, fold_in, fold_inputs
 from keyinit.regions import make_region
 
 __all__ = ["fold", "fold_str", "fold_with", "fold_words", "fold_words_v1", "folded", "draw_key", "kernel_library",
@@ -70,7 +70,8 @@ def fold_with(lib: Any, parent: Key, data: Union[int, str]) -> Key:
     """``fold_in(parent, data)``; with the kernel library ``lib`` (not None) the Philox of a v1 key runs in C."""
     if lib is None or parent.stream != "v1":
         return fold_in(parent, data)
-    return Key(*fold_words(lib, parent, data), "v1")
+    k0, k1 = fold_words(lib, parent, data)
+    return derived_key(k0, k1, "v1")  # (words of a derivation: the checks of Key cannot fail)
 
 
 @functools.lru_cache(maxsize=1024)

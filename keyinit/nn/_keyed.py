@@ -563,8 +563,8 @@ class Keyed(CompiledCalls):
             except BaseException:
                 self._teardown()
                 raise
-        alive = any(ref() is not None for f in self._forwards for ref, _ in f.records.values())
-        if self._handles and exc_info[0] is None and self._recomputable and alive:
+        if self._handles and exc_info[0] is None and self._recomputable and \
+                any(ref() is not None for f in self._forwards for ref, _ in f.records.values()):
             # Tensors of its forwards are alive (saved for a backward outside the block): the hooks stay, and
             # key only the recomputes of those forwards that activation checkpointing runs in backward()
             # (see _pre_hook), until the next keyed() is entered.

@@ -75,8 +75,20 @@ def _call_key(k0: int, k1: int, stream: str, step: int, fqn: str, ordinal: int, 
 
 def keyed_call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
     """``dropout_key(root, step=step, fqn=fqn, ordinal=ordinal)`` for a root key and validated ints (what
-    ``keyed`` asks for each call), memoized."""
-    return _call_key(root.k0, root.k1, root.stream, step, fqn, ordinal, _fill().kernel_library())
+    ``keyed`` asks for each call): the module's words memoized, the ordinal folded in C where the kernel
+    library is loaded (a call's key is new at every step), else :func:`_call_key`."""
+    lib = _fill().kernel_library()
+    stream = root.stream
+    if lib is not None and stream == "v1" and 0 <= ordinal <= 0xFFFFFFFFFFFFFFFF:
+        k0, k1 = _module_words(root.k0, root.k1, stream, step, _fqn_parts(fqn), lib)
+        words = lib.keyinit_derive(k0, k1, ordinal & 0xFFFFFFFF, ordinal >> 32, 2, 0)  # (fold_words_v1's int fold)
+        return derived_key(words & 0xFFFFFFFF, words >> 32, stream)
+    return _call_key(root.k0, root.k1, stream, step, fqn, ordinal, lib)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fqn_parts(fqn: str) -> tuple[str, ...]:
+    return check_fqn(fqn)
 
 
 def keyed_module_key(root: Key, step: int, fqn: str) -> Key:

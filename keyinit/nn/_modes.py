@@ -153,7 +153,7 @@ class FunctionMode(TorchFunctionMode):
 
     Each function it answers has its handler in one table built with the mode; a function in no entry
     runs as it is (its ATen ops still pass the dispatch mode), and one of
-    :func:`keyinit.nn._replay.replayable` may replay its outputs' records instead.
+    :func:`keyinit.nn._replay.replayable` may replay its outputs' records instead (in ``__torch_function__``).
     """
 
     def __init__(self, ctx: "Keyed") -> None:
@@ -173,12 +173,36 @@ class FunctionMode(TorchFunctionMode):
             cached = _TABLES["modes"] = (signature, family, handlers)
         self.family, self.handlers = cached[1], cached[2]
         self.functional_dropout = torch.nn.functional.dropout  # (as it is now: see _rows_dropout)
+        self.local = ctx._local
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         handler = self.handlers.get(func)
         if handler is None:
             return func(*args, **kwargs) if kwargs else func(*args)
-        return handler(self, func, args, kwargs or {})
+        if handler is not _REPLAYED:
+            return handler(self, func, args, kwargs or {})
+        # A function of keyinit.nn._replay.replayable: its outputs' records replayed when its signature was
+        # seen (the dispatch mode off), else learned from the dispatch mode (inline: most calls of a forward)
+        state = getattr(self.local, "state", None)
+        if state is None or not state.frames or (kwargs and "out" in kwargs) or not eligible(state.modes[1]):
+            return func(*args, **kwargs) if kwargs else func(*args)
+        forward = state.frames[-1].forward
+        found = signature(func, args, kwargs or _NO_KWARGS, forward)
+        if found is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        key, inputs, before = found
+        remembered = REMEMBERED.get(key)
+        if remembered is not None:
+            with _NoDispatch():
+                out = func(*args, **kwargs) if kwargs else func(*args)
+            replay(remembered, inputs, out, forward)
+            return out
+        mode = state.modes[1]
+        events = mode.events
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if mode.events == events:
+            learn(REMEMBERED, key, inputs, before, out, forward)
+        return out
 
     def _length(self, func, args, kwargs):
         out = func(*args, **kwargs)
@@ -297,31 +321,9 @@ class FunctionMode(TorchFunctionMode):
                 return out
         return func(*args, **kwargs)
 
-    def _replayed(self, func, args, kwargs):
-        """A function of :func:`keyinit.nn._replay.replayable`: its outputs' records replayed when its
-        signature was seen (the dispatch mode off), else learned from the dispatch mode."""
-        state = getattr(self.ctx._local, "state", None)
-        if state is None or not state.frames or "out" in kwargs or not eligible(state.modes[1]):
-            return func(*args, **kwargs)
-        forward = state.frames[-1].forward
-        found = signature(func, args, kwargs, forward)
-        if found is None:
-            return func(*args, **kwargs)
-        key, inputs, before = found
-        remembered = REMEMBERED.get(key)
-        if remembered is not None:
-            with _NoDispatch():
-                out = func(*args, **kwargs)
-            replay(remembered, inputs, out, forward)
-            return out
-        mode = state.modes[1]
-        events = mode.events
-        out = func(*args, **kwargs)
-        if mode.events == events:
-            learn(REMEMBERED, key, inputs, before, out, forward)
-        return out
 
-
+_REPLAYED = "replayed"  # the handler entry of replayable functions (FunctionMode.__torch_function__ runs them)
+_NO_KWARGS: dict = {}
 _TABLES: dict = {}  # "handlers" (function -> FunctionMode handler), built once; "modes": FunctionMode's last tables
 
 
@@ -330,7 +332,7 @@ def _handlers() -> dict:
     mode adds the dropout family and attention as they are when it is made."""
     table = _TABLES.get("handlers")
     if table is None:
-        table = dict.fromkeys(replayable(), FunctionMode._replayed)
+        table = dict.fromkeys(replayable(), _REPLAYED)
         table.update(dict.fromkeys((_LEN, _NUMEL), FunctionMode._length))
         table.update(dict.fromkeys((_SHAPE.__get__, _SIZE), FunctionMode._shape))
         table.update(dict.fromkeys(_EXPANDS, FunctionMode._expand))
