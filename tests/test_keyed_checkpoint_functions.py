@@ -178,3 +178,27 @@ def test_a_recompute_after_the_next_keyed_is_refused():
         pass
     with pytest.raises(UnkeyedRandomnessError, match="keyinit.nn.checkpoint region whose keyed context was left"):
         loss.backward()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("inside", [True, False])
+def test_torch_checkpoint_sequential_of_torch_layers_is_keyed(reentrant, inside):
+    """Segments that begin with one of torch.nn's layers that draw nothing (whose executions keyed() gives no
+    frame inside a forward): under checkpointing they still get one, so the recompute is found again."""
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        seq = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.GELU(), nn.Linear(8, 8), nn.Dropout(0.3))
+        keyinit.init_model(seq, 0)
+        x = torch.linspace(-1, 1, 5 * 8).reshape(5, 8).requires_grad_()
+        with knn.keyed(seq.train(), 2, step=4):
+            out = checkpoint_sequential(seq, 2, x, use_reentrant=reentrant) if checkpointed else seq(x)
+            loss = out.square().sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        grads.append([x.grad] + [p.grad for p in seq.parameters()])
+    _assert_equal(grads[1], grads[0])

@@ -324,7 +324,11 @@ class Keyed(CompiledCalls):
                 "with keyinit.nn.batch_dim(x, 1) before the forward, or build the layer with batch_first=True"
             )
 
-    def _pre_hook(self, fqn: str) -> Callable:
+    def _pre_hook(self, fqn: str, light: bool = False) -> Callable:
+        """The forward pre-hook of the module ``fqn``: a frame for its execution (see the module docstring).
+        ``light``: one of torch.nn's layers that draw nothing (:func:`keyinit.nn._forward.pure_leaf`), whose
+        execution inside a running forward needs no frame of its own; it gets one only where a recompute may
+        have to be found again (under activation checkpointing, in backward) or it is a root forward."""
         local, forward_calls, sequence_first = self._local, self.calls == "forward", self._sequence_first_modules
 
         def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -337,7 +341,9 @@ class Keyed(CompiledCalls):
                 if (_grad_enabled() or not forward.grad) and _saved_tensor_hooks(False) is None \
                         and id(module) not in sequence_first and _top_function_mode() is modes[0] \
                         and _top_dispatch_mode() is modes[1]:
-                    state.frames.append(Frame(module, fqn, parent.foreign, forward, parent.counts if forward_calls else {}))
+                    if not light:
+                        state.frames.append(Frame(module, fqn, parent.foreign, forward,
+                                                  parent.counts if forward_calls else {}))
                     return
             state = self._thread_state()
             foreign = state.foreign
@@ -492,9 +498,7 @@ class Keyed(CompiledCalls):
                 if getattr(type(module), "keys_its_calls", False):  # keyinit.nn.KeyedCompiled: no hooks for dynamo to see
                     compiled.append(raw)
                     continue
-                if module is not self.model and pure_leaf(module):
-                    continue  # draws nothing: its executions need no frame of their own
-                self._hook(module, fqn)
+                self._hook(module, fqn, light=module is not self.model and pure_leaf(module))
                 if callable(module.__dict__.get("_gradient_checkpointing_func")):  # transformers' checkpointing
                     self._handles.append(CheckpointingFunction(self, module))
             self._constants = frozenset(buffers)  # the model's buffers: replicated unless computed otherwise
@@ -508,10 +512,10 @@ class Keyed(CompiledCalls):
             raise
         return self
 
-    def _hook(self, module: torch.nn.Module, fqn: str) -> None:
+    def _hook(self, module: torch.nn.Module, fqn: str, light: bool = False) -> None:
         if self._shared_post_hook is None:
             self._shared_post_hook = self._post_hook()  # (one for every module: it takes the module)
-        handles = [module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True),
+        handles = [module.register_forward_pre_hook(self._pre_hook(fqn, light), with_kwargs=True),
                    module.register_forward_hook(self._shared_post_hook, always_call=True)]
         self._handles.extend(handles)
         self._hooked[id(module)] = (module, fqn, handles)

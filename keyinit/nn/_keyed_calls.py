@@ -69,8 +69,8 @@ class CompiledCalls:
         added = []
         for sub in module.modules():
             fqn = self.module_fqn(sub)
-            if fqn is not None and id(sub) not in self._hooked and (sub is self.model or not pure_leaf(sub)):
-                self._hook(sub, fqn)
+            if fqn is not None and id(sub) not in self._hooked:
+                self._hook(sub, fqn, light=sub is not self.model and pure_leaf(sub))
                 added.append(id(sub))
         return added
 
@@ -142,6 +142,6 @@ class CompiledCalls:
         for module, fqn, handles in removed:
             self._handles = [h for h in self._handles if h not in handles]
             if self._state in ("entered", "lingering"):
-                self._hook(module, fqn)
+                self._hook(module, fqn, light=module is not self.model and pure_leaf(module))
         for mode in reversed(left):
             mode.__enter__()
