@@ -43,6 +43,8 @@ class Model(nn.Module):
             h = F.dropout(y.tanh(), 0.3, True) + torch.rand_like(y) * y.new_empty(y.shape[0], 1).bernoulli_(0.5)
         elif self.body == "modules and ops":  # ops between modules
             h = self.inner(self.drop(y) * 3)
+        elif self.body == "layer first":  # one of torch.nn's layers that draw nothing, then a module that draws
+            h = self.drop(self.lin(y))
         elif self.body == "numpy":  # a host generator, where the forward left it
             h = self.drop(y.tanh()) * float(np.random.rand())
         else:
@@ -97,7 +99,7 @@ def _assert_equal(got: list, expected: list) -> None:
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
 
 
-BODIES = ["module after ops", "own draws", "modules and ops", "numpy"]
+BODIES = ["module after ops", "own draws", "modules and ops", "layer first", "numpy"]
 
 
 @pytest.mark.parametrize("body", BODIES)
@@ -124,7 +126,7 @@ def test_torch_checkpoint_of_a_function_that_draws_is_refused_at_its_first_execu
         _grads("torch", "own draws", reentrant, inside=True)
 
 
-@pytest.mark.parametrize("body", ["module after ops", "modules and ops"])
+@pytest.mark.parametrize("body", ["module after ops", "modules and ops", "layer first"])
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("inside", [True, False])
 def test_torch_checkpoint_recompute_of_a_module_it_cannot_match_is_refused(body, reentrant, inside):

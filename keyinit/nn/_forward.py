@@ -167,7 +167,7 @@ _PURE_LEAVES: dict = {}  # "types": _pure_leaf_types(), built on first use
 def pure_leaf(module: torch.nn.Module) -> bool:
     """``module`` is one of torch.nn's layers that draw nothing (exactly that class, its own ``forward``, no
     submodule): keyed() opens no frame for its executions inside a running forward (nothing in them is named
-    by it), only where activation checkpointing may recompute them."""
+    by it), and hooks it only where torch's checkpoint_sequential may begin a recompute with it."""
     types = _PURE_LEAVES.get("types")
     if types is None:
         types = _PURE_LEAVES["types"] = _pure_leaf_types()

@@ -71,7 +71,8 @@ REGION_LEFT = (
 UNMATCHED_RECOMPUTE = (
     "in backward: activation checkpointing recomputes this module, but keyinit cannot match the recompute to the "
     "execution it repeats (its inputs were computed anew in the recompute, outside the model's modules: "
-    "torch.utils.checkpoint of a function that computes before it calls a module), so it cannot give it that "
+    "torch.utils.checkpoint of a function that computes, or calls one of torch.nn's layers that draw nothing "
+    "such as Linear, before it calls this module), so it cannot give it that "
     "execution's keys. Checkpoint a module (checkpoint(module, x), checkpoint_wrapper(module)) or checkpoint the "
     "function with keyinit.nn.checkpoint, whose recompute is keyed as its first execution"
 )
@@ -487,18 +488,28 @@ class Keyed(CompiledCalls):
             return self
         compiled: list[str] = []  # raw paths of keyinit.nn.compile modules: their calls key themselves
         buffers: set[int] = set()
+        in_sequential: set[int] = set()  # children of an nn.Sequential (torch's checkpoint_sequential cuts them)
         try:
             for raw, fqn, module in canonical_modules(self.model):
                 if id(module) in self._names:
                     continue
                 self._names[id(module)] = (module, fqn)
                 buffers.update(id(b) for b in module._buffers.values() if b is not None)
+                if isinstance(module, torch.nn.Sequential):
+                    in_sequential.update(id(child) for child in module._modules.values())
                 if compiled and any(c == "" or raw == c or raw.startswith(c + ".") for c in compiled):
                     continue
                 if getattr(type(module), "keys_its_calls", False):  # keyinit.nn.KeyedCompiled: no hooks for dynamo to see
                     compiled.append(raw)
                     continue
-                self._hook(module, fqn, light=module is not self.model and pure_leaf(module))
+                if module is not self.model and pure_leaf(module):
+                    # draws nothing: no frame of its own inside a forward. No hooks at all, except in an
+                    # nn.Sequential, where a recompute by torch's checkpoint_sequential may begin with it and
+                    # must be found again (light hooks: a frame only under checkpointing or in backward)
+                    if id(module) in in_sequential:
+                        self._hook(module, fqn, light=True)
+                    continue
+                self._hook(module, fqn)
                 if callable(module.__dict__.get("_gradient_checkpointing_func")):  # transformers' checkpointing
                     self._handles.append(CheckpointingFunction(self, module))
             self._constants = frozenset(buffers)  # the model's buffers: replicated unless computed otherwise

@@ -70,7 +70,7 @@ class CompiledCalls:
         for sub in module.modules():
             fqn = self.module_fqn(sub)
             if fqn is not None and id(sub) not in self._hooked:
-                self._hook(sub, fqn, light=sub is not self.model and pure_leaf(sub))
+                self._hook(sub, fqn, light=sub is not self.model and pure_leaf(sub))  # (light: see __enter__)
                 added.append(id(sub))
         return added
 
