@@ -36,8 +36,10 @@ class Top1(nn.Module):
     """Switch/Mixtral-style top-1 dispatch: ``torch.where`` rows per expert, ``x[idx]``, ``index_add_`` back.
     ``dispatch``: ``index`` (``x[idx]``), ``select`` (``index_select``), ``mask`` (``h[mask]`` on the
     unflattened ``(B, L, D)`` activation, written back with ``out[mask] = y``), ``put`` (``x[idx]`` written
-    into ``torch.zeros(B * L, D)`` with ``out[idx] = y``) or ``gather`` (``x.gather(0, idx.expand)``,
-    ``scatter_add_`` back into ``x.new_zeros(x.shape)``)."""
+    into ``torch.zeros(B * L, D)`` with ``out[idx] = y``), ``gather`` (``x.gather(0, idx.expand)``,
+    ``scatter_add_`` back into ``x.new_zeros(x.shape)``) or ``sort`` (grouped-matmul style: the rows in the
+    order ``torch.sort`` puts their experts, scaled by the sorted expert ids, each expert on its segment,
+    ``index_add_`` back by the sort's indices)."""
 
     def __init__(self, experts: int = 3, dispatch: str = "index") -> None:
         super().__init__()
@@ -60,6 +62,19 @@ class Top1(nn.Module):
         else:
             out = torch.zeros_like(x)
         self.picked = {}
+        if self.dispatch == "sort":
+            # along the batch-holding rows: both outputs are rows picked by the sort's indices
+            sorted_choice, order = torch.sort(choice, stable=True)
+            rows = x[order] * (sorted_choice[:, None] + 1).to(x.dtype)  # (the sorted values used as they are)
+            ends = torch.bincount(choice, minlength=len(self.experts)).cumsum(0).tolist()
+            ys, start = [], 0
+            for i, (expert, end) in enumerate(zip(self.experts, ends)):
+                if end > start:
+                    self.picked[i] = order[start:end]
+                    ys.append(expert(rows[start:end]))
+                start = end
+            out.index_add_(0, order, torch.cat(ys))
+            return self.drop(out.view(b, l, d)) + h
         for i, expert in enumerate(self.experts):
             if self.dispatch == "mask":
                 mask = (choice == i).view(b, l)
@@ -100,7 +115,7 @@ def _virtual(step: int, expert: int, x: torch.Tensor, rows: torch.Tensor, first_
     return dropout_rows(virtual.view(count, L, -1), P, k, first_sample).view(count * L, -1)[rows]
 
 
-@pytest.mark.parametrize("dispatch", ["index", "select", "mask", "put", "gather"])
+@pytest.mark.parametrize("dispatch", ["index", "select", "mask", "put", "gather", "sort"])
 def test_routed_dropout_is_the_virtual_tensors_dropout_and_split_invariant(dispatch):
     torch.manual_seed(0)
     model = Top1(dispatch=dispatch).train()

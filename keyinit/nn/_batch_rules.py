@@ -281,8 +281,15 @@ def _rule_along(func, args, kwargs, outs, records):
     the op reorders the batch dimension."""
     t, rec = records[0]
     dim = _arg(func, args, kwargs, "dim", -1)
+    name = func._schema.name
     if isinstance(rec, Batch) and rec.dim is not None and t.dim() and int(dim) % t.dim() == rec.dim and \
-            func._schema.name in ("aten::sort", "aten::topk", "aten::argsort", "aten::kthvalue"):
+            name in ("aten::sort", "aten::topk", "aten::argsort", "aten::kthvalue"):
+        indices = outs[0] if name == "aten::argsort" else outs[1] if name != "aten::kthvalue" else None
+        if indices is not None and all(int(n) == 1 for d, n in enumerate(t.shape) if d != rec.dim):
+            # one row per position along the batch dimension, put in order by their values: rows picked by the
+            # indices output's values (keyinit.nn._routed), the values and the indices alike
+            found = picked(rec, int(t.shape[rec.dim]), rec.dim, indices)
+            return [found if isinstance(o, torch.Tensor) else None for o in outs]
         return [Unknown(f"{func} reorders the batch dimension")] * len(outs)
     return [rec if isinstance(o, torch.Tensor) else None for o in outs]
 

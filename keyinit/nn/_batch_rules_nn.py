@@ -471,6 +471,9 @@ NN_RULES = {
         "replication_pad3d", "pixel_shuffle", "pixel_unshuffle")},
     "aten::im2col": _rule_im2col,
     "aten::stack": _rule_stack, "aten::index": _rule_index, "aten::_grouped_mm": _rule_grouped_mm,
+    # transformers' grouped matmul for torch.compile (transformers/integrations/moe.py): _grouped_mm's 2-D by
+    # 3-D form, row i of the output from row i of the input (its docstring's contract)
+    "transformers::grouped_mm_fallback": _rule_grouped_mm,
     "aten::_fft_c2c": _rule_fft, "aten::_fft_r2c": _rule_fft, "aten::_fft_c2r": _rule_fft,
     "aten::as_strided": _rule_as_strided,
     **{f"aten::{name}": _rule_scatter for name in (
