@@ -27,7 +27,7 @@ import torch
 
 from keyinit.fqn import canonical_modules
 from keyinit.keys import Key, as_uint64, key
-from keyinit.nn._batch import Batch, annotate, declared, record
+from keyinit.nn._batch import Batch, annotate, declared
 from keyinit.nn._intercept import Frame
 from keyinit.nn._forward import (
     CheckpointingFunction,
@@ -46,9 +46,17 @@ from keyinit.nn._forward import (
     remember_host,
     CALLS_RULES,
 )
-from keyinit.nn._hostrandom import HOST_RANDOM, HostRandom
-from keyinit.nn._keyed_calls import CompiledCalls
-from keyinit.nn._modes import BatchMode, FunctionMode, mode_is_active
+from keyinit.nn._hostrandom import HOST_RANDOM
+from keyinit.nn._keyed_frames import (
+    FrameStack,
+    UNMATCHED_RECOMPUTE,
+    _ThreadState,
+    _grad_enabled,
+    _saved_tensor_hooks,
+    _saved_tensor_hooks_active,
+    _top_dispatch_mode,
+    _top_function_mode,
+)
 
 __all__ = ["Keyed", "inside_keyed_forward", "current_forward", "running_frame", "context_of"]
 
@@ -60,22 +68,6 @@ _entered: list = []  # every Keyed entered and not yet exited, in any thread
 # Contexts left while tensors of their forwards were alive: their hooks key the recomputes that activation
 # checkpointing runs in a backward() after the block, until the next keyed() is entered (see Keyed.__exit__).
 _lingering: list = []
-
-#: Why the draws of a ``keyinit.nn.checkpoint`` recompute are refused once its context is gone (see _resume).
-REGION_LEFT = (
-    "in the recompute of a keyinit.nn.checkpoint region whose keyed context was left for good (another keyed() "
-    "began since): its keys are gone. Run backward() before the next keyed() is entered"
-)
-
-#: Why every draw of a module run in backward that no forward's execution matches is refused (see _pre_hook).
-UNMATCHED_RECOMPUTE = (
-    "in backward: activation checkpointing recomputes this module, but keyinit cannot match the recompute to the "
-    "execution it repeats (its inputs were computed anew in the recompute, outside the model's modules: "
-    "torch.utils.checkpoint of a function that computes, or calls one of torch.nn's layers that draw nothing "
-    "such as Linear, before it calls this module), so it cannot give it that "
-    "execution's keys. Checkpoint a module (checkpoint(module, x), checkpoint_wrapper(module)) or checkpoint the "
-    "function with keyinit.nn.checkpoint, whose recompute is keyed as its first execution"
-)
 
 def _active() -> list:
     active = getattr(_state, "active", None)
@@ -109,18 +101,6 @@ def _warn_if_compiled() -> None:
                       stacklevel=4)
 
 
-class _ThreadState:
-    """One thread's forwards of a keyed model: its frame stack and its own mode objects."""
-
-    __slots__ = ("frames", "modes", "foreign", "pending")
-
-    def __init__(self, ctx: "Keyed", foreign: bool) -> None:
-        self.frames: list[Frame] = []
-        self.modes: list[Any] = [FunctionMode(ctx), BatchMode(ctx)]
-        self.foreign = foreign
-        self.pending: Any = None  # the batch of the factory the function mode is running
-
-
 def context_of(module: torch.nn.Module) -> Optional["Keyed"]:
     """The innermost context entered in this thread whose model is or holds ``module``, or None."""
     for ctx in reversed(_active()):
@@ -147,25 +127,6 @@ def current_forward() -> Optional[Forward]:
     return None
 
 
-_grad_enabled = torch.is_grad_enabled
-_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-
-
-def _top_function_mode() -> Any:
-    n = torch._C._len_torch_function_stack()
-    return torch._C._get_function_stack_at(n - 1) if n else None
-
-
-def _top_dispatch_mode() -> Any:
-    n = torch._C._len_torch_dispatch_stack()
-    return torch._C._get_dispatch_stack_at(n - 1) if n else None
-
-
-def _saved_tensor_hooks_active() -> bool:
-    """Saved-tensor hooks are set (``checkpoint(use_reentrant=False)`` sets them around its forward)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-
-
 def _module_fqn(root: torch.nn.Module, module: torch.nn.Module) -> Optional[str]:
     """The canonical FQN of ``module`` inside ``root`` (the first path), or None."""
     for _, fqn, candidate in canonical_modules(root):
@@ -174,7 +135,7 @@ def _module_fqn(root: torch.nn.Module, module: torch.nn.Module) -> Optional[str]
     return None
 
 
-class Keyed(CompiledCalls):
+class Keyed(FrameStack):
     """The context manager :func:`keyed` returns (single use; enter it with ``with``)."""
 
     def __init__(self, model: Union[torch.nn.Module, str], seed: Union[int, Key], step: int,
@@ -240,18 +201,6 @@ class Keyed(CompiledCalls):
         return (f"keyed({type(self.model).__name__}, seed={self.seed}, step={self.step}, "
                 f"sample_offset={self.sample_offset})")
 
-    def _thread_state(self) -> _ThreadState:
-        state = getattr(self._local, "state", None)
-        if state is None:
-            state = self._local.state = _ThreadState(self, foreign=threading.get_ident() != self._thread)
-        return state
-
-    def _current_frame(self) -> Optional[Frame]:
-        state = getattr(self._local, "state", None)
-        if state is not None and state.frames:
-            return state.frames[-1]
-        return None
-
     def _root_forward(self, module: torch.nn.Module, fqn: str, args: tuple, kwargs: dict) -> "Forward":
         """A new root forward: its rows, its repeat count, and its inputs' batch records."""
         start = self.sample_offset + self._rows
@@ -277,53 +226,6 @@ class Keyed(CompiledCalls):
                 if dim is not None and (explicit or int(t.shape[dim]) == count):
                     annotate(t, forward, Batch(dim, int(t.shape[dim]), start))
         return forward
-
-    def _resume(self, region: Any) -> Frame:
-        """The recompute of a ``keyinit.nn.checkpoint`` region (:class:`keyinit.nn._checkpoint.Region`): a frame
-        of the module that called it, in its forward, with the call ordinals, host generator states (where no
-        frame is open) and modes it began with; left by the post-hook of that module. After the context was
-        left for good (another ``keyed()`` began), its draws are refused."""
-        state = self._thread_state()
-        forward = region.forward
-        foreign: Union[bool, str] = False if self._state != "exited" else REGION_LEFT
-        frame = Frame(region.module, region.fqn, foreign, forward, dict(region.counts))
-        if not state.frames:
-            if foreign:
-                host = HostRandom(forward.host_key(self), (f"{frame.describe()} drew from ", f"'s global state: {foreign}"))
-            else:
-                host = forward.host_random(self, region.fqn, resumed=(region.host,))
-            host.__enter__()
-            frame.pushed.append(host)
-        for mode in state.modes:
-            if not mode_is_active(mode):
-                mode.__enter__()
-                frame.pushed.append(mode)
-        state.frames.append(frame)
-        return frame
-
-    def _unmatched(self, fqn: str) -> Forward:
-        """The forward of a module run in backward that no execution matches (its draws are refused): records
-        of its own, kept by no one."""
-        forward = Forward(self, fqn, self.sample_offset, 0, 0)
-        forward.probe = True
-        return forward
-
-    def _check_sequence_first(self, module: torch.nn.Module, frame: Frame, args: tuple, kwargs: dict) -> None:
-        """A sequence-first torch layer inside the model whose input's batch is its dimension 0: the model's
-        inputs were read batch-first, which this layer contradicts."""
-        tensors = input_tensors(args, kwargs)
-        if not tensors:
-            return
-        rec = record(tensors[0], frame.forward)
-        if isinstance(rec, Batch) and rec.dim == 0 and tensors[0].dim() == 3:
-            from keyinit.errors import UnkeyedRandomnessError
-
-            raise UnkeyedRandomnessError(
-                f"{frame.describe()} is sequence-first (batch_first=False: its input is (sequence, batch, "
-                f"features)), but keyinit tracked its {tuple(tensors[0].shape)} input's batch in dimension 0 (the "
-                "model's inputs are read batch-first unless declared). Declare the model input's batch dimension "
-                "with keyinit.nn.batch_dim(x, 1) before the forward, or build the layer with batch_first=True"
-            )
 
     def _pre_hook(self, fqn: str, light: bool = False) -> Callable:
         """The forward pre-hook of the module ``fqn``: a frame for its execution (see the module docstring).
@@ -388,22 +290,12 @@ class Keyed(CompiledCalls):
             if not self._recomputable and _saved_tensor_hooks_active():
                 self._recomputable = True  # non-reentrant checkpointing (saved-tensor hooks) may recompute this
             frame = Frame(module, fqn, foreign, forward, counts)
+            host = None
             if not state.frames and not foreign:
                 host = forward.host_random(self, fqn, args, kwargs)
-                host.__enter__()
-                frame.pushed.append(host)  # left by the post-hook, after the modes
             elif not state.frames and isinstance(foreign, str):  # (its host draws are refused too)
-                host = HostRandom(forward.host_key(self), (f"{frame.describe()} drew from ", f"'s global state: {foreign}"))
-                host.__enter__()
-                frame.pushed.append(host)
-            # The modes are active only while one of the model's forwards runs: entered by the outermost
-            # forward (and again by a forward that activation checkpointing recomputes in backward, where
-            # the autograd engine does not carry torch-function modes), exited by its post-hook.
-            for mode in state.modes:
-                if not mode_is_active(mode):
-                    mode.__enter__()
-                    frame.pushed.append(mode)
-            state.frames.append(frame)
+                host = self._refusing_host(frame, foreign)
+            self._open(state, frame, host)
             if self.index == "tracked" and len(state.frames) > 1 and id(module) in self._sequence_first_modules:
                 try:
                     self._check_sequence_first(module, frame, args, kwargs)
@@ -542,14 +434,6 @@ class Keyed(CompiledCalls):
         ones the whole batch's forward draws for those rows.
         """
         return MicroBatch(self, as_uint64(offset, "offset"))
-
-    def _leave_frames(self) -> None:
-        owner = self._owner
-        if owner is not None:
-            for frame in reversed(owner.frames):  # a forward left without its post-hook (e.g. an exception)
-                for mode in reversed(frame.pushed):
-                    mode.__exit__(None, None, None)
-            owner.frames.clear()
 
     def _forget(self) -> None:
         if self in _active():
