@@ -115,5 +115,4 @@ def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
     found = running_frame()
     if found is not None and not found[1].foreign:
         function = Region(found[0], found[1], function, args)
-        found[0]._recomputable = True  # (its hooks and records stay after the block while its tensors live)
     return torch_checkpoint(function, *args, **kwargs)

@@ -12,7 +12,7 @@ it calls a module of the model, so:
   function, not in a module) would be recomputed with torch's generator: refused
   at the first execution (:func:`unseen_recompute`), before any wrong gradient;
 - a module it calls on tensors it computed (``drop(y * 2)``) cannot be matched:
-  its draws are refused in backward (``keyinit.nn._keyed.UNMATCHED_RECOMPUTE``).
+  its draws are refused in backward (``keyinit.nn._keyed_frames.UNMATCHED_RECOMPUTE``).
 
 :class:`Region` is what ``keyinit.nn.checkpoint`` hands torch's checkpoint instead of
 the function: its first call is the first execution; a later call (the recompute,
@@ -100,6 +100,8 @@ class Region:
         self.host = host.state() if host is not None and host.moved() else None
         self.firsts = args
         self.calls = 0
+        ctx._recomputable = True  # a forward ran under checkpointing: the context's hooks and records stay after
+        # the block while its tensors live (keyinit.nn._keyed.Keyed.__exit__)
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         self.calls += 1

@@ -79,11 +79,10 @@ def keyed_call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
     library is loaded (a call's key is new at every step), else :func:`_call_key`."""
     lib = _fill().kernel_library()
     stream = root.stream
-    if lib is not None and stream == "v1" and 0 <= ordinal <= 0xFFFFFFFFFFFFFFFF:
-        k0, k1 = _module_words(root.k0, root.k1, stream, step, _fqn_parts(fqn), lib)
-        words = lib.keyinit_derive(k0, k1, ordinal & 0xFFFFFFFF, ordinal >> 32, 2, 0)  # (fold_words_v1's int fold)
-        return derived_key(words & 0xFFFFFFFF, words >> 32, stream)
-    return _call_key(root.k0, root.k1, stream, step, fqn, ordinal, lib)
+    if lib is None or stream != "v1":
+        return _call_key(root.k0, root.k1, stream, step, fqn, ordinal, lib)
+    k0, k1 = _fold(_module_words(root.k0, root.k1, stream, step, _fqn_parts(fqn), lib), stream, ordinal, lib)
+    return derived_key(k0, k1, stream)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -92,14 +92,6 @@ def replayable() -> frozenset:
     return frozenset(found)
 
 
-def _record_code(rec: Any) -> Any:
-    """``rec`` as the key holds it: a batch as a tuple of ints (hashed and compared in C: a record is a new
-    object at every call, and the attrs methods are Python), anything else as it is (equal by value)."""
-    if type(rec) is Batch:
-        return (rec.dim, rec.count, rec.start, rec.inner)
-    return rec
-
-
 def _encode(value: Any, parts: list, tensors: list, records: list, forward: Any) -> bool:
     """Append ``value``'s code to ``parts`` (False: a value a signature cannot describe)."""
     kind = type(value)
@@ -147,7 +139,9 @@ def _encode_tensor(value: torch.Tensor, kind: type, parts: list, tensors: list, 
         rec = record(value, forward)
     kind_of_record = type(rec)
     if kind_of_record is Batch:
-        code: Any = (rec.dim, rec.count, rec.start, rec.inner)  # (see _record_code)
+        # a batch as a tuple of ints (hashed and compared in C: a record is a new object at every call, and
+        # the attrs methods are Python); anything else as it is (equal by value)
+        code: Any = (rec.dim, rec.count, rec.start, rec.inner)
     elif kind_of_record is Routed:
         return False  # rows picked by values: what the rules give depends on the values
     else:
