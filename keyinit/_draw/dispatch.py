@@ -138,11 +138,15 @@ class Kernels:
     def run(self, device: str, *args: Any, **kwargs: Any) -> None:
         """The kernel for ``device`` unless kernels are disabled (``KEYINIT_DISABLE_KERNELS``) or it
         declines, else the reference."""
-        if not kernels_disabled():
+        # (kernels_disabled() and KernelRef.resolve() inline: every kernel call of a keyed forward asks)
+        if (_DISABLE_KEY not in _ENVIRON_DATA if _ENVIRON_DATA is not None and os.environ is _ENVIRON
+                else not kernels_disabled()) or not kernels_disabled():
             ref = self.devices.get(device)
-            kernel = ref.resolve() if ref is not None else None
-            if kernel is not None and kernel(*args, **kwargs):
-                return
+            if ref is not None:
+                module = sys.modules.get(ref.module)
+                kernel = getattr(module, ref.name) if module is not None else ref.resolve()
+                if kernel is not None and kernel(*args, **kwargs):
+                    return
         reference = self.reference.resolve()
         if reference is None:  # pragma: no cover - the references import nothing optional
             raise ImportError(f"the reference {self.reference.module}.{self.reference.name} cannot be imported")
@@ -236,13 +240,17 @@ def dropout(x: torch.Tensor, geometry: Any) -> torch.Tensor:
     family = KERNELS.get(geometry.stream, _NO_FAMILIES).get("dropout") or kernels(geometry.stream, "dropout")
     x = x.contiguous()
     if type(x) is torch.Tensor:  # the same tensor as below (x is contiguous), made a third as slowly
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        out = _empty_like(x, memory_format=_CONTIGUOUS)
     else:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    family.run(x.device.type, x, out, geometry)
+    family.run("cpu" if x.is_cpu else x.device.type, x, out, geometry)  # (is_cpu: no device object made)
     return out
+
+
+_empty_like = torch.empty_like
+_CONTIGUOUS = torch.contiguous_format
 
 
 def permute(key: Key, n: int, inverse: bool, out: torch.Tensor, *, positions: Optional[torch.Tensor] = None,

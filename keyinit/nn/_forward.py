@@ -26,7 +26,7 @@ import torch
 from keyinit.keys import Key, as_uint64
 from keyinit.nn._batch import annotate, record
 from keyinit.nn._hostrandom import SAMPLE_FIXES, HostRandom, fold, host_stream_key
-from keyinit.nn._keys import keyed_call_key, keyed_module_key
+from keyinit.nn._keys import CallKeys, keyed_call_key, keyed_module_key
 
 __all__ = ["Forward", "MicroBatch", "Named", "CheckpointingFunction", "input_tensors", "sequence_first_module",
            "sequence_first_dropouts", "resolve_sample_offset", "remember", "remember_host", "remember_counts",
@@ -46,7 +46,7 @@ class Forward:
     """
 
     __slots__ = ("start", "count", "repeat", "fqn", "constants", "owner", "grad", "drew", "records", "probe", "escaped",
-                 "host", "host_states", "counts", "counts_at", "__weakref__")
+                 "host", "host_states", "counts", "counts_at", "keys", "__weakref__")
 
     def __init__(self, ctx: Any, fqn: str, start: int, count: int, repeat: int) -> None:
         self.fqn, self.start, self.count, self.repeat = fqn, start, count, repeat
@@ -71,6 +71,7 @@ class Forward:
         # began (_replay_key of its first input -> a copy, or AMBIGUOUS): its recompute numbers from there
         self.counts: dict[str, int] = {}
         self.counts_at: dict[tuple, Any] = {}
+        self.keys: Optional[CallKeys] = None  # its calls' keys (made on the first, for the context's root and step)
 
     def host_key(self, ctx: Any) -> Key:
         """The key that seeds Python's and numpy's generators in this forward (docs/spec.md 14.7)."""
@@ -123,7 +124,13 @@ class Forward:
     def call_key(self, ctx: Any, fqn: str, ordinal: int) -> Key:
         if not self.drew:
             self.mark_drawn(ctx)
-        k = keyed_call_key(ctx.root, ctx.step, fqn, ordinal)
+        keys = self.keys
+        if keys is None:
+            keys = self.keys = CallKeys(ctx.root, ctx.step)
+        if keys.root is ctx.root and keys.step == ctx.step:
+            k = keys(fqn, ordinal)
+        else:
+            k = keyed_call_key(ctx.root, ctx.step, fqn, ordinal)
         if self.repeat:
             k = fold(fold(k, "repeat"), self.repeat)
         return k
@@ -226,20 +233,21 @@ def sequence_first_dropouts(modules: Iterable[torch.nn.Module]) -> frozenset[int
 
 def input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-
-    def visit(value: Any, depth: int) -> None:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif depth < 2 and isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v, depth + 1)
-        elif depth < 2 and isinstance(value, dict):
-            for v in value.values():
-                visit(v, depth + 1)
-
-    visit(args, 0)
-    visit(kwargs, 0)
+    _visit(args, 0, found)
+    _visit(kwargs, 0, found)
     return found
+
+
+def _visit(value: Any, depth: int, found: list) -> None:
+    # (a module-level function: a nested recursive one is a reference cycle, left to the garbage collector)
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif depth < 2 and isinstance(value, (list, tuple)):
+        for v in value:
+            _visit(v, depth + 1, found)
+    elif depth < 2 and isinstance(value, dict):
+        for v in value.values():
+            _visit(v, depth + 1, found)
 
 
 def _replay_key(fqn: str, t: torch.Tensor) -> tuple:

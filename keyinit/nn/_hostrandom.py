@@ -135,9 +135,10 @@ class HostRandom:
             global_states().restore(self._saved)
         finally:
             self._lock.release()
+        drawn, self.drawn = self.drawn, None  # (called once: the callback, often its owner's, is let go)
         if drew and self.refuse is None:
-            if self.drawn is not None:
-                self.drawn()
+            if drawn is not None:
+                drawn()
         elif drew:
             from keyinit.errors import UnkeyedRandomnessError
 

@@ -453,6 +453,11 @@ class Keyed(FrameStack):
         with _entered_lock:
             if self in _lingering:
                 _lingering.remove(self)
+        # the references that run back to this context (its shared hook's closure, the thread states whose
+        # modes hold it): dropped, so the block's objects (its forwards' records) are freed when it ends,
+        # not by the garbage collector
+        vars(self._local).clear()  # (this thread's state: its modes hold the context)
+        self._shared_post_hook, self._owner, self._local = None, None, threading.local()
         self._state = "exited"
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -85,6 +85,34 @@ def keyed_call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
     return derived_key(k0, k1, stream)
 
 
+class CallKeys:
+    """``keyed_call_key(root, step, fqn, ordinal)`` for one root forward (its root key and step fixed): each
+    module's words before the ordinal fold derived once, the kernel library looked up once (a forward's
+    calls all ask; where the words are computed never changes what they are)."""
+
+    __slots__ = ("root", "step", "words", "lib", "fold")
+
+    def __init__(self, root: Key, step: int) -> None:
+        self.root, self.step = root, step
+        self.words: dict[str, tuple[int, int]] = {}
+        fill = _fill()
+        self.lib = fill.kernel_library() if root.stream == "v1" else None
+        self.fold = fill.fold_words_v1
+
+    def __call__(self, fqn: str, ordinal: int) -> Key:
+        words = self.words.get(fqn)
+        if words is None:
+            root = self.root
+            words = self.words[fqn] = _module_words(root.k0, root.k1, root.stream, self.step, _fqn_parts(fqn),
+                                                    self.lib)
+        if self.lib is not None:
+            found = self.fold(self.lib, words[0], words[1], ordinal)
+            if found is not None:
+                return derived_key(found[0], found[1], "v1")
+        k0, k1 = _fold(words, self.root.stream, ordinal, None)
+        return derived_key(k0, k1, self.root.stream)
+
+
 @functools.lru_cache(maxsize=4096)
 def _fqn_parts(fqn: str) -> tuple[str, ...]:
     return check_fqn(fqn)

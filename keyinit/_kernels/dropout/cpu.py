@@ -56,7 +56,7 @@ def _selftest_run(lib: ctypes.CDLL) -> list[str]:
 #: The dropout kernel library (``dropout_kernels.c``), loaded through the one loader.
 KERNEL = CompiledLibrary("the compiled CPU dropout kernel", "dropout/dropout_kernels.c", declare, _selftest_run)
 #: Looked up at each call, so a test can patch it; ``LIBRARY``, ``UNCHECKED``, ``SOURCE``, ... are the loader's.
-library = KERNEL.library
+library = KERNEL.checked.get
 __getattr__ = KERNEL.module_attribute
 
 
@@ -88,12 +88,14 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = N
     ``lib`` to the library built for this machine. ``False``: nothing written.
     """
     dtype_id = DTYPE_IDS.get(x.dtype)
-    if dtype_id is None or x.device.type != "cpu" or len(geometry.sizes) > MAX_DIMS:
+    if dtype_id is None or not x.is_cpu or len(geometry.sizes) > MAX_DIMS:
         return False
-    lib = lib if lib is not None else KERNEL.usable(library)
     if lib is None:
-        return False
-    nd, sizes, gstrides, pointers = _arrays(tuple(geometry.sizes), tuple(geometry.gstrides))
+        lib = library()
+        if lib is None:
+            KERNEL.checked.warn_once(stacklevel=4)
+            return False
+    nd, sizes, gstrides, pointers = _arrays(geometry.sizes, geometry.gstrides)
     keep_alive: Sequence = ()
     for index in geometry.indices:
         if index is not None:  # index vectors: their pointers (the arrays' null pointers otherwise)
