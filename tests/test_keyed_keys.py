@@ -10,7 +10,7 @@ import pytest
 
 from keyinit.keys import fold_in, key
 from keyinit.nn import dropout_key
-from keyinit.nn._keys import DROPOUT_DOMAIN, keyed_call_key, keyed_module_key
+from keyinit.nn._keys import DROPOUT_DOMAIN, CallKeys, keyed_module_key
 
 CASES = [
     (0, 0, "", 0),
@@ -29,8 +29,12 @@ def test_keyed_keys_are_dropout_keys(kernels, monkeypatch):
     for seed, step, fqn, ordinal in CASES:
         step = (step + shift) % 2**64
         want = dropout_key(seed, step=step, fqn=fqn, ordinal=ordinal)
-        assert keyed_call_key(key(seed), step, fqn, ordinal) == want
+        keys = CallKeys(key(seed), step)
+        assert keys(fqn, ordinal) == want
+        assert keys(fqn, ordinal) == want  # the module's words remembered
         module = fold_in(fold_in(key(seed), DROPOUT_DOMAIN), step)
         for part in fqn.split(".") if fqn else ():
             module = fold_in(module, part)
         assert keyed_module_key(key(seed), step, fqn) == module
+        assert keys.below(fqn, ("host", ordinal, "samples")) == fold_in(fold_in(fold_in(module, "host"), ordinal),
+                                                                        "samples")

@@ -25,8 +25,8 @@ import torch
 
 from keyinit.keys import Key, as_uint64
 from keyinit.nn._batch import annotate, record
-from keyinit.nn._hostrandom import SAMPLE_FIXES, HostRandom, fold, host_stream_key
-from keyinit.nn._keys import CallKeys, keyed_call_key, keyed_module_key
+from keyinit.nn._hostrandom import SAMPLE_FIXES, HostRandom, fold, host_stream_folds
+from keyinit.nn._keys import CallKeys
 
 __all__ = ["Forward", "MicroBatch", "Named", "CheckpointingFunction", "input_tensors", "sequence_first_module",
            "sequence_first_dropouts", "resolve_sample_offset", "remember", "remember_host", "remember_counts",
@@ -74,11 +74,18 @@ class Forward:
         self.keys: Optional[CallKeys] = None  # its calls' keys (made on the first, for the context's root and step)
 
     def host_key(self, ctx: Any) -> Key:
-        """The key that seeds Python's and numpy's generators in this forward (docs/spec.md 14.7)."""
-        k = fold(keyed_module_key(ctx.root, ctx.step, self.fqn), "host")
-        if self.repeat:
-            k = fold(k, self.repeat)
-        return host_stream_key(k, self.start, self.count, ctx.host_mode)
+        """The key that seeds Python's and numpy's generators in this forward (docs/spec.md 14.7):
+        ``keyed_module_key(root, step, fqn)`` folded with ``"host"``, its repeat (if any) and
+        :func:`~keyinit.nn._hostrandom.host_stream_folds`."""
+        data: tuple = ("host", self.repeat) if self.repeat else ("host",)
+        return self.call_keys(ctx).below(self.fqn, data + host_stream_folds(self.start, self.count, ctx.host_mode))
+
+    def call_keys(self, ctx: Any) -> CallKeys:
+        """The keys of this forward's calls under ``ctx``'s root and step (made once)."""
+        keys = self.keys
+        if keys is None or keys.root is not ctx.root or keys.step != ctx.step:
+            keys = self.keys = CallKeys(ctx.root, ctx.step)
+        return keys
 
     def host_random(self, ctx: Any, fqn: str, args: tuple = (), kwargs: Optional[dict] = None,
                     resumed: Optional[tuple] = None) -> HostRandom:
@@ -124,13 +131,7 @@ class Forward:
     def call_key(self, ctx: Any, fqn: str, ordinal: int) -> Key:
         if not self.drew:
             self.mark_drawn(ctx)
-        keys = self.keys
-        if keys is None:
-            keys = self.keys = CallKeys(ctx.root, ctx.step)
-        if keys.root is ctx.root and keys.step == ctx.step:
-            k = keys(fqn, ordinal)
-        else:
-            k = keyed_call_key(ctx.root, ctx.step, fqn, ordinal)
+        k = self.call_keys(ctx)(fqn, ordinal)
         if self.repeat:
             k = fold(fold(k, "repeat"), self.repeat)
         return k

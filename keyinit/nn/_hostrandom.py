@@ -33,11 +33,12 @@ drawn from the forward's seed.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Optional
 
 from keyinit.keys import Key
 
-__all__ = ["HOST_RANDOM", "HostRandom", "SAMPLE_FIXES", "fold", "host_stream_key"]
+__all__ = ["HOST_RANDOM", "HostRandom", "SAMPLE_FIXES", "fold", "host_stream_folds"]
 
 #: The values of ``keyed(..., host_random=...)``.
 HOST_RANDOM = ("sample", "forward", "replicated")
@@ -51,12 +52,13 @@ def fold(parent: Key, data: int | str) -> Key:
     return fold_with(kernel_library(), parent, data)
 
 
-def host_stream_key(base: Key, start: int, count: int, mode: str) -> Key:
-    """The key of a root forward's host generators: ``base`` (the root forward's host key) alone when
-    ``mode`` is ``"replicated"`` or the forward holds no batch, else folded with its samples."""
+def host_stream_folds(start: int, count: int, mode: str) -> tuple:
+    """What is folded into a root forward's host key (the root forward's module key folded with ``"host"``,
+    and its repeat) for its host generators: nothing when ``mode`` is ``"replicated"`` or the forward holds
+    no batch, else its samples (``"samples"``, ``start``, ``count``)."""
     if mode == "replicated" or count == 0:
-        return base
-    return fold(fold(fold(base, "samples"), start), count)
+        return ()
+    return ("samples", start, count)
 
 
 class HostRandom:
@@ -89,13 +91,11 @@ class HostRandom:
         self._lock: Any = None
 
     def __enter__(self) -> "HostRandom":
-        from keyinit.data import _augment, _fill  # the one lock of the process's global generators
-        from keyinit.data._globals import global_states
-
-        self._lock = _augment.global_state_lock()
+        _augment, _fill, _globals = _data()
+        self._lock = _augment.global_state_lock()  # the one lock of the process's global generators
         self._lock.acquire()
         try:
-            states = global_states()
+            states = _globals.global_states()
             self._saved = states.save()
             lib = _fill.kernel_library()
             try:
@@ -118,21 +118,16 @@ class HostRandom:
 
     def state(self) -> Any:
         """Both generators' states now (for :attr:`resume`)."""
-        from keyinit.data._globals import global_states
-
-        return global_states().save()
+        return _data()[2].global_states().save()
 
     def _drew(self) -> list[str]:
-        from keyinit.data._globals import global_states
-
-        return global_states().drew(self._seeded)
+        return _data()[2].global_states().drew(self._seeded)
 
     def __exit__(self, *exc_info: Any) -> None:
-        from keyinit.data._globals import global_states
-
         try:
-            drew = self._drew()
-            global_states().restore(self._saved)
+            states = _data()[2].global_states()
+            drew = states.drew(self._seeded)
+            states.restore(self._saved)
         finally:
             self._lock.release()
         drawn, self.drawn = self.drawn, None  # (called once: the callback, often its owner's, is let go)
@@ -146,6 +141,18 @@ class HostRandom:
             self.refusal = UnkeyedRandomnessError(f"{before}{' and '.join(drew)}{after}")
             if self.raises and exc_info[0] is None:
                 raise self.refusal
+
+
+def _data() -> tuple[Any, Any, Any]:
+    """``keyinit.data``'s ``_augment`` (the lock), ``_fill`` (the kernel library) and ``_globals`` (the
+    states), imported on first use (a root forward asks at every step)."""
+    modules = sys.modules
+    found = (modules.get("keyinit.data._augment"), modules.get("keyinit.data._fill"), modules.get("keyinit.data._globals"))
+    if None in found:
+        from keyinit.data import _augment, _fill, _globals
+
+        found = (_augment, _fill, _globals)
+    return found
 
 
 #: The end of the error of a forward of several samples that drew (``host_random="sample"``).

@@ -47,6 +47,7 @@ from keyinit.nn._forward import (
     CALLS_RULES,
 )
 from keyinit.nn._hostrandom import HOST_RANDOM
+from keyinit.nn._keyed_dropout import DropoutForward, takes_dropout_forward
 from keyinit.nn._keyed_frames import (
     FrameStack,
     UNMATCHED_RECOMPUTE,
@@ -381,6 +382,7 @@ class Keyed(FrameStack):
         compiled: list[str] = []  # raw paths of keyinit.nn.compile modules: their calls key themselves
         buffers: set[int] = set()
         in_sequential: set[int] = set()  # children of an nn.Sequential (torch's checkpoint_sequential cuts them)
+        dropouts: list[tuple[torch.nn.Module, str]] = []
         try:
             for raw, fqn, module in canonical_modules(self.model):
                 if id(module) in self._names:
@@ -401,11 +403,21 @@ class Keyed(FrameStack):
                     if id(module) in in_sequential:
                         self._hook(module, fqn, light=True)
                     continue
+                if module is not self.model and self.index == "tracked" and takes_dropout_forward(module):
+                    dropouts.append((module, fqn))  # (unless in a sequence-first layer: below)
+                    continue
                 self._hook(module, fqn)
                 if callable(module.__dict__.get("_gradient_checkpointing_func")):  # transformers' checkpointing
                     self._handles.append(CheckpointingFunction(self, module))
             self._constants = frozenset(buffers)  # the model's buffers: replicated unless computed otherwise
             self._sequence_first = sequence_first_dropouts(module for module, _ in self._names.values())
+            for module, fqn in dropouts:  # nn.Dropout: a forward of its own for the block instead of hooks
+                if id(module) in self._sequence_first:
+                    self._hook(module, fqn)
+                else:
+                    handle = DropoutForward(self, module, fqn, self._pre_hook(fqn), self._post_hook_of())
+                    self._hooked[id(module)] = (module, fqn, [handle])
+                    self._handles.append(handle)
             _active().append(self)
             with _entered_lock:
                 _entered.append(self)
@@ -415,11 +427,14 @@ class Keyed(FrameStack):
             raise
         return self
 
-    def _hook(self, module: torch.nn.Module, fqn: str, light: bool = False) -> None:
+    def _post_hook_of(self) -> Callable:
         if self._shared_post_hook is None:
             self._shared_post_hook = self._post_hook()  # (one for every module: it takes the module)
+        return self._shared_post_hook
+
+    def _hook(self, module: torch.nn.Module, fqn: str, light: bool = False) -> None:
         handles = [module.register_forward_pre_hook(self._pre_hook(fqn, light), with_kwargs=True),
-                   module.register_forward_hook(self._shared_post_hook, always_call=True)]
+                   module.register_forward_hook(self._post_hook_of(), always_call=True)]
         self._handles.extend(handles)
         self._hooked[id(module)] = (module, fqn, handles)
         if sequence_first_module(module):

@@ -67,28 +67,12 @@ def _module_words(k0: int, k1: int, stream: str, step: int, parts: tuple[str, ..
     return _fold(_module_words(k0, k1, stream, step, parts[:-1], lib), stream, parts[-1], lib)
 
 
-@functools.lru_cache(maxsize=8192)
-def _call_key(k0: int, k1: int, stream: str, step: int, fqn: str, ordinal: int, lib: Any) -> Key:
-    words = _fold(_module_words(k0, k1, stream, step, check_fqn(fqn), lib), stream, ordinal, lib)
-    return derived_key(words[0], words[1], stream)
-
-
-def keyed_call_key(root: Key, step: int, fqn: str, ordinal: int) -> Key:
-    """``dropout_key(root, step=step, fqn=fqn, ordinal=ordinal)`` for a root key and validated ints (what
-    ``keyed`` asks for each call): the module's words memoized, the ordinal folded in C where the kernel
-    library is loaded (a call's key is new at every step), else :func:`_call_key`."""
-    lib = _fill().kernel_library()
-    stream = root.stream
-    if lib is None or stream != "v1":
-        return _call_key(root.k0, root.k1, stream, step, fqn, ordinal, lib)
-    k0, k1 = _fold(_module_words(root.k0, root.k1, stream, step, _fqn_parts(fqn), lib), stream, ordinal, lib)
-    return derived_key(k0, k1, stream)
-
-
 class CallKeys:
-    """``keyed_call_key(root, step, fqn, ordinal)`` for one root forward (its root key and step fixed): each
-    module's words before the ordinal fold derived once, the kernel library looked up once (a forward's
-    calls all ask; where the words are computed never changes what they are)."""
+    """The keys keyed() gives the calls of one root forward (its root key and step fixed):
+    ``keys(fqn, ordinal)`` is ``dropout_key(root, step=step, fqn=fqn, ordinal=ordinal)``. Each module's
+    words before the ordinal fold are derived once, the kernel library is looked up once (a forward's
+    calls all ask; where the words are computed never changes what they are), and the ordinal is folded
+    in C where the library is loaded (a call's key is new at every step)."""
 
     __slots__ = ("root", "step", "words", "lib", "fold")
 
@@ -111,6 +95,17 @@ class CallKeys:
                 return derived_key(found[0], found[1], "v1")
         k0, k1 = _fold(words, self.root.stream, ordinal, None)
         return derived_key(k0, k1, self.root.stream)
+
+    def below(self, fqn: str, data: tuple) -> Key:
+        """``keyed_module_key(root, step, fqn)`` with each of ``data`` folded in, in order."""
+        root = self.root
+        words = self.words.get(fqn)
+        if words is None:
+            words = self.words[fqn] = _module_words(root.k0, root.k1, root.stream, self.step, _fqn_parts(fqn),
+                                                    self.lib)
+        for item in data:
+            words = _fold(words, root.stream, item, self.lib)
+        return derived_key(words[0], words[1], root.stream)
 
 
 @functools.lru_cache(maxsize=4096)

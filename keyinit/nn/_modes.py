@@ -24,9 +24,9 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
 from keyinit.nn._batch_rules import restride_keeps_elements
 from keyinit.nn._checkpoint import refuse_unseen
-from keyinit.nn.functional import _op  # (keyinit.nn._op on first use: it registers the custom op)
 from keyinit.nn._propagate import propagate, propagate_traced
 from keyinit.nn._routed import Routed, needs_values, routed_draw
+from keyinit.nn._keyed_dropout import guard_alone, rows_dropout
 from keyinit.nn._replay import REMEMBERED, eligible, learn, replay, replayable, signature
 from keyinit.nn._intercept import (
     Keyed,
@@ -264,7 +264,7 @@ class FunctionMode(TorchFunctionMode):
             if out is not None:
                 return out
         kind, mask, inplace = self.family[func]
-        if mask == "element" and _guard_alone(self.ctx, args[0] if args else kwargs.get("input")):
+        if mask == "element" and guard_alone(self.ctx, args[0] if args else kwargs.get("input")):
             # the guard is the only dispatch mode and the input a plain tensor: the handler's ops (all on
             # plain tensors) skip it, as with the guard left, without leaving and re-entering it
             with _NoDispatch():
@@ -273,34 +273,12 @@ class FunctionMode(TorchFunctionMode):
             return handle_dropout(self.ctx, frame, kind, mask, inplace, args, kwargs)
 
     def _rows_dropout(self, frame: Frame, input: Any, kwargs: dict) -> Any:
-        """``F.dropout(x, p, training=True)`` (``nn.Dropout``'s call) of a plain tensor whose batch is its
-        dimension 0, outside checkpointing and tracing, the guard the only dispatch mode: what
-        ``handle_dropout`` does for it, without its general cases; None where it does not apply."""
-        p = kwargs.get("p")
-        ctx = self.ctx
-        if type(input) is not torch.Tensor or type(p) is not float or not 0.0 < p < 1.0 or len(kwargs) != 3 \
-                or kwargs.get("training") is not True or kwargs.get("inplace") is not False or frame.foreign \
-                or ctx.index != "tracked" or getattr(ctx, "trace", None) is not None or input.dtype not in _FLOATS:
+        """``F.dropout(x, p, training=True)`` (``nn.Dropout``'s call): :func:`keyinit.nn._keyed_dropout.rows_dropout`
+        in ``frame``, None where it does not apply."""
+        if len(kwargs) != 3 or kwargs.get("training") is not True or kwargs.get("inplace") is not False:
             return None
-        forward = frame.forward
-        entry = forward.records.get(id(input))
-        if entry is None or entry[0]() is not input:
-            return None
-        rec = entry[1]
-        if type(rec) is not Batch or rec.dim != 0 or rec.inner != 1 or not input.dim() \
-                or input.shape[0] != rec.count or (forward.grad and not _grad_enabled()) \
-                or _saved_tensor_hooks(False) is not None or not _guard_alone(ctx, input):
-            return None
-        key = forward.call_key(ctx, frame.fqn, frame.take())
-        try:
-            with _NoDispatch():
-                out = _op().call_rows(input, p, key, rec.start)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            if type(exc) not in (ValueError, TypeError, RuntimeError):
-                raise
-            raise type(exc)(f"{frame.describe()}: dropout under keyinit.nn.keyed: {exc}") from exc
-        annotate(out, forward, rec)
-        return out
+        return rows_dropout(self.ctx, frame.forward, frame.foreign, input, kwargs.get("p"), frame.fqn, frame.counts,
+                            frame.describe)
 
     def _sdpa(self, func, args, kwargs):
         dropout_p = argument(args, kwargs, 4, "dropout_p", 0.0)
@@ -342,9 +320,6 @@ def _handlers() -> dict:
 
 
 _NoDispatch = torch._C._DisableTorchDispatch
-_grad_enabled = torch.is_grad_enabled
-_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_FLOATS = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))
 
 
 class GuardSuspended:
@@ -370,16 +345,6 @@ class GuardSuspended:
     def __exit__(self, *exc_info: Any) -> None:
         if self.guard is not None:
             self.guard.__enter__()
-
-
-def _guard_alone(ctx: "Keyed", input: Any) -> bool:
-    """``input`` is a plain tensor, nothing is being traced, and this thread's seeded-op guard is the only
-    dispatch mode: what :class:`GuardSuspended` does is then what ``torch._C._DisableTorchDispatch`` does."""
-    if type(input) is not torch.Tensor or getattr(ctx, "trace", None) is not None \
-            or torch._C._len_torch_dispatch_stack() != 1:
-        return False
-    state = getattr(ctx._local, "state", None)
-    return state is not None and bool(state.modes) and torch._C._get_dispatch_stack_at(0) is state.modes[-1]
 
 
 def _innermost_dispatch_mode() -> Any:
