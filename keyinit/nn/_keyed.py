@@ -388,7 +388,8 @@ class Keyed(FrameStack):
                 if id(module) in self._names:
                     continue
                 self._names[id(module)] = (module, fqn)
-                buffers.update(id(b) for b in module._buffers.values() if b is not None)
+                if module._buffers:
+                    buffers.update(id(b) for b in module._buffers.values() if b is not None)
                 if isinstance(module, torch.nn.Sequential):
                     in_sequential.update(id(child) for child in module._modules.values())
                 if compiled and any(c == "" or raw == c or raw.startswith(c + ".") for c in compiled):

@@ -95,16 +95,16 @@ class _EagerDropout(torch.autograd.Function):
                 ctx.has_index = [i is not None for i in indices]
                 ctx.geometry = attrs.evolve(geometry, indices=tuple(None for _ in indices))
                 ctx.save_for_backward(*(i for i in indices if i is not None))
-                return run(x, geometry)
+                return dispatch.dropout(x, geometry)
         ctx.has_index = None
         ctx.geometry = geometry  # nothing to save: the backward's geometry is this one
-        return run(x, geometry)
+        return dispatch.dropout(x, geometry)  # (run's call, without its frame: every dropout of a forward)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.has_index is None:
             if not _grad_enabled():  # no double backward: the op itself, without recording it
-                return run(grad, ctx.geometry), None
+                return dispatch.dropout(grad, ctx.geometry), None
             return _EagerDropout.apply(grad, ctx.geometry), None
         saved = iter(ctx.saved_tensors)
         indices = tuple(next(saved) if has else None for has in ctx.has_index)
@@ -151,7 +151,7 @@ def _eager(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
     """The eager form on a plain tensor: the op alone where there is no backward to plan for (eval, a
     compiled site), else the autograd function."""
     if not (x.requires_grad and _grad_enabled()):
-        return run(x, geometry)
+        return dispatch.dropout(x, geometry)
     if _functorch_active():
         return _EagerDropout.apply(x, geometry)
     return _apply(_unwrap_if_dead(x), geometry)
