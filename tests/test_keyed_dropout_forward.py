@@ -206,3 +206,32 @@ def test_a_forward_in_another_thread_is_refused():
         thread.start()
         thread.join()
     assert len(errors) == 1 and "thread" in errors[0]
+
+
+class _Direct(nn.Module):
+    """Calls its dropout's forward directly (no hooks run for that call) and as a module, and has a hook of its
+    own on the dropout (torch then calls the module's forward from inside its hook loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+        self.drop.register_forward_pre_hook(lambda module, args: None)
+
+    def forward(self, x):
+        return self.drop.forward(x) * 2 + self.drop(x) + F.dropout(x, 0.5, self.training)
+
+
+def test_a_direct_forward_call_is_keyed_as_without_hooks(monkeypatch):
+    model = _Direct().train()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(6))
+    taken = []
+    original = _keyed_dropout.rows_dropout
+    with monkeypatch.context() as patch:
+        patch.setattr(_keyed_dropout, "rows_dropout", lambda *a: taken.append(1) or original(*a))
+        fast = _step(model, x, 0)
+    with monkeypatch.context() as patch:
+        _without_dropout_forward(patch)
+        hooked = _step(model, x, 0)
+    for a, b in zip(_bits(fast), _bits(hooked)):
+        assert torch.equal(a, b)
+    assert len(taken) == 1  # the module call (under the user's hook) took the fast path; the direct call did not

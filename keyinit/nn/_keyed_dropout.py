@@ -20,6 +20,8 @@ the key is the module's call ordinal in its frame, as if it had one.
 
 from __future__ import annotations
 
+import sys
+import types
 import weakref
 from typing import Any, Callable, Optional
 
@@ -85,9 +87,24 @@ def rows_dropout(ctx: Any, forward: Any, foreign: Any, input: Any, p: Any, fqn: 
     return out
 
 
+def _module_call_codes() -> frozenset:
+    """The code objects of ``torch.nn.Module._call_impl`` and of its nested ``inner``: the frames that call a
+    module's ``forward`` when the module is called (empty where torch is not built this way)."""
+    call_impl = getattr(torch.nn.Module._call_impl, "__code__", None)
+    if call_impl is None:
+        return frozenset()
+    inner = [c for c in call_impl.co_consts if isinstance(c, types.CodeType) and c.co_name == "inner"]
+    return frozenset((call_impl, *inner)) if len(inner) == 1 else frozenset()
+
+
+_CALLED = _module_call_codes()
+
+
 def takes_dropout_forward(module: torch.nn.Module) -> bool:
-    """``module`` is exactly ``torch.nn.Dropout`` with torch's ``forward`` (none set on the instance)."""
-    return type(module) is _Dropout and _Dropout.forward is _DROPOUT_FORWARD and "forward" not in module.__dict__
+    """``module`` is exactly ``torch.nn.Dropout`` with torch's ``forward`` (none set on the instance), and this
+    torch calls a module's ``forward`` from the frames :class:`DropoutForward` knows."""
+    return type(module) is _Dropout and _Dropout.forward is _DROPOUT_FORWARD and "forward" not in module.__dict__ \
+        and len(_CALLED) == 2
 
 
 class DropoutForward:
@@ -112,6 +129,9 @@ class DropoutForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
+        if sys._getframe(1).f_code not in _CALLED:
+            # module.forward(x) called directly, not the module: no hooks would run, so the module has no frame
+            return _DROPOUT_FORWARD(module, *args, **kwargs)
         if len(args) == 1 and not kwargs and module.training and not module.inplace:
             state = getattr(self.ctx._local, "state", None)
             if state is not None and state.frames:
