@@ -235,3 +235,19 @@ def test_a_direct_forward_call_is_keyed_as_without_hooks(monkeypatch):
     for a, b in zip(_bits(fast), _bits(hooked)):
         assert torch.equal(a, b)
     assert len(taken) == 1  # the module call (under the user's hook) took the fast path; the direct call did not
+
+
+def test_a_copy_made_during_the_block_runs_torchs_forward():
+    import copy
+    import pickle
+
+    model = _model()
+    x = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(7))
+    with knn.keyed(model, 7, step=0):
+        clone = copy.deepcopy(model)
+        pickled = pickle.loads(pickle.dumps(model[0].drop))
+    for drop in (clone[0].drop, pickled):
+        assert not isinstance(vars(drop).get("forward"), DropoutForward)
+        assert drop(x) is not None  # (torch's own forward, outside any block)
+    with torch.no_grad():
+        assert torch.equal(clone.eval()(x), model.eval()(x))

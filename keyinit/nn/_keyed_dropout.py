@@ -127,6 +127,11 @@ class DropoutForward:
         if self.module.__dict__.get("forward") is self:
             del self.module.__dict__["forward"]
 
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        # a copy of the module made during the block (copy.deepcopy, pickle) is not part of the keyed model: it
+        # gets torch's forward of its own copy, not this context
+        return getattr, (self.module, "forward")
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         if sys._getframe(1).f_code not in _CALLED:
