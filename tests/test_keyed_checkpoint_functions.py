@@ -122,7 +122,8 @@ def test_keyinit_checkpoint_recompute_in_another_thread(reentrant):
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_torch_checkpoint_of_a_function_that_draws_is_refused_at_its_first_execution(reentrant):
     with pytest.raises(UnkeyedRandomnessError, match=r"the root module \(Model\): dropout\(p=0.3\) inside "
-                                                     r"torch.utils.checkpoint of a function .*keyinit.nn.checkpoint"):
+                                                     r"torch.utils.checkpoint \(or megatron's tensor_parallel."
+                                                     r"checkpoint\) of a function .*keyinit.nn.checkpoint"):
         _grads("torch", "own draws", reentrant, inside=True)
 
 
@@ -203,4 +204,55 @@ def test_torch_checkpoint_sequential_of_torch_layers_is_keyed(reentrant, inside)
         if not inside:
             loss.backward()
         grads.append([x.grad] + [p.grad for p in seq.parameters()])
+    _assert_equal(grads[1], grads[0])
+
+
+def _megatron_checkpoint(monkeypatch):
+    """megatron-core's activation checkpointing (its CheckpointFunction, as megatron's layers call it) on this
+    CPU-only machine: its CUDA generator states are not saved and set (nothing else of it changes)."""
+    random = pytest.importorskip("megatron.core.tensor_parallel.random")
+    monkeypatch.setattr(random, "_get_all_rng_states", lambda: (None, None, None))
+    monkeypatch.setattr(random, "_set_all_rng_states", lambda *states: None)
+    return random.checkpoint
+
+
+class _MegatronStyle(nn.Module):
+    def __init__(self, checkpoint, direct: bool) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(8, 8), nn.Dropout(0.3)
+        self.checkpoint, self.direct = checkpoint, direct
+
+    def forward(self, x):
+        h = self.lin(x)
+
+        def body(y):
+            if self.direct:  # a draw written in the checkpointed function itself
+                return F.dropout(y, 0.3, True) * 2
+            return self.drop(y)  # a layer of the model: recomputed by its hooks, keyed
+
+        if self.checkpoint is None:
+            return body(h)
+        return self.checkpoint(body, False, h)
+
+
+def test_megatron_checkpoint_of_a_function_that_draws_is_refused(monkeypatch):
+    checkpoint = _megatron_checkpoint(monkeypatch)
+    torch.manual_seed(0)
+    model = _MegatronStyle(checkpoint, direct=True).train()
+    with pytest.raises(UnkeyedRandomnessError, match=r"dropout\(p=0.3\) inside torch.utils.checkpoint \(or "
+                                                     r"megatron's tensor_parallel.checkpoint\)"):
+        with knn.keyed(model, 3, step=1):
+            model(torch.randn(4, 8))
+
+
+def test_megatron_checkpoint_of_a_layer_is_keyed(monkeypatch):
+    checkpoint = _megatron_checkpoint(monkeypatch)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for with_checkpoint in (False, True):
+        torch.manual_seed(0)
+        model = _MegatronStyle(checkpoint if with_checkpoint else None, direct=False).train()
+        with knn.keyed(model, 3, step=1):
+            model(x).pow(2).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
     _assert_equal(grads[1], grads[0])

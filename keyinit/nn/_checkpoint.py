@@ -34,6 +34,9 @@ from keyinit.nn._batch import annotate, record
 __all__ = ["Region", "unseen_recompute", "refuse_unseen", "UNSEEN_RECOMPUTE"]
 
 _TORCH_CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")
+# megatron-core's own activation checkpointing: CheckpointFunction (and CheckpointWithoutOutputFunction) run the
+# function in their forward and recompute it in backward, as torch's reentrant checkpoint does
+_MEGATRON_CHECKPOINT = os.path.join("megatron", "core", "tensor_parallel", "random.py")
 _MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
 _THIS = __file__
 _FORWARD = os.path.join(os.path.dirname(__file__), "_forward.py")  # transformers' keyed checkpointing (its run)
@@ -41,8 +44,9 @@ _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 #: The end of the error of a draw :func:`unseen_recompute` finds.
 UNSEEN_RECOMPUTE = (
-    "inside torch.utils.checkpoint of a function that this module's own code checkpoints (the draw is in the "
-    "function, not in a module of the model it calls): backward recomputes that function with keyed()'s modes "
+    "inside torch.utils.checkpoint (or megatron's tensor_parallel.checkpoint) of a function that this module's "
+    "own code checkpoints (the draw is in the function, not in a module of the model it calls): backward "
+    "recomputes that function with keyed()'s modes "
     "off until it calls a module, so this draw would be made again from torch's generator, not with its key, "
     "and the gradients would be wrong. Checkpoint the function with keyinit.nn.checkpoint (same arguments as "
     "torch's), whose recompute is keyed as its first execution, or move the draw into a module"
@@ -51,11 +55,13 @@ UNSEEN_RECOMPUTE = (
 
 def unseen_recompute(frame: Any) -> bool:
     """A draw now, made in ``frame``'s module's own code (not in a module it calls) inside the first execution of
-    ``torch.utils.checkpoint``: torch recomputes it in backward where keyed() does not see it.
+    ``torch.utils.checkpoint`` (or megatron-core's ``tensor_parallel.checkpoint``): it is recomputed in backward
+    where keyed() does not see it.
 
     Looked for only under checkpointing's conditions (autograd off inside a forward that had it on, or
     saved-tensor hooks set): the Python stack, from the draw up to the nearest module call, passes through
-    ``torch/utils/checkpoint.py`` and through no keyed recompute (:class:`Region`, transformers' wrapper).
+    ``torch/utils/checkpoint.py`` (or the ``forward`` of megatron's checkpoint functions) and through no keyed
+    recompute (:class:`Region`, transformers' wrapper).
     """
     if not (frame.forward.grad and not torch.is_grad_enabled()) and _saved_tensor_hooks(False) is None:
         return False
@@ -68,7 +74,7 @@ def unseen_recompute(frame: Any) -> bool:
             return False  # a keyinit.nn.checkpoint region: recomputed keyed
         if filename == _FORWARD and code.co_name == "run":
             return False  # transformers' checkpointing, wrapped by keyed (CheckpointingFunction)
-        if filename.endswith(_TORCH_CHECKPOINT):
+        if filename.endswith(_TORCH_CHECKPOINT) or (filename.endswith(_MEGATRON_CHECKPOINT) and code.co_name == "forward"):
             return True
         if filename.endswith(_MODULE_CALL):
             return False  # the call of the module the draw is in: checkpointing above it recomputes the module
