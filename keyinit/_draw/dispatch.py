@@ -138,15 +138,11 @@ class Kernels:
     def run(self, device: str, *args: Any, **kwargs: Any) -> None:
         """The kernel for ``device`` unless kernels are disabled (``KEYINIT_DISABLE_KERNELS``) or it
         declines, else the reference."""
-        # (kernels_disabled() and KernelRef.resolve() inline: every kernel call of a keyed forward asks)
-        if (_DISABLE_KEY not in _ENVIRON_DATA if _ENVIRON_DATA is not None and os.environ is _ENVIRON
-                else not kernels_disabled()) or not kernels_disabled():
+        if not kernels_disabled():
             ref = self.devices.get(device)
-            if ref is not None:
-                module = sys.modules.get(ref.module)
-                kernel = getattr(module, ref.name) if module is not None else ref.resolve()
-                if kernel is not None and kernel(*args, **kwargs):
-                    return
+            kernel = ref.resolve() if ref is not None else None
+            if kernel is not None and kernel(*args, **kwargs):
+                return
         reference = self.reference.resolve()
         if reference is None:  # pragma: no cover - the references import nothing optional
             raise ImportError(f"the reference {self.reference.module}.{self.reference.name} cannot be imported")

@@ -74,8 +74,10 @@ def unseen_recompute(frame: Any) -> bool:
             return False  # a keyinit.nn.checkpoint region: recomputed keyed
         if filename == _FORWARD and code.co_name == "run":
             return False  # transformers' checkpointing, wrapped by keyed (CheckpointingFunction)
-        if filename.endswith(_TORCH_CHECKPOINT) or (filename.endswith(_MEGATRON_CHECKPOINT) and code.co_name == "forward"):
+        if filename.endswith(_TORCH_CHECKPOINT):
             return True
+        if filename.endswith(_MEGATRON_CHECKPOINT) and code.co_name == "forward":
+            return True  # megatron's CheckpointFunction.forward (its first execution, autograd off)
         if filename.endswith(_MODULE_CALL):
             return False  # the call of the module the draw is in: checkpointing above it recomputes the module
         f = f.f_back

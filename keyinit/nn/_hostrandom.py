@@ -147,7 +147,8 @@ def _data() -> tuple[Any, Any, Any]:
     """``keyinit.data``'s ``_augment`` (the lock), ``_fill`` (the kernel library) and ``_globals`` (the
     states), imported on first use (a root forward asks at every step)."""
     modules = sys.modules
-    found = (modules.get("keyinit.data._augment"), modules.get("keyinit.data._fill"), modules.get("keyinit.data._globals"))
+    found = (modules.get("keyinit.data._augment"), modules.get("keyinit.data._fill"),
+             modules.get("keyinit.data._globals"))
     if None in found:
         from keyinit.data import _augment, _fill, _globals
 

@@ -30,10 +30,9 @@ import torch
 from keyinit.nn._batch import Batch
 from keyinit.nn.functional import _op
 
-__all__ = ["DropoutForward", "rows_dropout", "guard_alone", "FLOATS", "takes_dropout_forward"]
+__all__ = ["DropoutForward", "rows_dropout", "guard_alone", "takes_dropout_forward"]
 
-#: The dtypes keyinit's dropout kernels take.
-FLOATS = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))
+_FLOATS = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))  # (the kernels' dtypes)
 
 _NoDispatch = torch._C._DisableTorchDispatch
 _NoFunctionMode = torch._C.DisableTorchFunction
@@ -63,7 +62,7 @@ def rows_dropout(ctx: Any, forward: Any, foreign: Any, input: Any, p: Any, fqn: 
     taken from ``counts``) in root forward ``forward``, where it applies (see the module docstring), else
     None (nothing taken). ``where()`` names the module in an error."""
     if type(input) is not torch.Tensor or type(p) is not float or not 0.0 < p < 1.0 or foreign \
-            or ctx.index != "tracked" or getattr(ctx, "trace", None) is not None or input.dtype not in FLOATS:
+            or ctx.index != "tracked" or getattr(ctx, "trace", None) is not None or input.dtype not in _FLOATS:
         return None
     entry = forward.records.get(id(input))
     if entry is None or entry[0]() is not input:

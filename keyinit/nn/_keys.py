@@ -84,11 +84,7 @@ class CallKeys:
         self.fold = fill.fold_words_v1
 
     def __call__(self, fqn: str, ordinal: int) -> Key:
-        words = self.words.get(fqn)
-        if words is None:
-            root = self.root
-            words = self.words[fqn] = _module_words(root.k0, root.k1, root.stream, self.step, _fqn_parts(fqn),
-                                                    self.lib)
+        words = self.words.get(fqn) or self._module(fqn)
         if self.lib is not None:
             found = self.fold(self.lib, words[0], words[1], ordinal)
             if found is not None:
@@ -98,14 +94,15 @@ class CallKeys:
 
     def below(self, fqn: str, data: tuple) -> Key:
         """``keyed_module_key(root, step, fqn)`` with each of ``data`` folded in, in order."""
-        root = self.root
-        words = self.words.get(fqn)
-        if words is None:
-            words = self.words[fqn] = _module_words(root.k0, root.k1, root.stream, self.step, _fqn_parts(fqn),
-                                                    self.lib)
+        words = self.words.get(fqn) or self._module(fqn)
         for item in data:
-            words = _fold(words, root.stream, item, self.lib)
-        return derived_key(words[0], words[1], root.stream)
+            words = _fold(words, self.root.stream, item, self.lib)
+        return derived_key(words[0], words[1], self.root.stream)
+
+    def _module(self, fqn: str) -> tuple[int, int]:
+        root = self.root
+        words = self.words[fqn] = _module_words(root.k0, root.k1, root.stream, self.step, _fqn_parts(fqn), self.lib)
+        return words
 
 
 @functools.lru_cache(maxsize=4096)
