@@ -18,14 +18,32 @@ _LIBRARY: Optional[torch.library.Library] = None
 
 
 def define_torchvision_schemas() -> None:
-    """Define torchvision's two C++ op schemas if no torchvision library did (idempotent)."""
+    """Define torchvision's two C++ op schemas if no torchvision library did or can (idempotent)."""
     global _LIBRARY
-    if _LIBRARY is not None or _defined("torchvision::nms"):
-        return  # already defined here, or by a torchvision build that loads
+    if _LIBRARY is not None or _defined("torchvision::nms") or _native_library_loads():
+        return  # already defined here, or by a torchvision build that loads (a CUDA machine's)
     library = torch.library.Library("torchvision", "DEF")
     library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     library.define("qnms(Tensor qdets, Tensor qscores, Tensor scale, float iou_threshold, int zero_point) -> Tensor")
     _LIBRARY = library
+
+
+def _native_library_loads() -> bool:
+    """Whether torchvision's own C++ library loads beside this torch (it then defines the schemas)."""
+    import glob
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for path in glob.glob(os.path.join(spec.submodule_search_locations[0], "_C*.so")):
+        try:
+            torch.ops.load_library(path)
+        except OSError:
+            return False
+        return True
+    return False
 
 
 def _defined(name: str) -> bool:
