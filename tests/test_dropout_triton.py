@@ -29,6 +29,8 @@ def _cases():
     """``{case_id: (dtype, p, global shape, region)}``: run and general modes, every dtype."""
     geometries = {
         "whole": ((3, 37, 11), None),
+        "whole-vectors": ((4, 64, 24), None),  # a multiple of every dtype's 16-byte vector: vector loads, stores
+        "rows-vectors": ((9, 8, 16), (slice(4, 8), slice(None), slice(None))),  # a block-aligned run of 512
         "rows-unaligned": ((9, 37, 11), (slice(5, 8), slice(None), slice(None))),
         "inner-split": ((3, 37, 22), (slice(None), slice(None), slice(11, 22))),
         "index-vectors": ((9, 40, 11), ([0, 8, 3], list(range(39, 2, -1)), slice(None))),

@@ -12,7 +12,10 @@ same launch on the gradient. Two modes:
 - ``RUN``: the tensor's global indices are one run ``base, base+1, ...`` (a plain
   tensor, rows of a batch, Replicate/Shard(0) DTensors): a program covers 1024
   consecutive stream words from a multiple of 4, computes each Philox block once
-  (256 blocks) and interleaves the four lanes into word order;
+  (256 blocks) and interleaves the four lanes into word order. ``VEC > 1`` (the
+  run starts on a Philox block and ``numel`` is a multiple of ``VEC``, a 16-byte
+  vector of the dtype) tells the compiler that positions are block-aligned and the
+  bounds mask constant over ``VEC`` elements, so loads and stores are vectors;
 - general: any layout (index vectors, sharded inner dimensions); each element
   computes its own block and picks its lane.
 
@@ -20,8 +23,8 @@ Arithmetic as in ``docs/spec.md`` section 14: a lone IEEE multiply (no FMA to
 contract; ``enable_fp_fusion=False`` all the same); bfloat16 is rounded from the
 binary32 product on its bits (nearest even, torch's rule), float16 by the
 round-to-nearest-even conversion. The scales reach the kernel as bit patterns, so
-no host conversion can round them. GPU throughput is unmeasured in this
-repository's sessions (no GPU); see benchmarks/bench_dropout.py.
+no host conversion can round them. Throughput: benchmarks/bench_dropout.py
+(``--device cuda``; the H100 numbers are in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def _scaled(x, s32, s64, KIND: tl.constexpr):
 
 @triton.jit(do_not_specialize=["numel", "base", "k0", "k1", "threshold", "s32_bits", "s64_bits"])
 def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, k0, k1, threshold, s32_bits, s64_bits,
-                    NDIM: tl.constexpr, RUN: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+                    NDIM: tl.constexpr, RUN: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr,
+                    VEC: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     key0 = k0.to(tl.uint32)
     key1 = k1.to(tl.uint32)
@@ -79,8 +83,12 @@ def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, k0, k1, th
         c1 = (blocks >> 32).to(tl.uint32)
         r0, r1, r2, r3 = philox(c0, c1, tl.zeros_like(c0) + key0, tl.zeros_like(c0) + key1)
         words = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # block-major, lane-minor
-        position = first + tl.arange(0, BLOCK).to(tl.int64) - base
-        mask = (position >= 0) & (position < numel)
+        if VEC > 1:  # base % 4 == 0 (first == base + pid * BLOCK) and numel % VEC == 0
+            position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            mask = tl.max_constancy(position < numel, VEC)
+        else:
+            position = first + tl.arange(0, BLOCK).to(tl.int64) - base
+            mask = (position >= 0) & (position < numel)
     else:
         position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         mask = position < numel
@@ -129,6 +137,9 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = Fa
         index_all = torch.zeros(1, dtype=torch.int64, device=x.device)
         grid = (triton.cdiv((base & 3) + numel, BLOCK),)
         ndim = 1
+        vec = 16 // x.element_size()
+        if base & 3 or numel % vec:
+            vec = 1
     else:
         base = geometry.base
         rows, pieces, offset = [], [], 0
@@ -141,9 +152,10 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = Fa
         index_all = torch.cat(pieces).to(x.device)
         grid = (triton.cdiv(numel, BLOCK),)
         ndim = len(rows)
+        vec = 1
     args = (_storage(x), _storage(out), meta, index_all, numel, base, geometry.k0, geometry.k1,
             geometry.threshold, s32_bits, s64_bits)
-    options = dict(NDIM=ndim, RUN=run_mode, KIND=kind, BLOCK=BLOCK, enable_fp_fusion=False)
+    options = dict(NDIM=ndim, RUN=run_mode, KIND=kind, BLOCK=BLOCK, VEC=vec, enable_fp_fusion=False)
     if x.device.type == "cuda":
         with torch.cuda.device(x.device):
             _dropout_kernel[grid](*args, **options)
