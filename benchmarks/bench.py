@@ -498,7 +498,8 @@ for label, family, words, out_type, out_kind, run in (
         ("uniform/normal/trunc_normal -> float32, GENERAL path", 0, 1, "*fp32", 0, 0),
         ("randint -> int64, RUN path", 1, 2, "*i64", 5, 1),
         ("bernoulli -> bool, RUN path", 2, 1, "*u8", 4, 1)):
-    constexprs = {"FAMILY": family, "W": words, "OUT": out_kind, "NB": impl.NB, "BLOCK": impl.BLOCK, "RUN": run}
+    constexprs = {"FAMILY": family, "W": words, "OUT": out_kind, "NB": impl.NB,
+                  "BLOCK": impl.BLOCK, "RUN": run, "ALIGNED": run}
     signature = {name: (out_type if name == "out_ptr" else "*i64" if name == "index_ptr" else
                         "constexpr" if name in constexprs else
                         "fp32" if params[name].annotation is impl.F32 else "i64") for name in fn.arg_names}

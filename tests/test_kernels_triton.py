@@ -67,6 +67,8 @@ def _cases():
         ("rows-listed", (6, 301), ([5, 0, 3, 3], slice(1, 300)), "contiguous"),
         ("rows-3d", (4, 3, 300), (slice(None, None, -1), [2, 0], slice(7, 300)), "contiguous"),
         ("rows-transposed-out", (5, 260), (slice(1, 4), slice(2, 259)), "transposed"),
+        ("rows-aligned", (6, 512), ([4, 1, 1, 5], slice(4, 260)), "contiguous"),  # whole blocks, vector stores
+        ("rows-long", (2, 4200), (slice(None), slice(5, 4195)), "contiguous"),  # 1048 blocks a row: 5 tiles
         ("run-2**33", (2**20, 2**14), (slice(2**19 - 1, 2**19 + 1), slice(None)), "contiguous"),
         ("run-2**62", (2**31, 2**31), (slice(2**31 - 2, None), slice(2**31 - 700, None)), "contiguous"),
     ]
@@ -81,6 +83,8 @@ def _cases():
                                  "contiguous", None)
         for gname, shape, region, layout in run_geometries:
             cases[f"{name}-{gname}"] = (dist, dtypes[-1], shape, region, layout, None)
+            if gname == "rows-long":  # rows of 5 tiles, programs taking 2 in turn (the last half-empty)
+                cases[f"{name}-{gname}-loops"] = (dist, dtypes[-1], shape, region, layout, None, (1, 2))
         # short rows through the RUN path (RUN_MIN = 1), into a transposed destination
         cases[f"{name}-short-rows-run-path"] = (dist, dtypes[0], (19, 23), (slice(1, None, 2), slice(3, 20)),
                                                 "transposed", 1)
@@ -102,7 +106,7 @@ def _run_case(case, fill_fn, device):
 
     from keyinit._kernels.fill import triton as triton_kernel
 
-    dist, dtype, shape, region, layout, run_min = case
+    dist, dtype, shape, region, layout, run_min, *loops = case  # loops: (MIN_PROGRAMS, LOOP) to use
     reg = make_region(shape, region)
     k = key(2**40 + 12345)
     expected = torch.empty(reg.region_shape, dtype=dtype)
@@ -111,13 +115,14 @@ def _run_case(case, fill_fn, device):
         got = torch.zeros(tuple(reversed(reg.region_shape)), dtype=dtype, device=device).t()
     else:
         got = torch.zeros(reg.region_shape, dtype=dtype, device=device)
-    saved = triton_kernel.RUN_MIN
-    triton_kernel.RUN_MIN = saved if run_min is None else run_min
+    saved = triton_kernel.RUN_MIN, triton_kernel.MIN_PROGRAMS, triton_kernel.LOOP
+    triton_kernel.RUN_MIN = saved[0] if run_min is None else run_min
+    triton_kernel.MIN_PROGRAMS, triton_kernel.LOOP = loops[0] if loops else saved[1:]
     try:
         if not fill_fn(got, dist, k, reg):
             return "kernel declined"
     finally:
-        triton_kernel.RUN_MIN = saved
+        triton_kernel.RUN_MIN, triton_kernel.MIN_PROGRAMS, triton_kernel.LOOP = saved
     got = torch.empty(got.shape, dtype=dtype).copy_(got)  # dense, on the CPU
     if dtype == torch.bool:
         same = torch.equal(got, expected)
@@ -203,17 +208,34 @@ def test_launch_plan_takes_the_run_path_for_runs_and_the_general_path_otherwise(
 
     full = plan((4096, 4096))  # one run of 2**24 consecutive indices
     assert full["run"] == 1 and full["run_len"] == 2**24 and full["dims"][:3] == [[1, 0, 0, -1]] * 3
-    assert full["tiles"] == -(-(2**22 + 1) // triton_kernel.NB) and full["grid"] == full["tiles"]
+    # 16385 tiles of NB blocks: as many per program as keeps MIN_PROGRAMS programs (at most LOOP)
+    row_tiles = -(-(2**22 + 1) // triton_kernel.NB)
+    loops = min(triton_kernel.LOOP, row_tiles // triton_kernel.MIN_PROGRAMS)
+    assert full["loops"] == loops > 1
+    assert full["tiles"] == -(-row_tiles // loops) and full["grid"] == full["tiles"]
+    assert full["aligned"] == 1  # rows of whole Philox blocks from block-aligned offsets: vector stores
+    aligned_rows = plan((6, 512), ([4, 1, 1, 5], slice(4, 260)))
+    assert aligned_rows["run"] == 1 and aligned_rows["aligned"] == 1 and aligned_rows["base"] == 4
+    assert plan((6, 512), ([4, 1], slice(4, 258)))["aligned"] == 0  # a row ends inside a block
+    assert plan((6, 510), ([4, 1], slice(4, 260)))["aligned"] == 0  # rows 510 apart: not all block-aligned
+    assert plan((6, 510), ([4, 1], slice(4, 260)), w=2)["aligned"] == 1  # two words: blocks of 2 elements
     rows = plan((64, 1000), (slice(None), slice(3, 999)))  # 64 rows of 996, starting anywhere in a block
     assert rows["run"] == 1 and rows["run_len"] == 996 and rows["grid"] == 64 * rows["tiles"] and rows["base"] == 3
+    assert rows["aligned"] == 0
     two_words = plan((64, 1000), (slice(None), slice(3, 999)), w=2)
-    assert two_words["tiles"] == -(-(996 // 2 + 1) // triton_kernel.NB)
+    assert two_words["loops"] == 1 and two_words["tiles"] == 2  # 64 x 2 tiles: fewer than MIN_PROGRAMS
+    assert plan((7, 5))["loops"] == 1
+    monkeypatch.setattr(triton_kernel, "MIN_PROGRAMS", 1)
+    few = plan((64, 1000), (slice(None), slice(3, 999)), w=2)
+    assert few["loops"] == 2 and few["tiles"] == 1 and few["grid"] == 64  # 499 blocks: two tiles, one program
+    monkeypatch.undo()
     assert plan((64, 1000), (slice(None), slice(None, None, 2)))["run"] == 0  # strided: general
     assert plan((64, 100), (slice(None), slice(3, 99)))["run"] == 0  # rows shorter than RUN_MIN
     assert plan((7, 5))["run"] == 1 and plan((7, 5))["run_len"] == 35  # one short run: still the RUN path
     transposed = torch.empty(1000, 64).t()
     crossed = plan((64, 1000), None, out=transposed)  # runs in the global tensor, strided stores into out
     assert crossed["run"] == 1 and crossed["dims"][2:] == [[64, 1, 1000, -1], [1000, 64, 1, -1]]
+    assert crossed["aligned"] == 0
     listed = plan((64, 1000), ([5, 1, 9], slice(None)))
     assert listed["run"] == 1 and listed["dims"][2][3] == 0 and listed["index"].tolist() == [5, 1, 9]
     assert plan((3, 3, 3, 3, 3), ([0, 2], [1, 0], [2, 0], [0, 1], [1, 2])) is None  # more than 4 dims
@@ -221,7 +243,7 @@ def test_launch_plan_takes_the_run_path_for_runs_and_the_general_path_otherwise(
     assert plan((64, 100), (slice(None), slice(3, 99)))["run"] == 1
 
 
-def _compile_for_cuda(family: int, words: int, out_type: str, arch: int, run: int):
+def _compile_for_cuda(family: int, words: int, out_type: str, arch: int, run: int, aligned: int = 0):
     """Compile the kernel for an NVIDIA target without a GPU (Triton's bundled ptxas)."""
     import inspect
 
@@ -234,7 +256,7 @@ def _compile_for_cuda(family: int, words: int, out_type: str, arch: int, run: in
     fn = impl._fill_kernel
     params = inspect.signature(fn.fn).parameters
     constexprs = {"FAMILY": family, "W": words, "OUT": 0 if out_type == "*fp32" else 4, "NB": impl.NB,
-                  "BLOCK": impl.BLOCK, "RUN": run}
+                  "BLOCK": impl.BLOCK, "RUN": run, "ALIGNED": aligned}
     signature = {}
     for name in fn.arg_names:
         if name == "out_ptr":
@@ -271,7 +293,7 @@ def test_kernel_arguments_cannot_make_new_variants():
     from keyinit._kernels.fill import triton_impl as impl
 
     fn = impl._fill_kernel
-    constexprs = {"FAMILY", "W", "OUT", "NB", "BLOCK", "RUN"}
+    constexprs = {"FAMILY", "W", "OUT", "NB", "BLOCK", "RUN", "ALIGNED"}
     runtime_ints = [p for p in fn.params if p.name not in constexprs and p.name not in ("out_ptr", "index_ptr")
                     and p.annotation_type != "fp32"]
     assert {p.name for p in runtime_ints} == set(impl._INTS)

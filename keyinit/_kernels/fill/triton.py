@@ -45,7 +45,7 @@ from keyinit.keys import Key
 from keyinit.regions import Region
 from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
 from keyinit._draw.geometry import geometry
-from keyinit._kernels.fill.launch import BLOCK, MAX_DIMS, NB
+from keyinit._kernels.fill.launch import BLOCK, LOOP, MAX_DIMS, MIN_PROGRAMS, NB
 
 __all__ = ["available", "fill", "MAX_DIMS", "RUN_MIN", "launch_args"]
 
@@ -84,7 +84,7 @@ def _storage_view(out: torch.Tensor) -> torch.Tensor:
 def launch_args(out: torch.Tensor, region: Region, words_per_element: int) -> Optional[dict]:
     """The kernel's geometry arguments and grid for filling ``out``, or ``None`` if it cannot take it.
 
-    Returns ``{"run", "run_len", "tiles", "grid", "base", "dims", "index"}``: ``dims``
+    Returns ``{"run", "aligned", "run_len", "tiles", "loops", "grid", "base", "dims", "index"}``: ``dims``
     is 4 ``[size, out_stride, global_stride, index_offset]`` rows, innermost last
     (offset -1 for a slice), ``index`` the concatenated index lists (CPU) or ``None``.
     """
@@ -107,17 +107,26 @@ def launch_args(out: torch.Tensor, region: Region, words_per_element: int) -> Op
     per_block = 4 // words_per_element
     # A single run (any full tensor) always takes the RUN path; many short rows would waste it.
     run = inner_offset < 0 and inner_gstride == 1 and (inner_size >= RUN_MIN or inner_size == numel)
+    # Aligned runs (every row starts on a Philox block, holds whole blocks, and is stored contiguously
+    # from a block-aligned offset: any full tensor of a multiple of 4 elements) store whole blocks.
+    aligned = run and (base % per_block == 0 and inner_size % per_block == 0 and rows[-1][1] == 1
+                       and all(size == 1 or (ostride % per_block == 0 and gstride % per_block == 0)
+                               for size, ostride, gstride, _ in rows[:-1]))
     if run:
         blocks_per_row = (inner_size + per_block - 2) // per_block + 1  # most blocks a row can touch
-        tiles = -(-blocks_per_row // NB)
+        row_tiles = -(-blocks_per_row // NB)
+        # tiles of NB blocks per program, in turn: up to LOOP, while the launch keeps MIN_PROGRAMS programs
+        loops = max(1, min(LOOP, row_tiles, numel // inner_size * row_tiles // MIN_PROGRAMS))
+        tiles = -(-row_tiles // loops)  # programs per row
         grid = numel // inner_size * tiles
     else:
-        tiles = 1
+        tiles = loops = 1
         grid = -(-numel // BLOCK)
     if grid > _MAX_GRID:
         return None
-    return {"run": int(run), "run_len": inner_size if run else 0, "tiles": tiles, "grid": grid, "base": base,
-            "dims": rows, "index": torch.cat(pieces) if pieces else None}
+    return {"run": int(run), "aligned": int(aligned), "run_len": inner_size if run else 0, "tiles": tiles,
+            "loops": loops, "grid": grid, "base": base, "dims": rows,
+            "index": torch.cat(pieces) if pieces else None}
 
 
 def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, interpret_ok: bool = False) -> bool:
@@ -162,9 +171,10 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, int
     geometry_args = [d[0] for d in dims] + [d[1] for d in dims] + [d[2] for d in dims] + [d[3] for d in dims]
     args = (_storage_view(out), index, out.numel(), launch["base"], k0, k1, dist_id,
             float(fa), float(fb), float(p_low), float(p_span), float(lower), float(upper),
-            flip, threshold, ilow, ispan, launch["run_len"], launch["tiles"], *geometry_args)
+            flip, threshold, ilow, ispan, launch["run_len"], launch["tiles"], launch["loops"],
+            *geometry_args)
     options = dict(FAMILY=_FAMILY[type(dist)], W=dist.words_per_element, OUT=out_kind, NB=NB, BLOCK=BLOCK,
-                   RUN=launch["run"], enable_fp_fusion=False)
+                   RUN=launch["run"], ALIGNED=launch["aligned"], enable_fp_fusion=False)
     grid = (launch["grid"],)
     if out.device.type == "cuda":
         with torch.cuda.device(out.device):

@@ -8,10 +8,15 @@ One kernel with two paths, chosen per launch by the ``RUN`` constexpr:
 
 - RUN: the region's innermost dimension is a run of consecutive global indices
   (a unit-step slice; a full tensor of any shape is one run). Each program owns
-  ``NB`` consecutive Philox blocks of one row, computes each block once and
+  ``loops`` tiles of ``NB`` consecutive Philox blocks of one row, taken in turn
+  (its row decoded once; at most ``LOOP``, fewer for short rows);
+  it computes each block once and
   turns its 4 words into 4 consecutive elements (2 for two-word ``randint``),
   stored as one ``[NB, 4]`` tile. The row's outer position is decoded once per
-  program (scalar integer ops); no per-element division.
+  program (scalar integer ops); no per-element division. ``ALIGNED`` (the host's
+  promise that every row starts on a Philox block, holds whole blocks and is
+  contiguous in memory from a block-aligned offset) stores each block's
+  elements as one vector: the offsets and the mask are per block.
 - GENERAL: any region (strided, reversed or listed dims): each element decodes
   its position through the (at most 4) dims, computes its own block and keeps
   one lane.
@@ -176,7 +181,7 @@ def _digit(rest, n, index_ptr, ix, gs, os):
     return rest // n, _index(index_ptr, ix, p) * gs, p * os
 
 
-_INTS = ["numel", "base", "k0", "k1", "dist", "flip", "threshold", "ilow", "ispan", "run_len", "tiles",
+_INTS = ["numel", "base", "k0", "k1", "dist", "flip", "threshold", "ilow", "ispan", "run_len", "tiles", "loops",
          "n0", "n1", "n2", "n3", "os0", "os1", "os2", "os3", "gs0", "gs1", "gs2", "gs3",
          "ix0", "ix1", "ix2", "ix3"]
 
@@ -192,18 +197,18 @@ F32 = tl.float32
 def _fill_kernel(out_ptr, index_ptr, numel: I64, base: I64, k0: I64, k1: I64, dist: I64,
                  fa: F32, fb: F32, p_low: F32, p_span: F32, lower: F32, upper: F32,
                  flip: I64, threshold: I64, ilow: I64, ispan: I64,
-                 run_len: I64, tiles: I64,
+                 run_len: I64, tiles: I64, loops: I64,
                  n0: I64, n1: I64, n2: I64, n3: I64, os0: I64, os1: I64, os2: I64, os3: I64,
                  gs0: I64, gs1: I64, gs2: I64, gs3: I64, ix0: I64, ix1: I64, ix2: I64, ix3: I64,
                  FAMILY: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr,
-                 NB: tl.constexpr, BLOCK: tl.constexpr, RUN: tl.constexpr):
+                 NB: tl.constexpr, BLOCK: tl.constexpr, RUN: tl.constexpr, ALIGNED: tl.constexpr):
     # Dims 0..3, innermost last; unused outer dims have size 1. Dim d's position p
     # adds (ix_d < 0 ? p : index[ix_d + p]) * gs_d to the global index, p * os_d to the offset.
     pid = tl.program_id(0).to(tl.int64)
     if RUN:
         _run_path(out_ptr, index_ptr, pid, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper, flip,
-                  threshold, ilow, ispan, run_len, tiles, n1, n2, os0, os1, os2, os3, gs0, gs1, gs2, ix0, ix1, ix2,
-                  FAMILY, W, OUT, NB)
+                  threshold, ilow, ispan, run_len, tiles, loops, n1, n2, os0, os1, os2, os3, gs0, gs1, gs2, ix0, ix1,
+                  ix2, FAMILY, W, OUT, NB, ALIGNED)
     else:
         _general_path(out_ptr, index_ptr, pid, numel, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper,
                       flip, threshold, ilow, ispan, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
@@ -212,9 +217,9 @@ def _fill_kernel(out_ptr, index_ptr, numel: I64, base: I64, k0: I64, k1: I64, di
 
 @triton.jit
 def _run_path(out_ptr, index_ptr, pid, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper, flip,
-              threshold, ilow, ispan, run_len, tiles, n1, n2, os0, os1, os2, os3, gs0, gs1, gs2, ix0, ix1, ix2,
-              FAMILY: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr, NB: tl.constexpr):
-    """RUN: program ``pid`` owns NB consecutive Philox blocks of one row of consecutive global indices."""
+              threshold, ilow, ispan, run_len, tiles, loops, n1, n2, os0, os1, os2, os3, gs0, gs1, gs2, ix0, ix1, ix2,
+              FAMILY: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr, NB: tl.constexpr, ALIGNED: tl.constexpr):
+    """RUN: program ``pid`` owns ``loops * NB`` consecutive Philox blocks of one row of consecutive global indices."""
     E: tl.constexpr = 4 // W  # elements per Philox block
     row = pid // tiles
     tile = pid - row * tiles
@@ -226,7 +231,19 @@ def _run_path(out_ptr, index_ptr, pid, base, k0, k1, dist, fa, fb, p_low, p_span
     g_row += _index(index_ptr, ix0, rest) * gs0
     o_row += rest * os0
     # the row holds global indices g_row .. g_row + run_len - 1, in order
-    block = (g_row // E) + tile * NB + tl.arange(0, NB).to(tl.int64)
+    first_block = g_row // E + tile * loops * NB
+    for i in range(loops):
+        block = first_block + i * NB + tl.arange(0, NB).to(tl.int64)
+        _run_tile(out_ptr, block, g_row, o_row, run_len, os3, k0, k1, dist, fa, fb, p_low, p_span, lower, upper,
+                  flip, threshold, ilow, ispan, FAMILY, W, OUT, NB, ALIGNED)
+
+
+@triton.jit
+def _run_tile(out_ptr, block, g_row, o_row, run_len, os3, k0, k1, dist, fa, fb, p_low, p_span, lower, upper, flip,
+              threshold, ilow, ispan, FAMILY: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr, NB: tl.constexpr,
+              ALIGNED: tl.constexpr):
+    """The Philox blocks ``block`` of a row, stored where they fall inside it."""
+    E: tl.constexpr = 4 // W
     r0, r1, r2, r3 = _philox_blocks(block, k0, k1)
     if W == 1:
         # element [j, i, l] of join(join(r0, r2), join(r1, r3)) is lane 2*i + l of block j
@@ -235,11 +252,19 @@ def _run_path(out_ptr, index_ptr, pid, base, k0, k1, dist, fa, fb, p_low, p_span
     else:
         x = tl.join(r0, r2)
         x1 = tl.join(r1, r3)
-    element = block[:, None] * E + tl.arange(0, E).to(tl.int64)[None, :]
-    q = element - g_row
-    mask = (q >= 0) & (q < run_len)
     value = _values(x, x1, dist, fa, fb, p_low, p_span, lower, upper, flip, threshold, ilow, ispan, FAMILY)
-    _store(out_ptr, o_row + q * os3, value, mask, FAMILY, OUT)
+    if ALIGNED:
+        # g_row, run_len and o_row are multiples of E and os3 == 1: a block is stored whole or not at all,
+        # its E elements consecutive from an E-aligned offset (one vector store each)
+        q0 = block * E - g_row
+        first = tl.multiple_of(o_row + q0, E)
+        offsets = first[:, None] + tl.arange(0, E).to(tl.int64)[None, :]
+        mask = tl.broadcast_to((q0 < run_len)[:, None], (NB, E))
+    else:
+        q = block[:, None] * E + tl.arange(0, E).to(tl.int64)[None, :] - g_row
+        mask = (q >= 0) & (q < run_len)
+        offsets = o_row + q * os3
+    _store(out_ptr, offsets, value, mask, FAMILY, OUT)
 
 
 @triton.jit
