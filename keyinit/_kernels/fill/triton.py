@@ -21,13 +21,16 @@ hardware round-to-nearest-even conversion.
 Structure (see :mod:`keyinit._kernels.fill.triton_impl`): a region whose innermost
 dimension is a run of consecutive global indices (every full tensor, every
 dim-0 shard, rows of a unit-step column slice of at least ``RUN_MIN`` elements)
-takes the RUN path: each program computes ``NB`` Philox blocks of one row once
-and stores all their words as consecutive elements, and decodes its row with a
-few scalar operations. Everything else takes the GENERAL path (per-element
+takes the RUN path: each program decodes its row with a few scalar operations,
+then computes up to ``LOOP`` tiles of ``NB`` Philox blocks of it in turn (fewer
+where the launch would otherwise have under ``MIN_PROGRAMS`` programs), each
+block once, storing all their words as consecutive elements; an aligned run
+(rows of whole blocks from block-aligned offsets, contiguous in ``out``) stores
+each block as one vector. Everything else takes the GENERAL path (per-element
 position decoding). The geometry and the parameters are scalar arguments (no
 host-to-device copy, except for explicit index lists), and the compiled
-variant depends only on the path, the value family, the output storage type
-and the pointer alignment.
+variant depends only on the path, its alignment, the value family, the output
+storage type and the pointer alignment.
 
 Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors (numpy
 semantics, IEEE binary32), which is how the tests check it without a GPU.

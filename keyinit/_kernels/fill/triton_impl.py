@@ -9,11 +9,10 @@ One kernel with two paths, chosen per launch by the ``RUN`` constexpr:
 - RUN: the region's innermost dimension is a run of consecutive global indices
   (a unit-step slice; a full tensor of any shape is one run). Each program owns
   ``loops`` tiles of ``NB`` consecutive Philox blocks of one row, taken in turn
-  (its row decoded once; at most ``LOOP``, fewer for short rows);
-  it computes each block once and
-  turns its 4 words into 4 consecutive elements (2 for two-word ``randint``),
-  stored as one ``[NB, 4]`` tile. The row's outer position is decoded once per
-  program (scalar integer ops); no per-element division. ``ALIGNED`` (the host's
+  (the host picks ``loops``); it computes each block once and turns its 4 words
+  into 4 consecutive elements (2 for two-word ``randint``), stored as one
+  ``[NB, 4]`` tile. The row's outer position is decoded once per program
+  (scalar integer ops); no per-element division. ``ALIGNED`` (the host's
   promise that every row starts on a Philox block, holds whole blocks and is
   contiguous in memory from a block-aligned offset) stores each block's
   elements as one vector: the offsets and the mask are per block.
