@@ -20,13 +20,13 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import keyinit
 import keyinit.nn as knn
 from keyinit import random as kr
 from tests.conftest import assert_bits_equal
 from tests._vision import import_vision
+from tests.test_keyed_checkpoint import Net  # three blocks: Linear, Dropout, a per-sample bernoulli_
 
 DEVICE = os.environ.get("KEYINIT_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(
@@ -246,33 +246,10 @@ def test_keyed_forward_on_the_device_draws_the_cpus_masks(name):
 # ------------------------------------------------------------------------ checkpointing
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(64, 64)
-        self.drop = nn.Dropout(0.3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        keep = x.new_empty((x.shape[0], 1)).bernoulli_(0.7)  # per-sample, DropPath-style
-        return x + self.drop(torch.relu(self.proj(x))) * keep
-
-
-class Net(nn.Module):
-    def __init__(self, reentrant=None) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([Block() for _ in range(3)])
-        self.reentrant = reentrant
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x) if self.reentrant is None else checkpoint(layer, x, use_reentrant=self.reentrant)
-        return x
-
-
 def _checkpoint_grads(reentrant, backward_inside: bool, step: int = 1):
     net = Net(reentrant).to(DEVICE)
     keyinit.init_model(net, 0)
-    x = torch.linspace(-1, 1, 16 * 64, device=DEVICE).reshape(16, 64).requires_grad_()
+    x = torch.linspace(-1, 1, 16 * 8, device=DEVICE).reshape(16, 8).requires_grad_()
     with generators_untouched():
         with knn.keyed(net.train(), 3, step=step):
             loss = net(x).square().sum()
