@@ -26,7 +26,7 @@ import keyinit.nn as knn
 from keyinit import random as kr
 from tests.conftest import assert_bits_equal
 from tests._vision import import_vision
-from tests.test_keyed_checkpoint import Net  # three blocks: Linear, Dropout, a per-sample bernoulli_
+from tests.test_keyed_checkpoint import _grads  # three checkpointable blocks: Linear, Dropout, bernoulli_
 
 DEVICE = os.environ.get("KEYINIT_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(
@@ -37,12 +37,14 @@ KEY = keyinit.key(20261126)
 
 
 @contextlib.contextmanager
-def generators_untouched():
-    """torch's CPU generator and (on CUDA) the device's generator are neither read nor advanced."""
-    cpu = torch.get_rng_state()
+def generators_untouched(cpu: bool = True):
+    """torch's CPU generator (unless ``cpu`` is False) and, on CUDA, the device's generator are neither read
+    nor advanced."""
+    cpu_state = torch.get_rng_state() if cpu else None
     cuda = torch.cuda.get_rng_state() if DEVICE == "cuda" else None
     yield
-    assert torch.equal(cpu, torch.get_rng_state()), "torch's CPU generator moved"
+    if cpu_state is not None:
+        assert torch.equal(cpu_state, torch.get_rng_state()), "torch's CPU generator moved"
     if cuda is not None:
         assert torch.equal(cuda, torch.cuda.get_rng_state()), "torch's CUDA generator moved"
 
@@ -246,28 +248,17 @@ def test_keyed_forward_on_the_device_draws_the_cpus_masks(name):
 # ------------------------------------------------------------------------ checkpointing
 
 
-def _checkpoint_grads(reentrant, backward_inside: bool, step: int = 1):
-    net = Net(reentrant).to(DEVICE)
-    keyinit.init_model(net, 0)
-    x = torch.linspace(-1, 1, 16 * 8, device=DEVICE).reshape(16, 8).requires_grad_()
-    with generators_untouched():
-        with knn.keyed(net.train(), 3, step=step):
-            loss = net(x).square().sum()
-            if backward_inside:
-                loss.backward()
-        if not backward_inside:
-            loss.backward()  # on CUDA the recompute runs in autograd's device thread
-    return [x.grad] + [p.grad for p in net.parameters()]
-
-
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("backward_inside", [True, False])
 def test_checkpoint_recompute_on_the_device(reentrant, backward_inside):
-    expected = _checkpoint_grads(None, True)
-    got = _checkpoint_grads(reentrant, backward_inside)
+    """With backward after the block, on CUDA the recompute runs in autograd's device thread. (``_grads``
+    builds its model with torch's CPU generator, then checks that the keyed block left it alone.)"""
+    with generators_untouched(cpu=False):
+        expected = _grads(None, True, device=DEVICE)
+        got = _grads(reentrant, backward_inside, device=DEVICE)
+        other = _grads(reentrant, backward_inside, step=2, device=DEVICE)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)  # same device, same kernels: the recompute must match exactly
-    other = _checkpoint_grads(reentrant, backward_inside, step=2)
     assert not torch.equal(other[0], expected[0])
 
 

@@ -41,10 +41,10 @@ class Net(nn.Module):
         return x
 
 
-def _grads(reentrant, backward_inside: bool, step: int = 1):
-    net = Net(reentrant)
+def _grads(reentrant, backward_inside: bool, step: int = 1, device: str = "cpu"):
+    net = Net(reentrant).to(device)
     keyinit.init_model(net, 0)
-    x = torch.linspace(-1, 1, 6 * 8).reshape(6, 8).requires_grad_()
+    x = torch.linspace(-1, 1, 6 * 8, device=device).reshape(6, 8).requires_grad_()
     rng = torch.get_rng_state()
     with knn.keyed(net.train(), 3, step=step):
         loss = net(x).square().sum()
