@@ -37,13 +37,14 @@ def _native_library_loads() -> bool:
     spec = importlib.util.find_spec("torchvision")
     if spec is None or not spec.submodule_search_locations:
         return False
-    for path in glob.glob(os.path.join(spec.submodule_search_locations[0], "_C*.so")):
-        try:
-            torch.ops.load_library(path)
-        except OSError:
-            return False
-        return True
-    return False
+    libraries = glob.glob(os.path.join(spec.submodule_search_locations[0], "_C*.so"))
+    if not libraries:
+        return False
+    try:
+        torch.ops.load_library(libraries[0])
+    except (OSError, RuntimeError):  # a build for another torch or CUDA: its symbols do not resolve
+        return False
+    return True
 
 
 def _defined(name: str) -> bool:

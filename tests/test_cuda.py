@@ -60,7 +60,7 @@ GEOMETRIES = {
     "rows-2**62": ((2**31, 2**31), (slice(2**31 - 3, None), slice(2**31 - 700, None))),
 }
 SAMPLERS = {
-    "bits": (lambda **kw: kr.bits(**kw), (torch.int64,)),
+    "bits": (kr.bits, (torch.int64,)),
     "uniform": (lambda **kw: kr.uniform(low=-1.5, high=2.25, **kw), FLOATS),
     "normal": (lambda **kw: kr.normal(mean=0.25, std=2.0, **kw), FLOATS),
     "truncated_normal": (lambda **kw: kr.truncated_normal(std=0.02, a=-0.04, b=0.04, **kw), FLOATS),
@@ -138,7 +138,7 @@ def test_init_model_of_a_module_on_the_device():
     with generators_untouched():
         keyinit.init_model(model, 3)
     keyinit.init_model(on_cpu, 3)
-    for (name, a), (_, b) in zip(model.named_parameters(), on_cpu.named_parameters()):
+    for a, b in zip(model.parameters(), on_cpu.parameters()):
         assert_bits_equal(a.detach().cpu(), b.detach())
 
 
@@ -209,10 +209,9 @@ def _bert_for_training(device):
     return model.train()
 
 
-TRAINED = {
-    "timm-vit-droppath": (_vit_for_training, lambda d: (kr.normal(KEY, (6, 3, 32, 32), device=d),), "logits"),
-    "hf-bert": (_bert_for_training,
-                lambda d: (kr.randint(KEY, (6, 16), low=0, high=128, device=d),), "logits"),
+TRAINED = {  # (model on a device, its batch of 6 on that device)
+    "timm-vit-droppath": (_vit_for_training, lambda d: kr.normal(KEY, (6, 3, 32, 32), device=d)),
+    "hf-bert": (_bert_for_training, lambda d: kr.randint(KEY, (6, 16), low=0, high=128, device=d)),
 }
 
 
@@ -222,16 +221,12 @@ def _logits(out):
 
 @pytest.mark.parametrize("name", list(TRAINED))
 def test_keyed_forward_on_the_device_draws_the_cpus_masks(name):
-    build, inputs, _ = TRAINED[name]
-    runs = {}
-    for device in ("cpu", DEVICE):
-        model = build(device)
-        runs[device] = _masks_of(model, inputs(device), seed=5, step=3)
-        # a split batch on the device draws the whole batch's masks
-        if device == DEVICE:
-            whole = inputs(device)[0]
-            halves = [_masks_of(model, (whole[lo:lo + 3],), seed=5, step=3, offset=lo) for lo in (0, 3)]
-    (out_cpu, masks_cpu), (out_dev, masks_dev) = runs["cpu"], runs[DEVICE]
+    build, batch = TRAINED[name]
+    out_cpu, masks_cpu = _masks_of(build("cpu"), (batch("cpu"),), seed=5, step=3)
+    model, whole = build(DEVICE), batch(DEVICE)
+    out_dev, masks_dev = _masks_of(model, (whole,), seed=5, step=3)
+    # a split batch on the device draws the whole batch's masks
+    halves = [_masks_of(model, (whole[lo:lo + 3],), seed=5, step=3, offset=lo) for lo in (0, 3)]
     assert masks_cpu and set(masks_cpu) == set(masks_dev)
     for module, calls in masks_cpu.items():
         assert len(calls) == len(masks_dev[module]), module
