@@ -81,7 +81,8 @@ def philox4x32(
 
 
 def stream_words(
-    key: tuple[int, int], element_index: torch.Tensor, words_per_element: int
+    key: tuple[int, int], element_index: torch.Tensor, words_per_element: int,
+    high: "torch.Tensor | int" = 0,
 ) -> list[torch.Tensor]:
     """The ``words_per_element`` stream words that each element consumes.
 
@@ -92,13 +93,22 @@ def stream_words(
 
     ``w`` must divide 4, so an element's words always lie in one Philox block.
     Returns ``w`` int64 tensors shaped like ``element_index``.
+
+    ``high`` (an int or an int64 tensor broadcast with ``element_index``, in ``[0, 2**64)`` held as its
+    two's complement) gives counter words 2 and 3, ``(lo32(high), hi32(high))``: 0 in the element stream
+    of section 4; a keyed forward's extent-free names (``docs/spec.md`` 14.8) put a sample and a
+    coordinate there.
     """
     if words_per_element not in (1, 2, 4):
         raise ValueError(f"words_per_element must divide 4, got {words_per_element}")
     first_word = element_index * words_per_element
     block = first_word >> 2
-    zero = torch.zeros_like(block)
-    lanes = torch.stack(philox4x32((block & _MASK32, block >> 32, zero, zero), key))
+    if isinstance(high, int) and high == 0:
+        c2 = c3 = torch.zeros_like(block)
+    else:
+        high = torch.as_tensor(high, dtype=torch.int64, device=block.device).expand_as(block)
+        c2, c3 = high & _MASK32, (high >> 32) & _MASK32
+    lanes = torch.stack(philox4x32((block & _MASK32, (block >> 32) & _MASK32, c2, c3), key))
     first_lane = (first_word & 3).unsqueeze(0)
     return [
         torch.gather(lanes, 0, first_lane + offset).squeeze(0)

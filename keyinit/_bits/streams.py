@@ -26,7 +26,7 @@ import torch
 
 from keyinit._bits.philox import philox4x32, stream_words
 
-__all__ = ["Stream", "V1", "STREAMS", "register_stream", "get_stream", "stream_names"]
+__all__ = ["Stream", "V1", "V2", "STREAMS", "register_stream", "get_stream", "stream_names"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -79,10 +79,23 @@ V1 = Stream(
 )
 
 
+# ------------------------------------------------------------------ stream v2 (docs/spec.md 14.8)
+
+#: Stream v2: v1's seeds, derivation and element stream (sections 1-13 unchanged: every weight, data order
+#: and collate value is v1's), with the extent-free names of keyed forwards (section 14.8) in place of
+#: section 14.4-14.7's row-major indices (:mod:`keyinit._draw.names`).
+V2 = Stream(
+    name="v2",
+    seed=_v1_seed,
+    derive=_v1_derive,
+    words=stream_words,
+)
+
+
 # ------------------------------------------------------------------ the registry
 
 #: Every stream version this process can produce, by name: the documented registry.
-STREAMS: dict[str, Stream] = {V1.name: V1}
+STREAMS: dict[str, Stream] = {V1.name: V1, V2.name: V2}
 
 
 def register_stream(stream: Stream) -> Stream:

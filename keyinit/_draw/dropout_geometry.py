@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from keyinit._draw.geometry import coalesce
+from keyinit._draw.names import V2, check_samples, names_strides
 from keyinit.distributions import Bernoulli
 from keyinit.keys import DEFAULT_STREAM
 from keyinit.regions import MAX_NUMEL, Region, make_region, normalize_shape, row_major_strides
@@ -45,6 +46,9 @@ class Layout(NamedTuple):
     gstrides: tuple[int, ...]
     starts: tuple[int, ...]
     indices: tuple[Optional[torch.Tensor], ...]
+    #: Per dimension, what a position adds to the high counter words (``docs/spec.md`` 14.8's extent-free
+    #: names: a keyed forward's sample and third coordinate); empty: 0 (every other layout).
+    hstrides: tuple[int, ...] = ()
 
 
 @attrs.frozen(eq=False)
@@ -70,6 +74,10 @@ class Geometry:
     gstrides: tuple[int, ...]
     indices: tuple[Optional[torch.Tensor], ...]
     stream: str = DEFAULT_STREAM
+    #: High counter words ``hbase + sum_d hstrides[d] * idx_d(p_d)`` (words 2-3 of each element's Philox
+    #: counter); ``hstrides`` empty: 0 (docs/spec.md 14.8).
+    hbase: int = 0
+    hstrides: tuple[int, ...] = ()
 
 
 def _as_range(index: torch.Tensor) -> Optional[int]:
@@ -150,11 +158,13 @@ def layout_for(local_shape: Sequence[int], global_shape: Optional[Sequence[int]]
     return _from_region(normalized)
 
 
-def dtensor_layout(tensor: Any, row_offset: int = 0) -> Layout:
+def dtensor_layout(tensor: Any, row_offset: int = 0, names: Optional[str] = None) -> Layout:
     """Layout of a DTensor's local tensor, from its mesh coordinate and placements (no communication).
 
     ``row_offset`` shifts dimension 0 (the batch) by that many rows: the keyed
     convention, where the DTensor's row ``r`` is global sample ``row_offset + r``.
+    ``names="v2"``: the keyed forward's extent-free names (docs/spec.md 14.8) of the global tensor whose
+    dimension 0 is the batch, in place of its row-major indices.
     """
     from keyinit._placements import dtensor_region
 
@@ -178,27 +188,41 @@ def dtensor_layout(tensor: Any, row_offset: int = 0) -> Layout:
     if coordinate is None:
         shape = tuple(local.shape)
         return Layout(row_major_strides(shape), (0,) * len(shape), (None,) * len(shape))
+    if names == V2:
+        if not tensor.dim():
+            raise ValueError("a 0-d activation has no batch dimension (dim 0) to key its rows by")
+        laid = _from_region(region, row_offset)  # (dimension 0's starts or index shifted by row_offset)
+        check_samples(row_offset, int(tensor.shape[0]), "a keyed DTensor activation")
+        lo, hi = names_strides(tuple(tensor.shape[1:]), what="a keyed DTensor activation")
+        return Layout(lo, laid.starts, laid.indices, hi)
     if tensor.dim() and row_offset:
         _check_numel((row_offset + tensor.shape[0], *tensor.shape[1:]), "the keyed activation's global shape")
     return _from_region(region, row_offset)
 
 
-def rows_layout(local_shape: Sequence[int], row_offset: int) -> Layout:
-    """Layout of a plain activation whose row ``r`` (dimension 0) is global sample ``row_offset + r``."""
+def rows_layout(local_shape: Sequence[int], row_offset: int, stream: str = DEFAULT_STREAM) -> Layout:
+    """Layout of a plain activation whose row ``r`` (dimension 0) is global sample ``row_offset + r``: its
+    row-major index in ``(row_offset + rows, ...)`` (docs/spec.md 14.4), or, for a key of stream v2, its
+    extent-free name (section 14.8)."""
     shape, row_offset = tuple(map(int, local_shape)), int(row_offset)
     if torch.compiler.is_compiling():  # dynamo traces through the function, not the memo
-        return _rows_layout.__wrapped__(shape, row_offset)
-    return _rows_layout(shape, row_offset)
+        return _rows_layout.__wrapped__(shape, row_offset, stream == V2)
+    return _rows_layout(shape, row_offset, stream == V2)
 
 
 @functools.lru_cache(maxsize=1024)
-def _rows_layout(shape: tuple[int, ...], row_offset: int) -> Layout:
+def _rows_layout(shape: tuple[int, ...], row_offset: int, extent_free: bool = False) -> Layout:
     """:func:`rows_layout` (memoized: a keyed forward lays out the same few shapes at every step; a Layout
     is a tuple of tuples)."""
     if not shape:
         raise ValueError("a 0-d activation has no batch dimension (dim 0) to key its rows by")
+    starts = (row_offset,) + (0,) * (len(shape) - 1)
+    if extent_free:
+        check_samples(row_offset, shape[0])
+        lo, hi = names_strides(shape[1:])
+        return Layout(lo, starts, (None,) * len(shape), hi)
     _check_numel((row_offset + shape[0], *shape[1:]), "the keyed activation's global shape")
-    return Layout(row_major_strides(shape), (row_offset,) + (0,) * (len(shape) - 1), (None,) * len(shape))
+    return Layout(row_major_strides(shape), starts, (None,) * len(shape))
 
 
 @functools.lru_cache(maxsize=256)
@@ -243,14 +267,18 @@ def rows_template(shape: tuple[int, ...], row_offset: int, p: float, stream: str
     """The key-less :class:`Geometry` (key words 0) of a contiguous activation of ``shape`` laid out by
     :func:`rows_layout` (row ``r`` is global sample ``row_offset + r``), memoized; :func:`with_key` gives a
     call's geometry."""
-    layout = rows_layout(shape, row_offset)
+    layout = rows_layout(shape, row_offset, stream)
+    if layout.hstrides:
+        return make_geometry(tuple(map(int, shape)), 0, 0, p, layout.gstrides, layout.starts, layout.indices,
+                             stream, layout.hstrides)
     return _ranges_template(tuple(map(int, shape)), p, layout.gstrides, layout.starts, stream)
 
 
 def with_key(template: Geometry, k0: int, k1: int) -> Geometry:
     """``template`` (a :class:`Geometry`) with the key words ``(k0, k1)``."""
     return Geometry(int(k0), int(k1), template.threshold, template.scale32, template.scale64, template.base,
-                    template.sizes, template.gstrides, template.indices, template.stream)
+                    template.sizes, template.gstrides, template.indices, template.stream, template.hbase,
+                    template.hstrides)
 
 
 def ranges_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Sequence[int],
@@ -260,9 +288,14 @@ def ranges_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: 
 
 
 def make_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Sequence[int], starts: Sequence[int],
-         indices: Sequence[Optional[torch.Tensor]], stream: str = DEFAULT_STREAM) -> Geometry:
+         indices: Sequence[Optional[torch.Tensor]], stream: str = DEFAULT_STREAM,
+         hstrides: Sequence[int] = ()) -> Geometry:
     """The coalesced :class:`Geometry` of a contiguous tensor of ``shape`` placed by the op's layout arguments,
-    for the key ``(k0, k1)`` of stream version ``stream``."""
+    for the key ``(k0, k1)`` of stream version ``stream`` (``hstrides``: the high counter words' strides,
+    docs/spec.md 14.8; empty for none)."""
+    if hstrides:
+        return _high_geometry(tuple(map(int, shape)), k0, k1, p, gstrides, starts, indices, stream,
+                              tuple(map(int, hstrides)))
     if len(indices) == len(shape) and all(index is None for index in indices):
         # ranges only: the coalesced dims depend on the ints alone
         return ranges_geometry(shape, k0, k1, p, gstrides, starts, stream)
@@ -290,3 +323,42 @@ def make_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Se
         sizes=tuple(d[0] for d in dims), gstrides=tuple(d[2] for d in dims), indices=tuple(d[3] for d in dims),
         stream=stream,
     )
+
+
+def _high_geometry(shape: tuple[int, ...], k0: int, k1: int, p: float, gstrides: Sequence[int],
+                   starts: Sequence[int], indices: Sequence[Optional[torch.Tensor]], stream: str,
+                   hstrides: tuple[int, ...]) -> Geometry:
+    """:func:`make_geometry` with high counter words: size-1 dimensions and every start folded into ``base``
+    and ``hbase``; neighbouring ranges merged only where both the low index and the high words walk them as
+    one progression."""
+    if not (len(gstrides) == len(starts) == len(indices) == len(hstrides) == len(shape)):
+        raise ValueError(f"keyinit::dropout: {len(shape)}-D input but {len(gstrides)} strides, {len(starts)} starts, "
+                         f"{len(indices)} index entries and {len(hstrides)} high strides")
+    threshold, scale32, scale64 = constants(p)
+    base = hbase = 0
+    dims: list[list] = []  # [size, gstride, hstride, index]
+    for n, gs, hs, st, idx in zip(shape, gstrides, hstrides, starts, indices):
+        gs, hs, st = int(gs), int(hs), int(st)
+        if idx is not None:
+            if idx.dim() != 1 or int(idx.numel()) != n or idx.dtype != torch.int64:
+                raise ValueError(f"keyinit::dropout: an index entry must be a 1-D int64 tensor of {n} elements")
+            idx = idx.to("cpu")
+        if n == 1:
+            first = int(idx[0]) if idx is not None else st
+            base, hbase = base + first * gs, hbase + first * hs
+            continue
+        if idx is None:
+            base, hbase = base + st * gs, hbase + st * hs
+        outer = dims[-1] if dims else None
+        if (outer is not None and outer[3] is None and idx is None and outer[1] == n * gs
+                and outer[2] == n * hs):
+            outer[0] *= n
+            outer[1], outer[2] = gs, hs
+        else:
+            dims.append([n, gs, hs, idx])
+    if not dims:
+        dims.append([1, 0, 0, None])
+    return Geometry(k0=int(k0), k1=int(k1), threshold=threshold, scale32=scale32, scale64=scale64, base=base,
+                    sizes=tuple(d[0] for d in dims), gstrides=tuple(d[1] for d in dims),
+                    indices=tuple(d[3] for d in dims), stream=stream, hbase=hbase,
+                    hstrides=tuple(d[2] for d in dims))

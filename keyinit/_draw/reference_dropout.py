@@ -8,6 +8,8 @@ compare every kernel with :func:`keyinit.random.bernoulli`'s mask put through
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from keyinit._bits.philox import stream_words
@@ -33,15 +35,22 @@ def apply_mask(x: torch.Tensor, keep: torch.Tensor, scale32: float, scale64: flo
     return torch.where(keep, product, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _flat_indices(geometry: Geometry, start: int, stop: int, device: torch.device) -> torch.Tensor:
-    """Global flat indices of elements ``start .. stop-1`` (row-major over ``geometry.sizes``)."""
+def _flat_indices(geometry: Geometry, start: int, stop: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+    """Global flat indices and high counter words (0 without ``hstrides``) of elements ``start .. stop-1``
+    (row-major over ``geometry.sizes``)."""
     position = torch.arange(start, stop, dtype=torch.int64, device=device)
     flat = torch.full_like(position, geometry.base)
-    for size, gstride, index in zip(reversed(geometry.sizes), reversed(geometry.gstrides), reversed(geometry.indices)):
+    hstrides = geometry.hstrides or (0,) * len(geometry.sizes)
+    high: Any = torch.full_like(position, geometry.hbase) if geometry.hstrides else 0
+    for size, gstride, hstride, index in zip(reversed(geometry.sizes), reversed(geometry.gstrides),
+                                             reversed(hstrides), reversed(geometry.indices)):
         local = position % size
-        flat += gstride * (index.to(device)[local] if index is not None else local)
+        at = index.to(device)[local] if index is not None else local
+        flat += gstride * at
+        if hstride:
+            high = high + hstride * at
         position = position // size
-    return flat
+    return flat, high
 
 
 def dropout(x: torch.Tensor, out: torch.Tensor, geometry: Geometry, chunk_elements: int = CHUNK_ELEMENTS) -> None:
@@ -50,6 +59,7 @@ def dropout(x: torch.Tensor, out: torch.Tensor, geometry: Geometry, chunk_elemen
     key = (geometry.k0, geometry.k1)
     for start in range(0, flat_x.numel(), chunk_elements):
         stop = min(start + chunk_elements, flat_x.numel())
-        words = stream_words(key, _flat_indices(geometry, start, stop, x.device), 1)[0]
+        flat, high = _flat_indices(geometry, start, stop, x.device)
+        words = stream_words(key, flat, 1, high)[0]
         keep = words < geometry.threshold
         flat_out[start:stop] = apply_mask(flat_x[start:stop], keep, geometry.scale32, geometry.scale64)

@@ -49,6 +49,7 @@ def _to_meta(x: Any) -> Any:
 
 
 def _evaluator(keys: dict, rows: Optional[Rows]) -> Any:
+    from keyinit._draw.names import naming
     from keyinit._engine.program import Random
     from keyinit._engine.replay import Evaluator, run_fill
     from keyinit.layouts import Target
@@ -77,14 +78,17 @@ def _evaluator(keys: dict, rows: Optional[Rows]) -> Any:
             out = torch.empty(node.shape, dtype=node.dtype)
             shape = (start + count,) + tuple(node.shape[1:])
             region = (slice(start, None),) + (slice(None),) * (len(shape) - 1)
-            run_fill(node.fill, self.key(node), Target(node.what, make_region(shape, region), out))
+            with naming(node.shape[1:]):  # (a v2 key: the elements' extent-free names, docs/spec.md 14.8)
+                run_fill(node.fill, self.key(node), Target(node.what, make_region(shape, region), out))
             return out
 
         def _random_at(self, node: Any, pos: torch.Tensor) -> torch.Tensor:
             per = self._per_row(node)
             out = torch.empty(int(pos.numel()), dtype=node.dtype)
             total = max((start + count) * per, 1)
-            run_fill(node.fill, self.key(node), Target(node.what, make_region((total,), (pos + start * per,)), out))
+            with naming(node.shape[1:]):
+                run_fill(node.fill, self.key(node),
+                         Target(node.what, make_region((total,), (pos + start * per,)), out))
             return out
 
     return _Rows(keys, why_unkeyed=why)

@@ -46,4 +46,5 @@ def register() -> None:
     """Register stream v1's kernels in :data:`keyinit._draw.dispatch.KERNELS` (again: no change). Each is
     named by module and imported on its first call."""
     for family, device, module, name in _V1:
-        register_kernel("v1", family, device, KernelRef(module, name))
+        for stream in ("v1", "v2"):  # v2: the same kernels (its names are a geometry's high words)
+            register_kernel(stream, family, device, KernelRef(module, name))

@@ -40,7 +40,7 @@ def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
 
 def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: int,
           sample_offset: Optional[int] = None, index: str = "tracked", inputs: Any = (),
-          host_random: str = "sample", calls: Optional[str] = None) -> Keyed:
+          host_random: str = "sample", calls: Optional[str] = None, stream: Optional[str] = None) -> Keyed:
     """Key every random op in ``model``'s forward by (seed, step, module FQN, call ordinal, sample, place).
 
     Use it around each forward (and backward)::
@@ -94,8 +94,15 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     model wrapped in ``DistributedDataParallel`` on a group rank other than 0
     refuses ``sample_offset=0``. DTensor activations place their rows themselves
     (their placements add to ``sample_offset``).
+
+    ``stream`` chooses how an element is named (``docs/spec.md`` 14.8): ``"v2"`` by its sample and its
+    coordinates within the sample, so a sample's masks do not depend on how far its batch is padded
+    (dynamic padding) or on any other extent; ``"v1"`` (the default in this release) by its row-major
+    index in the tensor of samples (14.4-14.7), which depends on the padded length. ``None`` takes the
+    version of ``seed`` when it is a :class:`keyinit.Key`, else ``"v1"``. Keys are derived the same way
+    in both.
     """
-    return Keyed(model, seed, step, sample_offset, index, inputs, host_random, calls)
+    return Keyed(model, seed, step, sample_offset, index, inputs, host_random, calls, stream)
 
 
 def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:

@@ -21,6 +21,7 @@ import torch
 
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit._draw.dropout_geometry import Layout, constants
+from keyinit._draw.names import V2, check_samples, names_strides
 from keyinit.nn import functional as KF
 from keyinit.nn._batch import Batch, Foreign, Unknown, annotate, canonical, record
 from keyinit.nn._checkpoint import refuse_unseen
@@ -157,12 +158,17 @@ def _element_dropout(input: torch.Tensor, p: float, key, rec: Optional[Batch]) -
                         "supported; keep the batch in dimension 0 of DTensor activations")
     KF.check_input(input)
     split, order, sample_shape = canonical(tuple(input.shape), rec)
-    strides = row_major_strides((rec.start + rec.count,) + sample_shape)
+    if key.stream == V2:  # extent-free names (docs/spec.md 14.8)
+        check_samples(rec.start, rec.count)
+        strides, high = names_strides(sample_shape)
+    else:
+        strides, high = row_major_strides((rec.start + rec.count,) + sample_shape), ()
     # the split dims (before..., outer, count, inner, after...) in the canonical (sample, before..., outer,
     # inner, after...) tensor: sample is canonical dim 0, the others follow in order
     gstrides = tuple(strides[order.index(i)] for i in range(len(split)))
+    hstrides = tuple(high[order.index(i)] for i in range(len(split))) if high else ()
     starts = tuple(rec.start if order.index(i) == 0 else 0 for i in range(len(split)))
-    layout = Layout(gstrides, starts, (None,) * len(split))
+    layout = Layout(gstrides, starts, (None,) * len(split), hstrides)
     out = KF.run_layout(input.reshape(split).contiguous(), p, key, layout)
     return out.reshape(input.shape)
 
@@ -190,7 +196,13 @@ def masked_keep(kind: str, mask: str, input: torch.Tensor, p: float, key,
     else:
         shape = (first + rows, *x.shape[1:])
         region = (slice(first, None),) + (slice(None),) * (x.dim() - 1)
-    keep = bernoulli(key, shape, p=1.0 - p, region=region, device=x.device)
+    if key.stream == V2 and rec is not None:  # extent-free names (docs/spec.md 14.8): the rows' samples
+        from keyinit._draw.names import named_words
+
+        threshold = constants(p)[0]
+        keep = (named_words(key, first, shape[1:], rows, 1)[0] < threshold).to(x.device)
+    else:
+        keep = bernoulli(key, shape, p=1.0 - p, region=region, device=x.device)
     if mask in ("feature", "feature_alpha"):
         keep = keep.view(*keep.shape, *([1] * (x.dim() - 2)))
     return keep, x, unsqueezed
@@ -286,9 +298,37 @@ def _routed_dropout(ctx: "Keyed", frame: Frame, kind: str, input: torch.Tensor, 
             "written back")
     routed_draw(frame, rec, kind, tuple(input.shape))  # (refused: rows known only by samples, or picked twice)
     KF.check_input(input)
-    out = KF.run_layout(input.contiguous(), p, key, routed_layout(tuple(input.shape), rec))
+    if key.stream == V2:  # extent-free names (docs/spec.md 14.8) of the virtual tensor, read at the rows
+        out = _routed_dropout_named(input, p, key, rec)
+    else:
+        out = KF.run_layout(input.contiguous(), p, key, routed_layout(tuple(input.shape), rec))
     annotate(out, frame.forward, rec)
     return out
+
+
+def _routed_dropout_named(input: torch.Tensor, p: float, key: Any, rec: Routed) -> torch.Tensor:
+    """Stream v2's dropout of routed rows: the keep-mask of the virtual tensor's elements (their names,
+    docs/spec.md 14.8) read at the rows, applied with 14.3's arithmetic by torch ops (so autograd gives
+    ``keep ? dy * s : +0``)."""
+    from keyinit._draw.names import words_at
+    from keyinit._draw.reference_dropout import apply_mask
+    from keyinit.nn._draws import routed_rows
+
+    rows = routed_rows(tuple(input.shape), rec)
+    threshold, scale32, scale64 = constants(p)
+    with torch._C.DisableTorchFunction():
+        positions = rows.to_canonical(torch.arange(input.numel(), dtype=torch.int64).reshape(input.shape))
+        # positions[c] = the flat local element at canonical position c (others: 0, never read back)
+        canonical_flat = torch.arange(positions.numel(), dtype=torch.int64)
+        local_of = positions.reshape(-1)
+        lo_strides, hi_strides = names_strides(tuple(rows.local[1:]))
+        check_samples(rows.start, rows.count)
+        words = words_at(key, rows.start, rows.local, canonical_flat, 1, lo_strides, hi_strides)[0]
+        keep_flat = torch.zeros(input.numel(), dtype=torch.bool)
+        taken = rows.to_canonical(torch.ones(input.shape, dtype=torch.bool)).reshape(-1)
+        keep_flat[local_of[taken]] = words[taken] < threshold
+        keep = keep_flat.reshape(input.shape).to(input.device)
+    return apply_mask(input, keep, scale32, scale64)
 
 
 def activation_batch(ctx: "Keyed", frame: Frame, tensor: torch.Tensor, what: str) -> Optional[Batch]:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from keyinit.fqn import canonical_modules
+from keyinit._bits.streams import get_stream
 from keyinit.keys import Key, as_uint64, key
 from keyinit.nn._batch import Batch, annotate, declared
 from keyinit.nn._intercept import Frame
@@ -141,7 +142,8 @@ class Keyed(FrameStack):
 
     def __init__(self, model: Union[torch.nn.Module, str], seed: Union[int, Key], step: int,
                  sample_offset: Optional[int], index: str = "tracked", inputs: Any = (),
-                 host_random: str = "sample", calls: Optional[str] = None) -> None:
+                 host_random: str = "sample", calls: Optional[str] = None,
+                 stream: Optional[str] = None) -> None:
         self._inputs: tuple = ()
         if isinstance(model, str):
             from keyinit.nn._keys import check_fqn
@@ -173,7 +175,11 @@ class Keyed(FrameStack):
         self.host_mode = host_random  # keyed(..., host_random=): see keyinit.nn._hostrandom
         self.model = model
         #: The root of every dropout key (:func:`keyinit.nn.dropout_key`'s ``seed``); ``key`` checks an int.
-        self.root = seed if isinstance(seed, Key) else key(seed)
+        root = seed if isinstance(seed, Key) else key(seed)
+        if stream is not None:
+            get_stream(stream)  # an unknown version says so
+            root = Key(root.k0, root.k1, stream)  # (the derivation of sections 1-3 is the same in v1 and v2)
+        self.root = root
         self.seed = seed  # as given, for the repr
         self.step = as_uint64(step, "step")
         self.sample_offset = resolve_sample_offset(model, sample_offset)

@@ -67,6 +67,10 @@ def _module_words(k0: int, k1: int, stream: str, step: int, parts: tuple[str, ..
     return _fold(_module_words(k0, k1, stream, step, parts[:-1], lib), stream, parts[-1], lib)
 
 
+#: Stream versions whose key derivation is v1's (section 3), which the C fold computes.
+_V1_DERIVATION = frozenset(("v1", "v2"))
+
+
 class CallKeys:
     """The keys keyed() gives the calls of one root forward (its root key and step fixed):
     ``keys(fqn, ordinal)`` is ``dropout_key(root, step=step, fqn=fqn, ordinal=ordinal)``. Each module's
@@ -80,7 +84,7 @@ class CallKeys:
         self.root, self.step = root, step
         self.words: dict[str, tuple[int, int]] = {}
         fill = _fill()
-        self.lib = fill.kernel_library() if root.stream == "v1" else None
+        self.lib = fill.kernel_library() if root.stream in _V1_DERIVATION else None
         self.fold = fill.fold_words_v1
 
     def __call__(self, fqn: str, ordinal: int) -> Key:
@@ -88,7 +92,7 @@ class CallKeys:
         if self.lib is not None:
             found = self.fold(self.lib, words[0], words[1], ordinal)
             if found is not None:
-                return derived_key(found[0], found[1], "v1")
+                return derived_key(found[0], found[1], self.root.stream)
         k0, k1 = _fold(words, self.root.stream, ordinal, None)
         return derived_key(k0, k1, self.root.stream)
 

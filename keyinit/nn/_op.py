@@ -38,7 +38,7 @@ __all__ = ["dropout", "run", "call", "call_rows"]
 # ``stream`` has no default: the dispatcher drops arguments equal to their default before autograd,
 # which would make the backward's gradient count depend on the stream.
 _SCHEMA = ("(Tensor input, int k0, int k1, float p, int[] gstrides, int[] starts, Tensor?[] indices, "
-           "str stream) -> Tensor")
+           "str stream, int[] hstrides) -> Tensor")
 
 
 def run(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
@@ -49,20 +49,21 @@ def run(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
 
 @torch.library.custom_op("keyinit::dropout", mutates_args=(), schema=_SCHEMA)
 def dropout(input: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: list,
-            indices: list, stream: str) -> torch.Tensor:
-    """Keyed dropout of ``input``; see the module docstring."""
-    return run(input, plan(input.shape, k0, k1, p, gstrides, starts, indices, stream))
+            indices: list, stream: str, hstrides: list) -> torch.Tensor:
+    """Keyed dropout of ``input``; see the module docstring (``hstrides``: the high counter words' strides of
+    docs/spec.md 14.8's names, empty for none)."""
+    return run(input, plan(input.shape, k0, k1, p, gstrides, starts, indices, stream, hstrides))
 
 
 @dropout.register_fake
 def _(input: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, starts: list,
-      indices: list, stream: str) -> torch.Tensor:
+      indices: list, stream: str, hstrides: list) -> torch.Tensor:
     return torch.empty(input.shape, dtype=input.dtype, device=input.device)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _, k0, k1, p, gstrides, starts, indices, stream = inputs
-    ctx.args = (k0, k1, p, list(gstrides), list(starts), stream)
+    _, k0, k1, p, gstrides, starts, indices, stream, hstrides = inputs
+    ctx.args = (k0, k1, p, list(gstrides), list(starts), stream, list(hstrides))
     ctx.has_index = [index is not None for index in indices]
     ctx.save_for_backward(*(index for index in indices if index is not None))
 
@@ -70,8 +71,8 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad: torch.Tensor):
     saved = iter(ctx.saved_tensors)
     indices: list[Optional[torch.Tensor]] = [next(saved) if has else None for has in ctx.has_index]
-    k0, k1, p, gstrides, starts, stream = ctx.args
-    return (dropout(grad, k0, k1, p, gstrides, starts, indices, stream),) + (None,) * 7
+    k0, k1, p, gstrides, starts, stream, hstrides = ctx.args
+    return (dropout(grad, k0, k1, p, gstrides, starts, indices, stream, hstrides),) + (None,) * 8
 
 
 dropout.register_autograd(_backward, setup_context=_setup_context)
@@ -122,7 +123,8 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: Sequence[int], starts: Sequence[int],
-         indices: Sequence[Optional[torch.Tensor]], stream: str = DEFAULT_STREAM) -> torch.Tensor:
+         indices: Sequence[Optional[torch.Tensor]], stream: str = DEFAULT_STREAM,
+         hstrides: Sequence[int] = ()) -> torch.Tensor:
     """``keyinit::dropout`` on ``x``: the eager form for plain CPU/CUDA tensors, the custom op otherwise.
 
     The custom op (with its fake kernel) is what ``torch.compile`` traces and what
@@ -131,8 +133,8 @@ def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: Sequence[int], s
     if type(x) is torch.Tensor and not _is_compiling():
         device = x.device.type
         if device == "cpu" or device == "cuda":
-            return _eager(x, plan(x.shape, k0, k1, p, gstrides, starts, indices, stream))
-    return dropout(x, k0, k1, p, list(gstrides), list(starts), list(indices), stream)
+            return _eager(x, plan(x.shape, k0, k1, p, gstrides, starts, indices, stream, hstrides))
+    return dropout(x, k0, k1, p, list(gstrides), list(starts), list(indices), stream, list(hstrides))
 
 
 def call_rows(x: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:
@@ -143,8 +145,8 @@ def call_rows(x: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Ten
         device = x.device.type
         if device == "cpu" or device == "cuda":
             return _eager(x, with_key(rows_template(x.shape, row_offset, p, key.stream), key.k0, key.k1))
-    layout = rows_layout(tuple(x.shape), row_offset)
-    return call(x, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream)
+    layout = rows_layout(tuple(x.shape), row_offset, key.stream)
+    return call(x, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream, layout.hstrides)
 
 
 def _eager(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:

@@ -63,7 +63,8 @@ def is_dtensor(input: torch.Tensor) -> bool:
 def run_layout(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch.Tensor:
     """The ``keyinit::dropout`` op on ``local`` placed by ``layout``, under ``key`` (its words and its stream
     version, which the op keeps)."""
-    return _op().call(local, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream)
+    return _op().call(local, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream,
+                      layout.hstrides)
 
 
 def _op() -> Any:
@@ -71,10 +72,11 @@ def _op() -> Any:
     return sys.modules.get("keyinit.nn._op") or importlib.import_module("keyinit.nn._op")
 
 
-def _dtensor_dropout(input: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:
+def _dtensor_dropout(input: torch.Tensor, p: float, key: Key, row_offset: int,
+                     keyed_rows: bool = True) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    layout = dtensor_layout(input, row_offset)
+    layout = dtensor_layout(input, row_offset, key.stream if keyed_rows else None)
     spec = input._spec
     out_local = run_layout(input.to_local(), p, key, layout)
     return DTensor.from_local(
@@ -121,7 +123,7 @@ def dropout(
             )
         if not training or p == 0.0:
             return input
-        return _dtensor_dropout(input, p, key, 0)
+        return _dtensor_dropout(input, p, key, 0, keyed_rows=False)
     layout = layout_for(tuple(input.shape), global_shape, region)
     if not training or p == 0.0:
         return input
@@ -141,7 +143,7 @@ def dropout_rows(input: torch.Tensor, p: float, key: Key, row_offset: int) -> to
     check_input(input)
     if is_dtensor(input):
         return _dtensor_dropout(input, p, key, row_offset)
-    return run_layout(input, p, key, rows_layout(tuple(input.shape), row_offset))
+    return run_layout(input, p, key, rows_layout(tuple(input.shape), row_offset, key.stream))
 
 
 def probs_drop(p: float, key: Key, layout: Optional[Layout], row_offset: int = 0):
@@ -151,7 +153,7 @@ def probs_drop(p: float, key: Key, layout: Optional[Layout], row_offset: int = 0
         if is_dtensor(probs):
             return _dtensor_dropout(probs, p, key, row_offset)
         if layout is None:
-            return run_layout(probs, p, key, rows_layout(tuple(probs.shape), row_offset))
+            return run_layout(probs, p, key, rows_layout(tuple(probs.shape), row_offset, key.stream))
         return run_layout(probs, p, key, layout)
 
     return drop

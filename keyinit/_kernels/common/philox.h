@@ -63,6 +63,14 @@ KI_INLINE void ki_philox4x32_10(const uint32_t ctr[4], uint32_t k0, uint32_t k1,
     out[3] = c3;
 }
 
+/* Block b of the element stream of the high counter words h: the counter (lo32(b), hi32(b), lo32(h), hi32(h))
+ * (h = 0 in every stream of docs/spec.md sections 4-14; keyed forwards' extent-free names, section 14.8, set it). */
+KI_INLINE void ki_philox_block_hi(uint64_t b, uint64_t h, uint32_t k0, uint32_t k1, uint32_t out[4])
+{
+    const uint32_t ctr[4] = {(uint32_t)b, (uint32_t)(b >> 32), (uint32_t)h, (uint32_t)(h >> 32)};
+    ki_philox4x32_10(ctr, k0, k1, out);
+}
+
 /* Block b of the element stream: the counter (lo32(b), hi32(b), 0, 0). */
 KI_INLINE void ki_philox_block(uint64_t b, uint32_t k0, uint32_t k1, uint32_t out[4])
 {
@@ -75,6 +83,14 @@ KI_INLINE uint32_t ki_philox_word(uint64_t j, uint32_t k0, uint32_t k1)
 {
     uint32_t out[4];
     ki_philox_block(j >> 2, k0, k1, out);
+    return out[j & 3u];
+}
+
+/* Word j of the element stream of high counter words h. */
+KI_INLINE uint32_t ki_philox_word_hi(uint64_t j, uint64_t h, uint32_t k0, uint32_t k1)
+{
+    uint32_t out[4];
+    ki_philox_block_hi(j >> 2, h, k0, k1, out);
     return out[j & 3u];
 }
 
@@ -218,24 +234,31 @@ KI_INLINE void ki_philox_rounds(ki_vec c0[KI_GROUPS], ki_vec c1[KI_GROUPS], ki_v
 
 /* The element-stream blocks with counters (lo[g], hi[g], 0, 0), stored in stream order:
  * lane i of group g is block KI_LANES * g + i, written to out[4 * (KI_LANES * g + i) + w]. */
-KI_INLINE void ki_philox_simd_blocks(ki_vec lo[KI_GROUPS], ki_vec hi[KI_GROUPS], uint32_t k0, uint32_t k1,
-                                     uint32_t *out)
+KI_INLINE void ki_philox_simd_blocks_hi(ki_vec lo[KI_GROUPS], ki_vec hi[KI_GROUPS], uint64_t h, uint32_t k0,
+                                        uint32_t k1, uint32_t *out)
 {
     ki_vec c2[KI_GROUPS], c3[KI_GROUPS];
     for (int g = 0; g < KI_GROUPS; g++) {
-        c2[g] = ki_v_zero();
-        c3[g] = ki_v_zero();
+        c2[g] = ki_v_set1((uint32_t)h);
+        c3[g] = ki_v_set1((uint32_t)(h >> 32));
     }
     ki_philox_rounds(lo, hi, c2, c3, k0, k1);
     for (int g = 0; g < KI_GROUPS; g++) ki_v_store_blocks(lo[g], hi[g], c2[g], c3[g], out + 4 * KI_LANES * g);
 }
 
-/* Blocks first .. first + KI_SIMD_BLOCKS - 1, counters made in registers. */
-KI_INLINE void ki_philox_simd_range(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *out)
+/* The element-stream blocks with counters (lo[g], hi[g], 0, 0) (see ki_philox_simd_blocks_hi). */
+KI_INLINE void ki_philox_simd_blocks(ki_vec lo[KI_GROUPS], ki_vec hi[KI_GROUPS], uint32_t k0, uint32_t k1,
+                                     uint32_t *out)
+{
+    ki_philox_simd_blocks_hi(lo, hi, 0u, k0, k1, out);
+}
+
+/* Blocks first .. first + KI_SIMD_BLOCKS - 1 of high words h, counters made in registers. */
+KI_INLINE void ki_philox_simd_range(uint64_t first, uint64_t h, uint32_t k0, uint32_t k1, uint32_t *out)
 {
     ki_vec lo[KI_GROUPS], hi[KI_GROUPS];
     for (int g = 0; g < KI_GROUPS; g++) ki_v_counters(first + (uint64_t)(KI_LANES * g), &lo[g], &hi[g]);
-    ki_philox_simd_blocks(lo, hi, k0, k1, out);
+    ki_philox_simd_blocks_hi(lo, hi, h, k0, k1, out);
 }
 #endif /* KI_SIMD */
 
@@ -243,13 +266,20 @@ KI_INLINE void ki_philox_simd_range(uint64_t first, uint32_t k0, uint32_t k1, ui
 
 /* The stream words of blocks first .. first+n-1, in order: out[4*i + w] is
  * word w of block first + i (4n words). */
-static inline void ki_philox_stream(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, uint32_t *out)
+static inline void ki_philox_stream_hi(uint64_t first, int64_t n, uint64_t h, uint32_t k0, uint32_t k1, uint32_t *out)
 {
     int64_t i = 0;
 #ifdef KI_SIMD
-    for (; i + KI_SIMD_BLOCKS <= n; i += KI_SIMD_BLOCKS) ki_philox_simd_range(first + (uint64_t)i, k0, k1, out + 4 * i);
+    for (; i + KI_SIMD_BLOCKS <= n; i += KI_SIMD_BLOCKS)
+        ki_philox_simd_range(first + (uint64_t)i, h, k0, k1, out + 4 * i);
 #endif
-    for (; i < n; i++) ki_philox_block(first + (uint64_t)i, k0, k1, out + 4 * i);
+    for (; i < n; i++) ki_philox_block_hi(first + (uint64_t)i, h, k0, k1, out + 4 * i);
+}
+
+/* The same with high counter words 0: the element stream of docs/spec.md section 4. */
+static inline void ki_philox_stream(uint64_t first, int64_t n, uint32_t k0, uint32_t k1, uint32_t *out)
+{
+    ki_philox_stream_hi(first, n, 0u, k0, k1, out);
 }
 
 /* The stream words of blocks blocks[0..n-1] (any numbers): out[4*i + w] is word w of block blocks[i]. */

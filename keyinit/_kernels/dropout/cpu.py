@@ -38,7 +38,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.keyinit_dropout.argtypes = [
         ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_float, ctypes.c_double,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, I64P, I64P,
-        ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p,
     ]
     lib.keyinit_dropout_philox_stream.restype = None
     lib.keyinit_dropout_philox_stream.argtypes = [
@@ -104,9 +104,11 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, threads: Optional[int] = N
             break
     if threads is None:
         threads = 1 if x.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
+    hstrides = geometry.hstrides
     rc = lib.keyinit_dropout(
         dtype_id, geometry.k0, geometry.k1, geometry.threshold, geometry.scale32, geometry.scale64,
         x.data_ptr(), out.data_ptr(), nd, geometry.base, sizes, gstrides, pointers, threads,
+        geometry.hbase, _int64_array(hstrides) if hstrides else None,
     )
     if rc != 0:  # pragma: no cover - arguments are validated by Geometry
         raise RuntimeError(f"keyinit_dropout failed with code {rc}")

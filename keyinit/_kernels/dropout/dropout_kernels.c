@@ -7,15 +7,18 @@
  *
  * Contract (docs/spec.md, "Keyed dropout"): element q of the contiguous input
  * (row-major over size[0..ndim-1]) sits at position (p_0, ..., p_{ndim-1}) and has
- * global flat index
+ * global flat index and high counter words
  *
  *     g = base + sum_d gstride[d] * idx_d(p_d),
+ *     h = hbase + sum_d hstride[d] * idx_d(p_d)     (0 without hstride),
  *     idx_d(p) = index[d][p] if index[d] != NULL, else p
  *
  * (keyinit._draw.geometry.coalesce: every range's start is folded into base).
  *
- * It is kept iff word(K, g) < threshold, with word(K, j) lane j % 4 of
- * Philox4x32-10((lo32(j/4), hi32(j/4), 0, 0), K) (philox.h). That is
+ * It is kept iff word(K, g, h) < threshold, with word(K, j, h) lane j % 4 of
+ * Philox4x32-10((lo32(j/4), hi32(j/4), lo32(h), hi32(h)), K) (philox.h): h is 0 for
+ * the element stream of docs/spec.md section 4, and carries a keyed forward's sample
+ * and third coordinate in its extent-free names (section 14.8). With h = 0 that is
  * keyinit.random.bernoulli(K, ..., p = 1 - p_drop)'s mask. The output is
  *
  *     float32:          kept ? x * s32 : +0
@@ -53,7 +56,8 @@ typedef struct {
     char *out;
     int ndim;
     int64_t base;
-    const int64_t *size, *gstride;
+    uint64_t hbase;
+    const int64_t *size, *gstride, *hstride; /* hstride: NULL for h = 0 */
     const int64_t *const *index;
     int64_t numel;
 } kd_plan_t;
@@ -132,7 +136,7 @@ static void kd_chunk(const kd_plan_t *P, int64_t qs, int64_t qe)
 {
     const int last = P->ndim - 1;
     const int64_t inner = P->size[last];
-    const int run = P->index[last] == NULL && P->gstride[last] == 1;
+    const int run = P->index[last] == NULL && P->gstride[last] == 1 && (P->hstride == NULL || P->hstride[last] == 0);
     int64_t pos[KD_MAX_DIMS];
     int64_t rest = qs;
     for (int d = last; d >= 0; d--) {
@@ -143,7 +147,10 @@ static void kd_chunk(const kd_plan_t *P, int64_t qs, int64_t qe)
     int64_t q = qs;
     while (q < qe) {
         int64_t gouter = P->base;
+        uint64_t houter = P->hbase;
         for (int d = 0; d < last; d++) gouter += kd_index(P, d, pos[d]) * P->gstride[d];
+        if (P->hstride != NULL)
+            for (int d = 0; d < last; d++) houter += (uint64_t)(kd_index(P, d, pos[d]) * P->hstride[d]);
         const int64_t p0 = pos[last];
         const int64_t count = inner - p0 < qe - q ? inner - p0 : qe - q;
         for (int64_t t = 0; t < count; t += KD_TILE) {
@@ -152,13 +159,15 @@ static void kd_chunk(const kd_plan_t *P, int64_t qs, int64_t qe)
                 /* consecutive global indices j0 .. j0+m-1: blocks j0/4 .. (j0+m-1)/4 */
                 const uint64_t j0 = (uint64_t)(gouter + p0 + t);
                 const uint64_t b0 = j0 >> 2, b1 = (j0 + (uint64_t)m + 3u) >> 2;
-                ki_philox_stream(b0, (int64_t)(b1 - b0), P->k0, P->k1, words);
+                ki_philox_stream_hi(b0, (int64_t)(b1 - b0), houter, P->k0, P->k1, words);
                 kd_apply(P, words + (j0 & 3u), q + t, m);
             } else {
                 const int64_t gs = P->gstride[last];
+                const int64_t hs = P->hstride != NULL ? P->hstride[last] : 0;
                 for (int64_t k = 0; k < m; k++) {
-                    uint64_t g = (uint64_t)(gouter + kd_index(P, last, p0 + t + k) * gs);
-                    words[k] = ki_philox_word(g, P->k0, P->k1);
+                    const int64_t idx = kd_index(P, last, p0 + t + k);
+                    uint64_t g = (uint64_t)(gouter + idx * gs);
+                    words[k] = ki_philox_word_hi(g, houter + (uint64_t)(idx * hs), P->k0, P->k1);
                 }
                 kd_apply(P, words, q + t, m);
             }
@@ -189,7 +198,7 @@ static void kd_chunk_body(void *ctx, int64_t c)
 KD_API int keyinit_dropout(int dtype, uint32_t k0, uint32_t k1, int64_t threshold, float s32, double s64,
                            const void *in, void *out, int ndim, int64_t base, const int64_t *size,
                            const int64_t *gstride, const int64_t *const *index,
-                           int nthreads)
+                           int nthreads, uint64_t hbase, const int64_t *hstride)
 {
     if (ndim < 1 || ndim > KD_MAX_DIMS) return -1;
     if (dtype != KI_DTYPE_FLOAT32 && dtype != KI_DTYPE_FLOAT64 && dtype != KI_DTYPE_BFLOAT16 &&
@@ -209,8 +218,10 @@ KD_API int keyinit_dropout(int dtype, uint32_t k0, uint32_t k1, int64_t threshol
     P.out = (char *)out;
     P.ndim = ndim;
     P.base = base;
+    P.hbase = hbase;
     P.size = size;
     P.gstride = gstride;
+    P.hstride = hstride;
     P.index = index;
     int64_t numel = 1;
     for (int d = 0; d < ndim; d++) {

@@ -125,6 +125,8 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = Fa
     kind = _KINDS.get(x.dtype)
     if kind is None or (x.device.type != "cuda" and not interpret_ok):
         return False
+    if geometry.hbase or geometry.hstrides:  # extent-free names (docs/spec.md 14.8): the reference, for now
+        return False
     numel = x.numel()
     if numel == 0:
         return True

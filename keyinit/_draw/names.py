@@ -1,0 +1,160 @@
+"""Extent-free element names of keyed forwards (stream v2, ``docs/spec.md`` section 14.8).
+
+Stream v1 names an element of a keyed activation by its row-major index in the tensor of samples
+``(start + count, *sample_shape)``: ``sample * prod(sample_shape) + within``. Both terms depend on the
+extents of the sample's dimensions, so a sample padded to 6 tokens in one batch and to 4 in another gets
+other masks on the same real tokens. Stream v2 names it by its sample and its coordinates alone, put in
+the four 32-bit words of the Philox counter, with no extent anywhere:
+
+- the sample's dimensions of extent 1 are not coordinates (a dimension that is 1 in one layout and
+  absent in another names nothing);
+- of the others, innermost first: ``c_1`` (the innermost), ``c_2``, ``c_3``; a missing one is 0, so
+  leading coordinates of 0 name nothing either (``(L, D)`` and ``(1, L, D)`` give the same names);
+- word ``j`` (``0 <= j < w``, ``w`` the words per element) of the element is lane ``t % 4`` of
+  ``Philox4x32-10((t // 4, c_2, c_3, sample), K)`` with ``t = c_1 * w + j``.
+
+In the affine form the kernels take (:mod:`keyinit._draw.dropout_geometry`): a low index
+``lo = c_2 * 2**34 / w + c_1`` (its stream words are counter words 0-1, as in section 4) and high
+counter words ``hi = sample * 2**32 + c_3``. Limits: ``c_1 < 2**32``, ``c_2 < 2**29``, ``c_3 < 2**32``,
+``sample < 2**31``, at most three coordinates; beyond them a clear error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from keyinit._bits.philox import stream_words
+
+__all__ = ["V2", "names_strides", "check_samples", "named_words", "words_at", "naming", "fill_named", "LO_SECOND", "HI_SAMPLE", "LIMITS"]
+
+#: The stream version whose keyed forwards use these names.
+V2 = "v2"
+#: Bits of the low index below the second coordinate (for one word per element).
+LO_SECOND = 34
+#: Bits of the high counter words below the sample.
+HI_SAMPLE = 32
+#: Exclusive limits of the coordinates, innermost first, and of the sample.
+LIMITS = (1 << 32, 1 << 29, 1 << 32)
+MAX_SAMPLES = 1 << 31
+
+
+def names_strides(sample_shape: Sequence[int], words_per_element: int = 1,
+                  what: str = "a keyed activation") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(lo_strides, hi_strides)`` of the canonical tensor ``(count, *sample_shape)``, one per dimension
+    (the sample's first): the element at canonical position ``(r, j_1, ...)`` of sample ``start + r`` has
+    ``lo = sum lo_strides[d] * pos_d`` and ``hi = sum hi_strides[d] * pos_d`` (plus ``start`` times
+    ``hi_strides[0]``)."""
+    if words_per_element not in (1, 2, 4):
+        raise ValueError(f"words_per_element must divide 4, got {words_per_element}")
+    shape = tuple(int(n) for n in sample_shape)
+    lo = [0] * (len(shape) + 1)
+    hi = [0] * (len(shape) + 1)
+    hi[0] = 1 << HI_SAMPLE
+    coordinate = 0
+    for d in range(len(shape) - 1, -1, -1):
+        n = shape[d]
+        if n == 1:
+            continue
+        if coordinate == 3:
+            raise ValueError(
+                f"{what} has more than three dimensions of extent > 1 within a sample (sample shape {shape}); "
+                "stream v2's extent-free names (docs/spec.md 14.8) have three coordinates: flatten the leading "
+                "ones first, or key this forward with keyinit.nn.keyed(..., stream='v1')")
+        if n > LIMITS[coordinate]:
+            raise ValueError(
+                f"{what}: dimension {d + 1} of extent {n} exceeds stream v2's limit of {LIMITS[coordinate]} for "
+                f"coordinate {coordinate + 1} of a sample (docs/spec.md 14.8)")
+        if coordinate == 0:
+            lo[d + 1] = 1
+        elif coordinate == 1:
+            lo[d + 1] = (1 << LO_SECOND) // words_per_element
+        else:
+            hi[d + 1] = 1
+        coordinate += 1
+    return tuple(lo), tuple(hi)
+
+
+def check_samples(start: int, count: int, what: str = "a keyed activation") -> None:
+    """Samples ``start .. start + count - 1`` fit stream v2's sample word."""
+    if start < 0 or start + count > MAX_SAMPLES:
+        raise ValueError(f"{what}: samples {start}..{start + count - 1} are outside stream v2's [0, 2**31) "
+                         "(docs/spec.md 14.8)")
+
+
+def named_words(key, start: int, sample_shape: Sequence[int], count: int,
+                words_per_element: int = 1) -> list[torch.Tensor]:
+    """The reference: the ``words_per_element`` stream words of every element of the canonical tensor
+    ``(count, *sample_shape)`` whose row ``r`` is sample ``start + r``, as int64 tensors of that shape (CPU)."""
+    shape = (int(count),) + tuple(int(n) for n in sample_shape)
+    check_samples(start, count)
+    lo_strides, hi_strides = names_strides(shape[1:], words_per_element)
+    flat = torch.arange(_numel(shape), dtype=torch.int64)
+    return [w.reshape(shape) for w in words_at(key, start, shape, flat, words_per_element, lo_strides, hi_strides)]
+
+
+def words_at(key, start: int, shape: Sequence[int], flat: torch.Tensor, words_per_element: int,
+             lo_strides: Sequence[int], hi_strides: Sequence[int]) -> list[torch.Tensor]:
+    """The stream words of the elements at row-major positions ``flat`` of the canonical tensor ``shape``
+    (row ``r``: sample ``start + r``) with the strides of :func:`names_strides`."""
+    flat = flat.to(torch.int64).cpu()
+    lo = torch.zeros_like(flat)
+    hi = torch.full_like(flat, int(start) * hi_strides[0])
+    rest = flat
+    for size, ls, hs in zip(reversed(tuple(shape)), reversed(tuple(lo_strides)), reversed(tuple(hi_strides))):
+        at = rest % size
+        rest = rest // size
+        if ls:
+            lo += ls * at
+        if hs:
+            hi += hs * at
+    return stream_words(key.words, lo, words_per_element, hi)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# ------------------------------------------------------------------ draws of random ops in keyed forwards
+
+#: The sample shape of the canonical tensor a keyed forward's random op is being drawn on, per thread
+#: (set by :func:`naming` around that one draw; read by :func:`keyinit._draw.dispatch.fill`).
+_NAMING = threading.local()
+
+
+@contextlib.contextmanager
+def naming(sample_shape: Sequence[int]) -> Iterator[None]:
+    """While open, a fill of a v2 key on this thread draws the canonical tensor ``(rows, *sample_shape)``
+    (a region of row-major positions of it) by the elements' extent-free names: what a keyed forward's
+    random op on samples does (:mod:`keyinit._engine.keyed_op`)."""
+    previous = getattr(_NAMING, "shape", None)
+    _NAMING.shape = tuple(int(n) for n in sample_shape)
+    try:
+        yield
+    finally:
+        _NAMING.shape = previous
+
+
+def fill_named(out: torch.Tensor, dist: Any, key: Any, region: Any) -> bool:
+    """``out = dist``'s values at the names of ``region``'s positions when :func:`naming` is open and ``key``
+    is of stream v2 (``True``); else ``False``, nothing written."""
+    sample_shape = getattr(_NAMING, "shape", None)
+    if sample_shape is None or key.stream != V2:
+        return False
+    w = dist.words_per_element
+    lo_strides, hi_strides = names_strides(sample_shape, w)
+    shape = (MAX_SAMPLES,) + sample_shape
+    flat = region.flat_indices(0, region.numel)
+    if flat.numel():
+        per = _numel(sample_shape)
+        check_samples(int(flat.max()) // max(per, 1), 1)
+    values = dist.transform(words_at(key, 0, shape, flat, w, lo_strides, hi_strides))
+    out.copy_(values.to(out.dtype).reshape(out.shape))
+    return True
