@@ -78,15 +78,15 @@ def test_key_words_validated(bad):
 
 
 def test_stream_versions():
-    assert keyinit.STREAM_VERSIONS == ("v1",)
+    assert keyinit.STREAM_VERSIONS == ("v1", "v2")
     assert keyinit.DEFAULT_STREAM == "v1"
     assert key(3, stream="v1") == key(3)
     assert Key(1, 2, "v1") == Key(1, 2)
 
 
-@pytest.mark.parametrize("stream", ["v2", "V1", "", None, 1])
+@pytest.mark.parametrize("stream", ["v3", "V1", "", None, 1])
 def test_unknown_stream_rejected(stream):
-    with pytest.raises(ValueError, match=r"unknown stream version .*; this release supports \['v1'\]"):
+    with pytest.raises(ValueError, match=r"unknown stream version .*; this release supports \['v1', 'v2'\]"):
         key(0, stream=stream)
     with pytest.raises(ValueError, match="unknown stream version"):
         Key(0, 0, stream)

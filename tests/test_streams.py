@@ -11,14 +11,15 @@ import torch
 import keyinit
 from keyinit._bits import streams
 from keyinit import random as kr
-from keyinit._bits.streams import STREAMS, V1, Stream
+from keyinit._bits.streams import STREAMS, V1, V2, Stream
 from keyinit._draw import dispatch
 from keyinit._draw.dispatch import KERNELS, KernelRef, Kernels
 from keyinit.nn import functional as KF
 
 
 def test_v1_is_the_registered_default():
-    assert STREAMS == {"v1": V1} and streams.stream_names() == keyinit.STREAM_VERSIONS == ("v1",)
+    assert STREAMS == {"v1": V1, "v2": V2} and streams.stream_names() == keyinit.STREAM_VERSIONS == ("v1", "v2")
+    assert keyinit.keys.DEFAULT_STREAM == "v1"
     k = keyinit.key(7)
     assert k.stream == "v1" == keyinit.DEFAULT_STREAM and k.impl is V1
     assert keyinit.Key(1, 2, stream=V1) == keyinit.Key(1, 2) and keyinit.Key(1, 2, stream=V1).stream == "v1"
@@ -29,8 +30,8 @@ def test_v1_is_the_registered_default():
 
 
 def test_unknown_versions_are_refused():
-    with pytest.raises(ValueError, match=r"unknown stream version 'v2'; this release supports \['v1'\]"):
-        keyinit.key(0, stream="v2")
+    with pytest.raises(ValueError, match=r"unknown stream version 'v3'; this release supports \['v1', 'v2'\]"):
+        keyinit.key(0, stream="v3")
     with pytest.raises(ValueError, match="unknown stream version"):
         keyinit.Key(0, 0, "v9")
     with pytest.raises(ValueError, match="unknown stream version"):
@@ -80,7 +81,7 @@ def test_a_new_version_is_a_registration(toy):
     v1_child = keyinit.fold_in(keyinit.key(3), "layer")
     assert child.stream == "toy-test" and child.words == v1_child.words[::-1]
     assert k != keyinit.key(3) and repr(TOY) == "Stream('toy-test')"
-    assert keyinit.STREAM_VERSIONS == keyinit.keys.STREAM_VERSIONS == ("v1", "toy-test")  # derived from the registry
+    assert keyinit.STREAM_VERSIONS == keyinit.keys.STREAM_VERSIONS == ("v1", "v2", "toy-test")  # derived from the registry
     with pytest.raises(ValueError, match="already has its 'dropout' kernels"):
         dispatch.register_family("toy-test", "dropout", TOY_DROPOUT)
     with pytest.raises(ValueError, match="has no 'permutation' kernels registered"):

@@ -52,7 +52,8 @@ def dropout(input: torch.Tensor, k0: int, k1: int, p: float, gstrides: list, sta
             indices: list, stream: str, hstrides: list) -> torch.Tensor:
     """Keyed dropout of ``input``; see the module docstring (``hstrides``: the high counter words' strides of
     docs/spec.md 14.8's names, empty for none)."""
-    return run(input, plan(input.shape, k0, k1, p, gstrides, starts, indices, stream, hstrides))
+    return run(input, plan(input.shape, k0, k1, p, gstrides, starts, indices, stream,
+                           hstrides if any(hstrides) else ()))
 
 
 @dropout.register_fake
@@ -134,7 +135,9 @@ def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: Sequence[int], s
         device = x.device.type
         if device == "cpu" or device == "cuda":
             return _eager(x, plan(x.shape, k0, k1, p, gstrides, starts, indices, stream, hstrides))
-    return dropout(x, k0, k1, p, list(gstrides), list(starts), list(indices), stream, list(hstrides))
+    # (all-zero high strides for none: an empty list would be a node of its own in autograd's input structure)
+    return dropout(x, k0, k1, p, list(gstrides), list(starts), list(indices), stream,
+                   list(hstrides) or [0] * len(gstrides))
 
 
 def call_rows(x: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Tensor:

@@ -63,8 +63,11 @@ def is_dtensor(input: torch.Tensor) -> bool:
 def run_layout(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch.Tensor:
     """The ``keyinit::dropout`` op on ``local`` placed by ``layout``, under ``key`` (its words and its stream
     version, which the op keeps)."""
-    return _op().call(local, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream,
-                      layout.hstrides)
+    op = _op()
+    if len(layout) > 3 and layout[3]:  # high counter words (docs/spec.md 14.8's names)
+        return op.call(local, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream,
+                       layout[3])
+    return op.call(local, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream)
 
 
 def _op() -> Any:
