@@ -27,3 +27,30 @@ def test_plan_values_int_entries_index_like_the_whole_tensor():
         plan.values("weight", (5, slice(None)))
     with pytest.raises(ValueError, match=r"weight: bad region .*region entry 0 must be .* got bool"):
         plan.values("weight", (True, slice(None)))
+
+
+# ---------------------------------------------------------------- 2. a deferred model cast to float8
+
+
+class _PartlyWritten(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 5)
+        self.zero = nn.Parameter(torch.zeros(3))
+        self.halves = nn.Parameter(torch.empty(6, 2))
+        nn.init.normal_(self.halves[:3], std=0.5)  # written in pieces: replayed element by element
+        nn.init.ones_(self.halves[3:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float64])
+def test_a_deferred_model_cast_after_construction_is_the_built_model_rounded(dtype):
+    reference = keyinit.deferred(_PartlyWritten)
+    keyinit.materialize(reference, 0)
+    model = keyinit.deferred(_PartlyWritten).to(dtype)
+    keyinit.materialize(model, 0)
+    expected = dict(reference.named_parameters())
+    for name, tensor in model.named_parameters():
+        assert tensor.dtype == dtype
+        assert torch.equal(tensor.view(torch.uint8) if dtype.itemsize == 1 else tensor,
+                           expected[name].detach().to(dtype).view(torch.uint8) if dtype.itemsize == 1
+                           else expected[name].detach().to(dtype)), name
