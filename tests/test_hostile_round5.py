@@ -54,3 +54,25 @@ def test_a_deferred_model_cast_after_construction_is_the_built_model_rounded(dty
         assert torch.equal(tensor.view(torch.uint8) if dtype.itemsize == 1 else tensor,
                            expected[name].detach().to(dtype).view(torch.uint8) if dtype.itemsize == 1
                            else expected[name].detach().to(dtype)), name
+
+
+# ---------------------------------------------------------------- 3. an un-run lazy module
+
+
+def _with_lazy() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), nn.LazyLinear(2))
+
+
+def test_an_unrun_lazy_module_is_refused_naming_it():
+    lazy = r"lazy module 1 \(LazyLinear: weight, bias\) not initialized yet: .* Run a forward on a sample input first"
+    with pytest.raises(keyinit.PlanError, match=r"keyinit.deferred\(.*_with_lazy\): " + lazy):
+        keyinit.deferred(_with_lazy)
+    model = _with_lazy()
+    with pytest.raises(keyinit.PlanError, match="cannot plan the model: " + lazy):
+        keyinit.init_model(model, 0)
+    with pytest.raises(keyinit.PlanError, match="cannot plan the model: " + lazy) as raised:
+        keyinit.plan_init(model, 0)
+    assert raised.value.fqns == ("1.weight", "1.bias")
+    model(torch.zeros(1, 3))  # the forward gives it its shape: then it initializes as an nn.Linear
+    keyinit.init_model(model, 0)
+    assert torch.equal(model[1].weight, keyinit.plan_init(model, 0).values("1.weight"))
