@@ -76,3 +76,22 @@ def test_an_unrun_lazy_module_is_refused_naming_it():
     model(torch.zeros(1, 3))  # the forward gives it its shape: then it initializes as an nn.Linear
     keyinit.init_model(model, 0)
     assert torch.equal(model[1].weight, keyinit.plan_init(model, 0).values("1.weight"))
+
+
+# ---------------------------------------------------------------- 4. keyed_samples needs indexed samples
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from (torch.rand(2) for _ in range(3))
+
+
+def test_keyed_samples_refuses_an_iterable_dataset():
+    import keyinit.data
+
+    with pytest.raises(TypeError, match=r"keyed_samples: dataset must be map-style .* got _Stream, an IterableDataset"):
+        keyinit.data.keyed_samples(_Stream(), 0)
+    with pytest.raises(TypeError, match=r"keyed_samples: dataset must be map-style .* got generator, not indexable"):
+        keyinit.data.keyed_samples((x for x in range(3)), 0)
+    samples = keyinit.data.keyed_samples([torch.zeros(1)], 0, epoch=0)  # a list is map-style
+    assert torch.equal(samples[0], torch.zeros(1))
