@@ -95,3 +95,30 @@ def test_keyed_samples_refuses_an_iterable_dataset():
         keyinit.data.keyed_samples((x for x in range(3)), 0)
     samples = keyinit.data.keyed_samples([torch.zeros(1)], 0, epoch=0)  # a list is map-style
     assert torch.equal(samples[0], torch.zeros(1))
+
+
+# ---------------------------------------------------------------- 5. permutation under torch.device("meta")
+
+
+def test_permutation_under_a_meta_default_device_is_a_clear_error_or_real_values():
+    import keyinit.data
+
+    k = keyinit.key(0)
+    whole, inverse = keyinit.data.permutation(k, 10), keyinit.data.inverse_permutation(k, 10)
+    meta = r"keyinit.data.%s: the result would be on the meta device \(%s\), which holds no values; pass device='cpu'"
+    with torch.device("meta"):
+        default = r"the default device, inside `with torch.device\('meta'\)`"
+        with pytest.raises(ValueError, match=meta % ("permutation", default)):
+            keyinit.data.permutation(k, 10)
+        with pytest.raises(ValueError, match=meta % ("inverse_permutation", default)):
+            keyinit.data.inverse_permutation(k, 10, range(3))
+        with pytest.raises(ValueError, match=meta % ("permutation", "device='meta' was asked for")):
+            keyinit.data.permutation(k, 10, device="meta")
+        with pytest.raises(ValueError, match=meta % ("permutation", "the positions tensor is on it")):
+            keyinit.data.permutation(k, 10, torch.tensor([1, 2]))  # made on meta
+        # a real device asked for, or real positions: the values, the kernels' temporaries kept off meta (SIGSEGV)
+        assert torch.equal(keyinit.data.permutation(k, 10, device="cpu"), whole)
+        assert torch.equal(keyinit.data.permutation(k, 10, [3, 1], device="cpu"), whole[[3, 1]])
+        positions = torch.tensor([4, 0, 9], device="cpu")
+        assert torch.equal(keyinit.data.permutation(k, 10, positions), whole[positions])
+        assert torch.equal(keyinit.data.inverse_permutation(k, 10, positions), inverse[positions])
