@@ -122,3 +122,17 @@ def test_permutation_under_a_meta_default_device_is_a_clear_error_or_real_values
         positions = torch.tensor([4, 0, 9], device="cpu")
         assert torch.equal(keyinit.data.permutation(k, 10, positions), whole[positions])
         assert torch.equal(keyinit.data.inverse_permutation(k, 10, positions), inverse[positions])
+
+
+# ---------------------------------------------------------------- 6. keyinit demo --timeout
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon"])
+def test_demo_timeout_must_be_a_positive_number_of_seconds(value, capsys):
+    from keyinit.cli import main
+
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error, before any rank is spawned
+        main(["demo", "--timeout", value])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (f"keyinit demo: error: argument --timeout: expected a positive number of "
+                                       f"seconds, got {value!r} (see keyinit demo --help)\n")
