@@ -245,17 +245,30 @@ class Plan:
     def values(self, fqn: str, region: Any = None, *, device: Union[torch.device, str] = "cpu") -> torch.Tensor:
         """The values of ``region`` of tensor ``fqn`` (any of its names), a new tensor on ``device``."""
         from keyinit.layouts import Target
-        from keyinit.regions import make_region
+        from keyinit.regions import _integer, make_region
 
         tensor = self._tensor(fqn)
+        # An int entry indexes like ``full[i]``: it takes that one index and drops the dimension.
+        dropped: list[int] = []
+        entries = region
+        if isinstance(region, (tuple, list)):
+            entries = list(region)
+            for dim, entry in enumerate(entries):
+                index = _integer(entry)
+                if index is not None:
+                    entries[dim] = [index]
+                    dropped.append(dim)
+            entries = tuple(entries)
         try:
-            wanted = make_region(tuple(tensor.global_shape), region)
+            wanted = make_region(tuple(tensor.global_shape), entries)
         except (TypeError, ValueError, IndexError) as exc:
             raise ValueError(f"{fqn}: bad region {region!r} for global shape {tuple(tensor.global_shape)}: "
                              f"{exc}") from exc
         out = torch.empty(wanted.region_shape, dtype=tensor.dtype, device=device)
         with torch.no_grad():
             self._engine.write(tensor, Target(tensor.fqn, wanted, out))
+        if dropped:
+            out = out.reshape([n for dim, n in enumerate(wanted.region_shape) if dim not in dropped])
         return out
 
     def apply(self, *, device: Union[torch.device, str, None] = None) -> InitReport:

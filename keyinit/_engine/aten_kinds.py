@@ -16,7 +16,7 @@ import torch
 from keyinit import init as _init
 from keyinit._engine.program import Const, Node, Pointwise
 
-__all__ = ['recognised', 'FILL_VALUE', 'ZERO', 'COPY', 'ALLOC', 'CONST_FACTORIES', 'FULL', 'IDENTITY', 'CAT', 'VALUE_OPS', 'DATA_DEPENDENT', 'mutated_args', 'op_name', 'INDEXING', 'REINTERPRETING', 'reinterprets', 'SET_STORAGE', 'LOADERS', 'returns_self', 'is_kwarg_only', 'fit', 'convert', "aten"]
+__all__ = ['recognised', 'FILL_VALUE', 'ZERO', 'COPY', 'ALLOC', 'CONST_FACTORIES', 'FULL', 'IDENTITY', 'CAT', 'VALUE_OPS', 'DATA_DEPENDENT', 'mutated_args', 'op_name', 'INDEXING', 'REINTERPRETING', 'reinterprets', 'SET_STORAGE', 'LOADERS', 'LAZY_NEW', 'returns_self', 'is_kwarg_only', 'fit', 'convert', "aten"]
 
 aten = torch.ops.aten
 
@@ -96,6 +96,10 @@ SET_STORAGE = {aten.set_.source_Storage, aten.set_.source_Storage_storage_offset
 #: Code whose tensors are data, not init: run for real under a capture (``timm.create_model(pretrained=True)``
 #: from a local file loads a state dict in the constructor).
 LOADERS = {torch.serialization.load.__code__, torch.serialization._load.__code__}
+#: The constructors of a lazy module's shapeless tensors (``nn.LazyLinear``): their empty tensor is made for
+#: real, so the built model is refused naming the module (:func:`keyinit._engine.plan_checks.check_lazy`).
+LAZY_NEW = {torch.nn.parameter.UninitializedParameter.__new__.__code__,
+            torch.nn.parameter.UninitializedBuffer.__new__.__code__}
 
 
 def returns_self(func: Any) -> bool:

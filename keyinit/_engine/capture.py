@@ -47,8 +47,8 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit._engine.program import Alloc, Cat, Const, StridedView, Item, Literal, Node, Pointwise, Random, Read
 from keyinit._engine.program import Storage, Suppressed, Whole
 from keyinit._engine.aten_kinds import (
-    ALLOC, CAT, CONST_FACTORIES, COPY, DATA_DEPENDENT, FILL_VALUE, FULL, IDENTITY, INDEXING, LOADERS, REINTERPRETING,
-    SET_STORAGE, VALUE_OPS, ZERO, aten, convert, fit, is_kwarg_only, mutated_args, op_name, recognised, reinterprets,
+    ALLOC, CAT, CONST_FACTORIES, COPY, DATA_DEPENDENT, FILL_VALUE, FULL, IDENTITY, INDEXING, LAZY_NEW, LOADERS,
+    REINTERPRETING, SET_STORAGE, VALUE_OPS, ZERO, aten, convert, fit, is_kwarg_only, mutated_args, op_name, recognised, reinterprets,
     returns_self,
 )
 from keyinit._engine.outside import watched
@@ -211,7 +211,7 @@ class Capture:
     # ------------------------------------------------------------------ dispatch
     def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
         stack = self._stack()
-        if any(f.f_code in LOADERS for f in stack) and not any(isinstance(x, LazyTensor) for x in tensor_leaves(args)):
+        if any(f.f_code in LOADERS or f.f_code in LAZY_NEW for f in stack) and not any(isinstance(x, LazyTensor) for x in tensor_leaves(args)):
             with _disable_current_modes():  # torch.load's tensors are real: constants where they land
                 return func(*args, **kwargs)
         if func in SET_STORAGE and isinstance(args[0], LazyTensor) and not isinstance(args[1], LazyTensor):

@@ -35,6 +35,7 @@ from keyinit._engine.megatron_records import whole_node
 from keyinit._engine.capture import Capture, LazyTensor
 from keyinit._engine.escape import concretize_attributes, forget_escaped, sweep_escaped
 from keyinit._engine.guard import ModelState
+from keyinit._engine.lazy import check_lazy
 from keyinit._engine.program import StridedView, Literal, Node, Read, Storage, Write
 
 __all__ = ["deferred", "ConstructorRecord", "record_of", "origin_of", "renumbered_as", "seed_storage", "RECORD_ATTRIBUTE"]
@@ -143,6 +144,7 @@ def deferred(fn: Callable[..., M], /, *args: Any, **kwargs: Any) -> M:
                 model = fn(*args, **kwargs)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"keyinit.deferred: {builder} returned {type(model).__name__}, not an nn.Module")
+        check_lazy(model, f"keyinit.deferred({builder})")
         _finish(model, capture, builder)
     except BaseException:
         capture.put_back()  # values the constructor wrote into the caller's real tensors

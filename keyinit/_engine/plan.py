@@ -49,6 +49,7 @@ from keyinit._engine.init_code import (
 from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import apply_fqn_mapping, canonical_modules
 from keyinit.keys import Key, key
+from keyinit._engine.lazy import check_lazy
 from keyinit._engine.plan_checks import (check_plan, check_renumbered_keys, check_scripted, check_shared_memory,
                                          shared_records_note, unused_init_code_note)
 from keyinit._engine.options import InitOptions
@@ -622,6 +623,7 @@ def plan_model(model: torch.nn.Module, seed: Union[int, Key], options: InitOptio
     ``materializing``: every buffer must be covered too (``materialize`` has no old values to keep).
     Nothing is allocated or written; the model is left exactly as it was.
     """
+    check_lazy(model, "cannot plan the model")
     planner = _Planner(model, seed, options)
     planner.collect()
     planner.resolve_rules()

@@ -27,6 +27,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
+import attrs
 import torch
 
 from keyinit.errors import UnkeyedRandomnessError
@@ -328,13 +329,21 @@ def _write_chunks(evaluator: Evaluator, node: Node, target: Target) -> None:
 
 def _scatter(out: torch.Tensor, start: int, stop: int, values: torch.Tensor) -> None:
     coords = unravel(_arange(stop - start) + start, tuple(out.shape))
-    out[tuple(c.to(out.device) for c in coords)] = values.to(out.device)
+    out[tuple(c.to(out.device) for c in coords)] = values.to(device=out.device, dtype=out.dtype)
 
 
 def _base_write(evaluator: Evaluator, write: Write, program: SlotProgram, target: Target) -> None:
     value = write.value
     if write.geometry == StridedView.contiguous(program.shape):
         if isinstance(value, Random) and value.shape == program.shape:
+            out = target.out
+            if out.dtype.is_floating_point and out.dtype.itemsize == 1 and value.dtype != out.dtype:
+                # float8 (a model cast after construction): no sampler draws it, so draw in the
+                # record's dtype and round, as eager torch casts the built values
+                wide = torch.empty(out.shape, dtype=value.dtype, device=out.device)
+                run_fill(value.fill, evaluator.key(value), attrs.evolve(target, out=wide))
+                out.copy_(wide)
+                return
             run_fill(value.fill, evaluator.key(value), target)  # the fast kernels, on the target's device
         elif isinstance(value, Const):
             target.out.fill_(value.value)
@@ -383,7 +392,7 @@ def _partial_write(evaluator: Evaluator, write: Write, program: SlotProgram, tar
         index_shape = [1] * len(shape)
         index_shape[d] = shape[d]
         index.append(where.reshape(index_shape).to(out.device))
-    out[tuple(index)] = values.to(out.device)
+    out[tuple(index)] = values.to(device=out.device, dtype=out.dtype)
 
 
 def _partial_write_general(evaluator: Evaluator, write: Write, target: Target) -> None:
@@ -397,7 +406,7 @@ def _partial_write_general(evaluator: Evaluator, write: Write, target: Target) -
         values = evaluator.at(write.value, flat[hit])
         coords = unravel(hit + start, tuple(out.shape)) if out.dim() else []
         if out.dim():
-            out[tuple(c.to(out.device) for c in coords)] = values.to(out.device)
+            out[tuple(c.to(out.device) for c in coords)] = values.to(device=out.device, dtype=out.dtype)
         else:
             out.copy_(values.reshape(()))
 

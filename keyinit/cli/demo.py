@@ -20,6 +20,7 @@ the counter sees collectives) and compares its bytes with the reference.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Any
@@ -43,8 +44,20 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model-size", default="tiny", help="tiny (default), small, medium, large")
     p.add_argument("--layouts", default=",".join(LAYOUTS),
                    help=f"comma-separated subset of {','.join(LAYOUTS)} (default: all)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
+    p.add_argument("--timeout", type=_seconds, default=300.0,
+                   help="seconds before the ranks are killed (a positive number, default 300)")
     p.set_defaults(run=run)
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: a positive, finite number of seconds (gloo rejects anything else with its own enforce)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 _PRELOAD = ("torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.tensor.debug",

@@ -205,6 +205,11 @@ class KeyedSamples(torch.utils.data.Dataset):
     """A map-style dataset whose items' randomness is keyed (see :func:`keyed_samples`)."""
 
     def __init__(self, dataset: Any, seed: Union[int, Key], epoch: Optional[int] = None) -> None:
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(type(dataset), "__getitem__"):
+            kind = "an IterableDataset" if isinstance(dataset, torch.utils.data.IterableDataset) else "not indexable"
+            raise TypeError(
+                f"keyed_samples: dataset must be map-style (dataset[index], each sample keyed by its index), got "
+                f"{type(dataset).__name__}, {kind}: its samples have no index to key their randomness by")
         self.dataset = dataset
         self.root = seed if isinstance(seed, Key) else key(seed)  # type: ignore[arg-type]
         self.epoch = epoch

@@ -37,9 +37,31 @@ def _as_range(positions: Union[range, slice, None], n: int, what: str) -> range:
     return r
 
 
+def _meta(inverse: bool, where: str) -> ValueError:
+    name = "inverse_permutation" if inverse else "permutation"
+    return ValueError(f"keyinit.data.{name}: the result would be on the meta device ({where}), which holds no "
+                      f"values; pass device='cpu' (or another device with memory)")
+
+
+def _refuse_meta(positions: Positions, device: DeviceLike, inverse: bool, what: str) -> None:
+    """A clear error where the result would be on the meta device (torch's own kernels fail there)."""
+    if device is not None:
+        if torch.device(device).type == "meta":
+            raise _meta(inverse, "device='meta' was asked for")
+    elif isinstance(positions, torch.Tensor):
+        if positions.device.type == "meta" and type(positions) in (torch.Tensor, torch.nn.Parameter):
+            raise _meta(inverse, f"the {what} tensor is on it")
+    elif torch.get_default_device().type == "meta":
+        raise _meta(inverse, "the default device, inside `with torch.device('meta')`")
+
+
 def _run(key: Key, n: int, positions: Positions, device: DeviceLike, inverse: bool, what: str) -> torch.Tensor:
     key = require_key(key)
     n = _check_n(n)
+    _refuse_meta(positions, device, inverse, what)
+    if torch.get_default_device().type == "meta":
+        with torch.device("cpu"):  # the result is on a real device: the kernels' own temporaries must be too
+            return _run(key, n, positions, device, inverse, what)
     if isinstance(positions, (range, slice)) or positions is None:
         r = _as_range(positions, n, what)
         out = torch.empty(len(r), dtype=torch.int64, device=device)
