@@ -240,6 +240,9 @@ def _probe(owner: "KeyedCompiled") -> Callable[[Any], None]:
     return refuse
 
 
+_RUNNING_STATS = ("running_mean", "running_var")  # arguments some ops write, unannotated in their schema
+
+
 class _Restoring:
     """While a graph is traced (it runs for real), the graph inputs it writes (buffers such as BatchNorm's
     running statistics, an input changed in place) are saved before their first write and put back when the
@@ -260,10 +263,11 @@ class _Restoring:
         class Save(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                if outer.by_storage and func._schema.is_mutable:
+                if outer.by_storage:
                     for position, argument in enumerate(func._schema.arguments):
                         info = argument.alias_info
-                        if info is None or not info.is_write:
+                        # (native_batch_norm writes its running statistics, which its schema does not say)
+                        if (info is None or not info.is_write) and argument.name not in _RUNNING_STATS:
                             continue
                         value = args[position] if position < len(args) else kwargs.get(argument.name)
                         for t in value if isinstance(value, (list, tuple)) else (value,):
@@ -330,8 +334,8 @@ class _Snapshot:
                 for k, v in attributes.items():
                     if vars(m).get(k) is not v:
                         vars(m)[k] = v
-            for t, version, value in self.values:
-                if t._version != version:
+            for t, version, value in self.values:  # (native_batch_norm's writes leave the version as it was)
+                if t._version != version or not torch.equal(t, value):
                     t.copy_(value)
 
 
