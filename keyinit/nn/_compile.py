@@ -9,6 +9,8 @@ by dynamo with keyinit's backend instead:
    graph break);
 2. for each graph, on its first call (and again for new input shapes or batch
    records), the backend runs the graph once for real under keyed()'s own modes
+   (what it writes to its inputs, running statistics included, is put back
+   afterwards: the compiled run that follows is the call's one run)
    (:mod:`keyinit.nn._modes`), inside ``make_fx``: the batch of every tensor is
    tracked by the same rules as in an eager keyed forward, each module's calls
    numbered from the graph's ``nn_module_stack``, and every draw recorded as a
@@ -471,7 +473,8 @@ class KeyedCompiled(torch.nn.Module):
     """``module`` compiled by dynamo with keyinit's backend (see :func:`compile`).
 
     A module of its own, holding ``module`` as ``_orig_mod`` (as ``torch.compile`` does):
-    canonical FQNs strip that name, so keys and ``state_dict`` names do not change.
+    canonical FQNs strip that name, so keys do not change, and its ``state_dict`` hooks strip it
+    (and add it back on load), so ``state_dict`` names are the plain module's.
     """
 
     #: keyed() puts no hooks on this module nor its submodules: its calls key their own draws
@@ -619,7 +622,8 @@ def compile(module: torch.nn.Module, *, backend: Any = "inductor", **options: An
     passed to the compiled graph as a tensor: no graph break is added and a new
     step, seed, sample offset or micro-batch is not a recompilation. ``backend``
     (the one that compiles the keyed graphs, ``"inductor"`` by default) and
-    ``options`` (``fullgraph``, ``dynamic``, ``mode``, ...) are ``torch.compile``'s.
+    ``options`` (``fullgraph``, ``dynamic``, ``mode``, ``options``, ...) are ``torch.compile``'s:
+    ``mode`` and ``options`` reach ``backend`` as ``torch.compile`` passes them.
     Outside ``keyed`` the module runs compiled as long as it draws nothing (eval
     mode); a draw there is an :class:`~keyinit.errors.UnkeyedRandomnessError`.
     See ``docs/dropout.md`` (torch.compile) for what is refused and why.
