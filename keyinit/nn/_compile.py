@@ -9,6 +9,8 @@ by dynamo with keyinit's backend instead:
    graph break);
 2. for each graph, on its first call (and again for new input shapes or batch
    records), the backend runs the graph once for real under keyed()'s own modes
+   (what it writes to its inputs, running statistics included, is put back
+   afterwards: the compiled run that follows is the call's one run)
    (:mod:`keyinit.nn._modes`), inside ``make_fx``: the batch of every tensor is
    tracked by the same rules as in an eager keyed forward, each module's calls
    numbered from the graph's ``nn_module_stack``, and every draw recorded as a
@@ -132,7 +134,7 @@ class _Graph:
 
         if call is None:  # outside keyed: fine if the graph draws nothing
             probe = _probe(self.owner)
-            with torch.no_grad(), _Untrapped(), _RefuseDraws(probe):
+            with torch.no_grad(), _Untrapped(), _Restoring(args), _RefuseDraws(probe):
                 traced = make_fx(lambda *a: self.gm(*a), tracing_mode="real")(*args)
             return _Entry(self.owner.inner(traced, list(args)), False, [], [])
         capacity = _CAPACITY
@@ -175,7 +177,7 @@ class _Graph:
             results.append((out, forward, own))
             return out
 
-        with torch.no_grad(), _Untrapped():
+        with torch.no_grad(), _Untrapped(), _Restoring(args):  # (the compiled run is the call's one run)
             try:
                 traced = make_fx(run, tracing_mode="real")(*args, trace.ctl)
             except RuntimeError as exc:
@@ -238,6 +240,105 @@ def _probe(owner: "KeyedCompiled") -> Callable[[Any], None]:
         raise UnkeyedRandomnessError(_outside(owner) + f" ({func})")
 
     return refuse
+
+
+_RUNNING_STATS = ("running_mean", "running_var")  # arguments some ops write, unannotated in their schema
+
+
+class _Restoring:
+    """While a graph is traced (it runs for real), the graph inputs it writes (buffers such as BatchNorm's
+    running statistics, an input changed in place) are saved before their first write and put back when the
+    trace ends, raised or not: the compiled graph's run that follows is the call's one run of them."""
+
+    def __init__(self, inputs: tuple) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.by_storage: dict[int, list] = {}
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and not _fake((t,), {}):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr:
+                    self.by_storage.setdefault(ptr, []).append(t)
+        self.saved: list = []
+        outer = self
+
+        class Save(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if outer.by_storage:
+                    for position, argument in enumerate(func._schema.arguments):
+                        info = argument.alias_info
+                        # (native_batch_norm writes its running statistics, which its schema does not say)
+                        if (info is None or not info.is_write) and argument.name not in _RUNNING_STATS:
+                            continue
+                        value = args[position] if position < len(args) else kwargs.get(argument.name)
+                        for t in value if isinstance(value, (list, tuple)) else (value,):
+                            if isinstance(t, torch.Tensor):
+                                outer.save(t)
+                return func(*args, **kwargs)
+
+        self.mode = Save()
+
+    def save(self, written: torch.Tensor) -> None:
+        if _fake((written,), {}) or written.device.type == "meta":
+            return
+        for t in self.by_storage.pop(written.untyped_storage().data_ptr(), ()):
+            self.saved.append((t, t.detach().clone()))
+
+    def __enter__(self) -> "_Restoring":
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+        with torch.no_grad():
+            for t, value in reversed(self.saved):
+                t.copy_(value)
+        self.saved = []
+
+
+class _Snapshot:
+    """What a call of a compiled module may change, taken before it runs, to undo it (a call run again as an
+    eager keyed forward; a call refused outside keyed): every module's buffers (which tensor each name holds,
+    and its values), parameters (which tensor; their values cannot be written back, so a call that changed
+    one cannot be undone), scalar attributes (``self.steps += 1``), and the values of the call's tensor
+    arguments (an input normalised in place)."""
+
+    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        from torch.utils._pytree import tree_leaves
+
+        modules = list(module.modules())
+        self.bindings = [(m, dict(m._buffers), dict(m._parameters),
+                          {k: v for k, v in vars(m).items() if isinstance(v, (bool, int, float, str))})
+                         for m in modules]
+        seen: set = set()
+        self.values = []
+        for t in [b for m in modules for b in m._buffers.values()] + tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and id(t) not in seen:
+                seen.add(id(t))
+                self.values.append((t, t._version, t.detach().clone()))
+        self.params = [(p, p._version) for p in module.parameters()]
+
+    def restore(self, what: str) -> None:
+        changed = [p for p, version in self.params if p._version != version]
+        if changed:
+            raise RuntimeError(f"keyinit.nn.compile: {what}, but the call wrote a parameter in place "
+                               f"(shape {tuple(changed[0].shape)}), which keyinit cannot put back")
+        with torch.no_grad():
+            for m, buffers, parameters, attributes in self.bindings:
+                if m._buffers != buffers or any(m._buffers[k] is not v for k, v in buffers.items()):
+                    m._buffers.clear()
+                    m._buffers.update(buffers)
+                if any(m._parameters.get(k) is not v for k, v in parameters.items()) or \
+                        len(m._parameters) != len(parameters):
+                    m._parameters.clear()
+                    m._parameters.update(parameters)
+                for k, v in attributes.items():
+                    if vars(m).get(k) is not v:
+                        vars(m)[k] = v
+            for t, version, value in self.values:  # (native_batch_norm's writes leave the version as it was)
+                if t._version != version or not torch.equal(t, value):
+                    t.copy_(value)
 
 
 class _RefuseDraws:
@@ -325,6 +426,29 @@ class _Untrapped:
 # ----------------------------------------------------------------------------- the module
 
 
+def _strip_orig_mod(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """A KeyedCompiled's state_dict entries (and their metadata) under ``prefix`` without ``_orig_mod.``."""
+    inner = prefix + "_orig_mod."
+    for name in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + name[len(inner):]] = state_dict.pop(name)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # the module's own metadata (its version) in place of the wrapper's
+        for name in [k for k in metadata if k == inner[:-1] or k.startswith(inner)]:
+            metadata[prefix + name[len(inner):] if name != inner[:-1] else prefix[:-1]] = metadata.pop(name)
+
+
+def _add_orig_mod(state_dict: dict, prefix: str, local_metadata: Any, strict: bool, missing_keys: list,
+                  unexpected_keys: list, error_msgs: list) -> None:
+    """A state_dict loaded into a KeyedCompiled: names without ``_orig_mod.`` are the module's."""
+    inner = prefix + "_orig_mod."
+    for name in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + name[len(prefix):]] = state_dict.pop(name)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # (read by the module's own _load_from_state_dict: its version)
+        for name in [k for k in metadata if (k == prefix[:-1] or k.startswith(prefix)) and not k.startswith(inner)]:
+            metadata[inner + name[len(prefix):] if name != prefix[:-1] else inner[:-1]] = metadata[name]
+
+
 def _frame_info(owner: "KeyedCompiled") -> tuple:
     """``(code name, module)`` of the frame dynamo is compiling (the backend runs inside its translation):
     the compiled module when the frame holds it (``self``, by any name, or the first of a decorator's
@@ -349,7 +473,8 @@ class KeyedCompiled(torch.nn.Module):
     """``module`` compiled by dynamo with keyinit's backend (see :func:`compile`).
 
     A module of its own, holding ``module`` as ``_orig_mod`` (as ``torch.compile`` does):
-    canonical FQNs strip that name, so keys and ``state_dict`` names do not change.
+    canonical FQNs strip that name, so keys do not change, and its ``state_dict`` hooks strip it
+    (and add it back on load), so ``state_dict`` names are the plain module's.
     """
 
     #: keyed() puts no hooks on this module nor its submodules: its calls key their own draws
@@ -358,14 +483,33 @@ class KeyedCompiled(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, backend: Any, options: dict) -> None:
         super().__init__()
         self._orig_mod = module
-        if isinstance(backend, str):
+        options = dict(options)
+        # mode= and options= are the inner backend's (torch.compile hands them to its backend, and keyinit's
+        # backend hands them to the one that compiles the traced graphs); dynamic= is both dynamo's and its
+        mode, inner_options = options.pop("mode", None), options.pop("options", None)
+        if mode is not None and inner_options is not None:
+            raise ValueError("keyinit.nn.compile: mode= and options= cannot both be given (as in torch.compile); "
+                             f"got mode={mode!r} and options={inner_options!r}")
+        if inner_options is not None and not isinstance(inner_options, dict):
+            raise TypeError(f"keyinit.nn.compile: options= must be a dict of backend options, got "
+                            f"{type(inner_options).__name__}")
+        dynamic = options.get("dynamic")
+        if isinstance(backend, str) and backend == "inductor":
+            backend = torch._TorchCompileInductorWrapper(mode, inner_options, dynamic)
+        elif mode not in (None, "default") or inner_options:
+            backend = torch._TorchCompileWrapper(backend, mode, inner_options, dynamic)
+        elif isinstance(backend, str):
             from torch._dynamo import lookup_backend
 
             backend = lookup_backend(backend)
         object.__setattr__(self, "_inner", backend)
         object.__setattr__(self, "_eager", False)  # its draws run eagerly: it runs as an eager keyed forward
         object.__setattr__(self, "_proven", False)  # a call drew in compiled graphs (no more undo)
+        object.__setattr__(self, "_unkeyed_ran", False)  # a training call outside keyed ran through (no more undo)
         object.__setattr__(self, "_compiled", torch.compile(module, backend=self._backend, **options))
+        # state_dict names are the module's own (no "_orig_mod."), and a state_dict of the plain module loads
+        self._register_state_dict_hook(_strip_orig_mod)
+        self._register_load_state_dict_pre_hook(_add_orig_mod)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -386,7 +530,23 @@ class KeyedCompiled(torch.nn.Module):
         module = self._orig_mod
         ctx = context_of(module)
         if ctx is None:
+            if not self._unkeyed_ran and any(m.training for m in module.modules()):
+                # a training forward outside keyed is refused at its first draw: until one such call has run
+                # through, what a refused call changed before its draw (running statistics) is put back
+                snapshot = _Snapshot(module, args, kwargs)
+                try:
+                    out = self._run(None, args, kwargs)
+                except UnkeyedRandomnessError:
+                    snapshot.restore("a draw outside keyinit.nn.keyed was refused")
+                    raise
+                object.__setattr__(self, "_unkeyed_ran", True)
+                return out
             return self._run(None, args, kwargs)
+        if ctx.index != "tracked":
+            raise ValueError(f"keyinit.nn.compile({type(module).__name__}): called inside "
+                             f"keyinit.nn.keyed(..., index={ctx.index!r}), which a compiled module does not support "
+                             "(its draws are keyed by the default index='tracked'); use keyed(model, seed, step) "
+                             "or run the module uncompiled")
         if self._eager:
             return self._run_eagerly(ctx, args, kwargs)
         fqn = ctx.module_fqn(module)
@@ -398,7 +558,7 @@ class KeyedCompiled(torch.nn.Module):
             host = ctx.host_random(forward)
         # until a call has drawn in compiled graphs, a call that turns out to run a draw eagerly is undone and
         # run again eagerly: what it drew is forgotten and the buffers it wrote (running statistics) put back
-        undo = None if self._proven else (ctx.save_draws(forward), [(b, b.detach().clone()) for b in module.buffers()])
+        undo = None if self._proven else (ctx.save_draws(forward), _Snapshot(module, args, kwargs))
         suspended = ctx.suspend(module, fqn, forward)  # modes off, the module's own frame open
         call = Call(ctx, forward, fqn, module, suspended[-1])
         try:
@@ -410,9 +570,7 @@ class KeyedCompiled(torch.nn.Module):
             ctx.resume(suspended)
             suspended = None
             ctx.restore_draws(forward, undo[0])
-            with torch.no_grad():
-                for buffer, value in undo[1]:
-                    buffer.copy_(value)
+            undo[1].restore("its call ran a draw eagerly and cannot be run again as an eager keyed forward")
             object.__setattr__(self, "_eager", True)
             warnings.warn(f"keyinit.nn.compile({type(module).__name__}): dynamo runs part of its forward eagerly "
                           f"(a graph break it cannot compile around), where keyinit cannot key a draw ({exc.what}); "
@@ -464,7 +622,8 @@ def compile(module: torch.nn.Module, *, backend: Any = "inductor", **options: An
     passed to the compiled graph as a tensor: no graph break is added and a new
     step, seed, sample offset or micro-batch is not a recompilation. ``backend``
     (the one that compiles the keyed graphs, ``"inductor"`` by default) and
-    ``options`` (``fullgraph``, ``dynamic``, ``mode``, ...) are ``torch.compile``'s.
+    ``options`` (``fullgraph``, ``dynamic``, ``mode``, ``options``, ...) are ``torch.compile``'s:
+    ``mode`` and ``options`` reach ``backend`` as ``torch.compile`` passes them.
     Outside ``keyed`` the module runs compiled as long as it draws nothing (eval
     mode); a draw there is an :class:`~keyinit.errors.UnkeyedRandomnessError`.
     See ``docs/dropout.md`` (torch.compile) for what is refused and why.

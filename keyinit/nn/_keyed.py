@@ -385,7 +385,6 @@ class Keyed(FrameStack):
                 self._teardown()
                 raise
             return self
-        compiled: list[str] = []  # raw paths of keyinit.nn.compile modules: their calls key themselves
         buffers: set[int] = set()
         in_sequential: set[int] = set()  # children of an nn.Sequential (torch's checkpoint_sequential cuts them)
         dropouts: list[tuple[torch.nn.Module, str]] = []
@@ -398,10 +397,9 @@ class Keyed(FrameStack):
                     buffers.update(id(b) for b in module._buffers.values() if b is not None)
                 if isinstance(module, torch.nn.Sequential):
                     in_sequential.update(id(child) for child in module._modules.values())
-                if compiled and any(c == "" or raw == c or raw.startswith(c + ".") for c in compiled):
-                    continue
                 if getattr(type(module), "keys_its_calls", False):  # keyinit.nn.KeyedCompiled: no hooks for dynamo to see
-                    compiled.append(raw)
+                    # (its modules are hooked as any other, so a direct call of one is keyed; its call takes their
+                    # hooks off while its compiled code runs: CompiledCalls.suspend)
                     continue
                 if module is not self.model and pure_leaf(module):
                     # draws nothing: no frame of its own inside a forward. No hooks at all, except in an

@@ -185,9 +185,17 @@ def _values_impl(words: list, tensors: list, spec: dict) -> list:
     kwargs = {name: _decode(value, tensors) for name, value in spec["kwargs"].items()}
     out = keyed_draw(func, tuple(args), dict(kwargs), _key(words, spec["key"], spec["stream"]),
                      _batch(words, spec["rec"]), spec["site"])
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
     if written:
-        return [tensors[i] for i in written]
-    return list(out) if isinstance(out, (tuple, list)) else [out]
+        # the new values of the tensors it writes, then the outputs that alias none of them (rrelu_with_noise
+        # writes its noise and returns a new tensor; an in-place op such as bernoulli_ returns only its self)
+        return [tensors[i] for i in written] + _fresh(func, outs)
+    return outs
+
+
+def _fresh(func: Any, outs: list) -> list:
+    """The outputs of ``func`` that are new tensors (their schema return aliases no argument)."""
+    return [o for o, ret in zip(outs, func._schema.returns) if ret.alias_info is None]
 
 
 @torch.library.custom_op("keyinit::keyed_values", mutates_args=())
@@ -304,9 +312,28 @@ class Trace:
         if written:
             for i, new in zip(written, results):
                 tensors[i].copy_(new)
-            outputs = [tensors[i] for i in written]
+            # the op's returns in its schema's order: a return that aliases a written argument is that argument
+            # (bernoulli_'s self), any other is one of the site's further results (rrelu_with_noise's output)
+            fresh = iter(results[len(written):])
+            outputs = []
+            for ret in func._schema.returns:
+                info = ret.alias_info
+                if info is None:
+                    outputs.append(next(fresh))
+                    continue
+                outputs.append(next(tensors[i] for i in written
+                                    if _alias_set(func, args, kwargs, tensors[i]) == set(info.before_set)))
             return outputs[0] if len(outputs) == 1 else tuple(outputs)
         return results[0] if len(results) == 1 else tuple(results)
+
+
+def _alias_set(func: Any, args: tuple, kwargs: dict, tensor: torch.Tensor) -> set:
+    """The alias set of the argument of ``func`` that ``tensor`` is (empty: none)."""
+    for position, argument in enumerate(func._schema.arguments):
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        if value is tensor and argument.alias_info is not None:
+            return set(argument.alias_info.before_set)
+    return set()
 
 
 def _writes(func: Any, args: tuple, kwargs: dict, tensor: torch.Tensor) -> bool:
