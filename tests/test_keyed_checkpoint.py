@@ -2,9 +2,10 @@
 
 Reentrant (``use_reentrant=True``: the recompute gets detached copies of the
 inputs, autograd off in the first execution) and non-reentrant checkpointing,
-with ``backward()`` inside the keyed block or after it (the context's hooks
-stay for the recomputes of its forwards until the next ``keyed()``): the
-gradients equal those of the same model without checkpointing.
+with ``backward()`` inside the keyed block or after it (the checkpoints hold
+the context for the recomputes of its forwards; nothing stays on the model:
+tests/test_keyed_checkpoint_lifecycle.py): the gradients equal those of the
+same model without checkpointing.
 """
 
 from __future__ import annotations

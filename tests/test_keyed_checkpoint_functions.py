@@ -171,18 +171,6 @@ def test_outside_keyed_it_is_torch_checkpoint():
     assert torch.equal(a, b)
 
 
-def test_a_recompute_after_the_next_keyed_is_refused():
-    model = Model("keyinit", "own draws")
-    keyinit.init_model(model, 0)
-    x = torch.ones(6, 16, requires_grad=True)
-    with knn.keyed(model.train(), 3, step=1):
-        loss = model(x).sum()
-    with knn.keyed(model, 3, step=2):  # its keys are gone: the old region's recompute cannot draw them
-        pass
-    with pytest.raises(UnkeyedRandomnessError, match="keyinit.nn.checkpoint region whose keyed context was left"):
-        loss.backward()
-
-
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("inside", [True, False])
 def test_torch_checkpoint_sequential_of_torch_layers_is_keyed(reentrant, inside):

@@ -31,7 +31,7 @@ import torch
 
 from keyinit.nn._batch import annotate, record
 
-__all__ = ["Region", "unseen_recompute", "refuse_unseen", "UNSEEN_RECOMPUTE"]
+__all__ = ["Region", "Recompute", "hand_recomputes", "unseen_recompute", "refuse_unseen", "UNSEEN_RECOMPUTE"]
 
 _TORCH_CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")
 # megatron-core's own activation checkpointing: CheckpointFunction (and CheckpointWithoutOutputFunction) run the
@@ -119,12 +119,65 @@ class Region:
         for new, old in zip(inputs, self.firsts):  # reentrant checkpointing passes detached copies
             if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and new is not old:
                 annotate(new, forward, record(old, forward))
-        frame = self.ctx._resume(self)
-        try:
-            out = self.function(*inputs, **kwargs)
-        except BaseException:
-            self.ctx._post_hook()(self.module, inputs, None)
-            raise
-        if frame is not None:
-            self.ctx._post_hook()(self.module, inputs, out)
+        with self.ctx.recomputing():
+            frame = self.ctx._resume(self)
+            try:
+                out = self.function(*inputs, **kwargs)
+            except BaseException:
+                self.ctx._post_hook()(self.module, inputs, None)
+                raise
+            if frame is not None:
+                self.ctx._post_hook()(self.module, inputs, out)
         return out
+
+
+class Recompute:
+    """The function a checkpoint recomputes in backward, handed over with the keyed context whose forward ran it
+    first (:func:`hand_recomputes`): its call is the recompute, run inside ``ctx.recomputing()`` (the context's
+    hooks on the model for that call only, when its block is over, and every other context's hooks standing
+    aside). Held where the checkpoint holds its function (the autograd graph, torch's checkpoint frame), never
+    by the model: it lives as long as the recompute may run."""
+
+    __slots__ = ("ctx", "function")
+
+    def __init__(self, ctx: Any, function: Any) -> None:
+        self.ctx, self.function = ctx, function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.ctx.recomputing():
+            return self.function(*args, **kwargs)
+
+
+def _holder(f: Any, megatron: bool) -> tuple[Any, str]:
+    """The object of the checkpoint running in Python frame ``f`` that holds its recompute function, and the
+    attribute's name (``(None, "")`` where ``f`` is no such frame)."""
+    name = f.f_code.co_name
+    if name == "forward":  # torch's (reentrant) and megatron's CheckpointFunction.forward
+        local = f.f_locals
+        obj = local.get("checkpoint_without_output_obj") if megatron else None  # megatron's CheckpointWithoutOutput
+        return (obj if obj is not None else local.get("ctx")), "run_function"
+    if name == "checkpoint" and not megatron:  # torch's non-reentrant checkpoint: its generator holds the frame
+        gen = f.f_locals.get("gen")
+        inner = getattr(gen, "gi_frame", None)
+        return (inner.f_locals.get("new_frame") if inner is not None else None), "recompute_fn"
+    return None, ""
+
+
+def hand_recomputes(ctx: Any) -> None:
+    """A module of ``ctx``'s model runs under activation checkpointing: hand the recompute function of every
+    checkpoint around it (torch's, reentrant or not, and megatron-core's, found on the Python stack) over as a
+    :class:`Recompute` of ``ctx``. The innermost first; where one is handed already, so are those around it."""
+    f: Optional[Any] = sys._getframe(2)
+    depth = 0
+    while f is not None and depth < 400:
+        filename = f.f_code.co_filename
+        megatron = filename.endswith(_MEGATRON_CHECKPOINT)
+        if megatron or filename.endswith(_TORCH_CHECKPOINT):
+            holder, attr = _holder(f, megatron)
+            function = getattr(holder, attr, None) if holder is not None else None
+            if isinstance(function, Recompute):
+                return
+            if function is not None:
+                setattr(holder, attr, Recompute(ctx, function))
+        f = f.f_back
+        depth += 1

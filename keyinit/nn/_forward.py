@@ -374,13 +374,14 @@ class CheckpointingFunction:
             for new, old in zip(inputs, firsts):  # reentrant checkpointing passes detached copies
                 if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and new is not old:
                     annotate(new, forward, record(old, forward))
-            ctx._pre_hook(fqn)(module, inputs, {})
-            try:
-                out = fn(*inputs)
-            except BaseException:
-                ctx._post_hook()(module, inputs, None)  # (an early stop of non-reentrant checkpointing)
-                raise
-            ctx._post_hook()(module, inputs, out)
+            with ctx.recomputing():  # (after the block: the context's hooks on the model for the recompute only)
+                ctx._pre_hook(fqn)(module, inputs, {})
+                try:
+                    out = fn(*inputs)
+                except BaseException:
+                    ctx._post_hook()(module, inputs, None)  # (an early stop of non-reentrant checkpointing)
+                    raise
+                ctx._post_hook()(module, inputs, out)
             return out
 
         return self.original(run, *args, **kwargs)

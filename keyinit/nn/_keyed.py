@@ -4,8 +4,16 @@ The context: module hooks that open a frame per module execution (its FQN and
 call counter), the root forwards (:class:`Forward`: the rows a forward holds,
 its repeat count, its tensors' batch records), the two modes entered by the
 outermost forward (:mod:`keyinit.nn._modes`), micro-batches, named blocks, and
-the recomputes of activation checkpointing, found again in backward (also after
-the block: its hooks stay for them until the next ``keyed()``).
+the recomputes of activation checkpointing, found again in backward.
+
+When the block ends, the model is as it was (no hook, no attribute of keyinit's:
+``torch.save(model)``, ``pickle`` and ``copy.deepcopy`` work; a copy made inside
+the block carries none of them either). A recompute that checkpointing runs in a
+later ``backward()`` still gets its first execution's keys: the checkpoint holds
+its function as a :class:`keyinit.nn._checkpoint.Recompute` of the context (handed
+over at the first execution), whose call puts the context's hooks back on the
+model for that call only (:meth:`Keyed.recomputing`). Another ``keyed()`` entered
+before that ``backward()`` changes none of its keys.
 
 A forward of the model in a thread other than the one that entered the context
 gets its own frames and modes, and refuses every draw there
@@ -18,10 +26,14 @@ there); any other overlap of two active contexts is a ``RuntimeError``.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable, Optional, Union
+
+import weakref
 
 import torch
 
@@ -49,9 +61,11 @@ from keyinit.nn._forward import (
 )
 from keyinit.nn._hostrandom import HOST_RANDOM
 from keyinit.nn._keyed_dropout import DropoutForward, takes_dropout_forward
+from keyinit.nn._checkpoint import hand_recomputes
 from keyinit.nn._keyed_frames import (
     FrameStack,
     UNMATCHED_RECOMPUTE,
+    later_block,
     _ThreadState,
     _grad_enabled,
     _saved_tensor_hooks,
@@ -67,9 +81,58 @@ INDEX_RULES = ("tracked", "dim0")
 _state = threading.local()  # .active: list of Keyed entered in this thread, innermost last
 _entered_lock = threading.Lock()
 _entered: list = []  # every Keyed entered and not yet exited, in any thread
-# Contexts left while tensors of their forwards were alive: their hooks key the recomputes that activation
-# checkpointing runs in a backward() after the block, until the next keyed() is entered (see Keyed.__exit__).
-_lingering: list = []
+_recomputes = threading.local()  # .stack: contexts whose recompute runs in this thread, innermost last
+# contexts left with recomputes that may come (the autograd graph of their forwards' tensors holds them, see
+# Keyed._hold_in_graph): a module of their model run in backward by a checkpoint keyinit was not handed is
+# refused by a later block, not keyed as its own forward
+_left: "weakref.WeakSet[Keyed]" = weakref.WeakSet()
+
+
+def _alive(ctx: "Keyed") -> bool:
+    return any(ref() is not None for f in ctx._forwards for ref, _ in f.records.values())
+
+
+def _recomputing() -> Optional["Keyed"]:
+    """The context whose recompute runs innermost in this thread, or None."""
+    stack = getattr(_recomputes, "stack", None)
+    return stack[-1] if stack else None
+
+
+# ----------------------------------------------------------------------------- copies made inside a block
+# While keyinit's hooks are on a model (a block, or a recompute after it), torch.nn.Module.__getstate__ (what
+# torch.save, pickle and copy.deepcopy read) gives a module's state without them: a copy is the model as it was.
+_MODULE_GETSTATE = torch.nn.Module.__getstate__
+_getstate_holders = [0]
+_HOOK_IDS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _state_without_keyinit(module: torch.nn.Module) -> dict:
+    state = _MODULE_GETSTATE(module)  # (a copy of the module's __dict__)
+    for name in ("_forward_pre_hooks", "_forward_hooks"):
+        hooks = state.get(name)
+        if hooks and any(getattr(h, "_keyinit_hook", False) for h in hooks.values()):
+            ours = {k for k, h in hooks.items() if getattr(h, "_keyinit_hook", False)}
+            state[name] = OrderedDict((k, h) for k, h in hooks.items() if k not in ours)
+            for extra in _HOOK_IDS:
+                if isinstance(state.get(extra), dict):
+                    state[extra] = OrderedDict((k, v) for k, v in state[extra].items() if k not in ours)
+    if isinstance(state.get("forward"), DropoutForward):
+        del state["forward"]
+    found = state.get("_gradient_checkpointing_func")
+    if isinstance(found, CheckpointingFunction):
+        state["_gradient_checkpointing_func"] = found.original
+    return state
+
+
+def _hold_getstate(n: int) -> None:
+    """``n`` (1 or -1) more contexts with hooks on a model: torch.nn.Module.__getstate__ is keyinit's while any."""
+    with _entered_lock:
+        before = _getstate_holders[0]
+        _getstate_holders[0] = before + n
+        if before == 0 and n > 0:
+            torch.nn.Module.__getstate__ = _state_without_keyinit
+        elif before + n == 0 and torch.nn.Module.__getstate__ is _state_without_keyinit:
+            torch.nn.Module.__getstate__ = _MODULE_GETSTATE
 
 def _active() -> list:
     active = getattr(_state, "active", None)
@@ -201,8 +264,11 @@ class Keyed(FrameStack):
         self._constants: frozenset[int] = frozenset()
         self._shared_post_hook: Optional[Callable] = None  # see _hook
         # a forward ran under activation checkpointing (autograd off inside, or saved-tensor hooks): only
-        # then may a recompute come after the block, and only then do the hooks stay (see __exit__)
+        # then may a recompute come after the block, and only then are its forwards' records kept (__exit__)
         self._recomputable = False
+        self._plan: list[tuple[torch.nn.Module, str, bool]] = []  # (module, fqn, light): the hooks a recompute
+        self._installs = 0  # recomputes running with the hooks put back after the block (recomputing)
+        self._holds_getstate = False  # counted in _hold_getstate
 
     def __repr__(self) -> str:
         return (f"keyed({type(self.model).__name__}, seed={self.seed}, step={self.step}, "
@@ -255,6 +321,9 @@ class Keyed(FrameStack):
                         state.frames.append(Frame(module, fqn, parent.foreign, forward,
                                                   parent.counts if forward_calls else {}))
                     return
+            scope = _recomputing()
+            if scope is not None and scope is not self:
+                return  # the recompute of another context's forward runs here: its hooks key it
             state = self._thread_state()
             foreign = state.foreign
             if state.frames:
@@ -272,6 +341,7 @@ class Keyed(FrameStack):
                     checkpointed = False
                 if checkpointed:
                     self._recomputable = True
+                    hand_recomputes(self)
                     if self.calls == "forward":
                         remember_counts(fqn, forward, counts, args, kwargs)
             else:
@@ -280,11 +350,14 @@ class Keyed(FrameStack):
                 if forward is not None:
                     foreign = False  # a recompute runs in autograd's thread, with the first execution's keys
                     counts = recompute_counts(self, forward, fqn, args, kwargs) if self.calls == "forward" else {}
-                elif in_backward and self._recomputable:
+                elif in_backward and (self._recomputable or self._earlier(module) is not None):
                     # a module run in backward, after forwards under activation checkpointing, that no forward's
-                    # execution matches: a recompute whose inputs were made anew outside the model's modules.
-                    # Its draws are refused (never keyed as a new forward, never left to torch's generator)
-                    forward, counts, foreign = self._unmatched(fqn), {}, UNMATCHED_RECOMPUTE
+                    # execution matches: a recompute whose inputs were made anew outside the model's modules, or
+                    # one of an earlier block's forward that its checkpoint did not hand over. Its draws are
+                    # refused (never keyed as a new forward, never left to torch's generator)
+                    earlier = self._earlier(module)
+                    why = UNMATCHED_RECOMPUTE if earlier is None else later_block(self, earlier)
+                    forward, counts, foreign = self._unmatched(fqn), {}, why
                 elif self._state != "entered":
                     return  # left: only recomputes of its own forwards are keyed
                 else:
@@ -294,6 +367,9 @@ class Keyed(FrameStack):
                     if not torch.is_grad_enabled():
                         remember(self, fqn, forward, args, kwargs)
                         self._recomputable = True
+                        hand_recomputes(self)
+                    elif _saved_tensor_hooks_active():
+                        hand_recomputes(self)
             if not self._recomputable and _saved_tensor_hooks_active():
                 self._recomputable = True  # non-reentrant checkpointing (saved-tensor hooks) may recompute this
             frame = Frame(module, fqn, foreign, forward, counts)
@@ -310,6 +386,7 @@ class Keyed(FrameStack):
                     self._post_hook()(module, args, None)
                     raise
 
+        hook._keyinit_hook = True  # type: ignore[attr-defined]  # (left out of a copy: _state_without_keyinit)
         return hook
 
     def _post_hook(self) -> Callable:
@@ -334,7 +411,18 @@ class Keyed(FrameStack):
             if refusal is not None and sys.exc_info()[0] is None:
                 raise refusal  # before the forward's output reaches the caller
 
+        hook._keyinit_hook = True  # type: ignore[attr-defined]
         return hook
+
+    def _earlier(self, module: torch.nn.Module) -> Optional["Keyed"]:
+        """A context left before this one was entered, whose model holds ``module`` and whose recomputes may
+        still come, or None."""
+        with _entered_lock:
+            left = list(_left)
+        for old in left:
+            if old is not self and _alive(old) and old.module_fqn(module) is not None:
+                return old
+        return None
 
     def _check_nesting(self) -> bool:
         """False to key nothing here (an outer context keys the model already); raises on a conflict."""
@@ -369,10 +457,6 @@ class Keyed(FrameStack):
         self._state = "entered"
         if not self._check_nesting():
             return self  # keyed by the outer context, with this module's FQN there
-        with _entered_lock:
-            lingering = list(_lingering)
-        for old in lingering:  # contexts left with recomputes pending: done once another keyed() begins
-            old._teardown()
         self._thread = threading.get_ident()
         self._owner = self._thread_state()
         if isinstance(self.model, Named):  # one root forward for the whole block, its inputs as given
@@ -407,16 +491,19 @@ class Keyed(FrameStack):
                     # must be found again (light hooks: a frame only under checkpointing or in backward)
                     if id(module) in in_sequential:
                         self._hook(module, fqn, light=True)
+                        self._plan.append((module, fqn, True))
                     continue
                 if module is not self.model and self.index == "tracked" and takes_dropout_forward(module):
                     dropouts.append((module, fqn))  # (unless in a sequence-first layer: below)
                     continue
                 self._hook(module, fqn)
+                self._plan.append((module, fqn, False))
                 if callable(module.__dict__.get("_gradient_checkpointing_func")):  # transformers' checkpointing
                     self._handles.append(CheckpointingFunction(self, module))
             self._constants = frozenset(buffers)  # the model's buffers: replicated unless computed otherwise
             self._sequence_first = sequence_first_dropouts(module for module, _ in self._names.values())
             for module, fqn in dropouts:  # nn.Dropout: a forward of its own for the block instead of hooks
+                self._plan.append((module, fqn, False))  # (a recompute after the block: hooks, the same keys)
                 if id(module) in self._sequence_first:
                     self._hook(module, fqn)
                 else:
@@ -426,6 +513,8 @@ class Keyed(FrameStack):
             _active().append(self)
             with _entered_lock:
                 _entered.append(self)
+            self._holds_getstate = True
+            _hold_getstate(1)
         except BaseException:
             self._teardown()
             self._state = "exited"
@@ -462,23 +551,59 @@ class Keyed(FrameStack):
             if self in _entered:
                 _entered.remove(self)
 
-    def _teardown(self) -> None:
+    def _unhook(self) -> None:
+        """Take this context's hooks (and nn.Dropout forwards, transformers' wrapped checkpointing functions)
+        off the model, and drop the references that run back to the context from this thread's state (its
+        modes hold it), so that the block's objects are freed when nothing else holds them."""
         self._leave_frames()
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._hooked, self._names = {}, {}
-        self._forget()
-        self._forwards, self._replays = [], {}
-        with _entered_lock:
-            if self in _lingering:
-                _lingering.remove(self)
-        # the references that run back to this context (its shared hook's closure, the thread states whose
-        # modes hold it): dropped, so the block's objects (its forwards' records) are freed when it ends,
-        # not by the garbage collector
+        self._hooked = {}
+        if self._holds_getstate:
+            self._holds_getstate = False
+            _hold_getstate(-1)
         vars(self._local).clear()  # (this thread's state: its modes hold the context)
         self._shared_post_hook, self._owner, self._local = None, None, threading.local()
+
+    def _teardown(self) -> None:
+        self._unhook()
+        self._names = {}
+        self._plan = []
+        self._forget()
+        self._forwards, self._replays = [], {}
+        _left.discard(self)
         self._state = "exited"
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Any:
+        """Context manager around a recompute of one of this context's forwards (see
+        :class:`keyinit.nn._checkpoint.Recompute`): in this thread, the hooks of every other context stand
+        aside; after the block, this context's hooks are on the model while it runs (and only then)."""
+        stack = getattr(_recomputes, "stack", None)
+        if stack is None:
+            stack = _recomputes.stack = []
+        installed = False
+        if self._state != "entered":
+            with _entered_lock:
+                self._installs += 1
+                installed = self._installs == 1
+            if installed:
+                for module, fqn, light in self._plan:
+                    self._hook(module, fqn, light)
+                self._holds_getstate = True
+                _hold_getstate(1)
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
+            if self._state != "entered":
+                with _entered_lock:
+                    self._installs -= 1
+                    last = self._installs == 0
+                if last:
+                    self._unhook()
 
     def __exit__(self, *exc_info: Any) -> None:
         if isinstance(self.model, Named):
@@ -487,17 +612,26 @@ class Keyed(FrameStack):
             except BaseException:
                 self._teardown()
                 raise
-        if self._handles and exc_info[0] is None and self._recomputable and \
-                any(ref() is not None for f in self._forwards for ref, _ in f.records.values()):
-            # Tensors of its forwards are alive (saved for a backward outside the block): the hooks stay, and
-            # key only the recomputes of those forwards that activation checkpointing runs in backward()
-            # (see _pre_hook), until the next keyed() is entered.
-            self._leave_frames()
+        if exc_info[0] is None and self._recomputable and self._covered_by is None:
+            # A forward ran under activation checkpointing: a recompute may come in a backward() after the
+            # block. The model is left as it was; the records of its forwards stay with this context, which
+            # the checkpoints hold (hand_recomputes, Region, CheckpointingFunction): freed with the graph.
+            self._unhook()
             self._forget()
-            self._replays = {k: v for k, v in self._replays.items() if v[0]() is not None}
-            self._state = "lingering"
-            with _entered_lock:
-                _lingering.append(self)
+            self._state = "left"
+            self._hold_in_graph()
+            _left.add(self)
             return
         self._teardown()
-        self._state = "exited"
+
+    def _hold_in_graph(self) -> None:
+        """The autograd nodes of its forwards' tensors still alive hold this context (in their metadata): it
+        lives while a backward() may recompute its forwards, as long as the graph, and no longer."""
+        for forward in self._forwards:
+            for ref, _ in forward.records.values():
+                t = ref()
+                node = t.grad_fn if t is not None else None
+                if node is not None:
+                    held = node.metadata.setdefault("keyinit.keyed", [])
+                    if not any(ctx is self for ctx in held):
+                        held.append(self)

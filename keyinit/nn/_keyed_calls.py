@@ -39,6 +39,7 @@ class CompiledCalls:
     _forwards: list
     _history: dict
     _state: str
+    _installs: int
 
     def module_fqn(self, module: torch.nn.Module) -> Optional[str]:
         """The canonical FQN of ``module`` in this context's model (``""``: the model itself), or None."""
@@ -141,7 +142,7 @@ class CompiledCalls:
                 break
         for module, fqn, handles in removed:
             self._handles = [h for h in self._handles if h not in handles]
-            if self._state in ("entered", "lingering"):
+            if self._state == "entered" or self._installs:
                 self._hook(module, fqn, light=module is not self.model and pure_leaf(module))
         for mode in reversed(left):
             mode.__enter__()

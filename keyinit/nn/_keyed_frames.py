@@ -11,7 +11,7 @@ and the check of torch's sequence-first layers.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -22,13 +22,7 @@ from keyinit.nn._intercept import Frame
 from keyinit.nn._keyed_calls import CompiledCalls
 from keyinit.nn._modes import BatchMode, FunctionMode, mode_is_active
 
-__all__ = ["FrameStack", "REGION_LEFT", "UNMATCHED_RECOMPUTE"]
-
-#: Why the draws of a ``keyinit.nn.checkpoint`` recompute are refused once its context is gone (see _resume).
-REGION_LEFT = (
-    "in the recompute of a keyinit.nn.checkpoint region whose keyed context was left for good (another keyed() "
-    "began since): its keys are gone. Run backward() before the next keyed() is entered"
-)
+__all__ = ["FrameStack", "UNMATCHED_RECOMPUTE", "later_block"]
 
 #: Why every draw of a module run in backward that no forward's execution matches is refused (see _pre_hook).
 UNMATCHED_RECOMPUTE = (
@@ -39,6 +33,20 @@ UNMATCHED_RECOMPUTE = (
     "execution's keys. Checkpoint a module (checkpoint(module, x), checkpoint_wrapper(module)) or checkpoint the "
     "function with keyinit.nn.checkpoint, whose recompute is keyed as its first execution"
 )
+
+
+def later_block(later: Any, earlier: Any) -> str:
+    """Why every draw of a module run in backward inside ``later`` (a keyed context) is refused when no forward
+    of ``later`` matches it and ``earlier``, a block left before ``later`` was entered, may have a recompute
+    of it pending that its checkpoint did not hand to keyinit."""
+    return (
+        f"in backward inside {later!r}, which was entered after {earlier!r} and before that block's "
+        "backward(): activation checkpointing recomputes this module, but its checkpoint did not hand the "
+        "recompute to keyinit (not torch.utils.checkpoint, transformers' gradient checkpointing, megatron's "
+        f"tensor_parallel.checkpoint or keyinit.nn.checkpoint), so keyinit cannot tell whether it repeats an "
+        f"execution of {earlier!r} or of {later!r}, and cannot give it that execution's keys. Run the earlier "
+        f"block's backward() before entering {later!r}, or checkpoint with one of those"
+    )
 
 
 class _ThreadState:
@@ -93,15 +101,13 @@ class FrameStack(CompiledCalls):
         """The recompute of a ``keyinit.nn.checkpoint`` region (:class:`keyinit.nn._checkpoint.Region`): a frame
         of the module that called it, in its forward, with the call ordinals, host generator states (where no
         frame is open) and modes it began with; left by the post-hook of that module. After the context was
-        left for good (another ``keyed()`` began), its draws are refused."""
+        over (also after the block, and after another ``keyed()`` began: the region holds the context)."""
         state = self._thread_state()
         forward = region.forward
-        foreign: Union[bool, str] = False if self._state != "exited" else REGION_LEFT
-        frame = Frame(region.module, region.fqn, foreign, forward, dict(region.counts))
+        frame = Frame(region.module, region.fqn, False, forward, dict(region.counts))
         host = None
         if not state.frames:
-            host = self._refusing_host(frame, foreign) if foreign else \
-                forward.host_random(self, region.fqn, resumed=(region.host,))
+            host = forward.host_random(self, region.fqn, resumed=(region.host,))
         self._open(state, frame, host)
         return frame
 
