@@ -19,7 +19,7 @@ from torch.utils.data import Sampler
 from keyinit.data._augment import SampleRef
 from keyinit.data._index import epoch_class
 from keyinit.data._permutation import permutation
-from keyinit.data._positions import SamplePositions, attach
+from keyinit.data._positions import SampleList, SamplePositions, attach
 from keyinit.keys import Key, as_int_in, fold_in, key
 
 __all__ = ["KeyedSampler", "sample_indices"]
@@ -231,10 +231,10 @@ class KeyedSampler(Sampler[int]):
         batch), which ``keyed_samples`` and ``keyed_collate`` pass on to the collated batch for
         ``keyinit.nn.keyed(..., samples=batch)``. To any other code they are plain lists."""
         micro = self._micro(micro_batch_size)
-        local, start = self.local_batch_size, self.rank * self.local_batch_size
+        start = self.rank * self.local_batch_size
         for chunk, first, end in self._steps():
             for m in range(first, end, micro):
-                batch = attach(list(chunk.items(m, m + micro)),
+                batch = attach(SampleList(chunk.items(m, m + micro)),
                                SamplePositions(self.step, start + m - first, micro, self.global_batch_size))
                 if m + micro == end:
                     self.step += 1
