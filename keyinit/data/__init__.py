@@ -14,7 +14,9 @@ from keyinit.data._augment import KeyedBatch, SampleRef, keyed_samples, sample_k
 from keyinit.data._collate import KeyedCollate, collate_key, keyed_collate
 from keyinit.data._index import SampleIndex, sample_index
 from keyinit.data._permutation import inverse_permutation, permutation
+from keyinit.data._positions import SampleDict, SampleList, SamplePositions, SampleTuple, sample_positions
 from keyinit.data._sampler import KeyedSampler
 
 __all__ = ["permutation", "inverse_permutation", "KeyedSampler", "keyed_samples", "sample_key", "SampleRef",
-           "SampleIndex", "sample_index", "KeyedBatch", "keyed_collate", "collate_key", "KeyedCollate"]
+           "SampleIndex", "sample_index", "KeyedBatch", "keyed_collate", "collate_key", "KeyedCollate",
+           "SamplePositions", "sample_positions", "SampleDict", "SampleList", "SampleTuple"]

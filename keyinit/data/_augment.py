@@ -33,6 +33,7 @@ from keyinit._engine.outside import ThreadDrawsRefused
 from keyinit.data import _fast, _fill, _intercept
 from keyinit.data._globals import global_states
 from keyinit.data._index import SampleIndex
+from keyinit.data._positions import SamplePositions, sample_positions
 from keyinit.keys import Key, as_uint64, key
 
 __all__ = ["AUGMENT_DOMAIN", "SampleRef", "KeyedBatch", "sample_key", "keyed_samples", "KeyedSamples", "keyed_randomness",
@@ -256,22 +257,30 @@ class KeyedSamples(torch.utils.data.Dataset):
         item's ``(epoch, index)`` (``.refs``) for :func:`keyinit.data.keyed_collate`."""
         pairs = [self._ref(ref) for ref in refs]
         items = [self._keyed(index, epoch) for index, epoch in pairs]
-        return KeyedBatch(items, tuple((epoch, index) for index, epoch in pairs))
+        return KeyedBatch(items, tuple((epoch, index) for index, epoch in pairs), sample_positions(refs))
 
 
 class KeyedBatch(list):
     """A list of dataset items that knows each one's ``(epoch, index)`` (``.refs``, in order).
 
     ``KeyedSamples.__getitems__`` returns it, so a DataLoader hands it to its ``collate_fn``; to any
-    other code it is a plain list.
+    other code it is a plain list. ``positions`` (a :class:`~keyinit.data.SamplePositions`, or None):
+    where its rows sit in the run, as the indices from :meth:`KeyedSampler.batch_sampler` say; carried
+    as ``.keyinit_samples`` and passed on by ``keyed_collate`` to the collated batch.
     """
 
-    def __init__(self, items: Any, refs: tuple[tuple[int, int], ...]) -> None:
+    def __init__(self, items: Any, refs: tuple[tuple[int, int], ...],
+                 positions: Optional[SamplePositions] = None) -> None:
         super().__init__(items)
         self.refs = refs
+        if positions is not None:
+            if not isinstance(positions, SamplePositions) or positions.rows != len(self):
+                raise ValueError(f"KeyedBatch: positions must be None or the SamplePositions of its {len(self)} "
+                                 f"rows, got {positions!r}")
+            self.keyinit_samples = positions
 
     def __reduce__(self) -> tuple:
-        return (KeyedBatch, (list(self), self.refs))
+        return (KeyedBatch, (list(self), self.refs, sample_positions(self)))
 
 
 def keyed_samples(dataset: Any, seed: Union[int, Key], *, epoch: Optional[int] = None) -> KeyedSamples:

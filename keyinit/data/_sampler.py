@@ -19,6 +19,7 @@ from torch.utils.data import Sampler
 from keyinit.data._augment import SampleRef
 from keyinit.data._index import epoch_class
 from keyinit.data._permutation import permutation
+from keyinit.data._positions import SampleList, SamplePositions, attach
 from keyinit.keys import Key, as_int_in, fold_in, key
 
 __all__ = ["KeyedSampler", "sample_indices"]
@@ -211,19 +212,45 @@ class KeyedSampler(Sampler[int]):
             self.step = first
         self._stop = stop
 
-    def batches(self) -> Iterator[list[Any]]:
-        """Like iterating, but one list per step (this rank's ``B / W`` entries); advances the same state."""
-        for chunk, first, end in self._steps():
-            batch = list(chunk.items(first, end))
-            self.step += 1
-            yield batch
+    def _micro(self, micro_batch_size: Optional[int]) -> int:
+        if micro_batch_size is None:
+            return self.local_batch_size
+        micro = _int(micro_batch_size, "micro_batch_size", 1)
+        if self.local_batch_size % micro:
+            raise ValueError(f"micro_batch_size={micro} does not divide this rank's batch of "
+                             f"global_batch_size / world_size = {self.local_batch_size} samples a step")
+        return micro
 
-    def batch_sampler(self) -> "Sampler[list[Any]]":
-        """This sampler as a DataLoader ``batch_sampler`` (one list per step, no per-sample Python loop)::
+    def batches(self, micro_batch_size: Optional[int] = None) -> Iterator[list[Any]]:
+        """Like iterating, but one list per step (this rank's ``B / W`` entries), or per micro-batch of
+        ``micro_batch_size`` entries (which must divide ``B / W``); advances the same state (a step is done
+        once its last micro-batch is handed out).
+
+        Each list carries where its entries sit in the run (``.keyinit_samples``, a
+        :class:`~keyinit.data.SamplePositions`: the step and the first entry's place in the step's global
+        batch), which ``keyed_samples`` and ``keyed_collate`` pass on to the collated batch for
+        ``keyinit.nn.keyed(..., samples=batch)``. To any other code they are plain lists."""
+        micro = self._micro(micro_batch_size)
+        start = self.rank * self.local_batch_size
+        for chunk, first, end in self._steps():
+            for m in range(first, end, micro):
+                batch = attach(SampleList(chunk.items(m, m + micro)),
+                               SamplePositions(self.step, start + m - first, micro, self.global_batch_size))
+                if m + micro == end:
+                    self.step += 1
+                yield batch
+
+    def batch_sampler(self, micro_batch_size: Optional[int] = None) -> "Sampler[list[Any]]":
+        """This sampler as a DataLoader ``batch_sampler`` (one list per step, or per micro-batch of
+        ``micro_batch_size`` entries; no per-sample Python loop)::
 
             DataLoader(dataset, batch_sampler=sampler.batch_sampler())
+
+        Over ``keyed_samples(dataset, seed)`` with ``collate_fn=keyed_collate(...)``, each batch carries its
+        rows' global positions: ``keyinit.nn.keyed(model, seed, step=step, samples=batch)`` (see
+        :meth:`batches`).
         """
-        return _Batches(self)
+        return _Batches(self, self._micro(micro_batch_size))
 
     # ------------------------------------------------------------------ checkpointing
     def fingerprint(self) -> dict[str, Any]:
@@ -254,14 +281,15 @@ class KeyedSampler(Sampler[int]):
 class _Batches(Sampler[list[Any]]):
     """A :class:`KeyedSampler` as a ``batch_sampler``; ``state_dict`` is the sampler's."""
 
-    def __init__(self, sampler: KeyedSampler) -> None:
+    def __init__(self, sampler: KeyedSampler, micro_batch_size: Optional[int] = None) -> None:
         self.sampler = sampler
+        self.micro_batch_size = sampler.local_batch_size if micro_batch_size is None else micro_batch_size
 
     def __len__(self) -> int:
-        return self.sampler.num_steps
+        return self.sampler.num_steps * (self.sampler.local_batch_size // self.micro_batch_size)
 
     def __iter__(self) -> Iterator[list[Any]]:
-        return self.sampler.batches()
+        return self.sampler.batches(self.micro_batch_size)
 
     def set_epoch(self, epoch: int) -> None:
         """:meth:`KeyedSampler.set_epoch` (frameworks call it on a DataLoader's ``batch_sampler`` too)."""

@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch
 
 from keyinit.nn._batch import Batch, annotate, declare
-from keyinit.keys import Key
+from keyinit.keys import Key, as_uint64
 from keyinit.nn._checkpoint import Region
 from keyinit.nn._keyed import Keyed, current_forward, running_frame
 
@@ -39,7 +39,7 @@ def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
 
 
 def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: int,
-          sample_offset: Optional[int] = None, index: str = "tracked", inputs: Any = (),
+          sample_offset: Optional[int] = None, samples: Any = None, index: str = "tracked", inputs: Any = (),
           host_random: str = "sample", calls: Optional[str] = None, stream: Optional[str] = None) -> Keyed:
     """Key every random op in ``model``'s forward by (seed, step, module FQN, call ordinal, sample, place).
 
@@ -101,8 +101,46 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     index in the tensor of samples (14.4-14.7), which depends on the padded length. ``None`` takes the
     version of ``seed`` when it is a :class:`keyinit.Key`, else ``"v1"``. Keys are derived the same way
     in both.
+
+    ``samples`` instead of ``sample_offset``: the (micro-)batch the forward runs on, as
+    keyinit.data made it, which says where its rows sit in the run (a
+    :class:`keyinit.data.SamplePositions`, or an object that carries one as
+    ``.keyinit_samples``: the collated batch of a DataLoader over
+    ``keyed_samples(dataset, seed)`` with ``batch_sampler=KeyedSampler.batch_sampler(...)``
+    and ``collate_fn=keyed_collate(...)``, its :class:`keyinit.data.KeyedBatch`, or the
+    indices the batch sampler yielded). ``sample_offset`` is then the batch's first
+    row's place in the step's global batch, so data-parallel ranks, micro-batches and
+    gradient accumulation need no arithmetic. Its step must be ``step`` (a
+    ``ValueError`` otherwise: the batch belongs to another step); giving both
+    ``samples`` and ``sample_offset``, or a ``samples`` that carries no positions,
+    is an error (``ValueError``, ``TypeError``).
     """
+    if samples is not None:
+        sample_offset = _offset_of(samples, sample_offset, step)
     return Keyed(model, seed, step, sample_offset, index, inputs, host_random, calls, stream)
+
+
+def _offset_of(samples: Any, sample_offset: Optional[int], step: int) -> int:
+    """``keyed(samples=)``: the first row's place in the step's global batch (see :func:`keyed`)."""
+    from keyinit.data._positions import sample_positions
+
+    if sample_offset is not None:
+        raise ValueError("keyed: give samples= or sample_offset=, not both (samples= says the batch's first "
+                         "sample; sample_offset= is that number given by hand)")
+    positions = sample_positions(samples)
+    if positions is None:
+        raise TypeError(
+            f"keyed: samples= got a {type(samples).__name__} that carries no sample positions; expected the batch "
+            f"a DataLoader made over keyinit.data.keyed_samples(dataset, seed) with "
+            f"batch_sampler=KeyedSampler.batch_sampler(...) and collate_fn=keyinit.data.keyed_collate(...) (the "
+            f"object it yielded, not a new dict made from it), its KeyedBatch, or a keyinit.data.SamplePositions; "
+            f"or pass sample_offset= instead")
+    step = as_uint64(step, "step")
+    if positions.step != step:
+        raise ValueError(f"keyed: samples= holds rows of step {positions.step} (KeyedSampler's step), but "
+                         f"step={step}: the sampler's steps must be the optimizer's (global_batch_size = all the "
+                         f"samples of one optimizer step, micro-batches by batch_sampler(micro_batch_size=...))")
+    return positions.first
 
 
 def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,97 @@
+"""``SamplePositions``: where a (micro-)batch's rows sit in the run, carried from the sampler to ``keyed``.
+
+:meth:`KeyedSampler.batch_sampler` yields lists of indices that carry it (``.keyinit_samples``);
+``keyed_samples``' ``__getitems__`` passes it on in the :class:`KeyedBatch` it returns, and
+``keyed_collate`` attaches it to the collated batch, so ``keyinit.nn.keyed(model, seed, step=step,
+samples=batch)`` finds the step and the rows' first global sample with no arithmetic by the user.
+
+The collated batch carries it as the attribute ``keyinit_samples``: set on the object the collate
+function returned where it takes attributes (``BatchEncoding``, whose ``.to(device)`` returns itself;
+a tensor; any object with a ``__dict__``), and for a plain ``dict``, ``list`` or ``tuple`` on a
+subclass of it (:class:`SampleDict`, :class:`SampleList`, :class:`SampleTuple`: to any other code a
+dict, list or tuple). A new dict made from it (``{k: v.to(device) for k, v in batch.items()}``) does
+not carry it: pass ``samples=`` the batch the DataLoader gave.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import attrs
+
+from keyinit.keys import as_int_in
+
+__all__ = ["SamplePositions", "sample_positions", "attach", "SampleDict", "SampleList", "SampleTuple", "ATTRIBUTE"]
+
+#: The attribute that carries a batch's :class:`SamplePositions`.
+ATTRIBUTE = "keyinit_samples"
+
+
+def _count(what: str, minimum: int) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        as_int_in(value, f"SamplePositions: {what}", minimum)
+    return check
+
+
+@attrs.frozen
+class SamplePositions:
+    """Rows ``0 .. rows - 1`` of a batch are global samples ``first .. first + rows - 1`` of step ``step``
+    (global sample positions ``step * global_batch_size + first + r``, docs/spec.md 16.2)."""
+
+    step: int = attrs.field(validator=_count("step", 0))
+    first: int = attrs.field(validator=_count("first", 0))
+    rows: int = attrs.field(validator=_count("rows", 0))
+    global_batch_size: int = attrs.field(validator=_count("global_batch_size", 1))
+
+    def __attrs_post_init__(self) -> None:
+        if self.first + self.rows > self.global_batch_size:
+            raise ValueError(f"SamplePositions: rows {self.first} .. {self.first + self.rows - 1} are not within "
+                             f"the step's global batch of {self.global_batch_size}")
+
+    def slice(self, start: int, stop: int) -> "SamplePositions":
+        """The positions of rows ``start .. stop - 1`` (a micro-batch cut from this batch)."""
+        start = as_int_in(start, "start", 0)
+        stop = as_int_in(stop, "stop", start)
+        if stop > self.rows:
+            raise ValueError(f"SamplePositions.slice: stop must be at most rows={self.rows}, got {stop}")
+        return SamplePositions(self.step, self.first + start, stop - start, self.global_batch_size)
+
+
+class SampleDict(dict):
+    """A ``dict`` (what a collate function returned) that carries its rows' :class:`SamplePositions`."""
+
+
+class SampleList(list):
+    """A ``list`` (what a collate function returned) that carries its rows' :class:`SamplePositions`."""
+
+
+class SampleTuple(tuple):
+    """A ``tuple`` (what a collate function returned) that carries its rows' :class:`SamplePositions`."""
+
+
+_WRAP = {dict: SampleDict, list: SampleList, tuple: SampleTuple}
+
+
+def attach(batch: Any, positions: Optional[SamplePositions]) -> Any:
+    """``batch`` carrying ``positions`` (see the module docstring); ``batch`` itself where it takes the attribute."""
+    if positions is None:
+        return batch
+    wrap = _WRAP.get(type(batch))
+    if wrap is not None:
+        batch = wrap(batch)
+    try:
+        object.__setattr__(batch, ATTRIBUTE, positions)
+    except (AttributeError, TypeError):
+        pass  # (an object without a __dict__: it carries nothing; keyed(samples=) says so)
+    return batch
+
+
+def sample_positions(samples: Any) -> Optional[SamplePositions]:
+    """The :class:`SamplePositions` ``samples`` is or carries, else None."""
+    if isinstance(samples, SamplePositions):
+        return samples
+    try:
+        found = object.__getattribute__(samples, "__dict__").get(ATTRIBUTE)
+    except AttributeError:
+        return None
+    return found if isinstance(found, SamplePositions) else None
