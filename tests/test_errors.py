@@ -40,8 +40,8 @@ def test_bad_seed(seed, exception, message):
 
 
 def test_bad_stream_and_key_words():
-    with raises(ValueError, "unknown stream version 'v2'; this release supports ['v1']"):
-        keyinit.key(0, stream="v2")
+    with raises(ValueError, "unknown stream version 'v3'; this release supports ['v1', 'v2']"):
+        keyinit.key(0, stream="v3")
     with raises(ValueError, "key words must be ints in [0, 2**32), got 4294967296"):
         keyinit.Key(2**32, 0)
     with raises(ValueError, "key words must be ints in [0, 2**32), got -1"):

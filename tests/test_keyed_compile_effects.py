@@ -19,16 +19,7 @@ from torch import nn
 
 import keyinit.nn as knn
 from keyinit.errors import UnkeyedRandomnessError
-from tests.test_keyed_compile import kernel_masks
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*dropout2d.*")
-        yield
-    torch._dynamo.reset()
+from tests.test_keyed_compile import _fresh_dynamo, kernel_masks  # noqa: F401 - (_fresh_dynamo: autouse fixture)
 
 
 def _x(rows: int = 6, dim: int = 4) -> torch.Tensor:

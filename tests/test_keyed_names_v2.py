@@ -191,3 +191,26 @@ def test_v1_is_still_the_default_and_its_masks_are_unchanged():
     k = dropout_key(0, step=0, fqn="", ordinal=0)
     assert torch.equal(default, v1)
     assert torch.equal(v1 != 0, keyinit.random.bernoulli(k, (2, 3, 4), p=0.5))
+
+
+def test_routed_rows_are_named_as_the_virtual_tensor():
+    """Rows picked by values (a router's ``x[idx]``, written back by ``index_add``): each element's mask is
+    the one of the same element in its place in the batch, whatever the split and the routing."""
+
+    class Routed(nn.Module):
+        def forward(self, x):
+            flat = x.reshape(-1, x.shape[-1])
+            idx = flat[:, 0].argsort()
+            y = F.dropout(flat[idx], 0.5, self.training)
+            return torch.zeros(flat.shape).index_add(0, idx, y).view(x.shape)
+
+    net = Routed().train()
+    x = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(2)) + 2  # (no zero, so a mask is out == 0)
+    with knn.keyed(net, 0, step=0, stream="v2"):
+        whole = net(x)
+    with knn.keyed(net, 0, step=0, sample_offset=2, stream="v2"):
+        part = net(x[2:])
+    assert torch.equal(part == 0, whole[2:] == 0)
+    plain = nn.Dropout(0.5).train()  # the same names as a dropout of the rows in place
+    with knn.keyed(plain, 0, step=0, stream="v2"):
+        assert torch.equal(plain(x) == 0, whole == 0)

@@ -211,7 +211,7 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region) -> Non
     family = kernels(key.stream, "fill")
     if out.numel() == 0 or out.device.type == "meta":
         return
-    if key.stream == "v2" and fill_named(out, dist, key, region):  # a keyed forward's draw (docs/spec.md 14.8)
+    if fill_named(out, dist, key, region):  # a keyed forward's draw under stream v2 (docs/spec.md 14.8)
         return
     if _intercepted(out):
         with _disable_current_modes():

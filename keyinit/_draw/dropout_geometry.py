@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Optional
 import attrs
 import torch
 
-from keyinit._draw.geometry import coalesce
+from keyinit._draw.geometry import coalesce, coalesce_high
 from keyinit._draw.names import V2, check_samples, names_strides
 from keyinit.distributions import Bernoulli
 from keyinit.keys import DEFAULT_STREAM
@@ -158,12 +158,12 @@ def layout_for(local_shape: Sequence[int], global_shape: Optional[Sequence[int]]
     return _from_region(normalized)
 
 
-def dtensor_layout(tensor: Any, row_offset: int = 0, names: Optional[str] = None) -> Layout:
+def dtensor_layout(tensor: Any, row_offset: int = 0, stream: Optional[str] = None) -> Layout:
     """Layout of a DTensor's local tensor, from its mesh coordinate and placements (no communication).
 
     ``row_offset`` shifts dimension 0 (the batch) by that many rows: the keyed
     convention, where the DTensor's row ``r`` is global sample ``row_offset + r``.
-    ``names="v2"``: the keyed forward's extent-free names (docs/spec.md 14.8) of the global tensor whose
+    ``stream="v2"``: the keyed forward's extent-free names (docs/spec.md 14.8) of the global tensor whose
     dimension 0 is the batch, in place of its row-major indices.
     """
     from keyinit._placements import dtensor_region
@@ -188,7 +188,7 @@ def dtensor_layout(tensor: Any, row_offset: int = 0, names: Optional[str] = None
     if coordinate is None:
         shape = tuple(local.shape)
         return Layout(row_major_strides(shape), (0,) * len(shape), (None,) * len(shape))
-    if names == V2:
+    if stream == V2:
         if not tensor.dim():
             raise ValueError("a 0-d activation has no batch dimension (dim 0) to key its rows by")
         laid = _from_region(region, row_offset)  # (dimension 0's starts or index shifted by row_offset)
@@ -293,72 +293,32 @@ def make_geometry(shape: Sequence[int], k0: int, k1: int, p: float, gstrides: Se
     """The coalesced :class:`Geometry` of a contiguous tensor of ``shape`` placed by the op's layout arguments,
     for the key ``(k0, k1)`` of stream version ``stream`` (``hstrides``: the high counter words' strides,
     docs/spec.md 14.8; empty for none)."""
-    if hstrides:
-        return _high_geometry(tuple(map(int, shape)), k0, k1, p, gstrides, starts, indices, stream,
-                              tuple(map(int, hstrides)))
-    if len(indices) == len(shape) and all(index is None for index in indices):
+    if not hstrides and len(indices) == len(shape) and all(index is None for index in indices):
         # ranges only: the coalesced dims depend on the ints alone
         return ranges_geometry(shape, k0, k1, p, gstrides, starts, stream)
     shape = tuple(map(int, shape))
-    if not (len(gstrides) == len(starts) == len(indices) == len(shape)):
+    if not (len(gstrides) == len(starts) == len(indices) == len(shape)) or hstrides and len(hstrides) != len(shape):
         raise ValueError(
-            f"keyinit::dropout: {len(shape)}-D input but {len(gstrides)} strides, {len(starts)} starts and "
-            f"{len(indices)} index entries"
+            f"keyinit::dropout: {len(shape)}-D input but {len(gstrides)} strides, {len(starts)} starts, "
+            f"{len(indices)} index entries and {len(hstrides)} high strides"
         )
     threshold, scale32, scale64 = constants(p)
 
-    def dims_in() -> Iterator[tuple[int, int, int, int, Optional[torch.Tensor]]]:
+    def dims_in() -> Iterator[tuple[int, int, int, int, Optional[torch.Tensor], int, int]]:
         # the output is contiguous: row-major strides of the shape
-        for n, ostride, gs, st, idx in zip(shape, row_major_strides(shape), gstrides, starts, indices):
-            gs, st = int(gs), int(st)
+        for n, ostride, gs, st, idx, hs in zip(shape, row_major_strides(shape), gstrides, starts, indices,
+                                               hstrides or (0,) * len(shape)):
+            gs, st, hs = int(gs), int(st), int(hs)
             if idx is not None:
                 if idx.dim() != 1 or int(idx.numel()) != n or idx.dtype != torch.int64:
                     raise ValueError(f"keyinit::dropout: an index entry must be a 1-D int64 tensor of {n} elements")
                 idx = idx.to("cpu")
-            yield n, ostride, gs, gs * st, idx
+            yield n, ostride, gs, gs * st, idx, hs, hs * st
 
-    base, dims = coalesce(dims_in())
+    base, hbase, dims = coalesce_high(dims_in())
     return Geometry(
         k0=int(k0), k1=int(k1), threshold=threshold, scale32=scale32, scale64=scale64, base=base,
         sizes=tuple(d[0] for d in dims), gstrides=tuple(d[2] for d in dims), indices=tuple(d[3] for d in dims),
-        stream=stream,
+        stream=stream, hbase=hbase, hstrides=tuple(d[4] for d in dims) if hstrides else (),
     )
 
-
-def _high_geometry(shape: tuple[int, ...], k0: int, k1: int, p: float, gstrides: Sequence[int],
-                   starts: Sequence[int], indices: Sequence[Optional[torch.Tensor]], stream: str,
-                   hstrides: tuple[int, ...]) -> Geometry:
-    """:func:`make_geometry` with high counter words: size-1 dimensions and every start folded into ``base``
-    and ``hbase``; neighbouring ranges merged only where both the low index and the high words walk them as
-    one progression."""
-    if not (len(gstrides) == len(starts) == len(indices) == len(hstrides) == len(shape)):
-        raise ValueError(f"keyinit::dropout: {len(shape)}-D input but {len(gstrides)} strides, {len(starts)} starts, "
-                         f"{len(indices)} index entries and {len(hstrides)} high strides")
-    threshold, scale32, scale64 = constants(p)
-    base = hbase = 0
-    dims: list[list] = []  # [size, gstride, hstride, index]
-    for n, gs, hs, st, idx in zip(shape, gstrides, hstrides, starts, indices):
-        gs, hs, st = int(gs), int(hs), int(st)
-        if idx is not None:
-            if idx.dim() != 1 or int(idx.numel()) != n or idx.dtype != torch.int64:
-                raise ValueError(f"keyinit::dropout: an index entry must be a 1-D int64 tensor of {n} elements")
-            idx = idx.to("cpu")
-        if n == 1:
-            first = int(idx[0]) if idx is not None else st
-            base, hbase = base + first * gs, hbase + first * hs
-            continue
-        if idx is None:
-            base, hbase = base + st * gs, hbase + st * hs
-        outer = dims[-1] if dims else None
-        if (outer is not None and outer[3] is None and idx is None and outer[1] == n * gs
-                and outer[2] == n * hs):
-            outer[0] *= n
-            outer[1], outer[2] = gs, hs
-        else:
-            dims.append([n, gs, hs, idx])
-    if not dims:
-        dims.append([1, 0, 0, None])
-    return Geometry(k0=int(k0), k1=int(k1), threshold=threshold, scale32=scale32, scale64=scale64, base=base,
-                    sizes=tuple(d[0] for d in dims), gstrides=tuple(d[1] for d in dims),
-                    indices=tuple(d[3] for d in dims), stream=stream, hbase=hbase,
-                    hstrides=tuple(d[2] for d in dims))

@@ -17,7 +17,7 @@ import torch
 
 from keyinit.regions import Region
 
-__all__ = ["Dim", "coalesce", "geometry"]
+__all__ = ["Dim", "coalesce", "coalesce_high", "geometry"]
 
 #: ``[size, out_stride, global_stride, index]``; ``index`` is an int64 CPU tensor or ``None`` (a slice).
 Dim = list
@@ -31,26 +31,39 @@ def coalesce(dims_in: Iterable[tuple[int, int, int, int, Optional[torch.Tensor]]
     unused). Every offset is folded into ``base``, and so is each size-1 dimension; neighbouring
     progressions that walk both the global tensor and the output as one progression are merged.
     The kernels of every family (fills, dropout) take this one shape of geometry. At least one
-    dim is returned.
+    dim is returned. (:func:`coalesce_high` with no high counter words.)
     """
-    base = 0
-    dims: list[Dim] = []
-    for n, ostride, gstride, offset, index in dims_in:
+    base, _, dims = coalesce_high((n, o, g, off, idx, 0, 0) for n, o, g, off, idx in dims_in)
+    return base, [d[:4] for d in dims]
+
+
+def coalesce_high(dims_in: Iterable[tuple[int, int, int, int, Optional[torch.Tensor], int, int]]
+                  ) -> tuple[int, int, list[list]]:
+    """:func:`coalesce` of dimensions that also add to an element's high counter words (``docs/spec.md``
+    14.8): from ``(size, out_stride, global_stride, offset, index, high_stride, high_offset)`` per
+    dimension, ``(base, high_base, dims)`` with dims ``[size, out_stride, global_stride, index,
+    high_stride]``; neighbours merge only where the high words walk them as one progression too."""
+    base = high = 0
+    dims: list[list] = []
+    for n, ostride, gstride, offset, index, hstride, hoffset in dims_in:
         if n == 1:
-            base += int(index[0]) * gstride if index is not None else offset
+            if index is not None:
+                base, high = base + int(index[0]) * gstride, high + int(index[0]) * hstride
+            else:
+                base, high = base + offset, high + hoffset
             continue
         if index is None:
-            base += offset
+            base, high = base + offset, high + hoffset
         outer = dims[-1] if dims else None
-        if (outer is not None and outer[3] is None and index is None
-                and outer[2] == n * gstride and outer[1] == n * ostride):
+        if (outer is not None and outer[3] is None and index is None and outer[2] == n * gstride
+                and outer[1] == n * ostride and outer[4] == n * hstride):
             outer[0] *= n
-            outer[1], outer[2] = ostride, gstride
+            outer[1], outer[2], outer[4] = ostride, gstride, hstride
         else:
-            dims.append([n, ostride, gstride, index])
+            dims.append([n, ostride, gstride, index, hstride])
     if not dims:
-        dims.append([1, 1, 0, None])
-    return base, dims
+        dims.append([1, 1, 0, None, 0])
+    return base, high, dims
 
 
 def geometry(out: torch.Tensor, region: Region) -> tuple[int, list[Dim]]:

@@ -30,7 +30,8 @@ import torch
 
 from keyinit._bits.philox import stream_words
 
-__all__ = ["V2", "names_strides", "check_samples", "named_words", "words_at", "naming", "fill_named", "LO_SECOND", "HI_SAMPLE", "LIMITS"]
+__all__ = ["V2", "names_strides", "check_samples", "named_words", "words_at", "naming", "fill_named",
+           "LO_SECOND", "HI_SAMPLE", "LIMITS", "MAX_SAMPLES"]
 
 #: The stream version whose keyed forwards use these names.
 V2 = "v2"

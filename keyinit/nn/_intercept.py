@@ -310,25 +310,15 @@ def _routed_dropout_named(input: torch.Tensor, p: float, key: Any, rec: Routed) 
     """Stream v2's dropout of routed rows: the keep-mask of the virtual tensor's elements (their names,
     docs/spec.md 14.8) read at the rows, applied with 14.3's arithmetic by torch ops (so autograd gives
     ``keep ? dy * s : +0``)."""
-    from keyinit._draw.names import words_at
+    from keyinit._draw.names import named_words
     from keyinit._draw.reference_dropout import apply_mask
     from keyinit.nn._draws import routed_rows
 
     rows = routed_rows(tuple(input.shape), rec)
     threshold, scale32, scale64 = constants(p)
     with torch._C.DisableTorchFunction():
-        positions = rows.to_canonical(torch.arange(input.numel(), dtype=torch.int64).reshape(input.shape))
-        # positions[c] = the flat local element at canonical position c (others: 0, never read back)
-        canonical_flat = torch.arange(positions.numel(), dtype=torch.int64)
-        local_of = positions.reshape(-1)
-        lo_strides, hi_strides = names_strides(tuple(rows.local[1:]))
-        check_samples(rows.start, rows.count)
-        words = words_at(key, rows.start, rows.local, canonical_flat, 1, lo_strides, hi_strides)[0]
-        keep_flat = torch.zeros(input.numel(), dtype=torch.bool)
-        taken = rows.to_canonical(torch.ones(input.shape, dtype=torch.bool)).reshape(-1)
-        keep_flat[local_of[taken]] = words[taken] < threshold
-        keep = keep_flat.reshape(input.shape).to(input.device)
-    return apply_mask(input, keep, scale32, scale64)
+        keep = rows.from_canonical(named_words(key, rows.start, rows.local[1:], rows.count)[0] < threshold)
+    return apply_mask(input, keep.to(input.device), scale32, scale64)
 
 
 def activation_batch(ctx: "Keyed", frame: Frame, tensor: torch.Tensor, what: str) -> Optional[Batch]:

@@ -63,11 +63,8 @@ def is_dtensor(input: torch.Tensor) -> bool:
 def run_layout(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch.Tensor:
     """The ``keyinit::dropout`` op on ``local`` placed by ``layout``, under ``key`` (its words and its stream
     version, which the op keeps)."""
-    op = _op()
-    if len(layout) > 3 and layout[3]:  # high counter words (docs/spec.md 14.8's names)
-        return op.call(local, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream,
-                       layout[3])
-    return op.call(local, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream)
+    return _op().call(local, key.k0, key.k1, p, layout.gstrides, layout.starts, layout.indices, key.stream,
+                      layout.hstrides)
 
 
 def _op() -> Any:
@@ -79,7 +76,7 @@ def _dtensor_dropout(input: torch.Tensor, p: float, key: Key, row_offset: int,
                      keyed_rows: bool = True) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    layout = dtensor_layout(input, row_offset, key.stream if keyed_rows else None)
+    layout = dtensor_layout(input, row_offset, key.stream if keyed_rows else None)  # (v2 names keyed rows only)
     spec = input._spec
     out_local = run_layout(input.to_local(), p, key, layout)
     return DTensor.from_local(
