@@ -30,10 +30,8 @@ import contextlib
 import sys
 import threading
 import warnings
-from collections import OrderedDict
-from typing import Any, Callable, Optional, Union
-
 import weakref
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -62,6 +60,7 @@ from keyinit.nn._forward import (
 from keyinit.nn._hostrandom import HOST_RANDOM
 from keyinit.nn._keyed_dropout import DropoutForward, takes_dropout_forward
 from keyinit.nn._checkpoint import hand_recomputes
+from keyinit.nn._copies import hold_getstate
 from keyinit.nn._keyed_frames import (
     FrameStack,
     UNMATCHED_RECOMPUTE,
@@ -97,42 +96,6 @@ def _recomputing() -> Optional["Keyed"]:
     stack = getattr(_recomputes, "stack", None)
     return stack[-1] if stack else None
 
-
-# ----------------------------------------------------------------------------- copies made inside a block
-# While keyinit's hooks are on a model (a block, or a recompute after it), torch.nn.Module.__getstate__ (what
-# torch.save, pickle and copy.deepcopy read) gives a module's state without them: a copy is the model as it was.
-_MODULE_GETSTATE = torch.nn.Module.__getstate__
-_getstate_holders = [0]
-_HOOK_IDS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
-
-def _state_without_keyinit(module: torch.nn.Module) -> dict:
-    state = _MODULE_GETSTATE(module)  # (a copy of the module's __dict__)
-    for name in ("_forward_pre_hooks", "_forward_hooks"):
-        hooks = state.get(name)
-        if hooks and any(getattr(h, "_keyinit_hook", False) for h in hooks.values()):
-            ours = {k for k, h in hooks.items() if getattr(h, "_keyinit_hook", False)}
-            state[name] = OrderedDict((k, h) for k, h in hooks.items() if k not in ours)
-            for extra in _HOOK_IDS:
-                if isinstance(state.get(extra), dict):
-                    state[extra] = OrderedDict((k, v) for k, v in state[extra].items() if k not in ours)
-    if isinstance(state.get("forward"), DropoutForward):
-        del state["forward"]
-    found = state.get("_gradient_checkpointing_func")
-    if isinstance(found, CheckpointingFunction):
-        state["_gradient_checkpointing_func"] = found.original
-    return state
-
-
-def _hold_getstate(n: int) -> None:
-    """``n`` (1 or -1) more contexts with hooks on a model: torch.nn.Module.__getstate__ is keyinit's while any."""
-    with _entered_lock:
-        before = _getstate_holders[0]
-        _getstate_holders[0] = before + n
-        if before == 0 and n > 0:
-            torch.nn.Module.__getstate__ = _state_without_keyinit
-        elif before + n == 0 and torch.nn.Module.__getstate__ is _state_without_keyinit:
-            torch.nn.Module.__getstate__ = _MODULE_GETSTATE
 
 def _active() -> list:
     active = getattr(_state, "active", None)
@@ -268,7 +231,7 @@ class Keyed(FrameStack):
         self._recomputable = False
         self._plan: list[tuple[torch.nn.Module, str, bool]] = []  # (module, fqn, light): the hooks a recompute
         self._installs = 0  # recomputes running with the hooks put back after the block (recomputing)
-        self._holds_getstate = False  # counted in _hold_getstate
+        self._holds_getstate = False  # counted in hold_getstate
 
     def __repr__(self) -> str:
         return (f"keyed({type(self.model).__name__}, seed={self.seed}, step={self.step}, "
@@ -386,7 +349,7 @@ class Keyed(FrameStack):
                     self._post_hook()(module, args, None)
                     raise
 
-        hook._keyinit_hook = True  # type: ignore[attr-defined]  # (left out of a copy: _state_without_keyinit)
+        hook._keyinit_hook = True  # type: ignore[attr-defined]  # (left out of a copy: keyinit.nn._copies)
         return hook
 
     def _post_hook(self) -> Callable:
@@ -514,7 +477,7 @@ class Keyed(FrameStack):
             with _entered_lock:
                 _entered.append(self)
             self._holds_getstate = True
-            _hold_getstate(1)
+            hold_getstate(1)
         except BaseException:
             self._teardown()
             self._state = "exited"
@@ -562,7 +525,7 @@ class Keyed(FrameStack):
         self._hooked = {}
         if self._holds_getstate:
             self._holds_getstate = False
-            _hold_getstate(-1)
+            hold_getstate(-1)
         vars(self._local).clear()  # (this thread's state: its modes hold the context)
         self._shared_post_hook, self._owner, self._local = None, None, threading.local()
 
@@ -592,7 +555,7 @@ class Keyed(FrameStack):
                 for module, fqn, light in self._plan:
                     self._hook(module, fqn, light)
                 self._holds_getstate = True
-                _hold_getstate(1)
+                hold_getstate(1)
         stack.append(self)
         try:
             yield self
@@ -632,6 +595,6 @@ class Keyed(FrameStack):
                 t = ref()
                 node = t.grad_fn if t is not None else None
                 if node is not None:
-                    held = node.metadata.setdefault("keyinit.keyed", [])
+                    held = node.metadata.setdefault("keyinit_keyed_contexts", [])
                     if not any(ctx is self for ctx in held):
                         held.append(self)
