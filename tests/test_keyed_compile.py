@@ -502,3 +502,27 @@ def test_hf_architectures_compiled_equal_eager(model_type):
             # that a single differing mask would exceed by orders of magnitude
             torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     assert compiled.runs_eagerly == (model_type in HF_EAGER)
+
+
+def test_hf_gpt2_lm_with_its_cache_compiles_under_inductor_and_equals_eager():
+    """GPT-2's LM head with labels and its default ``use_cache``: the cache's ``cat`` with an empty tensor
+    has other strides under inductor's decompositions than on the real tensors the graph was traced on, so
+    a view legal there failed inductor's trace (a ``ValueError`` at the first call)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    with torch.random.fork_rng(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).train()
+    ids = (torch.arange(2 * 12).reshape(2, 12) * 5 + 1) % 64
+    compiled = knn.compile(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with knn.keyed(model, 0, step=0), kernel_masks() as eager_masks:
+            eager = model(input_ids=ids, labels=ids).loss
+        with knn.keyed(compiled, 0, step=0), kernel_masks() as compiled_masks:
+            out = compiled(input_ids=ids, labels=ids).loss
+    assert not compiled.runs_eagerly
+    assert eager_masks and compiled_masks == eager_masks
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)

@@ -194,8 +194,25 @@ class _Graph:
         out, forward, own = results[0]
         slots = list(trace.slots)
         ctl = torch.zeros(1 + 2 * len(slots), dtype=torch.int64)
-        fn = self.owner.inner(traced, list(args) + [ctl])
+        fn = self.owner.inner(_reshaping_views(traced), list(args) + [ctl])
         return _Entry(fn, True, slots, _relative_records(out, forward, call), own)
+
+
+def _reshaping_views(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with its ``aten.view`` nodes made ``aten.reshape``. The graph was traced on real tensors,
+    which fixed each view's legality by their strides; the backend traces it again on fake tensors under
+    its own decompositions, whose intermediate strides may differ (a ``cat`` with an empty tensor, as
+    HF's cache does, gives back its other input), so a view legal on the real strides can fail there.
+    ``reshape`` is the view wherever one exists (graph inputs keep their strides, so views of them stay
+    views) and a copy otherwise, with the same values."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def _relative_records(out: Any, forward: Forward, call: Call) -> list:
