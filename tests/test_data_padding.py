@@ -109,12 +109,12 @@ def test_left_padding_moves_the_values_and_keyed_collate_warns_once_per_batch(hf
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     collate(KeyedBatch([items[i] for i in rows], tuple((0, i) for i in rows)))
-                seen.append((side, rows, [(w.category, str(w.message)) for w in caught]))
+                seen.append((side, rows, [(w.category, str(w.message), w.filename) for w in caught]))
         finally:
             tokenizer.padding_side = "right"
     for side, rows, caught in seen:
         padded = side == "left" and rows != (2,)  # a batch of one is not padded
-        assert caught == ([(keyinit.LeftPaddingWarning, COLLATE_MESSAGE)] if padded else []), (side, rows)
+        assert caught == ([(keyinit.LeftPaddingWarning, COLLATE_MESSAGE, __file__)] if padded else []), (side, rows)
 
 
 class _Tagger(nn.Module):
@@ -149,8 +149,8 @@ def test_keyed_samples_warns_for_left_padding_once_per_block(mask, warns):
             with knn.keyed(model, 0, step=0, samples=batch, stream=stream):
                 for _ in range(3):  # three forwards of one block
                     model(**batch)
-        got = [(w.category, str(w.message)) for w in caught]
-        assert got == ([(keyinit.LeftPaddingWarning, KEYED_MESSAGE)] if warns else []), stream
+        got = [(w.category, str(w.message), w.filename) for w in caught]  # at the line that entered keyed()
+        assert got == ([(keyinit.LeftPaddingWarning, KEYED_MESSAGE, __file__)] if warns else []), stream
 
 
 def test_keyed_samples_reads_what_it_can_and_trusts_keyed_collate():
