@@ -11,7 +11,7 @@ from keyinit._engine.deferred import deferred
 from keyinit._engine.init_code import call_once, per_module
 from keyinit.model import InitReport, Plan, TensorRecord, init_model, materialize, plan_init
 from keyinit.rules import REGISTRY, Registry, RuleContext, register, register_pattern
-from keyinit.errors import InitError, PlanError, SharedDrawWarning, UnkeyedRandomnessError
+from keyinit.errors import InitError, LeftPaddingWarning, PlanError, SharedDrawWarning, UnkeyedRandomnessError
 from keyinit import nn
 from keyinit import _kernels
 
@@ -57,6 +57,7 @@ __all__ = [
     "PlanError",
     "UnkeyedRandomnessError",
     "SharedDrawWarning",
+    "LeftPaddingWarning",
     "register",
     "register_pattern",
     "Registry",

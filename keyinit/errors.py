@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PlanError", "InitError", "UnkeyedRandomnessError", "SharedDrawWarning"]
+__all__ = ["PlanError", "InitError", "UnkeyedRandomnessError", "SharedDrawWarning", "LeftPaddingWarning"]
 
 
 class PlanError(ValueError):
@@ -36,4 +36,14 @@ class SharedDrawWarning(UserWarning):
 
     The draw is keyed by the first of them (spec section 15), so a stage without that tensor
     gets different values; the warning names the tensors.
+    """
+
+
+class LeftPaddingWarning(UserWarning):
+    """A batch's ``attention_mask`` has padding before a real token in some row (left padding).
+
+    keyinit names a random value by its coordinates within its sample (docs/spec.md 14.8, 16.4), so a
+    real token moved right by padding gets the values of another position, and with dynamic padding
+    they depend on how far its batch is padded. Raised by ``keyed_collate`` and ``keyed(samples=)``;
+    the fix: pad on the right (``tokenizer.padding_side = "right"``) or pad every batch to one length.
     """

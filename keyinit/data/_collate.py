@@ -35,6 +35,7 @@ import torch
 from keyinit.data import _augment, _fast, _fill
 from keyinit.data._augment import Interception
 from keyinit.data._globals import global_states
+from keyinit.data._padding import check_collated
 from keyinit.data._positions import attach, sample_positions
 from keyinit.keys import Key, as_uint64, fold_in, key
 
@@ -169,7 +170,8 @@ class KeyedCollate:
         first = f"{refs[0][1]} of epoch {refs[0][0]}" if refs else "none"
         site = f"keyed_collate (a batch of {len(refs)} rows, the first sample {first})"
         collated = _call_refusing_global_draws(self.collate_fn, batch, _RowKeyer(self.root, refs, site), site)
-        return attach(collated, sample_positions(batch))  # the rows' places in the run, for keyed(samples=)
+        # the rows' places in the run, for keyed(samples=); a left-padded batch warned about (keyinit.data._padding)
+        return check_collated(attach(collated, sample_positions(batch)))
 
 
 def _call_refusing_global_draws(fn: Callable[[Any], Any], batch: Any, keyer: _RowKeyer, site: str) -> Any:

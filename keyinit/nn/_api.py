@@ -113,7 +113,10 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     gradient accumulation need no arithmetic. Its step must be ``step`` (a
     ``ValueError`` otherwise: the batch belongs to another step); giving both
     ``samples`` and ``sample_offset``, or a ``samples`` that carries no positions,
-    is an error (``ValueError``, ``TypeError``).
+    is an error (``ValueError``, ``TypeError``). A ``samples`` whose ``attention_mask`` has
+    padding before a real token (left padding) gets a :class:`keyinit.errors.LeftPaddingWarning`:
+    elements are named by their coordinates, not by the token's position, so pad on the right
+    (``docs/dropout.md``, "Padding and packing").
     """
     if samples is not None:
         sample_offset = _offset_of(samples, sample_offset, step)
@@ -122,6 +125,7 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
 
 def _offset_of(samples: Any, sample_offset: Optional[int], step: int) -> int:
     """``keyed(samples=)``: the first row's place in the step's global batch (see :func:`keyed`)."""
+    from keyinit.data._padding import check_samples
     from keyinit.data._positions import sample_positions
 
     if sample_offset is not None:
@@ -140,6 +144,7 @@ def _offset_of(samples: Any, sample_offset: Optional[int], step: int) -> int:
         raise ValueError(f"keyed: samples= holds rows of step {positions.step} (KeyedSampler's step), but "
                          f"step={step}: the sampler's steps must be the optimizer's (global_batch_size = all the "
                          f"samples of one optimizer step, micro-batches by batch_sampler(micro_batch_size=...))")
+    check_samples(samples)  # a left-padded attention_mask: a LeftPaddingWarning (keyinit.data._padding)
     return positions.first
 
 
