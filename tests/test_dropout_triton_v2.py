@@ -254,6 +254,57 @@ def geometry_numel(shape) -> int:
     return n
 
 
+def _ptx(dtype, mode: int, high: bool, block: int, vec: int, ndim: int, num_warps: int) -> str:
+    """The kernel's PTX for an sm_90 target, compiled without a GPU (Triton's bundled ptxas)."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from keyinit._kernels.dropout import triton as triton_dropout
+
+    fn = triton_dropout._dropout_kernel
+    constexprs = {"NDIM": ndim, "MODE": mode, "HIGH": high, "KIND": triton_dropout._KINDS[dtype], "BLOCK": block,
+                  "VEC": vec}
+    pointer = {torch.float32: "*fp32", torch.bfloat16: "*i16"}[dtype]
+    signature = {name: "constexpr" if name in constexprs else pointer if name in ("x_ptr", "out_ptr")
+                 else "*i64" if name.endswith("_ptr") else "i64" for name in fn.arg_names}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                       attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                              for n in ("x_ptr", "out_ptr", "meta_ptr", "index_ptr")})
+    options = {"enable_fp_fusion": False, "num_warps": num_warps}
+    return triton_compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def test_rows_mode_compiles_for_cuda_with_vectors_and_a_quarter_of_the_philox(tmp_path, monkeypatch):
+    """Without a GPU: the rows mode (v2's high words) passes Triton's compiler, loads and stores 16-byte vectors
+    where rows start on a Philox block, computes a Philox block per four elements (a quarter of the general
+    mode's multiplies) and has no fused multiply-add."""
+    try:
+        import triton.backends.nvidia.compiler  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"Triton's NVIDIA backend is unavailable: {exc}")
+    from keyinit._kernels.dropout import triton as triton_dropout
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = _ptx(dtype, triton_dropout.ROWS, True, 1024, 16 // dtype.itemsize, 3, 4)
+        general = _ptx(dtype, triton_dropout.ANY, True, 1024, 1, 3, 4)
+        assert "ld.global.v4.b32" in rows and "st.global.v4.b32" in rows, dtype
+        assert "fma." not in rows and "fma." not in general
+        assert 4 * rows.count("mul.hi") <= general.count("mul.hi") + 8, (rows.count("mul.hi"), general.count("mul.hi"))
+
+
+def test_kernel_arguments_cannot_make_new_variants():
+    """Every runtime integer is int64 and none is specialized on its value: a batch offset (stream v2's high
+    words), a key word above 2**31 or a row length does not compile another kernel."""
+    from keyinit._kernels.dropout import triton as triton_dropout
+
+    fn = triton_dropout._dropout_kernel
+    runtime_ints = [p for p in fn.params if not p.is_constexpr and not p.name.endswith("_ptr")]
+    assert {p.name for p in runtime_ints} == set(triton_dropout._INTS)
+    assert all(p.annotation_type == "i64" and p.do_not_specialize for p in runtime_ints)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled Triton path is not exercised")
 def test_gpu_kernel_gives_the_names_bit_for_bit():
     if os.environ.get("TRITON_INTERPRET") == "1":

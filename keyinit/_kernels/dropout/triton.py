@@ -7,17 +7,27 @@ without a GPU (:func:`run` with ``interpret_ok=True``).
 
 One pass: each program computes the Philox words of its elements, the keep
 decision ``word < threshold`` and ``kept ? x * scale : +0``; the backward is the
-same launch on the gradient. Two modes:
+same launch on the gradient. An element's word is lane ``g % 4`` of
+``Philox4x32-10((lo32(g / 4), hi32(g / 4), lo32(h), hi32(h)), K)`` for its global
+index ``g`` and high counter words ``h = hbase + sum_d hstrides[d] * idx_d(p_d)``,
+as the C kernel takes them: ``h`` is 0 except in stream v2's extent-free names of
+keyed forwards (``docs/spec.md`` 14.8: sample and third coordinate), and the
+constexpr ``HIGH`` leaves the ``h = 0`` kernels as they were. Three modes:
 
-- ``RUN``: the tensor's global indices are one run ``base, base+1, ...`` (a plain
-  tensor, rows of a batch, Replicate/Shard(0) DTensors): a program covers 1024
-  consecutive stream words from a multiple of 4, computes each Philox block once
-  (256 blocks) and interleaves the four lanes into word order. ``VEC > 1`` (the
-  run starts on a Philox block and ``numel`` is a multiple of ``VEC``, a 16-byte
-  vector of the dtype) tells the compiler that positions are block-aligned and the
-  bounds mask constant over ``VEC`` elements, so loads and stores are vectors;
-- general: any layout (index vectors, sharded inner dimensions); each element
-  computes its own block and picks its lane.
+- ``RUN``: the tensor's global indices are one run ``base, base+1, ...`` with one
+  ``h`` (a plain tensor, rows of a batch, Replicate/Shard(0) DTensors, one v2
+  row): a program covers 1024 consecutive stream words from a multiple of 4,
+  computes each Philox block once (256 blocks) and interleaves the four lanes into
+  word order. ``VEC > 1`` (the run starts on a Philox block and ``numel`` is a
+  multiple of ``VEC``, a 16-byte vector of the dtype) tells the compiler that
+  positions are block-aligned and the bounds mask constant over ``VEC`` elements,
+  so loads and stores are vectors;
+- ``ROWS`` (high words only, rows of at least ``ROWS_MIN``): the innermost
+  dimension is a run with one ``h`` per row (v2's ``c_1``; the row's sample and
+  other coordinates give its start and ``h``): ``RUN``'s program on each row,
+  the row's start and ``h`` computed once per program from its outer positions;
+- general: any layout (index vectors, sharded inner dimensions, short rows); each
+  element computes its own block and picks its lane.
 
 Arithmetic as in ``docs/spec.md`` section 14: a lone IEEE multiply (no FMA to
 contract; ``enable_fp_fusion=False`` all the same); bfloat16 is rounded from the
@@ -27,8 +37,7 @@ no host conversion can round them. Throughput: benchmarks/bench_dropout.py
 (``--device cuda``; the H100 numbers are in docs/benchmarks.md).
 """
 
-from __future__ import annotations
-
+# (no ``from __future__ import annotations``: Triton reads the parameters' annotations as objects, I64 included)
 import struct
 
 import torch
@@ -52,6 +61,10 @@ MODE_RUN = tl.constexpr(RUN)
 MODE_ROWS = tl.constexpr(ROWS)
 #: Rows mode needs rows at least this long (shorter ones: one Philox block per element, the general mode).
 ROWS_MIN = 64
+#: The kernel's runtime integers: every one int64 and none specialized on its value (Triton would otherwise
+#: type each i32 or i64 by value and specialize on divisibility, compiling a variant per batch offset).
+_INTS = ["numel", "base", "hbase", "inner", "tiles", "k0", "k1", "threshold", "s32_bits", "s64_bits"]
+I64 = tl.int64
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -89,20 +102,20 @@ def _run_words(first, h, key0, key1, HIGH: tl.constexpr, BLOCK: tl.constexpr):
     return tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # block-major, lane-minor
 
 
-@triton.jit(do_not_specialize=["numel", "base", "hbase", "tiles", "k0", "k1", "threshold", "s32_bits", "s64_bits"])
-def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inner, tiles, k0, k1, threshold,
-                    s32_bits, s64_bits, NDIM: tl.constexpr, MODE: tl.constexpr, HIGH: tl.constexpr,
-                    KIND: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+@triton.jit(do_not_specialize=_INTS)
+def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel: I64, base: I64, hbase: I64, inner: I64, tiles: I64,
+                    k0: I64, k1: I64, threshold: I64, s32_bits: I64, s64_bits: I64, NDIM: tl.constexpr,
+                    MODE: tl.constexpr, HIGH: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr,
+                    VEC: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     key0 = k0.to(tl.uint32)
     key1 = k1.to(tl.uint32)
-    hb = hbase.to(tl.int64)
     s32 = s32_bits.to(tl.int32).to(tl.float32, bitcast=True)
     s64 = s64_bits.to(tl.int64).to(tl.float64, bitcast=True)
     if MODE == MODE_RUN:
         # Global indices base .. base+numel-1, high words hbase. This program: words first .. first+BLOCK-1.
         first = (base - (base & 3)) + pid * BLOCK
-        words = _run_words(first, hb, key0, key1, HIGH, BLOCK)
+        words = _run_words(first, hbase, key0, key1, HIGH, BLOCK)
         if VEC > 1:  # base % 4 == 0 (first == base + pid * BLOCK) and numel % VEC == 0
             position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             mask = tl.max_constancy(position < numel, VEC)
@@ -114,8 +127,8 @@ def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inn
         # high words h; this program covers its words from `first` (tile `tile` of the row's `tiles`).
         row = pid // tiles
         tile = pid - row * tiles
-        g = base.to(tl.int64)
-        h = hb
+        g = base
+        h = hbase
         rest = row
         # meta rows: size, global stride, high stride, offset of the dim's indices in index_ptr
         for d in tl.static_range(NDIM - 2, -1, -1):
@@ -140,7 +153,7 @@ def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inn
         mask = position < numel
         rest = tl.where(mask, position, 0)
         g = tl.zeros([BLOCK], dtype=tl.int64) + base
-        h = tl.zeros([BLOCK], dtype=tl.int64) + hb
+        h = tl.zeros([BLOCK], dtype=tl.int64) + hbase
         for d in tl.static_range(NDIM - 1, -1, -1):
             size = tl.load(meta_ptr + 4 * d)
             at = tl.load(index_ptr + tl.load(meta_ptr + 4 * d + 3) + rest % size)
@@ -170,7 +183,8 @@ def _storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(geometry, numel: int, element_size: int):
-    """``(mode, high, ndim, inner, tiles, block, vec, grid)`` of a launch for ``geometry`` (``numel`` elements)."""
+    """``(mode, high, ndim, inner, tiles, block, vec, grid)`` of a launch for ``geometry`` (``numel`` elements;
+    ``inner``, the rows mode's row length, is 0 in the other modes)."""
     sizes, gstrides, indices = geometry.sizes, geometry.gstrides, geometry.indices
     hstrides = geometry.hstrides or (0,) * len(sizes)
     high = bool(geometry.hstrides) or geometry.hbase != 0
@@ -179,7 +193,7 @@ def _plan(geometry, numel: int, element_size: int):
         vec = 16 // element_size
         if geometry.base & 3 or numel % vec:
             vec = 1
-        return RUN, high, 1, numel, 1, BLOCK, vec, (triton.cdiv((geometry.base & 3) + numel, BLOCK),)
+        return RUN, high, 1, 0, 1, BLOCK, vec, (triton.cdiv((geometry.base & 3) + numel, BLOCK),)
     inner = sizes[-1]
     if high and last_is_run and inner >= ROWS_MIN:
         # every row starts on a Philox block when base and the outer global strides are multiples of 4
@@ -191,7 +205,7 @@ def _plan(geometry, numel: int, element_size: int):
             vec = 1
         tiles = triton.cdiv(span, block)
         return ROWS, high, len(sizes), inner, tiles, block, vec, ((numel // inner) * tiles,)
-    return ANY, high, len(sizes), inner, 1, BLOCK, 1, (triton.cdiv(numel, BLOCK),)
+    return ANY, high, len(sizes), 0, 1, BLOCK, 1, (triton.cdiv(numel, BLOCK),)
 
 
 def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = False) -> bool:
@@ -230,6 +244,8 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = Fa
     args = (_storage(x), _storage(out), meta, index_all, numel, geometry.base, geometry.hbase, inner, tiles,
             geometry.k0, geometry.k1, geometry.threshold, s32_bits, s64_bits)
     options = dict(NDIM=ndim, MODE=mode, HIGH=high, KIND=kind, BLOCK=block, VEC=vec, enable_fp_fusion=False)
+    if mode == ROWS:  # eight elements a thread, as the other modes' 1024 on four warps: 16-byte vectors
+        options["num_warps"] = max(1, block // 256)
     if x.device.type == "cuda":
         with torch.cuda.device(x.device):
             _dropout_kernel[grid](*args, **options)
