@@ -22,9 +22,10 @@ Sections (every ratio is torch time / keyinit time, so > 1 means keyinit is fast
     python benchmarks/bench_dropout.py --only attention   # section 5 alone
 
 ``--stream v2``: keyinit's dropouts in sections 1-3 and 5 name the elements as a keyed forward of stream
-v2 does (``keyinit.nn.functional.dropout_rows``, dimension 0 the batch: docs/spec.md 14.8's extent-free
-names, which the kernels take as high counter words); the default ``v1`` is the whole tensor's row-major
-indices (``keyinit.nn.functional.dropout``).
+v2 does (``keyinit.nn.functional.dropout_rows`` and the keyed attention's ``probs_drop``, dimension 0 the
+batch: docs/spec.md 14.8's extent-free names, which the kernels take as high counter words); the default
+``v1`` is the whole tensor's row-major indices (``keyinit.nn.functional.dropout`` and
+``scaled_dot_product_attention``).
 
 Timings alternate torch and keyinit call by call (so both see the same machine
 load) and report the MEDIAN of the repeats. ``p = 0.1``. This is not a test.
@@ -52,6 +53,7 @@ if str(REPO) not in sys.path:
 import keyinit  # noqa: E402
 from keyinit.nn import dropout_key  # noqa: E402
 from keyinit.nn import functional as KF  # noqa: E402
+from keyinit.nn._attention import attend  # noqa: E402
 
 KEY = dropout_key(1234, step=0, fqn="layers.0.attention", ordinal=0)
 #: The same key in stream v2 (``--stream v2``).
@@ -227,7 +229,10 @@ def bench_attention(shape, dtype, repeats: int, device: str, threads: int | None
         return F.scaled_dot_product_attention(q, k, v, dropout_p=P)
 
     def keyinit_fwd(q=q, k=k, v=v):
-        return KF.scaled_dot_product_attention(q, k, v, dropout_p=P, rng_key=KEYS[stream])
+        if stream == "v1":
+            return KF.scaled_dot_product_attention(q, k, v, dropout_p=P, rng_key=KEY)
+        # what a keyed forward of stream v2 runs (keyinit.nn._intercept): the probabilities named by sample
+        return attend(q, k, v, None, False, None, False, KF.probs_drop(P, KEYS[stream], None, 0))[0]
 
     def both(fn):
         def run_both():
