@@ -3,6 +3,7 @@
     python benchmarks/bench_dropout.py                 # CPU: (8, 1024, 1024), fp32 and bf16, 1 and 2 threads
     python benchmarks/bench_dropout.py --quick         # (8, 512, 1024), fewer repeats
     python benchmarks/bench_dropout.py --device cuda   # CUDA: (8, 4096, 4096) bf16 and fp32 (needs a GPU + triton)
+    python benchmarks/bench_dropout.py --device cuda --stream v2 --only ops   # stream v2's names (docs/spec.md 14.8)
 
 Sections (every ratio is torch time / keyinit time, so > 1 means keyinit is faster):
 
@@ -19,6 +20,12 @@ Sections (every ratio is torch time / keyinit time, so > 1 means keyinit is fast
    with the same ``dropout_p``, forward+backward, and the bytes each saves for backward.
 
     python benchmarks/bench_dropout.py --only attention   # section 5 alone
+
+``--stream v2``: keyinit's dropouts in sections 1-3 and 5 name the elements as a keyed forward of stream
+v2 does (``keyinit.nn.functional.dropout_rows`` and the keyed attention's ``probs_drop``, dimension 0 the
+batch: docs/spec.md 14.8's extent-free names, which the kernels take as high counter words); the default
+``v1`` is the whole tensor's row-major indices (``keyinit.nn.functional.dropout`` and
+``scaled_dot_product_attention``).
 
 Timings alternate torch and keyinit call by call (so both see the same machine
 load) and report the MEDIAN of the repeats. ``p = 0.1``. This is not a test.
@@ -46,8 +53,11 @@ if str(REPO) not in sys.path:
 import keyinit  # noqa: E402
 from keyinit.nn import dropout_key  # noqa: E402
 from keyinit.nn import functional as KF  # noqa: E402
+from keyinit.nn._attention import attend  # noqa: E402
 
 KEY = dropout_key(1234, step=0, fqn="layers.0.attention", ordinal=0)
+#: The same key in stream v2 (``--stream v2``).
+KEYS = {"v1": KEY, "v2": dropout_key(keyinit.key(1234, stream="v2"), step=0, fqn="layers.0.attention", ordinal=0)}
 P = 0.1
 
 
@@ -90,7 +100,16 @@ def saved_bytes(fn, x: torch.Tensor) -> int:
     return total
 
 
-def bench_ops(shape, dtypes, threads_list, repeats: int, device: str) -> list[dict]:
+def keyinit_dropout(x: torch.Tensor, key=KEY) -> torch.Tensor:
+    """keyinit's dropout of ``x`` under ``key``: the whole tensor's indices (v1), a keyed forward's names
+    with dimension 0 the batch (v2)."""
+    if key.stream == "v1":
+        return KF.dropout(x, P, rng_key=key)
+    return KF.dropout_rows(x, P, key, 0)
+
+
+def bench_ops(shape, dtypes, threads_list, repeats: int, device: str, stream: str = "v1") -> list[dict]:
+    key = KEYS[stream]
     rows = []
     for threads in threads_list:
         if device == "cpu":
@@ -104,7 +123,7 @@ def bench_ops(shape, dtypes, threads_list, repeats: int, device: str) -> list[di
                 return F.dropout(x, P, True)
 
             def fwd_keyinit():
-                return KF.dropout(x, P, rng_key=KEY)
+                return keyinit_dropout(x, key)
 
             def both_torch():
                 xr = x.detach().requires_grad_()
@@ -112,19 +131,20 @@ def bench_ops(shape, dtypes, threads_list, repeats: int, device: str) -> list[di
 
             def both_keyinit():
                 xr = x.detach().requires_grad_()
-                KF.dropout(xr, P, rng_key=KEY).backward(grad)
+                keyinit_dropout(xr, key).backward(grad)
 
             fwd = median_pair(fwd_torch, fwd_keyinit, repeats, device)
             both = median_pair(both_torch, both_keyinit, repeats, device)
             xr = x.detach().requires_grad_()
             rows.append({
                 "device": device, "threads": threads if device == "cpu" else None, "dtype": str(dtype)[6:],
+                "stream": stream,
                 "shape": list(shape),
                 "fwd_torch_ms": fwd[0] * 1e3, "fwd_keyinit_ms": fwd[1] * 1e3, "fwd_ratio": fwd[0] / fwd[1],
                 "fwdbwd_torch_ms": both[0] * 1e3, "fwdbwd_keyinit_ms": both[1] * 1e3,
                 "fwdbwd_ratio": both[0] / both[1],
                 "saved_torch_bytes": saved_bytes(lambda t: F.dropout(t, P, True), xr),
-                "saved_keyinit_bytes": saved_bytes(lambda t: KF.dropout(t, P, rng_key=KEY), xr),
+                "saved_keyinit_bytes": saved_bytes(lambda t: keyinit_dropout(t, key), xr),
                 "input_bytes": x.numel() * x.element_size(),
             })
     return rows
@@ -197,7 +217,7 @@ def bench_keyed_model(repeats: int, threads: int, dim: int = 256, batch: tuple[i
     return result
 
 
-def bench_attention(shape, dtype, repeats: int, device: str, threads: int | None) -> dict:
+def bench_attention(shape, dtype, repeats: int, device: str, threads: int | None, stream: str = "v1") -> dict:
     """SDPA with dropout: torch's vs keyinit's (keyed), forward and forward+backward."""
     if device == "cpu" and threads:
         torch.set_num_threads(threads)
@@ -209,7 +229,10 @@ def bench_attention(shape, dtype, repeats: int, device: str, threads: int | None
         return F.scaled_dot_product_attention(q, k, v, dropout_p=P)
 
     def keyinit_fwd(q=q, k=k, v=v):
-        return KF.scaled_dot_product_attention(q, k, v, dropout_p=P, rng_key=KEY)
+        if stream == "v1":
+            return KF.scaled_dot_product_attention(q, k, v, dropout_p=P, rng_key=KEY)
+        # what a keyed forward of stream v2 runs (keyinit.nn._intercept): the probabilities named by sample
+        return attend(q, k, v, None, False, None, False, KF.probs_drop(P, KEYS[stream], None, 0))[0]
 
     def both(fn):
         def run_both():
@@ -223,14 +246,15 @@ def bench_attention(shape, dtype, repeats: int, device: str, threads: int | None
 
     fwd = median_pair(torch_fwd, keyinit_fwd, repeats, device)
     fb = median_pair(both(torch_fwd), both(keyinit_fwd), repeats, device)
-    return {"device": device, "threads": threads, "dtype": str(dtype)[6:], "shape": list(shape),
+    return {"device": device, "threads": threads, "dtype": str(dtype)[6:], "shape": list(shape), "stream": stream,
             "fwd_torch_ms": fwd[0] * 1e3, "fwd_keyinit_ms": fwd[1] * 1e3, "fwd_ratio": fwd[0] / fwd[1],
             "fwdbwd_torch_ms": fb[0] * 1e3, "fwdbwd_keyinit_ms": fb[1] * 1e3, "fwdbwd_ratio": fb[0] / fb[1],
             "saved_torch_bytes": saved(torch_fwd), "saved_keyinit_bytes": saved(keyinit_fwd),
             "probs_bytes": b * h * length * length * torch.finfo(dtype).bits // 8}
 
 
-def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, only: str | None = None) -> dict:
+def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, only: str | None = None,
+        stream: str = "v1") -> dict:
     if device == "cuda":
         shape, dtypes, threads_list = (8, 4096, 4096), (torch.bfloat16, torch.float32), (None,)
         repeats = repeats or 20
@@ -242,7 +266,7 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, on
     try:
         result = {}
         if only in (None, "ops"):
-            result["ops"] = bench_ops(shape, dtypes, threads_list, repeats, device)
+            result["ops"] = bench_ops(shape, dtypes, threads_list, repeats, device, stream)
         if device == "cpu" and only in (None, "model"):
             result["keyed_model"] = bench_keyed_model(repeats, 1)
             result["keyed_overhead"] = bench_keyed_model(max(repeats, 50), 1, dim=16, batch=(2, 8), functional=True)
@@ -251,7 +275,8 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, on
                                                                   compiled=True)
         if only in (None, "attention"):
             attention_shape = (8, 8, 1024, 64) if device == "cuda" else (4, 8, 256, 64)
-            result["attention"] = [bench_attention(attention_shape, dtype, repeats, device, 1 if device == "cpu" else None)
+            result["attention"] = [bench_attention(attention_shape, dtype, repeats, device, 1 if device == "cpu" else None,
+                                                   stream)
                                    for dtype in (torch.float32, torch.bfloat16)]
     finally:
         torch.set_num_threads(before)
@@ -274,7 +299,7 @@ def print_report(result: dict) -> None:
                 print(f"  the same model unkeyed with keyinit.nn.functional.dropout in place of F.dropout (the op "
                       f"alone): torch dropout {m['op_torch_ms']:.2f} ms, keyinit's {m['op_keyinit_ms']:.2f} ms")
     for r in result.get("attention", []):
-        print(f"\nattention dropout {r['device']} {r['dtype']} (B, H, L, E) = {tuple(r['shape'])}, threads "
+        print(f"\nattention dropout {r['device']} {r['dtype']} stream {r['stream']} (B, H, L, E) = {tuple(r['shape'])}, threads "
               f"{r['threads'] or '-'}: forward torch SDPA {r['fwd_torch_ms']:.2f} ms, keyinit {r['fwd_keyinit_ms']:.2f} ms"
               f" ({r['fwd_ratio']:.2f}x); forward+backward {r['fwdbwd_torch_ms']:.2f} / {r['fwdbwd_keyinit_ms']:.2f} ms"
               f" ({r['fwdbwd_ratio']:.2f}x); saved for backward: torch {r['saved_torch_bytes'] / 2**20:.1f} MiB, keyinit"
@@ -282,7 +307,8 @@ def print_report(result: dict) -> None:
 
 
 def _print_ops(result: dict) -> None:
-    print(f"\n{'device':6} {'thr':>3} {'dtype':8} {'shape':16} {'fwd torch':>10} {'fwd keyinit':>11} {'ratio':>6}"
+    print(f"\nkeyinit's element names: stream {result['ops'][0]['stream'] if result['ops'] else '-'}")
+    print(f"{'device':6} {'thr':>3} {'dtype':8} {'shape':16} {'fwd torch':>10} {'fwd keyinit':>11} {'ratio':>6}"
           f" {'f+b torch':>10} {'f+b keyinit':>11} {'ratio':>6}")
     for r in result["ops"]:
         print(f"{r['device']:6} {str(r['threads'] or '-'):>3} {r['dtype']:8} {str(tuple(r['shape'])):16}"
@@ -306,10 +332,12 @@ def main() -> None:
     parser.add_argument("--only", choices=("ops", "model", "attention"), default=None,
                         help="run one section: ops (1-3), model (4) or attention (5)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--stream", choices=tuple(KEYS), default="v1",
+                        help="keyinit's element names in sections 1-3 and 5 (v2: a keyed forward's, docs/spec.md 14.8)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device")
-    result = run(args.device, args.quick, args.repeats, args.only)
+    result = run(args.device, args.quick, args.repeats, args.only, args.stream)
     print_report(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -14,6 +14,7 @@ in for the GPU (a dry run of this file: it then compares the CPU with itself).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import warnings
 
@@ -165,6 +166,64 @@ def test_dropout_on_the_device_equals_the_cpu(dtype, shape):
     part = knn.functional.dropout(x[rows].to(DEVICE), 0.3, rng_key=KEY, global_shape=shape,
                                   region=(rows, slice(None), slice(None)))
     assert_bits_equal(part.cpu(), out_cpu[rows])
+
+
+class _V2Drops(nn.Module):
+    """Element-wise dropouts of (B, L, D) rows, (B, H, L, S) probabilities and a transposed (L, B, D) view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x, probs, y):
+        return self.drop(x), self.drop(probs), self.drop(y.transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_v2_keyed_dropout_on_the_device_equals_the_cpu(dtype, monkeypatch):
+    """Stream v2's extent-free names (docs/spec.md 14.8) on the device (the Triton kernel, when triton is
+    installed): forward and backward bit for bit the CPU's, and a shorter padding keeps the real elements'."""
+    shapes = ((4, 33, 96), (4, 3, 33, 70), (4, 17, 130))
+    inputs = [kr.normal(keyinit.fold_in(KEY, i), s, dtype=dtype) for i, s in enumerate(shapes)]
+    grads = [kr.uniform(keyinit.fold_in(KEY, 10 + i), s if i < 2 else (s[1], s[0], s[2]), dtype=dtype)
+             for i, s in enumerate(shapes)]
+    launched = []
+    if DEVICE == "cuda" and importlib.util.find_spec("triton") is not None:
+        from keyinit._kernels.dropout import triton as triton_dropout
+
+        kernel = triton_dropout.run
+
+        def counted(x, out, geometry, **kwargs):
+            done = kernel(x, out, geometry, **kwargs)
+            launched.append((geometry.stream, done))
+            return done
+
+        monkeypatch.setattr(triton_dropout, "run", counted)
+
+    def forward(device, trim=None):
+        leaves = [t[trim[i]] if trim else t for i, t in enumerate(inputs)]
+        leaves = [t.to(device, copy=True).requires_grad_() for t in leaves]
+        net = _V2Drops().train()
+        with generators_untouched():
+            with knn.keyed(net, 5, step=1, sample_offset=3, stream="v2"):
+                outs = net(*leaves)
+            if trim is None:
+                torch.autograd.backward(outs, [g.to(device) for g in grads])
+        return [o.detach().cpu() for o in outs] + ([t.grad.cpu() for t in leaves] if trim is None else [])
+
+    on_cpu = forward("cpu")
+    on_device = forward(DEVICE)
+    for got, want in zip(on_device, on_cpu):
+        assert_bits_equal(got, want)
+    if launched:
+        assert launched == [("v2", True)] * 6  # three forward dropouts, three backward
+    # padded less far: sequence 20 of 33, probabilities (20, 50) of (33, 70), sequence 10 of 17
+    trim = ((slice(None), slice(0, 20)), (slice(None), slice(None), slice(0, 20), slice(0, 50)),
+            (slice(None), slice(0, 10)))
+    short = forward(DEVICE, trim)
+    assert_bits_equal(short[0], on_cpu[0][:, :20])
+    assert_bits_equal(short[1], on_cpu[1][:, :, :20, :50])
+    assert_bits_equal(short[2], on_cpu[2][:10])
 
 
 # ------------------------------------------------------------------------ keyed forwards

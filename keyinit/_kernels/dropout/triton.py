@@ -7,17 +7,27 @@ without a GPU (:func:`run` with ``interpret_ok=True``).
 
 One pass: each program computes the Philox words of its elements, the keep
 decision ``word < threshold`` and ``kept ? x * scale : +0``; the backward is the
-same launch on the gradient. Two modes:
+same launch on the gradient. An element's word is lane ``g % 4`` of
+``Philox4x32-10((lo32(g / 4), hi32(g / 4), lo32(h), hi32(h)), K)`` for its global
+index ``g`` and high counter words ``h = hbase + sum_d hstrides[d] * idx_d(p_d)``,
+as the C kernel takes them: ``h`` is 0 except in stream v2's extent-free names of
+keyed forwards (``docs/spec.md`` 14.8: sample and third coordinate), and the
+constexpr ``HIGH`` leaves the ``h = 0`` kernels as they were. Three modes:
 
-- ``RUN``: the tensor's global indices are one run ``base, base+1, ...`` (a plain
-  tensor, rows of a batch, Replicate/Shard(0) DTensors): a program covers 1024
-  consecutive stream words from a multiple of 4, computes each Philox block once
-  (256 blocks) and interleaves the four lanes into word order. ``VEC > 1`` (the
-  run starts on a Philox block and ``numel`` is a multiple of ``VEC``, a 16-byte
-  vector of the dtype) tells the compiler that positions are block-aligned and the
-  bounds mask constant over ``VEC`` elements, so loads and stores are vectors;
-- general: any layout (index vectors, sharded inner dimensions); each element
-  computes its own block and picks its lane.
+- ``RUN``: the tensor's global indices are one run ``base, base+1, ...`` with one
+  ``h`` (a plain tensor, rows of a batch, Replicate/Shard(0) DTensors, one v2
+  row): a program covers 1024 consecutive stream words from a multiple of 4,
+  computes each Philox block once (256 blocks) and interleaves the four lanes into
+  word order. ``VEC > 1`` (the run starts on a Philox block and ``numel`` is a
+  multiple of ``VEC``, a 16-byte vector of the dtype) tells the compiler that
+  positions are block-aligned and the bounds mask constant over ``VEC`` elements,
+  so loads and stores are vectors;
+- ``ROWS`` (high words only, rows of at least ``ROWS_MIN``): the innermost
+  dimension is a run with one ``h`` per row (v2's ``c_1``; the row's sample and
+  other coordinates give its start and ``h``): ``RUN``'s program on each row,
+  the row's start and ``h`` computed once per program from its outer positions;
+- general: any layout (index vectors, sharded inner dimensions, short rows); each
+  element computes its own block and picks its lane.
 
 Arithmetic as in ``docs/spec.md`` section 14: a lone IEEE multiply (no FMA to
 contract; ``enable_fp_fusion=False`` all the same); bfloat16 is rounded from the
@@ -27,8 +37,7 @@ no host conversion can round them. Throughput: benchmarks/bench_dropout.py
 (``--device cuda``; the H100 numbers are in docs/benchmarks.md).
 """
 
-from __future__ import annotations
-
+# (no ``from __future__ import annotations``: Triton reads the parameters' annotations as objects, I64 included)
 import struct
 
 import torch
@@ -36,7 +45,7 @@ import triton
 import triton.language as tl
 
 from keyinit._kernels.common.ids import DTYPE, DTYPE_IDS
-from keyinit._kernels.common.triton_philox import philox  # Philox4x32-10 of (c0, c1, 0, 0) under (k0, k1)
+from keyinit._kernels.common.triton_philox import philox, philox_hi  # Philox4x32-10 of (c0, c1, 0|c2, 0|c3)
 
 __all__ = ["run", "BLOCK"]
 
@@ -46,6 +55,17 @@ _KINDS = {dtype: DTYPE_IDS[dtype] for dtype in (torch.float32, torch.float64, to
 DTYPE_FLOAT32 = tl.constexpr(DTYPE["float32"])
 DTYPE_FLOAT64 = tl.constexpr(DTYPE["float64"])
 DTYPE_BFLOAT16 = tl.constexpr(DTYPE["bfloat16"])
+#: The kernel's modes (see the module docstring), as the host picks them and as the kernel reads them.
+RUN, ROWS, ANY = 0, 1, 2
+MODE_RUN = tl.constexpr(RUN)
+MODE_ROWS = tl.constexpr(ROWS)
+#: Rows mode needs rows at least this long (shorter ones: one Philox block per element, the general mode).
+ROWS_MIN = 64
+#: The kernel's runtime integers: every one int64 and none specialized on its value (Triton would otherwise
+#: type each i32 or i64 by value and specialize on divisibility, compiling a variant per batch offset).
+_INTS = ["numel", "base", "hbase", "inner", "tiles", "k0", "k1", "threshold", "s32_bits", "s64_bits"]
+I64 = tl.int64
+_INT64_MAX = (1 << 63) - 1
 
 
 @triton.jit
@@ -66,44 +86,89 @@ def _scaled(x, s32, s64, KIND: tl.constexpr):
         return (x.to(tl.float32) * s32).to(tl.float16)
 
 
-@triton.jit(do_not_specialize=["numel", "base", "k0", "k1", "threshold", "s32_bits", "s64_bits"])
-def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, k0, k1, threshold, s32_bits, s64_bits,
-                    NDIM: tl.constexpr, RUN: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr,
+@triton.jit
+def _run_words(first, h, key0, key1, HIGH: tl.constexpr, BLOCK: tl.constexpr):
+    """The stream words ``first .. first+BLOCK-1`` (``first % 4 == 0``) of high counter words ``h`` (a scalar;
+    0 unless ``HIGH``): each Philox block computed once, its four lanes interleaved into word order."""
+    blocks = (first >> 2) + tl.arange(0, BLOCK // 4).to(tl.int64)
+    c0 = (blocks & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (blocks >> 32).to(tl.uint32)
+    if HIGH:
+        c2 = tl.zeros_like(c0) + (h & 0xFFFFFFFF).to(tl.uint32)
+        c3 = tl.zeros_like(c0) + (h >> 32).to(tl.uint32)
+        r0, r1, r2, r3 = philox_hi(c0, c1, c2, c3, tl.zeros_like(c0) + key0, tl.zeros_like(c0) + key1)
+    else:
+        r0, r1, r2, r3 = philox(c0, c1, tl.zeros_like(c0) + key0, tl.zeros_like(c0) + key1)
+    return tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # block-major, lane-minor
+
+
+@triton.jit(do_not_specialize=_INTS)
+def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel: I64, base: I64, hbase: I64, inner: I64, tiles: I64,
+                    k0: I64, k1: I64, threshold: I64, s32_bits: I64, s64_bits: I64, NDIM: tl.constexpr,
+                    MODE: tl.constexpr, HIGH: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr,
                     VEC: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     key0 = k0.to(tl.uint32)
     key1 = k1.to(tl.uint32)
     s32 = s32_bits.to(tl.int32).to(tl.float32, bitcast=True)
     s64 = s64_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    if RUN:
-        # Global indices base .. base+numel-1. This program: words first .. first+BLOCK-1, first % 4 == 0.
+    if MODE == MODE_RUN:
+        # Global indices base .. base+numel-1, high words hbase. This program: words first .. first+BLOCK-1.
         first = (base - (base & 3)) + pid * BLOCK
-        blocks = (first >> 2) + tl.arange(0, BLOCK // 4).to(tl.int64)
-        c0 = (blocks & 0xFFFFFFFF).to(tl.uint32)
-        c1 = (blocks >> 32).to(tl.uint32)
-        r0, r1, r2, r3 = philox(c0, c1, tl.zeros_like(c0) + key0, tl.zeros_like(c0) + key1)
-        words = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # block-major, lane-minor
+        words = _run_words(first, hbase, key0, key1, HIGH, BLOCK)
         if VEC > 1:  # base % 4 == 0 (first == base + pid * BLOCK) and numel % VEC == 0
             position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             mask = tl.max_constancy(position < numel, VEC)
         else:
             position = first + tl.arange(0, BLOCK).to(tl.int64) - base
             mask = (position >= 0) & (position < numel)
+    elif MODE == MODE_ROWS:
+        # Row `row` (the outer dims' positions) is one run of `inner` consecutive global indices from g with
+        # high words h; this program covers its words from `first` (tile `tile` of the row's `tiles`).
+        row = pid // tiles
+        tile = pid - row * tiles
+        g = base
+        h = hbase
+        rest = row
+        # meta rows: size, global stride, high stride, offset of the dim's indices in index_ptr
+        for d in tl.static_range(NDIM - 2, -1, -1):
+            size = tl.load(meta_ptr + 4 * d)
+            at = tl.load(index_ptr + tl.load(meta_ptr + 4 * d + 3) + rest % size)
+            g += at * tl.load(meta_ptr + 4 * d + 1)
+            h += at * tl.load(meta_ptr + 4 * d + 2)
+            rest = rest // size
+        if VEC > 1:  # every row starts on a Philox block and inner % VEC == 0
+            first = g + tile * BLOCK
+            within = tile * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            mask = tl.max_constancy(within < inner, VEC)
+            position = tl.multiple_of(row * inner, VEC) + within
+        else:
+            first = (g - (g & 3)) + tile * BLOCK
+            within = first + tl.arange(0, BLOCK).to(tl.int64) - g
+            mask = (within >= 0) & (within < inner)
+            position = row * inner + tl.where(mask, within, 0)
+        words = _run_words(first, h, key0, key1, HIGH, BLOCK)
     else:
         position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         mask = position < numel
         rest = tl.where(mask, position, 0)
         g = tl.zeros([BLOCK], dtype=tl.int64) + base
-        # meta rows: size, global stride, offset of the dim's indices in index_ptr
+        h = tl.zeros([BLOCK], dtype=tl.int64) + hbase
         for d in tl.static_range(NDIM - 1, -1, -1):
-            size = tl.load(meta_ptr + 3 * d)
-            gstride = tl.load(meta_ptr + 3 * d + 1)
-            offset = tl.load(meta_ptr + 3 * d + 2)
-            g += tl.load(index_ptr + offset + rest % size) * gstride
+            size = tl.load(meta_ptr + 4 * d)
+            at = tl.load(index_ptr + tl.load(meta_ptr + 4 * d + 3) + rest % size)
+            g += at * tl.load(meta_ptr + 4 * d + 1)
+            if HIGH:
+                h += at * tl.load(meta_ptr + 4 * d + 2)
             rest = rest // size
         c0 = ((g >> 2) & 0xFFFFFFFF).to(tl.uint32)
         c1 = (g >> 34).to(tl.uint32)
-        r0, r1, r2, r3 = philox(c0, c1, tl.zeros_like(c0) + key0, tl.zeros_like(c0) + key1)
+        if HIGH:
+            c2 = (h & 0xFFFFFFFF).to(tl.uint32)
+            c3 = (h >> 32).to(tl.uint32)
+            r0, r1, r2, r3 = philox_hi(c0, c1, c2, c3, tl.zeros_like(c0) + key0, tl.zeros_like(c0) + key1)
+        else:
+            r0, r1, r2, r3 = philox(c0, c1, tl.zeros_like(c0) + key0, tl.zeros_like(c0) + key1)
         lane = (g & 3).to(tl.int32)
         words = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
         position = tl.where(mask, position, 0)
@@ -117,6 +182,32 @@ def _storage(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
+def _plan(geometry, numel: int, element_size: int):
+    """``(mode, high, ndim, inner, tiles, block, vec, grid)`` of a launch for ``geometry`` (``numel`` elements;
+    ``inner``, the rows mode's row length, is 0 in the other modes)."""
+    sizes, gstrides, indices = geometry.sizes, geometry.gstrides, geometry.indices
+    hstrides = geometry.hstrides or (0,) * len(sizes)
+    high = bool(geometry.hstrides) or geometry.hbase != 0
+    last_is_run = indices[-1] is None and gstrides[-1] == 1 and hstrides[-1] == 0
+    if len(sizes) == 1 and last_is_run:
+        vec = 16 // element_size
+        if geometry.base & 3 or numel % vec:
+            vec = 1
+        return RUN, high, 1, 0, 1, BLOCK, vec, (triton.cdiv((geometry.base & 3) + numel, BLOCK),)
+    inner = sizes[-1]
+    if high and last_is_run and inner >= ROWS_MIN:
+        # every row starts on a Philox block when base and the outer global strides are multiples of 4
+        aligned = geometry.base % 4 == 0 and all(g % 4 == 0 for g in gstrides[:-1])
+        span = inner if aligned else inner + 3
+        block = min(BLOCK, max(128, triton.next_power_of_2(span)))
+        vec = 16 // element_size
+        if not aligned or inner % vec:
+            vec = 1
+        tiles = triton.cdiv(span, block)
+        return ROWS, high, len(sizes), inner, tiles, block, vec, ((numel // inner) * tiles,)
+    return ANY, high, len(sizes), 0, 1, BLOCK, 1, (triton.cdiv(numel, BLOCK),)
+
+
 def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = False) -> bool:
     """``out = dropout(x)`` for contiguous ``x``/``out`` laid out by ``geometry``; ``False``: nothing written.
 
@@ -125,39 +216,36 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = Fa
     kind = _KINDS.get(x.dtype)
     if kind is None or (x.device.type != "cuda" and not interpret_ok):
         return False
-    if geometry.hbase or geometry.hstrides:  # extent-free names (docs/spec.md 14.8): the reference, for now
-        return False
+    hstrides = geometry.hstrides or (0,) * len(geometry.sizes)
+    if not 0 <= geometry.hbase <= _INT64_MAX or any(abs(h) > _INT64_MAX for h in hstrides):
+        return False  # (stream v2's names stay below 2**63: docs/spec.md 14.8's limits)
     numel = x.numel()
     if numel == 0:
         return True
     s32_bits = struct.unpack("<i", struct.pack("<f", geometry.scale32))[0]
     s64_bits = struct.unpack("<q", struct.pack("<d", geometry.scale64))[0]
-    run_mode = len(geometry.sizes) == 1 and geometry.indices[0] is None and geometry.gstrides[0] == 1
-    if run_mode:
-        base = geometry.base
-        meta = torch.zeros(3, dtype=torch.int64, device=x.device)
+    mode, high, ndim, inner, tiles, block, vec, grid = _plan(geometry, numel, x.element_size())
+    if mode == RUN:
+        meta = torch.zeros(4, dtype=torch.int64, device=x.device)
         index_all = torch.zeros(1, dtype=torch.int64, device=x.device)
-        grid = (triton.cdiv((base & 3) + numel, BLOCK),)
-        ndim = 1
-        vec = 16 // x.element_size()
-        if base & 3 or numel % vec:
-            vec = 1
     else:
-        base = geometry.base
         rows, pieces, offset = [], [], 0
-        for size, gstride, index in zip(geometry.sizes, geometry.gstrides, geometry.indices):
-            vector = torch.arange(size, dtype=torch.int64) if index is None else index
-            rows.append([size, gstride, offset])
+        for d, (size, gstride, hstride, index) in enumerate(zip(geometry.sizes, geometry.gstrides, hstrides,
+                                                                geometry.indices)):
+            if mode == ROWS and d == ndim - 1:
+                vector = torch.zeros(1, dtype=torch.int64)  # (the rows mode reads no index of the run's dim)
+            else:
+                vector = torch.arange(size, dtype=torch.int64) if index is None else index
+            rows.append([size, gstride, hstride, offset])
             pieces.append(vector)
-            offset += size
+            offset += int(vector.numel())
         meta = torch.tensor(rows, dtype=torch.int64).reshape(-1).to(x.device)
         index_all = torch.cat(pieces).to(x.device)
-        grid = (triton.cdiv(numel, BLOCK),)
-        ndim = len(rows)
-        vec = 1
-    args = (_storage(x), _storage(out), meta, index_all, numel, base, geometry.k0, geometry.k1,
-            geometry.threshold, s32_bits, s64_bits)
-    options = dict(NDIM=ndim, RUN=run_mode, KIND=kind, BLOCK=BLOCK, VEC=vec, enable_fp_fusion=False)
+    args = (_storage(x), _storage(out), meta, index_all, numel, geometry.base, geometry.hbase, inner, tiles,
+            geometry.k0, geometry.k1, geometry.threshold, s32_bits, s64_bits)
+    options = dict(NDIM=ndim, MODE=mode, HIGH=high, KIND=kind, BLOCK=block, VEC=vec, enable_fp_fusion=False)
+    if mode == ROWS:  # eight elements a thread, as the other modes' 1024 on four warps: 16-byte vectors
+        options["num_warps"] = max(1, block // 256)
     if x.device.type == "cuda":
         with torch.cuda.device(x.device):
             _dropout_kernel[grid](*args, **options)

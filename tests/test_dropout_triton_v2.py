@@ -1,0 +1,329 @@
+"""The Triton dropout kernel gives stream v2's extent-free names (docs/spec.md 14.8) bit for bit.
+
+Each case lays out a keyed activation by v2's names (rows, attention probabilities with three
+coordinates, sequence-first and sample-innermost permutations, a shard of the inner dimension, rows
+picked by an index, the limits of the names) and compares the Triton kernel's output with the torch
+reference and the C kernel, in float32, bfloat16 and float16. A padded activation (a longer sequence,
+query or key dimension) must give its real elements the same values. Stream v1's layouts of the same
+shapes still give v1's reference. A keyed forward of ``stream="v2"`` run through the Triton kernel
+(standing in for the C kernel) equals the reference's, forward and backward, for non-contiguous inputs too.
+
+Without a GPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors), which
+must be set before triton is imported: the cases run in a fresh subprocess (this file as a script) and
+return one verdict per case as JSON, as tests/test_dropout_triton.py does. With CUDA the compiled kernel
+is checked in-process on the same cases.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed; the Triton dropout kernel is not tested")
+
+REPO = Path(__file__).resolve().parents[1]
+K0, K1, P = 0x2545F491, 0x9E3779B9, 0.3
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _geometries():
+    """``{name: (stream, local shape, gstrides, starts, indices, hstrides)}``, layouts of keyed activations."""
+    from keyinit._draw.dropout_geometry import rows_layout
+    from keyinit._draw.names import names_strides
+
+    def rows(shape, offset, stream="v2"):
+        layout = rows_layout(shape, offset, stream)
+        return (stream, shape, layout.gstrides, layout.starts, layout.indices, layout.hstrides)
+
+    def permuted(sample_shape, local_order, starts, shape, indices=None):
+        """The canonical tensor ``(samples, *sample_shape)``'s names, its dims in ``local_order``."""
+        lo, hi = names_strides(sample_shape)
+        return ("v2", shape, tuple(lo[d] for d in local_order), starts, indices or (None,) * len(shape),
+                tuple(hi[d] for d in local_order))
+
+    return {
+        "rows": rows((2, 3, 70), 11),  # rows of 70 from a Philox block: rows mode
+        "rows-vectors": rows((2, 2, 96), 0),  # ... a multiple of every 16-byte vector: vector loads and stores
+        "rows-short": rows((4, 7, 9), 3),  # rows shorter than the rows mode takes: one block per element
+        "rows-long": rows((2, 1, 1100), 1),  # rows of several programs
+        "one-row": rows((1, 1, 300), 5),  # one run with constant high words
+        "attention": rows((2, 2, 3, 80), 7),  # (B, H, L, S): three coordinates
+        "attention-short": rows((2, 3, 5, 12), 7),
+        "sequence-first": permuted((5, 70), (1, 0, 2), (0, 4, 0), (3, 2, 70)),  # (L, B, D): h changes per row
+        "sample-innermost": permuted((6, 70), (1, 2, 0), (0, 0, 3), (6, 70, 4)),  # (L, D, B)
+        "inner-shard": permuted((4, 100), (0, 1, 2), (2, 1, 5), (2, 3, 90)),  # rows that start inside a block
+        "routed": permuted((4, 100), (0, 1, 2), (0, 0, 0), (3, 2, 100), (torch.tensor([5, 0, 2]), None, None)),
+        "limits": permuted((5, 2**29 - 1, 80), (0, 1, 2, 3), (2**31 - 2, 3, 2**29 - 3, 0), (2, 2, 2, 80)),
+        "limits-shard": permuted((5, 2**29 - 1, 80), (0, 1, 2, 3), (2**31 - 2, 3, 2**29 - 3, 20), (2, 2, 2, 60)),
+        "v1-rows": rows((2, 3, 70), 11, "v1"),
+        "v1-attention": rows((2, 2, 3, 80), 7, "v1"),
+    }
+
+
+#: ``{name: (stream, short shape, padded shape, offset)}``: the padded activation's real elements are the short's.
+PADDED = {
+    "padded-sequence": ((2, 3, 70), (2, 5, 70), 3),
+    "padded-modes": ((2, 3, 40), (2, 3, 100), 3),  # one block per element, then the rows mode
+    "padded-attention": ((1, 2, 3, 70), (1, 2, 5, 90), 1),
+}
+
+
+def _case_ids():
+    ids = [f"{name}-{str(dtype)[6:]}" for name in _geometry_names() for dtype in DTYPES]
+    ids += ["rows-float64", "attention-float64"]
+    ids += [f"{name}-{str(dtype)[6:]}" for name in PADDED for dtype in DTYPES]
+    ids += ["keyed-forward-bfloat16"]
+    return ids
+
+
+def _geometry_names():
+    return ("rows", "rows-vectors", "rows-short", "rows-long", "one-row", "attention", "attention-short",
+            "sequence-first", "sample-innermost", "inner-shard", "routed", "limits", "limits-shard", "v1-rows",
+            "v1-attention")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor, what: str) -> str:
+    bad = (_bits(got) != _bits(want)).reshape(-1).nonzero().flatten()[:5].tolist()
+    return f"{what}: mismatch at byte positions {bad}"
+
+
+def _kernel_case(run_fn, device, name, dtype) -> str:
+    from keyinit._draw.dropout_geometry import make_geometry
+    from keyinit._draw.reference_dropout import dropout as reference
+    from keyinit._kernels.dropout import cpu
+
+    stream, shape, gstrides, starts, indices, hstrides = _geometries()[name]
+    geometry = make_geometry(shape, K0, K1, P, gstrides, starts, indices, stream, hstrides)
+    if (stream == "v2") != bool(geometry.hstrides):
+        return f"the geometry of {stream} has hstrides {geometry.hstrides}"
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(len(name)), dtype=torch.float64).to(dtype)
+    want = torch.empty_like(x)
+    reference(x, want, geometry)
+    c_out = torch.empty_like(x)
+    if cpu.run(x, c_out, geometry) and not torch.equal(_bits(c_out), _bits(want)):
+        return _mismatch(c_out, want, "the C kernel against the reference")
+    out = torch.empty_like(x, device=device)
+    if not run_fn(x.to(device), out, geometry):
+        return "kernel declined"
+    got = out.cpu()
+    return "ok" if torch.equal(_bits(got), _bits(want)) else _mismatch(got, want, "Triton against the reference")
+
+
+def _padded_case(run_fn, device, name, dtype) -> str:
+    from keyinit._draw.dropout_geometry import make_geometry, rows_layout
+
+    short, padded, offset = PADDED[name]
+    x = torch.randn(padded, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
+    real = tuple(slice(0, n) for n in short)
+    outs = []
+    for tensor in (x[real].contiguous(), x):
+        layout = rows_layout(tuple(tensor.shape), offset, "v2")
+        geometry = make_geometry(tuple(tensor.shape), K0, K1, P, layout.gstrides, layout.starts, layout.indices,
+                                 "v2", layout.hstrides)
+        out = torch.empty_like(tensor, device=device)
+        if not run_fn(tensor.to(device), out, geometry):
+            return "kernel declined"
+        outs.append(out.cpu())
+    return "ok" if torch.equal(_bits(outs[0]), _bits(outs[1][real])) else _mismatch(outs[1][real], outs[0], name)
+
+
+class _Net(torch.nn.Module):
+    """Element-wise dropouts of a (B, L, D) activation, (B, H, L, S) probabilities and a transposed (L, B, D)
+    view (a non-contiguous input whose batch is dimension 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(P)
+
+    def forward(self, x, probs, y):
+        return self.drop(x), self.drop(probs), self.drop(y.transpose(0, 1))
+
+
+def _keyed_forward(dtype):
+    """Outputs and input gradients of a keyed forward of :class:`_Net` under stream v2 (CPU tensors)."""
+    import keyinit.nn as knn
+
+    g = torch.Generator().manual_seed(0)
+    shapes = ((2, 3, 70), (2, 2, 2, 66), (2, 3, 65))
+    inputs = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype).requires_grad_() for s in shapes]
+    net = _Net().train()
+    with knn.keyed(net, 7, step=2, sample_offset=4, stream="v2"):
+        outs = net(*inputs)
+    grads = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(dtype) for o in outs]
+    torch.autograd.backward(outs, grads)
+    return [o.detach() for o in outs] + [t.grad for t in inputs]
+
+
+def _keyed_case(run_fn, dtype) -> str:
+    """The keyed forward with the Triton kernel in the C kernel's place equals the reference's."""
+    from keyinit._kernels.dropout import cpu
+
+    os.environ["KEYINIT_DISABLE_KERNELS"] = "1"
+    try:
+        want = _keyed_forward(dtype)
+    finally:
+        del os.environ["KEYINIT_DISABLE_KERNELS"]
+    calls = []
+
+    def triton_in_place_of_c(x, out, geometry, *args, **kwargs):
+        calls.append(geometry.stream)
+        return run_fn(x, out, geometry)
+
+    saved, cpu.run = cpu.run, triton_in_place_of_c  # (the dispatcher resolves cpu.run at each call)
+    try:
+        got = _keyed_forward(dtype)
+    finally:
+        cpu.run = saved
+    if calls != ["v2"] * 6:
+        return f"the Triton kernel ran for {calls}, not 3 forward and 3 backward dropouts of stream v2"
+    for i, (a, b) in enumerate(zip(got, want)):
+        if not torch.equal(_bits(a), _bits(b)):
+            return _mismatch(a, b, f"keyed forward tensor {i}")
+    return "ok"
+
+
+def _results(run_fn, device, keyed=True) -> dict:
+    results = {}
+    for case_id in _case_ids():
+        name, _, dt = case_id.rpartition("-")
+        dtype = getattr(torch, dt)
+        try:
+            if name in PADDED:
+                results[case_id] = _padded_case(run_fn, device, name, dtype)
+            elif name == "keyed-forward":
+                results[case_id] = _keyed_case(run_fn, dtype) if keyed else "ok"
+            else:
+                results[case_id] = _kernel_case(run_fn, device, name, dtype)
+        except Exception as exc:  # noqa: BLE001 - reported per case
+            results[case_id] = f"{type(exc).__name__}: {exc}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("KEYINIT_DISABLE_KERNELS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret-worker"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case_id", _case_ids())
+def test_interpreter_kernel_gives_the_names_bit_for_bit(interpreter_results, case_id):
+    assert interpreter_results[case_id] == "ok", interpreter_results[case_id]
+
+
+def test_the_kernel_modes_are_the_ones_the_cases_mean():
+    """The cases reach every launch mode of v2 geometries (so a mode the cases miss shows here, not never)."""
+    from keyinit._draw.dropout_geometry import make_geometry
+    from keyinit._kernels.dropout import triton as triton_dropout
+
+    modes = {}
+    for name, (stream, shape, gstrides, starts, indices, hstrides) in _geometries().items():
+        geometry = make_geometry(shape, K0, K1, P, gstrides, starts, indices, stream, hstrides)
+        mode, high, _, _, _, _, vec, _ = triton_dropout._plan(geometry, geometry_numel(shape), 4)
+        modes[name] = (mode, high, vec > 1)
+    run_, rows, any_ = triton_dropout.RUN, triton_dropout.ROWS, triton_dropout.ANY
+    assert modes["one-row"] == (run_, True, True)
+    assert modes["rows"] == (rows, True, False) and modes["rows-vectors"] == (rows, True, True)
+    assert modes["attention"][:2] == modes["sequence-first"][:2] == modes["inner-shard"][:2] == (rows, True)
+    assert modes["routed"][:2] == (rows, True)  # (an index vector on an outer dimension)
+    assert modes["rows-short"][:2] == modes["sample-innermost"][:2] == (any_, True)
+    assert modes["limits"] == (rows, True, True) and modes["limits-shard"][:2] == (any_, True)
+    assert not modes["v1-rows"][1] and not modes["v1-attention"][1]
+
+
+def geometry_numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _ptx(dtype, mode: int, high: bool, block: int, vec: int, ndim: int, num_warps: int) -> str:
+    """The kernel's PTX for an sm_90 target, compiled without a GPU (Triton's bundled ptxas)."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from keyinit._kernels.dropout import triton as triton_dropout
+
+    fn = triton_dropout._dropout_kernel
+    constexprs = {"NDIM": ndim, "MODE": mode, "HIGH": high, "KIND": triton_dropout._KINDS[dtype], "BLOCK": block,
+                  "VEC": vec}
+    pointer = {torch.float32: "*fp32", torch.bfloat16: "*i16"}[dtype]
+    signature = {name: "constexpr" if name in constexprs else pointer if name in ("x_ptr", "out_ptr")
+                 else "*i64" if name.endswith("_ptr") else "i64" for name in fn.arg_names}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                       attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                              for n in ("x_ptr", "out_ptr", "meta_ptr", "index_ptr")})
+    options = {"enable_fp_fusion": False, "num_warps": num_warps}
+    return triton_compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def test_rows_mode_compiles_for_cuda_with_vectors_and_a_quarter_of_the_philox(tmp_path, monkeypatch):
+    """Without a GPU: the rows mode (v2's high words) passes Triton's compiler, loads and stores 16-byte vectors
+    where rows start on a Philox block, computes a Philox block per four elements (a quarter of the general
+    mode's multiplies) and has no fused multiply-add."""
+    try:
+        import triton.backends.nvidia.compiler  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"Triton's NVIDIA backend is unavailable: {exc}")
+    from keyinit._kernels.dropout import triton as triton_dropout
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = _ptx(dtype, triton_dropout.ROWS, True, 1024, 16 // dtype.itemsize, 3, 4)
+        general = _ptx(dtype, triton_dropout.ANY, True, 1024, 1, 3, 4)
+        assert "ld.global.v4.b32" in rows and "st.global.v4.b32" in rows, dtype
+        assert "fma." not in rows and "fma." not in general
+        assert 4 * rows.count("mul.hi") <= general.count("mul.hi") + 8, (rows.count("mul.hi"), general.count("mul.hi"))
+
+
+def test_kernel_arguments_cannot_make_new_variants():
+    """Every runtime integer is int64 and none is specialized on its value: a batch offset (stream v2's high
+    words), a key word above 2**31 or a row length does not compile another kernel."""
+    from keyinit._kernels.dropout import triton as triton_dropout
+
+    fn = triton_dropout._dropout_kernel
+    runtime_ints = [p for p in fn.params if not p.is_constexpr and not p.name.endswith("_ptr")]
+    assert {p.name for p in runtime_ints} == set(triton_dropout._INTS)
+    assert all(p.annotation_type == "i64" and p.do_not_specialize for p in runtime_ints)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled Triton path is not exercised")
+def test_gpu_kernel_gives_the_names_bit_for_bit():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 in this process")
+    from keyinit._kernels.dropout import triton as triton_dropout
+
+    results = _results(triton_dropout.run, "cuda", keyed=False)
+    assert {k: v for k, v in results.items() if v != "ok"} == {}
+
+
+def _worker() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from keyinit._kernels.dropout import triton as triton_dropout
+
+    def run_fn(x, out, geometry):
+        return triton_dropout.run(x, out, geometry, interpret_ok=True)
+
+    print(json.dumps(_results(run_fn, "cpu")))
+
+
+if __name__ == "__main__" and "--interpret-worker" in sys.argv:
+    _worker()
