@@ -285,9 +285,12 @@ def test_v1_masks_change_with_the_padded_length():
     """The control: under stream v1 a sample's masks depend on how far its batch is padded."""
     whole, micro = _one_process("v1", None), _one_process("v1", 2)
     assert _padded_otherwise(micro, whole) > 0 and whole["data"].keys() == micro["data"].keys()
-    assert _differing_masks(micro["masks"], whole["masks"]) > len(whole["masks"]) // 4
+    differing = _differing_masks(micro["masks"], whole["masks"])
+    print(f"stream v1: {differing} of {len(whole['masks'])} dropout masks on real tokens differ")
+    assert differing > len(whole["masks"]) // 4
 
 
+@pytest.mark.slow
 @requires_gloo
 def test_two_ranks_with_and_without_micro_batches(reference):
     plain, micro = (_merge(run) for run in zip(*run_distributed(_ranks, 2, args=([None, 2],), timeout=240)))
@@ -296,6 +299,7 @@ def test_two_ranks_with_and_without_micro_batches(reference):
           "2 ranks x 2 micro-batches", _assert_matches(micro, reference))
 
 
+@pytest.mark.slow
 @requires_gloo
 def test_four_ranks_then_resumed_on_two(reference, tmp_path):
     checkpoint = str(tmp_path / "checkpoint")
