@@ -104,13 +104,14 @@ def main() -> None:
         v["step"] += 1
         if device == "cuda":
             v["peak"] = max(v["peak"], torch.cuda.max_memory_allocated())
-        v["loss"] = float(out.loss)
+        v["loss"] = float(out.loss.detach())
         return elapsed
 
     for i in range(args.warmup + args.steps):
         order = list(variants) if i % 2 == 0 else list(reversed(variants))
         for name in order:
             t = step(variants[name], name)
+            print(f"  step {i} {name}: {t * 1e3:.1f} ms", flush=True)
             if i >= args.warmup:
                 variants[name]["times"].append(t)
 
