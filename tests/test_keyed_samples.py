@@ -9,6 +9,7 @@ run's, a resume from the sampler's ``state_dict`` included. Errors are exact.
 
 from __future__ import annotations
 
+import copy
 import pickle
 import re
 
@@ -148,6 +149,28 @@ def test_worker_processes_carry_the_positions(one_process):
     _assert_same(masks, one_process)
 
 
+def _encoded(items):
+    import transformers
+
+    return transformers.BatchEncoding({"tokens": torch.stack([x["tokens"] for x in items]),
+                                       "idx": torch.stack([x["idx"] for x in items])})
+
+
+def test_worker_processes_carry_the_positions_of_a_batch_encoding(one_process):
+    """HF collators return a ``BatchEncoding``, whose pickling keeps only its data: across a worker
+    process (and a copy, as ``pin_memory`` makes) its batch still carries its positions."""
+    pytest.importorskip("transformers")
+    masks: dict = {}
+    for rank in range(2):
+        sampler = KeyedSampler(N, DATA_SEED, global_batch_size=B, rank=rank, world_size=2, num_steps=STEPS)
+        loader = DataLoader(keyed_samples(Tokens(), DATA_SEED), batch_sampler=sampler.batch_sampler(2),
+                            collate_fn=keyed_collate(_encoded, DATA_SEED), num_workers=1)
+        batches = list(loader)
+        assert all(type(b).__name__ == "BatchEncoding" for b in batches)
+        _train(Net(), [copy.copy(b) for b in batches], masks)
+    _assert_same(masks, one_process)
+
+
 def test_what_carries_the_positions():
     loader, _ = _loader(1, 2, 2)
     batch = next(iter(loader))
@@ -167,6 +190,12 @@ def test_what_carries_the_positions():
     encoded = keyed_collate(lambda b: transformers.BatchEncoding({"tokens": torch.stack([x["tokens"] for x in b])}),
                             0)(items)
     assert sample_positions(encoded.to("cpu")) == want
+    assert isinstance(encoded, transformers.BatchEncoding)
+    for again in (pickle.loads(pickle.dumps(encoded)), copy.copy(encoded), copy.deepcopy(encoded)):
+        assert isinstance(again, transformers.BatchEncoding) and sample_positions(again) == want
+        assert again.keys() == encoded.keys() and torch.equal(again["tokens"], encoded["tokens"])
+    plain = transformers.BatchEncoding({"tokens": torch.zeros(2)})
+    assert type(pickle.loads(pickle.dumps(plain))) is transformers.BatchEncoding  # (others untouched)
     assert want.slice(1, 2) == SamplePositions(step=0, first=5, rows=1, global_batch_size=B)
 
 

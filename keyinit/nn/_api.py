@@ -138,7 +138,9 @@ def _offset_of(samples: Any, sample_offset: Optional[int], step: int) -> int:
             f"a DataLoader made over keyinit.data.keyed_samples(dataset, seed) with "
             f"batch_sampler=KeyedSampler.batch_sampler(...) and collate_fn=keyinit.data.keyed_collate(...) (the "
             f"object it yielded, not a new dict made from it), its KeyedBatch, or a keyinit.data.SamplePositions; "
-            f"or pass sample_offset= instead")
+            f"or pass sample_offset= instead"
+            + (" (a bare tensor that a collate function returned loses them in DataLoader worker processes: "
+               "return a tuple, list or dict)" if isinstance(samples, torch.Tensor) else ""))
     step = as_uint64(step, "step")
     if positions.step != step:
         raise ValueError(f"keyed: samples= holds rows of step {positions.step} (KeyedSampler's step), but "
