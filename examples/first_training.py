@@ -14,9 +14,11 @@ Everything random in the run is a function of the seed, never of the layout:
    the shard each rank holds. No collective, no torch.nn default in place of the model's init.
 2. **Data order.** ``keyinit.data.KeyedSampler`` gives each rank its contiguous slice of
    global batch ``t``; the global batch is the same for every world size.
-3. **Dropout.** ``keyinit.nn.keyed(model, seed, step=t, sample_offset=...)`` keys every
-   dropout (attention dropout included) by (seed, step, module FQN, call, global index), so
-   a sample's mask does not depend on which rank holds it.
+3. **Dropout.** ``keyinit.nn.keyed(model, seed, step=t, samples=indices)`` keys every
+   dropout (attention dropout included) by (seed, step, module FQN, call, the element's global
+   sample and its place in it), so a sample's mask does not depend on which rank holds it; the
+   indices the sampler yielded say where this rank's rows sit in the global batch (no offset to
+   compute). ``docs/walkthrough.md`` does the same with dynamic padding and micro-batches.
 
 The script prints each step's loss. ``--check`` runs it on 1 and on 2 ranks and compares:
 the initial weights bit for bit (gathered), the losses within floating-point tolerance
@@ -126,14 +128,14 @@ def train(kind: str = "own", seed: int = 0, steps: int = 3) -> dict:
 
     data = dataset(seed)
     sampler = KeyedSampler(len(data), seed, global_batch_size=GLOBAL_BATCH, rank=rank, world_size=world)
-    local = GLOBAL_BATCH // world
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     batches = sampler.batches()
     for step in range(steps):
-        rows = data[next(batches)]                # 2. this rank's slice of global batch `step`
+        indices = next(batches)                   # 2. this rank's slice of global batch `step`
+        rows = data[indices]
         tokens, targets = rows[:, :-1], rows[:, 1:]
-        with keyinit.nn.keyed(model, seed, step=step, sample_offset=rank * local):   # 3. keyed dropout
+        with keyinit.nn.keyed(model, seed, step=step, samples=indices):   # 3. keyed dropout
             logits = logits_of(model, tokens)
             loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
             loss.backward()

@@ -260,3 +260,30 @@ def test_gloo_ranks_need_no_sample_offset(one_process):
     assert all(r["refused"].startswith("keyed: torch.distributed is initialized with 2 ranks, so sample_offset "
                                        "must be given") for r in results)
     _assert_same({**results[0]["masks"], **results[1]["masks"]}, one_process)
+
+
+def test_a_forward_must_hold_the_rows_of_its_samples():
+    """A batch flattened into one row (``DataCollatorWithFlattening``'s ``(1, N)``), or rows cut from it
+    outside ``micro_batch``, would key other samples' rows: refused, naming the rows and the way out."""
+    loader, _ = _loader(1, 2, None)
+    batch = next(iter(loader))
+    model = Net()
+    flat = batch["tokens"].reshape(1, -1)
+    with pytest.raises(ValueError, match=re.escape(
+            "keyed: samples= is a batch of 4 rows (its SamplePositions), but the forward of 'Net' holds 1 rows "
+            "(dimension 0 of a tensor of shape (1, 24)): each row of a keyed forward is one sample")):
+        with knn.keyed(model, SEED, step=0, samples=batch):
+            model(flat)
+    with pytest.raises(ValueError, match="holds 2 rows"):
+        with knn.keyed(model, SEED, step=0, samples=batch):
+            model(batch["tokens"][:2])
+    with pytest.raises(ValueError, match=re.escape("holds 2 rows (dimension 0 of a tensor of shape (2, 6), "
+                                                   "from row 3 in a micro_batch)")):
+        with knn.keyed(model, SEED, step=0, samples=batch) as ctx, ctx.micro_batch(3):
+            model(batch["tokens"][2:])
+    with knn.keyed(model, SEED, step=0, samples=batch) as ctx:  # micro-batches within the batch: keyed
+        for offset in (0, 2):
+            with ctx.micro_batch(offset):
+                model(batch["tokens"][offset:offset + 2])
+        model(batch["tokens"])
+    assert not model._forward_hooks and not model._forward_pre_hooks

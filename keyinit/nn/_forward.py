@@ -406,7 +406,9 @@ class MicroBatch:
     def __enter__(self) -> Any:
         self.saved = self.ctx._rows
         self.ctx._rows = self.offset
+        self.ctx._micro += 1
         return self.ctx
 
     def __exit__(self, *exc_info: Any) -> None:
         self.ctx._rows = self.saved
+        self.ctx._micro -= 1

@@ -85,6 +85,30 @@ class FrameStack(CompiledCalls):
     """The frames of a keyed context (see the module docstring); the context's state is
     :class:`keyinit.nn._keyed.Keyed`'s."""
 
+    #: keyed(samples=batch): the batch's rows (its SamplePositions), which each root forward must hold
+    sample_rows: Optional[int] = None
+    _micro = 0  # micro_batch() blocks open (their root forwards hold part of the rows)
+
+    def _check_sample_rows(self, fqn: str, count: int, tensors: Any, dims: list) -> None:
+        """A root forward of a block keyed with ``samples=`` holds that batch's rows (in a ``micro_batch``,
+        some of them): anything else (a batch flattened or packed to one row, a batch cut without
+        ``micro_batch``) would key other samples' rows, silently."""
+        rows = self.sample_rows
+        if rows is None or not count or self._probing or (self._micro and self._rows + count <= rows):
+            return
+        if count == rows and not self._micro:
+            return
+        where = next((f"dimension {d} of a tensor of shape {tuple(t.shape)}" for t, d in zip(tensors, dims)
+                      if d is not None), "its inputs")
+        raise ValueError(
+            f"keyed: samples= is a batch of {rows} rows (its SamplePositions), but the forward of "
+            f"{fqn or type(self.model).__name__!r} holds {count} rows ({where}"
+            f"{f', from row {self._rows} in a micro_batch' if self._micro else ''}): each row of a keyed forward is "
+            "one sample of that batch. A batch flattened or packed into fewer rows (DataCollatorWithFlattening, "
+            "cu_seqlens) names its samples by row and cannot be keyed per sample: key it with sample_offset= "
+            "(its rows as the samples) or keep one sample per row; rows cut from the batch go in "
+            "ctx.micro_batch(offset)")
+
     def _thread_state(self) -> _ThreadState:
         state = getattr(self._local, "state", None)
         if state is None:
