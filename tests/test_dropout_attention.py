@@ -118,20 +118,20 @@ def test_keyed_sdpa_masks_are_invariant_to_the_batch_split_and_equal_the_eager_f
     v = _eye((B, H, L, S))
     model, eager = _Wrap(0.5), _Wrap(0.5, eager=True)
     rng = torch.get_rng_state()
-    with knn.keyed(model, 7, step=3):
+    with knn.keyed(model, 7, step=3, stream="v1"):
         whole = model(q, k, v)
     assert torch.equal(rng, torch.get_rng_state())  # the global RNG is never read or advanced
     keep = _keep(knn.dropout_key(7, step=3, fqn="attn", ordinal=0), (B, H, L, S), 0.5)
     assert torch.equal(whole != 0, keep)
     parts = []
     for lo, hi in ((0, 1), (1, 4)):
-        with knn.keyed(model, 7, step=3, sample_offset=lo):
+        with knn.keyed(model, 7, step=3, sample_offset=lo, stream="v1"):
             parts.append(model(q[lo:hi], k[lo:hi], v[lo:hi]))
     assert torch.equal(torch.cat(parts) != 0, keep)
     torch.testing.assert_close(torch.cat(parts), whole, **TOL)
-    with knn.keyed(eager, 7, step=3):
+    with knn.keyed(eager, 7, step=3, stream="v1"):
         torch.testing.assert_close(eager(q, k, v), whole, **TOL)  # same key, same index: the same mask
-    with knn.keyed(model, 7, step=4):
+    with knn.keyed(model, 7, step=4, stream="v1"):
         assert not torch.equal(model(q, k, v) != 0, keep)
 
 
@@ -151,7 +151,7 @@ def test_multihead_attention_is_keyed(need_weights):
     mha = nn.MultiheadAttention(16, 4, dropout=0.4, batch_first=True)
     keyinit.init_model(mha, 0)
     x = torch.randn(5, 7, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    with knn.keyed(mha, 2, step=1):
+    with knn.keyed(mha, 2, step=1, stream="v1"):
         out, weights = mha(x, x, x, need_weights=need_weights, average_attn_weights=False)
     keep = _keep(knn.dropout_key(2, step=1, fqn="", ordinal=0), (5, 4, 7, 7), 0.4)
     torch.testing.assert_close(out, _mha_reference(mha, x, keep, 0.4), **TOL)
@@ -297,7 +297,7 @@ def test_golden_attention_masks(case):
         dropout_p=case["p"], rng_key=key, global_shape=shape, region=region)
     assert torch.equal(local != 0, expected)
     model = _nested(case["fqn"], _Leaf(case["p"], case["ordinal"]))
-    with knn.keyed(model, case["seed"], step=case["step"]):
+    with knn.keyed(model, case["seed"], step=case["step"], stream="v1"):
         whole = model(q, k, v)
     assert torch.equal((whole != 0)[region], expected)
 

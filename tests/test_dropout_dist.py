@@ -91,7 +91,7 @@ def _keyed_dtensor_rows():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = torch.nn.Dropout(0.5)
     x = torch.ones(6, 10)
-    with knn.keyed(model, 1, step=2, sample_offset=4):
+    with knn.keyed(model, 1, step=2, sample_offset=4, stream="v1"):  # (the expected masks: v1 names)
         with count_collectives() as counts:
             out = model(distribute_tensor(x, mesh, [Shard(0)], src_data_rank=None))
     return out.full_tensor(), dict(counts)

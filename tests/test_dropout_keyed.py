@@ -178,7 +178,7 @@ def test_gradient_accumulation_split_gives_the_same_input_gradients():
 
 def test_masks_follow_the_documented_keys():
     model, ids = build(), tokens(batch=4)
-    _, taps = tapped(model, ids[1:], step=5, sample_offset=1)
+    _, taps = tapped(model, ids[1:], step=5, sample_offset=1, stream="v1")
     emb = model.tok_embeddings(ids[1:])
     expected = KF.dropout(emb, 0.25, rng_key=dropout_key(SEED, step=5, fqn="emb_dropout", ordinal=0), global_shape=(4, 7, 16),
                           region=(slice(1, 4), slice(None), slice(None)))
@@ -235,15 +235,15 @@ def test_calls_in_a_child_belong_to_the_child_and_ordinals_count_per_forward():
             return a, F.dropout(x, 0.5), b
 
     x = torch.ones(3, 40)
-    with knn.keyed(with_child := Parent(True), 1, step=0):
+    with knn.keyed(with_child := Parent(True), 1, step=0, stream="v1"):
         a1, c1, b1 = with_child(x)
-    with knn.keyed(without := Parent(False), 1, step=0):
+    with knn.keyed(without := Parent(False), 1, step=0, stream="v1"):
         a2, c2, _ = without(x)
     assert torch.equal(a1, a2) and torch.equal(c1, c2)  # the child's call did not shift the parent's ordinals
     assert not torch.equal(a1, c1)
     assert torch.equal(c1, KF.dropout(x, 0.5, rng_key=dropout_key(1, step=0, fqn="", ordinal=1)))
     assert torch.equal(b1, KF.dropout(x, 0.5, rng_key=dropout_key(1, step=0, fqn="child", ordinal=0)))
-    with knn.keyed(with_child, 1, step=0):  # a second forward restarts the ordinals
+    with knn.keyed(with_child, 1, step=0, stream="v1"):  # a second forward restarts the ordinals
         again = with_child(x)
     assert torch.equal(again[0], a1)
 
@@ -264,11 +264,11 @@ def test_dropout_variants_are_keyed_and_split_invariant():
 
     model = Variants()
     x = torch.randn(6, 5, 4, 3, generator=torch.Generator().manual_seed(1)) + 3.0  # no zeros
-    with knn.keyed(model, 3, step=1):
+    with knn.keyed(model, 3, step=1, stream="v1"):
         whole = model(x)
     parts = []
     for lo, hi in ((0, 2), (2, 6)):
-        with knn.keyed(model, 3, step=1, sample_offset=lo):
+        with knn.keyed(model, 3, step=1, sample_offset=lo, stream="v1"):
             parts.append(model(x[lo:hi]))
     for i, (w, a, b) in enumerate(zip(whole, *parts)):
         assert torch.equal(w, torch.cat([a, b])), f"variant {i}"

@@ -26,22 +26,22 @@ class _Outer(nn.Module):
 
 def test_a_nested_keyed_on_a_submodule_keys_it_by_its_fqn_in_the_outer_model():
     model, x = _Outer().train(), torch.ones(6, 4)
-    with knn.keyed(model, 1, step=2, sample_offset=3):
+    with knn.keyed(model, 1, step=2, sample_offset=3, stream="v1"):
         alone = model(x)
-    with knn.keyed(model, 1, step=2, sample_offset=3):
-        with knn.keyed(model.d, 1, step=2, sample_offset=3):  # the same values: keys nothing more
+    with knn.keyed(model, 1, step=2, sample_offset=3, stream="v1"):
+        with knn.keyed(model.d, 1, step=2, sample_offset=3, stream="v1"):  # the same values: keys nothing more
             nested = model(x)
             inner_only = model.d(x)  # d's forward outside the outer's: still keyed by the outer, as 'd'
     assert torch.equal(nested, alone) and torch.equal(inner_only, alone)
     keep = keyinit.random.bernoulli(dropout_key(1, step=2, fqn="d.1", ordinal=0), (9, 4), p=0.5, region=(slice(3, 9), slice(None)))
     assert torch.equal(alone != 0, keep & (model.d[0](x) != 0))
-    with knn.keyed(model, 1, step=2):
+    with knn.keyed(model, 1, step=2, stream="v1"):
         with pytest.raises(RuntimeError, match=r"module is 'd'.*Remove the inner keyed"):
-            with knn.keyed(model.d, 1, step=3):
+            with knn.keyed(model.d, 1, step=3, stream="v1"):
                 pass
-    with knn.keyed(model.d, 1, step=2):
+    with knn.keyed(model.d, 1, step=2, stream="v1"):
         with pytest.raises(RuntimeError, match="enter keyinit.nn.keyed once, on the whole model"):
-            with knn.keyed(model, 1, step=2):
+            with knn.keyed(model, 1, step=2, stream="v1"):
                 pass
     assert not model.d[1]._forward_pre_hooks and not model._forward_pre_hooks
 

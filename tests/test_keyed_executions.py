@@ -51,7 +51,7 @@ def _ones(rows: int = 4) -> torch.Tensor:
 def test_a_module_run_twice_numbers_its_calls_on_and_each_mask_is_the_keys():
     with torch.random.fork_rng():
         model = Twice().train()
-    with knn.keyed(model, 3, step=5):
+    with knn.keyed(model, 3, step=5, stream="v1"):
         a, _, c = model(_ones())
     assert torch.equal(a != 0, _mask(3, 5, "drop", 0, (4, 8)))  # the first execution: as before
     assert torch.equal(c != 0, _mask(3, 5, "drop", 1, (4, 8)))  # the second: the module's call 1
@@ -61,15 +61,15 @@ def test_a_module_run_twice_numbers_its_calls_on_and_each_mask_is_the_keys():
 def test_calls_execution_keeps_the_first_rule_where_executions_share_keys():
     with torch.random.fork_rng():
         model = Twice().train()
-    with knn.keyed(model, 3, step=5, calls="execution"):
+    with knn.keyed(model, 3, step=5, calls="execution", stream="v1"):
         a, _, c = model(_ones())
     assert torch.equal(a != 0, _mask(3, 5, "drop", 0, (4, 8)))
     assert torch.equal(a, c)
-    with knn.keyed(model, 3, step=5, index="dim0"):  # stream v1's first rule, whole
+    with knn.keyed(model, 3, step=5, index="dim0", stream="v1"):  # stream v1's first rule, whole
         a0, _, c0 = model(_ones())
     assert torch.equal(a0, a) and torch.equal(c0, c)
     with pytest.raises(ValueError, match="calls must be one of"):
-        knn.keyed(model, 3, step=5, calls="module")
+        knn.keyed(model, 3, step=5, calls="module", stream="v1")
 
 
 def test_the_numbering_does_not_depend_on_the_split():

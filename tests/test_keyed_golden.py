@@ -45,7 +45,7 @@ class Fn(nn.Module):
 
 def _keyed(fn, x, repeat: int = 0):
     model = Fn(fn).train()
-    with knn.keyed(model, SEED, step=STEP, sample_offset=OFFSET):
+    with knn.keyed(model, SEED, step=STEP, sample_offset=OFFSET, stream="v1"):
         for _ in range(repeat):
             model(x)
         return model(x)
@@ -125,7 +125,7 @@ def test_masks_of_merged_batches_differ_from_the_dim0_rule():
     """What index='dim0' (14.4) would draw for the (B*H, L, S) view: rows of B*H, not samples."""
     x = torch.ones(B, H, L, S)
     model = Fn(lambda t: F.dropout(t.reshape(B * H, L, S), 0.3)).train()
-    with knn.keyed(model, SEED, step=STEP, sample_offset=OFFSET, index="dim0"):
+    with knn.keyed(model, SEED, step=STEP, sample_offset=OFFSET, index="dim0", stream="v1"):
         old = model(x) != 0
     keep = kr.bernoulli(_key(), (OFFSET + B * H, L, S), p=0.7, region=_rows(2))
     assert torch.equal(old, keep)

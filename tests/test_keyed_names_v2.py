@@ -8,6 +8,7 @@ compared with a tolerance.
 from __future__ import annotations
 
 import json
+import re
 import pathlib
 import warnings
 
@@ -32,6 +33,9 @@ def _spec_word(k, sample: int, coords: tuple[int, ...], j: int = 0, w: int = 1) 
     """docs/spec.md 14.8 from its text: coordinates of extent-1 dimensions already dropped, innermost last."""
     c = (0, 0, 0) + tuple(coords)
     c1, c2, c3 = c[-1], c[-2], c[-3]
+    if len(coords) > 3:  # c_3 .. c_k share counter word 2, b = 32 // (k - 2) bits each, c_3 lowest
+        b = 32 // (len(coords) - 2)
+        c3 = sum(ci << (b * i) for i, ci in enumerate(reversed(coords[:-2])))
     t = c1 * w + j
     return philox4x32((t >> 2, c2, c3, sample), (k.k0, k.k1))[t & 3]
 
@@ -84,10 +88,29 @@ def test_kernel_with_the_sample_innermost_equals_reference():
     assert torch.equal(out, ref)
 
 
-def test_more_than_three_coordinates_is_a_clear_error():
+def test_more_than_three_coordinates_share_the_third_word():
+    """A (B, 3, 4, 5, 6) activation (four coordinates, as ProphetNet's n-gram attention or a Conv3d's
+    feature maps): c_3 and c_4 share counter word 2, 16 bits each; the kernel gives the spec's words, and
+    padding any dimension at its end keeps the real elements' masks."""
     drop = nn.Dropout(0.5).train()
-    with knn.keyed(drop, 0, step=0, stream="v2"), pytest.raises(ValueError, match="more than three dimensions"):
-        drop(torch.ones(2, 3, 4, 5, 6))
+    x = torch.ones(2, 3, 4, 5, 6)
+    with knn.keyed(drop, 4, step=1, stream="v2"):
+        out = drop(x)
+    k = dropout_key(keyinit.key(4, stream="v2"), step=1, fqn="", ordinal=0)
+    threshold = constants(0.5)[0]
+    expected = torch.tensor([_spec_word(k, b, (c, t, h, w_)) < threshold
+                             for b in range(2) for c in range(3) for t in range(4) for h in range(5)
+                             for w_ in range(6)]).reshape(x.shape)
+    assert torch.equal(out != 0, expected)
+    with knn.keyed(drop, 4, step=1, stream="v2"):
+        padded = drop(torch.ones(2, 4, 6, 5, 7))
+    assert torch.equal(padded[:, :3, :4, :, :6], out)
+    five = names_strides((2, 3, 4, 5, 6))[1]  # five coordinates: 10 bits each for c_3 .. c_5
+    assert five[1:] == (1 << 20, 1 << 10, 1, 0, 0)
+    with pytest.raises(ValueError, match=re.escape(
+            "dimension 1 of extent 70000 exceeds stream v2's limit of 65536 for coordinate 4 of a sample with 4 "
+            "coordinates")):
+        names_strides((70000, 2, 3, 4))
 
 
 def test_unknown_stream_is_refused():
@@ -181,15 +204,19 @@ def test_channel_dropout_and_random_ops_do_not_depend_on_padding():
     assert torch.equal(part[:, :4], whole[1:, :4])
 
 
-def test_v1_is_still_the_default_and_its_masks_are_unchanged():
+def test_v2_is_the_default_and_v1_is_selectable_with_its_masks_unchanged():
     drop = nn.Dropout(0.5).train()
     x = torch.ones(2, 3, 4)
     with knn.keyed(drop, 0, step=0):
         default = drop(x)
+    with knn.keyed(drop, 0, step=0, stream="v2"):
+        v2 = drop(x)
     with knn.keyed(drop, 0, step=0, stream="v1"):
         v1 = drop(x)
+    with knn.keyed(drop, keyinit.key(0), step=0):  # a Key as the seed: the same block as its int
+        of_key = drop(x)
     k = dropout_key(0, step=0, fqn="", ordinal=0)
-    assert torch.equal(default, v1)
+    assert torch.equal(default, v2) and torch.equal(of_key, v2) and not torch.equal(v1, v2)
     assert torch.equal(v1 != 0, keyinit.random.bernoulli(k, (2, 3, 4), p=0.5))
 
 

@@ -123,7 +123,7 @@ def test_routed_dropout_is_the_virtual_tensors_dropout_and_split_invariant(dispa
     seen, handles = _tap(model)
     try:
         for step in (0, 1):  # a new step: new masks, the same routing (the replay cache keeps no rows)
-            with knn.keyed(model, 0, step=step):
+            with knn.keyed(model, 0, step=step, stream="v1"):
                 whole = model(h)
             assert len(seen) >= 2, "the test needs rows routed to at least two experts"
             for i, (x, y) in seen.items():
@@ -131,7 +131,7 @@ def test_routed_dropout_is_the_virtual_tensors_dropout_and_split_invariant(dispa
             whole_seen, parts, part_seen = dict(seen), [], []
             for lo, hi in ((0, 1), (1, 3), (3, 4)):
                 seen.clear()
-                with knn.keyed(model, 0, step=step, sample_offset=lo):
+                with knn.keyed(model, 0, step=step, sample_offset=lo, stream="v1"):
                     parts.append(model(h[lo:hi]))
                 for i, (x, y) in seen.items():
                     assert torch.equal(y, _virtual(step, i, x, model.picked[i], lo, hi - lo)), (dispatch, lo, i)
@@ -194,15 +194,15 @@ def test_sorted_topk_dispatch_is_a_batch_again_after_unsorting():
     torch.manual_seed(0)
     model = TopK().train()
     h = torch.randn(B, L, D)
-    with knn.keyed(model, 0, step=3):
+    with knn.keyed(model, 0, step=3, stream="v1"):
         whole = model(h)
     parts = []
     for lo, hi in ((0, 2), (2, 4)):
-        with knn.keyed(model, 0, step=3, sample_offset=lo):
+        with knn.keyed(model, 0, step=3, sample_offset=lo, stream="v1"):
             parts.append(model(h[lo:hi]))
     torch.testing.assert_close(torch.cat(parts), whole)
     # the output dropout's mask is dropout_rows' own (the batch came back in dimension 0)
-    with torch.no_grad(), knn.keyed(model, 0, step=3):
+    with torch.no_grad(), knn.keyed(model, 0, step=3, stream="v1"):
         model.drop.register_forward_hook(lambda m, a, o: setattr(m, "seen", (a[0], o)))
         model(h)
     x, y = model.drop.seen

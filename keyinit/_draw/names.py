@@ -11,12 +11,15 @@ the four 32-bit words of the Philox counter, with no extent anywhere:
 - of the others, innermost first: ``c_1`` (the innermost), ``c_2``, ``c_3``; a missing one is 0, so
   leading coordinates of 0 name nothing either (``(L, D)`` and ``(1, L, D)`` give the same names);
 - word ``j`` (``0 <= j < w``, ``w`` the words per element) of the element is lane ``t % 4`` of
-  ``Philox4x32-10((t // 4, c_2, c_3, sample), K)`` with ``t = c_1 * w + j``.
+  ``Philox4x32-10((t // 4, c_2, c_3, sample), K)`` with ``t = c_1 * w + j``;
+- with ``k > 3`` coordinates, ``c_3 .. c_k`` share counter word 2: it is
+  ``sum_i c_(3+i) * 2**(i * b)`` with ``b = 32 // (k - 2)`` bits each (``c_(3+i) < 2**b``).
 
 In the affine form the kernels take (:mod:`keyinit._draw.dropout_geometry`): a low index
 ``lo = c_2 * 2**34 / w + c_1`` (its stream words are counter words 0-1, as in section 4) and high
 counter words ``hi = sample * 2**32 + c_3``. Limits: ``c_1 < 2**32``, ``c_2 < 2**29``, ``c_3 < 2**32``,
-``sample < 2**31``, at most three coordinates; beyond them a clear error.
+``sample < 2**31`` (with more than three coordinates, ``2**b`` for ``c_3 .. c_k``); beyond them a clear
+error.
 """
 
 from __future__ import annotations
@@ -30,17 +33,22 @@ import torch
 
 from keyinit._bits.philox import stream_words
 
-__all__ = ["V2", "names_strides", "check_samples", "named_words", "words_at", "naming", "fill_named",
-           "LO_SECOND", "HI_SAMPLE", "LIMITS", "MAX_SAMPLES"]
+__all__ = ["V2", "DEFAULT_FORWARD_STREAM", "names_strides", "check_samples", "named_words", "words_at", "naming", "fill_named",
+           "LO_SECOND", "HI_SAMPLE", "LIMITS", "HIGH_BITS", "MAX_SAMPLES"]
 
 #: The stream version whose keyed forwards use these names.
 V2 = "v2"
+#: The stream of a ``keyed()`` block whose ``stream`` is not given (an int seed or a :class:`keyinit.Key`
+#: alike: ``keyed(m, 7)`` and ``keyed(m, keyinit.key(7))`` are the same block).
+DEFAULT_FORWARD_STREAM = V2
 #: Bits of the low index below the second coordinate (for one word per element).
 LO_SECOND = 34
 #: Bits of the high counter words below the sample.
 HI_SAMPLE = 32
-#: Exclusive limits of the coordinates, innermost first, and of the sample.
+#: Exclusive limits of the coordinates, innermost first, and of the sample (with at most three coordinates;
+#: beyond three, coordinates 3 .. k share the ``HIGH_BITS`` of counter word 2, ``HIGH_BITS // (k - 2)`` each).
 LIMITS = (1 << 32, 1 << 29, 1 << 32)
+HIGH_BITS = 32
 MAX_SAMPLES = 1 << 31
 
 
@@ -56,26 +64,27 @@ def names_strides(sample_shape: Sequence[int], words_per_element: int = 1,
     lo = [0] * (len(shape) + 1)
     hi = [0] * (len(shape) + 1)
     hi[0] = 1 << HI_SAMPLE
+    k = sum(1 for n in shape if n != 1)
+    shared = max(k - 2, 1)  # coordinates 3 .. k share the 32 bits of counter word 2
+    width = HIGH_BITS // shared
     coordinate = 0
     for d in range(len(shape) - 1, -1, -1):
         n = shape[d]
         if n == 1:
             continue
-        if coordinate == 3:
+        limit = LIMITS[coordinate] if coordinate < 2 or k <= 3 else 1 << width
+        if n > limit:
             raise ValueError(
-                f"{what} has more than three dimensions of extent > 1 within a sample (sample shape {shape}); "
-                "stream v2's extent-free names (docs/spec.md 14.8) have three coordinates: flatten the leading "
-                "ones first, or key this forward with keyinit.nn.keyed(..., stream='v1')")
-        if n > LIMITS[coordinate]:
-            raise ValueError(
-                f"{what}: dimension {d + 1} of extent {n} exceeds stream v2's limit of {LIMITS[coordinate]} for "
-                f"coordinate {coordinate + 1} of a sample (docs/spec.md 14.8)")
+                f"{what}: dimension {d + 1} of extent {n} exceeds stream v2's limit of {limit} for coordinate "
+                f"{coordinate + 1} of a sample with {k} coordinates (sample shape {shape}; docs/spec.md 14.8)"
+                + ("; flatten some dimensions first, or key this forward with keyinit.nn.keyed(..., stream='v1')"
+                   if k > 3 else ""))
         if coordinate == 0:
             lo[d + 1] = 1
         elif coordinate == 1:
             lo[d + 1] = (1 << LO_SECOND) // words_per_element
         else:
-            hi[d + 1] = 1
+            hi[d + 1] = 1 << (width * (coordinate - 2))
         coordinate += 1
     return tuple(lo), tuple(hi)
 

@@ -97,10 +97,11 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
 
     ``stream`` chooses how an element is named (``docs/spec.md`` 14.8): ``"v2"`` by its sample and its
     coordinates within the sample, so a sample's masks do not depend on how far its batch is padded
-    (dynamic padding) or on any other extent; ``"v1"`` (the default in this release) by its row-major
-    index in the tensor of samples (14.4-14.7), which depends on the padded length. ``None`` takes the
-    version of ``seed`` when it is a :class:`keyinit.Key`, else ``"v1"``. Keys are derived the same way
-    in both.
+    (dynamic padding) or on any other extent; ``"v1"`` by its row-major index in the tensor of samples
+    (14.4-14.7), which depends on the padded length: the masks of blocks keyed before v2 was the default,
+    bit for bit. ``None`` (the default) is ``"v2"``, whatever the version of a :class:`keyinit.Key` given
+    as ``seed`` (``keyed(m, 7)`` and ``keyed(m, keyinit.key(7))`` are the same block). Keys are derived
+    the same way in both.
 
     ``samples`` instead of ``sample_offset``: the (micro-)batch the forward runs on, as
     keyinit.data made it, which says where its rows sit in the run (a
@@ -113,18 +114,23 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     gradient accumulation need no arithmetic. Its step must be ``step`` (a
     ``ValueError`` otherwise: the batch belongs to another step); giving both
     ``samples`` and ``sample_offset``, or a ``samples`` that carries no positions,
-    is an error (``ValueError``, ``TypeError``). A ``samples`` whose ``attention_mask`` has
-    padding before a real token (left padding) gets a :class:`keyinit.errors.LeftPaddingWarning`:
+    is an error (``ValueError``, ``TypeError``), and so is a root forward whose rows are not the
+    batch's (a batch flattened or packed into fewer rows; rows cut from it outside
+    ``ctx.micro_batch``). A ``samples`` whose ``attention_mask`` has padding before a real token
+    (left padding) gets a :class:`keyinit.errors.LeftPaddingWarning`:
     elements are named by their coordinates, not by the token's position, so pad on the right
     (``docs/dropout.md``, "Padding and packing").
     """
-    if samples is not None:
-        sample_offset = _offset_of(samples, sample_offset, step)
-    return Keyed(model, seed, step, sample_offset, index, inputs, host_random, calls, stream)
+    positions = None if samples is None else _positions_of(samples, sample_offset, step)
+    ctx = Keyed(model, seed, step, sample_offset if positions is None else positions.first, index, inputs,
+                host_random, calls, stream)
+    if positions is not None:
+        ctx.sample_rows = positions.rows
+    return ctx
 
 
-def _offset_of(samples: Any, sample_offset: Optional[int], step: int) -> int:
-    """``keyed(samples=)``: the first row's place in the step's global batch (see :func:`keyed`)."""
+def _positions_of(samples: Any, sample_offset: Optional[int], step: int) -> Any:
+    """``keyed(samples=)``: where the batch's rows sit in the step's global batch (see :func:`keyed`)."""
     from keyinit.data._padding import check_samples
     from keyinit.data._positions import sample_positions
 
@@ -147,7 +153,7 @@ def _offset_of(samples: Any, sample_offset: Optional[int], step: int) -> int:
                          f"step={step}: the sampler's steps must be the optimizer's (global_batch_size = all the "
                          f"samples of one optimizer step, micro-batches by batch_sampler(micro_batch_size=...))")
     check_samples(samples)  # a left-padded attention_mask: a LeftPaddingWarning (keyinit.data._padding)
-    return positions.first
+    return positions
 
 
 def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:

@@ -37,6 +37,7 @@ import torch
 
 from keyinit.fqn import canonical_modules
 from keyinit._bits.streams import get_stream
+from keyinit._draw.names import DEFAULT_FORWARD_STREAM
 from keyinit.keys import Key, as_uint64, key
 from keyinit.nn._batch import Batch, annotate, declared
 from keyinit.nn._intercept import Frame
@@ -61,17 +62,9 @@ from keyinit.nn._hostrandom import HOST_RANDOM
 from keyinit.nn._keyed_dropout import DropoutForward, takes_dropout_forward
 from keyinit.nn._checkpoint import hand_recomputes
 from keyinit.nn._copies import hold_getstate
-from keyinit.nn._keyed_frames import (
-    FrameStack,
-    UNMATCHED_RECOMPUTE,
-    later_block,
-    _ThreadState,
-    _grad_enabled,
-    _saved_tensor_hooks,
-    _saved_tensor_hooks_active,
-    _top_dispatch_mode,
-    _top_function_mode,
-)
+from keyinit.nn._keyed_frames import (FrameStack, UNMATCHED_RECOMPUTE, later_block, _ThreadState, _grad_enabled,
+                                      _saved_tensor_hooks, _saved_tensor_hooks_active, _top_dispatch_mode,
+                                      _top_function_mode)
 
 __all__ = ["Keyed", "inside_keyed_forward", "current_forward", "running_frame", "context_of"]
 
@@ -202,9 +195,9 @@ class Keyed(FrameStack):
         self.model = model
         #: The root of every dropout key (:func:`keyinit.nn.dropout_key`'s ``seed``); ``key`` checks an int.
         root = seed if isinstance(seed, Key) else key(seed)
-        if stream is not None:
-            get_stream(stream)  # an unknown version says so
-            root = Key(root.k0, root.k1, stream)  # (the derivation of sections 1-3 is the same in v1 and v2)
+        stream = DEFAULT_FORWARD_STREAM if stream is None else stream  # (a Key seed's own stream: its root only)
+        get_stream(stream)  # an unknown version says so
+        root = Key(root.k0, root.k1, stream)  # (the derivation of sections 1-3 is the same in v1 and v2)
         self.root = root
         self.seed = seed  # as given, for the repr
         self.step = as_uint64(step, "step")
@@ -251,6 +244,7 @@ class Keyed(FrameStack):
             if count is None and dim is not None:
                 count = int(t.shape[dim])
         count = count or 0
+        self._check_sample_rows(fqn, count, tensors, dims)
         rows = self._history.get(fqn, [])
         repeat = sum(1 for a, b in rows if a < start + count and start < b) if count else len(rows)
         forward = Forward(self, fqn, start, count, repeat)
