@@ -13,9 +13,7 @@ key; no mask is stored. Exact arithmetic per dtype: ``docs/spec.md`` section 14.
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -68,8 +66,12 @@ def run_layout(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch
 
 
 def _op() -> Any:
-    """:mod:`keyinit.nn._op` (imported on first use: it registers the custom op with torch)."""
-    return sys.modules.get("keyinit.nn._op") or importlib.import_module("keyinit.nn._op")
+    """:mod:`keyinit.nn._op` (imported on first use: it registers the custom op with torch). An import
+    statement, which dynamo runs while it traces (``importlib.import_module`` it refuses to trace, so a
+    first use inside ``torch.compile(fullgraph=True)`` failed)."""
+    from keyinit.nn import _op as op
+
+    return op
 
 
 def _dtensor_dropout(input: torch.Tensor, p: float, key: Key, row_offset: int,
