@@ -19,8 +19,9 @@
  *     each other's multiply latency): KI_SIMD_BLOCKS = KI_LANES * KI_GROUPS
  *     counters per call;
  *   - what the kernels use, vector groups first and the scalar code for the rest:
- *     ki_philox_stream (consecutive blocks, words in stream order),
- *     ki_philox_list (blocks with arbitrary numbers) and ki_philox_first_words
+ *     ki_philox_stream (consecutive blocks, words in stream order), ki_philox_simd_runs (a vector
+ *     pass of runs of KI_LANES blocks, each its own), ki_philox_list(_hi) (blocks with arbitrary
+ *     numbers, and high counter words) and ki_philox_first_words
  *     (word 0 of Philox((v[j], c1, 0, 0)): the Feistel round function).
  *
  * Everything here is integer arithmetic: the results do not depend on the
@@ -258,6 +259,21 @@ KI_INLINE void ki_philox_simd_blocks(ki_vec lo[KI_GROUPS], ki_vec hi[KI_GROUPS],
                                      uint32_t *out)
 {
     ki_philox_simd_blocks_hi(lo, hi, 0u, k0, k1, out);
+}
+
+/* KI_GROUPS runs of KI_LANES consecutive blocks, counters made in registers: group g is blocks first[g] ..
+ * first[g] + KI_LANES - 1 of high words high[g], stored in stream order at out[4 * KI_LANES * g ...]
+ * (short rows of a keyed forward under stream v2's names, docs/spec.md 14.8, packed into one pass). */
+KI_INLINE void ki_philox_simd_runs(const uint64_t *first, const uint64_t *high, uint32_t k0, uint32_t k1,
+                                   uint32_t *out)
+{
+    ki_vec lo[KI_GROUPS], hi[KI_GROUPS], c2[KI_GROUPS], c3[KI_GROUPS];
+    for (int g = 0; g < KI_GROUPS; g++) {
+        ki_v_counters(first[g], &lo[g], &hi[g]);
+        c2[g] = ki_v_set1((uint32_t)high[g]);
+        c3[g] = ki_v_set1((uint32_t)(high[g] >> 32));
+    }
+    ki_philox_simd_counters(lo, hi, c2, c3, k0, k1, out);
 }
 
 /* Blocks first .. first + KI_SIMD_BLOCKS - 1 of high words h, counters made in registers. */
