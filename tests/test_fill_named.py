@@ -188,3 +188,38 @@ def test_keyed_random_ops_through_the_seam_equal_the_reference(dtype, monkeypatc
     for a, b in zip(fast, slow):
         assert torch.equal(_bytes(a), _bytes(b))
     assert dispatch.kernels("v2", "fill").devices["cpu"].name == "fill_v2"
+
+
+# rows of fewer than a tile's 512 elements, contiguous in out, are packed into whole tiles (both streams):
+# rows starting off a Philox block, two-word elements, rows across the kernel's 32768-element chunks, and a
+# destination with gaps between rows (each row its own tile)
+PACKED = [
+    ((70, 300), (slice(None), slice(3, 290)), "dense"),
+    ((200, 333), (slice(1, None), slice(5, 338 - 5)), "dense"),
+    ((9, 8, 130), (slice(None), slice(None), slice(1, 129)), "dense"),
+    ((40, 100), (slice(None), slice(2, 99)), "gaps"),
+]
+
+
+@pytest.mark.parametrize("shape,region,layout", PACKED, ids=str)
+@pytest.mark.parametrize("name", ["normal", "randint", "bernoulli"])
+def test_packed_rows_equal_reference(shape, region, layout, name):
+    from keyinit._draw import reference_fill
+
+    dist, dtypes = DISTS[name]
+    reg = make_region(shape, region)
+    rshape = reg.region_shape
+
+    def empty():
+        if layout == "gaps":  # each row of out followed by 3 elements it does not own
+            return torch.zeros(rshape[:-1] + (rshape[-1] + 3,), dtype=dtypes[0])[..., :rshape[-1]]
+        return torch.zeros(rshape, dtype=dtypes[0])
+
+    for key in (keyinit.Key(5, 6), KEY):
+        want, got = empty(), empty()
+        reference_fill.fill(want, dist, key, reg)
+        assert cpu.fill(got, dist, key, reg, threads=2)
+        assert torch.equal(_bytes(got), _bytes(want)), key.stream
+    # the same rows by v2's names (the region's dims: the canonical tensor's)
+    got, want = _pair(dist, dtypes[0], shape, region, shape[1:])
+    assert torch.equal(_bytes(got), _bytes(want))

@@ -107,21 +107,6 @@ KI_API int keyinit_constants(float *dst, int capacity)
 /* Exported for the tests: ndtri_tail_batch over any number of tails. */
 KI_API void keyinit_ndtri_tail(const float *tail, int64_t n, float *mag);
 
-/* ------------------------------------------------ conversions to storage */
-
-/* Exported for the exhaustive conversion tests (convert.h). */
-KI_API void keyinit_convert_f32(const float *src, int64_t n, int dtype, void *dst)
-{
-    if (dtype == KI_DTYPE_BFLOAT16) {
-        uint16_t *d = (uint16_t *)dst;
-        for (int64_t i = 0; i < n; i++) d[i] = ki_f32_to_bf16(src[i]);
-    } else if (dtype == KI_DTYPE_FLOAT16) {
-        uint16_t *d = (uint16_t *)dst;
-        for (int64_t i = 0; i < n; i++) d[i] = ki_f32_to_f16(src[i]);
-    }
-}
-
-
 /* ------------------------------------------------------------------ plan */
 
 typedef struct {
@@ -254,6 +239,8 @@ static void transform_tile(const plan_t *P, const uint32_t *wp, int64_t m, value
 /* m elements (m <= TILE). Global indices: g0 .. g0+m-1 if g == NULL, else
  * g[0..m-1]; high counter words h[0..m-1], or h0 for all if h == NULL (a run
  * has one h0). Destination offsets: o[k] if o != NULL, else o0 + k*os. */
+static void finish_tile(const plan_t *P, const uint32_t *wp, const int64_t *o, int64_t o0, int64_t os, int64_t m);
+
 static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const uint64_t *h, uint64_t h0,
                     const int64_t *o, int64_t o0, int64_t os, int64_t m)
 {
@@ -272,6 +259,12 @@ static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const uint64_
         words_gather(g, h, h0, m, w, P->k0, P->k1, words);
         wp = words;
     }
+    finish_tile(P, wp, o, o0, os, m);
+}
+
+/* The values of m elements (m <= TILE) of words wp, stored (o, o0, os: as do_tile's). */
+static void finish_tile(const plan_t *P, const uint32_t *wp, const int64_t *o, int64_t o0, int64_t os, int64_t m)
+{
     /* Write straight into the destination when it has the value buffer's type. */
     const int float_values = P->dist == KI_DIST_UNIFORM || P->dist == KI_DIST_NORMAL ||
                              P->dist == KI_DIST_TRUNCATED_NORMAL;
@@ -372,6 +365,14 @@ static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
         rest /= P->size[k];
     }
     const int short_rows = inner < SHORT_ROW, row_high = inner_high(P);
+    /* Rows of consecutive indices shorter than a tile, contiguous in out (a keyed forward's rows under
+     * stream v2's names, docs/spec.md 14.8, where v1's whole draw is one run): packed into whole tiles
+     * (pw: words of pm elements whose destination starts at po0), one transform and store per tile. */
+    const int w = P->w;
+    const int packed = !short_rows && inner < TILE && P->index[last] == NULL && P->gstride[last] == 1 &&
+                       !row_high && P->ostride[last] == 1;
+    uint32_t pw[2 * TILE + 16];
+    int64_t pm = 0, po0 = 0;
     int64_t g[TILE], o[TILE];
     uint64_t h[TILE];
     int64_t fill = 0; /* elements gathered into g/o/h (short rows) */
@@ -387,7 +388,24 @@ static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
         }
         int64_t p0 = pos[last];
         int64_t cnt = inner - p0 < stop - done ? inner - p0 : stop - done;
-        if (!short_rows) {
+        if (packed) { /* a whole or partial row, appended to the tile (flushed first if it is full) */
+            const int64_t dest = oouter + p0;
+            if (pm && (pm + cnt > TILE || dest != po0 + pm)) {
+                finish_tile(P, pw, NULL, po0, 1, pm);
+                pm = 0;
+            }
+            if (!pm) po0 = dest;
+            const uint64_t j0 = (uint64_t)(gouter + p0) * (uint64_t)w, b0 = j0 >> 2;
+            const uint64_t b1 = (j0 + (uint64_t)(cnt * w) + 3u) >> 2;
+            if ((j0 & 3u) == 0) { /* whole blocks from the row's start: straight into the tile (past it: slack) */
+                ki_philox_stream_hi(b0, (int64_t)(b1 - b0), houter, P->k0, P->k1, pw + pm * w);
+            } else {
+                uint32_t row[2 * TILE + 16];
+                ki_philox_stream_hi(b0, (int64_t)(b1 - b0), houter, P->k0, P->k1, row);
+                memcpy(pw + pm * w, row + (j0 & 3u), (size_t)(cnt * w) * sizeof(uint32_t));
+            }
+            pm += cnt;
+        } else if (!short_rows) {
             for (int64_t t = 0; t < cnt; t += TILE)
                 do_row_tile(P, gouter, houter, oouter, p0 + t, cnt - t < TILE ? cnt - t : TILE);
         } else {
@@ -417,6 +435,7 @@ static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
             pos[d - 1] += 1;
         }
     }
+    if (pm) finish_tile(P, pw, NULL, po0, 1, pm);
 }
 
 /* The values never depend on the caller's floating-point environment: each

@@ -1,8 +1,8 @@
 /*
  * A tile of fill values stored in the destination's dtype (fill_kernels.c's last step): the binary32
  * values rounded by convert.h (bfloat16, float16: nearest even; float64: widened exactly), integers
- * narrowed to the integer dtype, bernoulli's 0/1 in any dtype. Included by fill_kernels.c once plan_t
- * and values_t are defined.
+ * narrowed to the integer dtype, bernoulli's 0/1 in any dtype; and keyinit_convert_f32, the conversions
+ * exported for the tests. Included by fill_kernels.c once plan_t and values_t are defined.
  */
 #ifndef KEYINIT_FILL_STORE_H
 #define KEYINIT_FILL_STORE_H
@@ -59,6 +59,18 @@ static void store_tile(const plan_t *P, const values_t *v, int64_t m, const int6
         case KI_DTYPE_BFLOAT16: STORE_LOOP(uint16_t, ki_f32_to_bf16(f[k])); break;
         case KI_DTYPE_FLOAT16: STORE_LOOP(uint16_t, ki_f32_to_f16(f[k])); break;
         }
+    }
+}
+
+/* Exported for the exhaustive conversion tests (convert.h). */
+KI_API void keyinit_convert_f32(const float *src, int64_t n, int dtype, void *dst)
+{
+    if (dtype == KI_DTYPE_BFLOAT16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = ki_f32_to_bf16(src[i]);
+    } else if (dtype == KI_DTYPE_FLOAT16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = ki_f32_to_f16(src[i]);
     }
 }
 
