@@ -21,7 +21,8 @@ Sections (every ratio is torch time / keyinit time, so > 1 means keyinit is fast
    ``(B, L, 256)`` (``keyinit.nn.functional.dropout_rows``: stream v1's row-major names, stream v2's
    extent-free ones, docs/spec.md 14.8) vs ``F.dropout``, forward and forward+backward;
 7. a keyed random op per stream version (CPU): ``torch.randn_like(x)`` of an ``(8, 128, 256)``
-   activation in a keyed forward (v1 and v2) vs the same forward unkeyed (torch's generator).
+   activation in a keyed forward (v1 and v2) vs the same forward unkeyed (torch's generator), in wall
+   time and in this thread's CPU time.
 
 Sections 4, 6 and 7 measure the stream versions given by ``--stream`` (default both, alternating call by
 call with torch's in one run, so the v2/v1 ratio is of the same machine load):
@@ -72,12 +73,13 @@ def median_pair(peer, mine, repeats: int, device: str) -> tuple[float, float]:
     return peer_time, mine_time
 
 
-def median_all(fns, repeats: int, device: str, rotate: bool = True) -> list[float]:
+def median_all(fns, repeats: int, device: str, rotate: bool = True, clock=time.perf_counter) -> list[float]:
     """Median wall times of each of ``fns``, called in turn (one round after another) after one warm-up each.
 
     ``rotate``: round ``r`` starts at ``fns[r % len(fns)]``, so each takes every place in the order equally
     often (the call right after torch's dropout of a large tensor pays for pages torch gave back: on the
-    CPU, 8 MiB outputs measured 10.9 ms there and 1.8 ms elsewhere)."""
+    CPU, 8 MiB outputs measured 10.9 ms there and 1.8 ms elsewhere). ``clock``: ``time.thread_time`` for
+    this thread's CPU time (which other jobs on the machine move far less than wall time)."""
     for fn in fns:
         fn()
     _sync(device)
@@ -86,10 +88,10 @@ def median_all(fns, repeats: int, device: str, rotate: bool = True) -> list[floa
         first = r % len(fns) if rotate else 0
         for i in (*range(first, len(fns)), *range(first)):
             _sync(device)
-            start = time.perf_counter()
+            start = clock()
             fns[i]()
             _sync(device)
-            times[i].append(time.perf_counter() - start)
+            times[i].append(clock() - start)
     return [statistics.median(t) for t in times]
 
 
@@ -325,9 +327,13 @@ def bench_random_op(streams: tuple[str, ...], repeats: int, threads: int, shape=
                 net(x)
         return keyed
 
-    t_plain, *t_keyed = median_all([plain, *(keyed_in(s) for s in streams)], repeats, "cpu")
+    fns = [plain, *(keyed_in(s) for s in streams)]
+    t_plain, *t_keyed = median_all(fns, repeats, "cpu")
+    c_plain, *c_keyed = median_all(fns, repeats, "cpu", clock=time.thread_time)
     return {"op": f"torch.randn_like of {tuple(shape)}", "threads": threads, "torch_ms": t_plain * 1e3,
-            "by_stream": {s: {"keyed_ms": t * 1e3, "ratio": t_plain / t} for s, t in zip(streams, t_keyed)}}
+            "torch_cpu_ms": c_plain * 1e3,
+            "by_stream": {s: {"keyed_ms": t * 1e3, "ratio": t_plain / t, "keyed_cpu_ms": c * 1e3,
+                              "cpu_ratio": c_plain / c} for s, t, c in zip(streams, t_keyed, c_keyed)}}
 
 
 def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, only: str | None = None,
@@ -392,6 +398,12 @@ def print_report(result: dict) -> None:
         keyed = ", ".join(f"keyed {s} {r['keyed_ms']:.2f} ms ({r['ratio']:.2f}x)" for s, r in m["by_stream"].items())
         print(f"\na keyed random op ({m['op']}, {m['threads']} thread) in a keyed forward: unkeyed torch "
               f"{m['torch_ms']:.2f} ms, {keyed}{_v2_over_v1(m)}")
+        if "torch_cpu_ms" in m:
+            by = m["by_stream"]
+            keyed = ", ".join(f"keyed {s} {r['keyed_cpu_ms']:.2f} ms ({r['cpu_ratio']:.2f}x)" for s, r in by.items())
+            cpu = f"; v2 vs v1 {by['v1']['keyed_cpu_ms'] / by['v2']['keyed_cpu_ms']:.2f}x" if {"v1", "v2"} <= set(by) else ""
+            print(f"  the same in this thread's CPU time (separate rounds): unkeyed torch {m['torch_cpu_ms']:.2f} ms, "
+                  f"{keyed}{cpu}")
     for r in result.get("attention", []):
         print(f"\nattention dropout {r['device']} {r['dtype']} (B, H, L, E) = {tuple(r['shape'])}, threads "
               f"{r['threads'] or '-'}: forward torch SDPA {r['fwd_torch_ms']:.2f} ms, keyinit {r['fwd_keyinit_ms']:.2f} ms"
