@@ -26,7 +26,7 @@ import torch
 
 from keyinit._bits.philox import philox4x32, stream_words
 
-__all__ = ["Stream", "V1", "V2", "STREAMS", "register_stream", "get_stream", "stream_names"]
+__all__ = ["Stream", "V1", "V2", "STREAMS", "register_stream", "get_stream", "stream_names", "derives_as_v1"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -96,6 +96,13 @@ V2 = Stream(
 
 #: Every stream version this process can produce, by name: the documented registry.
 STREAMS: dict[str, Stream] = {V1.name: V1, V2.name: V2}
+
+
+def derives_as_v1(name: str) -> bool:
+    """The stream version named ``name`` derives keys by section 3 (v1's ``derive``): the C derivation of the
+    kernel library (``keyinit_derive``, checked against v1's when it loads) computes its keys too."""
+    stream = STREAMS.get(name)
+    return stream is not None and stream.derive is _v1_derive
 
 
 def register_stream(stream: Stream) -> Stream:

@@ -59,7 +59,6 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from keyinit._bits.streams import get_stream
-from keyinit._draw.names import fill_named
 from keyinit._draw.reference_permutation import permutation_key
 from keyinit.distributions import Distribution
 from keyinit.keys import Key
@@ -159,9 +158,10 @@ KERNELS: dict[str, dict[str, Kernels]] = {
         "permutation": Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into")),
     },
     # v2 is v1 with keyed forwards' extent-free names (docs/spec.md 14.8), which reach the same families
-    # through a geometry's high counter words: the same references (and kernels, keyinit._kernels)
+    # through a geometry's high counter words: the same references (and kernels, keyinit._kernels), but for
+    # the fills, whose reference also draws a keyed forward's random ops by those names (names.naming)
     "v2": {
-        "fill": Kernels(KernelRef("keyinit._draw.reference_fill", "fill")),
+        "fill": Kernels(KernelRef("keyinit._draw.names", "fill")),
         "dropout": Kernels(KernelRef("keyinit._draw.reference_dropout", "dropout")),
         "permutation": Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into")),
     },
@@ -210,8 +210,6 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region) -> Non
     """Fill ``out`` (shaped like ``region``) with ``dist``'s values from ``key``'s stream."""
     family = kernels(key.stream, "fill")
     if out.numel() == 0 or out.device.type == "meta":
-        return
-    if fill_named(out, dist, key, region):  # a keyed forward's draw under stream v2 (docs/spec.md 14.8)
         return
     if _intercepted(out):
         with _disable_current_modes():

@@ -20,6 +20,11 @@ In the affine form the kernels take (:mod:`keyinit._draw.dropout_geometry`): a l
 counter words ``hi = sample * 2**32 + c_3``. Limits: ``c_1 < 2**32``, ``c_2 < 2**29``, ``c_3 < 2**32``,
 ``sample < 2**31`` (with more than three coordinates, ``2**b`` for ``c_3 .. c_k``); beyond them a clear
 error.
+
+The random ops of a keyed forward draw by these names while :func:`naming` is open: :func:`fill` is stream
+v2's fill reference (:func:`fill_named` under :func:`naming`, else the element stream of section 4, as v1),
+and :func:`named_geometry` gives the fill kernels the same draw as a geometry with high counter words
+(``keyinit._kernels.fill``), which must give :func:`fill_named`'s bits.
 """
 
 from __future__ import annotations
@@ -27,14 +32,17 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from keyinit._bits.philox import stream_words
+from keyinit._draw import reference_fill
+from keyinit._draw.geometry import coalesce_high
 
-__all__ = ["V2", "DEFAULT_FORWARD_STREAM", "names_strides", "check_samples", "named_words", "words_at", "naming", "fill_named",
-           "LO_SECOND", "HI_SAMPLE", "LIMITS", "HIGH_BITS", "MAX_SAMPLES"]
+__all__ = ["V2", "DEFAULT_FORWARD_STREAM", "names_strides", "check_samples", "named_words", "words_at", "names_at",
+           "naming", "naming_shape", "fill", "fill_named", "named_geometry", "LO_SECOND", "HI_SAMPLE", "LIMITS",
+           "HIGH_BITS", "MAX_SAMPLES"]
 
 #: The stream version whose keyed forwards use these names.
 V2 = "v2"
@@ -111,6 +119,14 @@ def words_at(key, start: int, shape: Sequence[int], flat: torch.Tensor, words_pe
              lo_strides: Sequence[int], hi_strides: Sequence[int]) -> list[torch.Tensor]:
     """The stream words of the elements at row-major positions ``flat`` of the canonical tensor ``shape``
     (row ``r``: sample ``start + r``) with the strides of :func:`names_strides`."""
+    lo, hi = names_at(start, shape, flat, lo_strides, hi_strides)
+    return stream_words(key.words, lo, words_per_element, hi)
+
+
+def names_at(start: int, shape: Sequence[int], flat: torch.Tensor, lo_strides: Sequence[int],
+             hi_strides: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)`` (int64, CPU) of the elements at row-major positions ``flat`` of the canonical tensor
+    ``shape`` (row ``r``: sample ``start + r``): each one's low index and high counter words."""
     flat = flat.to(torch.int64).cpu()
     lo = torch.zeros_like(flat)
     hi = torch.full_like(flat, int(start) * hi_strides[0])
@@ -122,7 +138,7 @@ def words_at(key, start: int, shape: Sequence[int], flat: torch.Tensor, words_pe
             lo += ls * at
         if hs:
             hi += hs * at
-    return stream_words(key.words, lo, words_per_element, hi)
+    return lo, hi
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -150,6 +166,56 @@ def naming(sample_shape: Sequence[int]) -> Iterator[None]:
         yield
     finally:
         _NAMING.shape = previous
+
+
+def naming_shape() -> Optional[tuple[int, ...]]:
+    """The sample shape of the :func:`naming` open on this thread, or ``None``."""
+    return getattr(_NAMING, "shape", None)
+
+
+def fill(out: torch.Tensor, dist: Any, key: Any, region: Any) -> None:
+    """Stream v2's fill reference: :func:`fill_named` while :func:`naming` is open, else the element stream's
+    values (:func:`keyinit._draw.reference_fill.fill`, v1's)."""
+    if not fill_named(out, dist, key, region):
+        reference_fill.fill(out, dist, key, region)
+
+
+def named_geometry(out: torch.Tensor, region: Any, sample_shape: Sequence[int], words_per_element: int
+                   ) -> Optional[tuple[int, int, list[list], Optional[torch.Tensor]]]:
+    """:func:`fill_named`'s draw into ``out`` as the fill kernels take it: ``(base, high_base, dims,
+    high_index)``, dims ``[size, out_stride, low_stride, index, high_stride]`` outermost first
+    (:func:`keyinit._draw.geometry.coalesce_high`): element ``(p_0, ...)`` of ``out`` reads low index
+    ``base + sum_k low_stride_k * idx_k(p_k)`` and high counter words ``high_base + sum_k high_stride_k *
+    idx_k(p_k)``, or ``high_index[p]`` for the one dim of a ``high_index``. ``None`` where the draw has no such
+    form (the reference draws it). The errors of :func:`fill_named` (too many coordinates, samples out of
+    range) are raised here alike."""
+    sample_shape = tuple(int(n) for n in sample_shape)
+    lo_strides, hi_strides = names_strides(sample_shape, words_per_element)
+    per = _numel(sample_shape)
+    if tuple(region.shape[1:]) == sample_shape and region.shape:
+        # the region's dimensions are the canonical tensor's: each adds lo and hi strides of its own
+        first = region.entries[0]
+        rows = first if isinstance(first, range) else None
+        if out.shape[0]:
+            last_row = max(rows[0], rows[-1]) if rows is not None else int(first.max())
+            check_samples(last_row, 1)
+
+        def dims_in():
+            for entry, n, ostride, ls, hs in zip(region.entries, out.shape, out.stride(), lo_strides, hi_strides):
+                if isinstance(entry, range):
+                    yield n, ostride, entry.step * ls, entry.start * ls, None, entry.step * hs, entry.start * hs
+                else:
+                    yield n, ostride, ls, 0, entry, hs, 0
+
+        base, high, dims = coalesce_high(dims_in())
+        return base, high, dims, None
+    if out.dim() != 1:
+        return None
+    # any other region of row-major positions (a lazily evaluated draw's): each element's names, listed
+    flat = region.flat_indices(0, region.numel)
+    check_samples(int(flat.max()) // max(per, 1), 1)
+    lo, hi = names_at(0, (MAX_SAMPLES,) + sample_shape, flat, lo_strides, hi_strides)
+    return 0, 0, [[int(out.shape[0]), int(out.stride(0)), 1, lo.contiguous(), 0]], hi.contiguous()
 
 
 def fill_named(out: torch.Tensor, dist: Any, key: Any, region: Any) -> bool:

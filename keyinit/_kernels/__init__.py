@@ -6,7 +6,8 @@ optional ``triton`` package is installed) and ``selftest.py`` (the golden digest
 library must reproduce before it is used):
 
 - ``fill/``: a distribution's values for a region (``fill_kernels.c``; its binary32 transforms,
-  log and the normal quantile, are ``fill/fp32math.h``);
+  log and the normal quantile, are ``fill/fp32math.h``, its stores ``fill/store.h``), and under stream
+  v2 a keyed forward's random op by the elements' extent-free names (``keyinit_fill_high``);
 - ``dropout/``: keyed dropout (``dropout_kernels.c``);
 - ``permutation/``: the keyed permutation (``permutation_kernels.c``).
 
@@ -42,9 +43,20 @@ _V1 = (
 )
 
 
+#: Stream v2's fill kernels, which also draw a keyed forward's random ops by extent-free names
+#: (keyinit._draw.names.naming); its other kernels are v1's (its names are a geometry's high words).
+_V2_FILL = (
+    ("fill", "cpu", "keyinit._kernels.fill.cpu", "fill_v2"),
+    ("fill", "cuda", "keyinit._kernels.fill.triton", "fill_v2"),
+)
+
+
 def register() -> None:
-    """Register stream v1's kernels in :data:`keyinit._draw.dispatch.KERNELS` (again: no change). Each is
-    named by module and imported on its first call."""
+    """Register stream v1's and v2's kernels in :data:`keyinit._draw.dispatch.KERNELS` (again: no change).
+    Each is named by module and imported on its first call."""
     for family, device, module, name in _V1:
-        for stream in ("v1", "v2"):  # v2: the same kernels (its names are a geometry's high words)
-            register_kernel(stream, family, device, KernelRef(module, name))
+        register_kernel("v1", family, device, KernelRef(module, name))
+        if family != "fill":
+            register_kernel("v2", family, device, KernelRef(module, name))
+    for family, device, module, name in _V2_FILL:
+        register_kernel("v2", family, device, KernelRef(module, name))

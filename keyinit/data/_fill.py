@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from keyinit._bits.streams import derives_as_v1
 from keyinit._draw.dispatch import kernels_disabled
 from keyinit._draw.geometry import coalesce
 from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
@@ -42,9 +43,9 @@ def _counter(data: Union[int, str]) -> tuple[int, int, int, int]:
 
 
 def fold_words(lib: Any, parent: Key, data: Union[int, str]) -> tuple[int, int]:
-    """The words of ``fold_in(parent, data)``; with the kernel library ``lib`` (not None) the Philox of a v1
-    key runs in C."""
-    if lib is not None and parent.stream == "v1":
+    """The words of ``fold_in(parent, data)``; with the kernel library ``lib`` (not None) the Philox of a key
+    of a stream that derives as v1 (v1, v2) runs in C."""
+    if lib is not None and derives_as_v1(parent.stream):
         if type(data) is int and 0 <= data <= 0xFFFFFFFFFFFFFFFF:
             words = lib.keyinit_derive(parent.k0, parent.k1, data & _MASK32, data >> 32, 2, 0)
             return words & _MASK32, words >> 32
@@ -67,11 +68,12 @@ def fold_words_v1(lib: Any, k0: int, k1: int, data: Union[int, str]) -> Optional
 
 
 def fold_with(lib: Any, parent: Key, data: Union[int, str]) -> Key:
-    """``fold_in(parent, data)``; with the kernel library ``lib`` (not None) the Philox of a v1 key runs in C."""
-    if lib is None or parent.stream != "v1":
+    """``fold_in(parent, data)``; with the kernel library ``lib`` (not None) the Philox of a key of a stream that
+    derives as v1 (v1, v2) runs in C."""
+    if lib is None or not derives_as_v1(parent.stream):
         return fold_in(parent, data)
     k0, k1 = fold_words(lib, parent, data)
-    return derived_key(k0, k1, "v1")  # (words of a derivation: the checks of Key cannot fail)
+    return derived_key(k0, k1, parent.stream)  # (words of a derivation: the checks of Key cannot fail)
 
 
 @functools.lru_cache(maxsize=1024)

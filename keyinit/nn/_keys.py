@@ -22,6 +22,7 @@ import importlib
 import sys
 from typing import Any, Union
 
+from keyinit._bits.streams import derives_as_v1
 from keyinit.keys import Key, as_uint64, derived_key, fold_in, key
 
 __all__ = ["DROPOUT_DOMAIN", "dropout_key"]
@@ -43,9 +44,9 @@ def check_fqn(fqn: object) -> tuple[str, ...]:
 
 def _fold(words: tuple[int, int], stream: str, data: Union[int, str], lib: Any) -> tuple[int, int]:
     """The words of ``fold_in(Key(*words, stream), data)``: the Philox in C where ``lib`` (the CPU fill
-    library, checked against ``fold_in`` when it loads) is given and the stream is v1, else ``fold_in``
-    (which also says what is wrong with ``data``)."""
-    if lib is not None and stream == "v1":
+    library, checked against ``fold_in`` when it loads) is given and the stream derives keys as v1 (v1, v2),
+    else ``fold_in`` (which also says what is wrong with ``data``)."""
+    if lib is not None and derives_as_v1(stream):
         found = _fill().fold_words_v1(lib, words[0], words[1], data)
         if found is not None:
             return found
@@ -67,10 +68,6 @@ def _module_words(k0: int, k1: int, stream: str, step: int, parts: tuple[str, ..
     return _fold(_module_words(k0, k1, stream, step, parts[:-1], lib), stream, parts[-1], lib)
 
 
-#: Stream versions whose key derivation is v1's (section 3), which the C fold computes.
-_V1_DERIVATION = frozenset(("v1", "v2"))
-
-
 class CallKeys:
     """The keys keyed() gives the calls of one root forward (its root key and step fixed):
     ``keys(fqn, ordinal)`` is ``dropout_key(root, step=step, fqn=fqn, ordinal=ordinal)``. Each module's
@@ -84,7 +81,7 @@ class CallKeys:
         self.root, self.step = root, step
         self.words: dict[str, tuple[int, int]] = {}
         fill = _fill()
-        self.lib = fill.kernel_library() if root.stream in _V1_DERIVATION else None
+        self.lib = fill.kernel_library() if derives_as_v1(root.stream) else None
         self.fold = fill.fold_words_v1
 
     def __call__(self, fqn: str, ordinal: int) -> Key:

@@ -19,8 +19,9 @@
  *     each other's multiply latency): KI_SIMD_BLOCKS = KI_LANES * KI_GROUPS
  *     counters per call;
  *   - what the kernels use, vector groups first and the scalar code for the rest:
- *     ki_philox_stream (consecutive blocks, words in stream order),
- *     ki_philox_list (blocks with arbitrary numbers) and ki_philox_first_words
+ *     ki_philox_stream (consecutive blocks, words in stream order), ki_philox_simd_runs (a vector
+ *     pass of runs of KI_LANES blocks, each its own), ki_philox_list(_hi) (blocks with arbitrary
+ *     numbers, and high counter words) and ki_philox_first_words
  *     (word 0 of Philox((v[j], c1, 0, 0)): the Feistel round function).
  *
  * Everything here is integer arithmetic: the results do not depend on the
@@ -232,8 +233,16 @@ KI_INLINE void ki_philox_rounds(ki_vec c0[KI_GROUPS], ki_vec c1[KI_GROUPS], ki_v
     }
 }
 
-/* The element-stream blocks with counters (lo[g], hi[g], 0, 0), stored in stream order:
+/* The blocks with counters (lo[g], hi[g], c2[g], c3[g]) (consumed), stored in stream order:
  * lane i of group g is block KI_LANES * g + i, written to out[4 * (KI_LANES * g + i) + w]. */
+KI_INLINE void ki_philox_simd_counters(ki_vec lo[KI_GROUPS], ki_vec hi[KI_GROUPS], ki_vec c2[KI_GROUPS],
+                                       ki_vec c3[KI_GROUPS], uint32_t k0, uint32_t k1, uint32_t *out)
+{
+    ki_philox_rounds(lo, hi, c2, c3, k0, k1);
+    for (int g = 0; g < KI_GROUPS; g++) ki_v_store_blocks(lo[g], hi[g], c2[g], c3[g], out + 4 * KI_LANES * g);
+}
+
+/* The element-stream blocks with counters (lo[g], hi[g], lo32(h), hi32(h)) (see ki_philox_simd_counters). */
 KI_INLINE void ki_philox_simd_blocks_hi(ki_vec lo[KI_GROUPS], ki_vec hi[KI_GROUPS], uint64_t h, uint32_t k0,
                                         uint32_t k1, uint32_t *out)
 {
@@ -242,8 +251,7 @@ KI_INLINE void ki_philox_simd_blocks_hi(ki_vec lo[KI_GROUPS], ki_vec hi[KI_GROUP
         c2[g] = ki_v_set1((uint32_t)h);
         c3[g] = ki_v_set1((uint32_t)(h >> 32));
     }
-    ki_philox_rounds(lo, hi, c2, c3, k0, k1);
-    for (int g = 0; g < KI_GROUPS; g++) ki_v_store_blocks(lo[g], hi[g], c2[g], c3[g], out + 4 * KI_LANES * g);
+    ki_philox_simd_counters(lo, hi, c2, c3, k0, k1, out);
 }
 
 /* The element-stream blocks with counters (lo[g], hi[g], 0, 0) (see ki_philox_simd_blocks_hi). */
@@ -251,6 +259,21 @@ KI_INLINE void ki_philox_simd_blocks(ki_vec lo[KI_GROUPS], ki_vec hi[KI_GROUPS],
                                      uint32_t *out)
 {
     ki_philox_simd_blocks_hi(lo, hi, 0u, k0, k1, out);
+}
+
+/* KI_GROUPS runs of KI_LANES consecutive blocks, counters made in registers: group g is blocks first[g] ..
+ * first[g] + KI_LANES - 1 of high words high[g], stored in stream order at out[4 * KI_LANES * g ...]
+ * (short rows of a keyed forward under stream v2's names, docs/spec.md 14.8, packed into one pass). */
+KI_INLINE void ki_philox_simd_runs(const uint64_t *first, const uint64_t *high, uint32_t k0, uint32_t k1,
+                                   uint32_t *out)
+{
+    ki_vec lo[KI_GROUPS], hi[KI_GROUPS], c2[KI_GROUPS], c3[KI_GROUPS];
+    for (int g = 0; g < KI_GROUPS; g++) {
+        ki_v_counters(first[g], &lo[g], &hi[g]);
+        c2[g] = ki_v_set1((uint32_t)high[g]);
+        c3[g] = ki_v_set1((uint32_t)(high[g] >> 32));
+    }
+    ki_philox_simd_counters(lo, hi, c2, c3, k0, k1, out);
 }
 
 /* Blocks first .. first + KI_SIMD_BLOCKS - 1 of high words h, counters made in registers. */
@@ -282,26 +305,39 @@ static inline void ki_philox_stream(uint64_t first, int64_t n, uint32_t k0, uint
     ki_philox_stream_hi(first, n, 0u, k0, k1, out);
 }
 
-/* The stream words of blocks blocks[0..n-1] (any numbers): out[4*i + w] is word w of block blocks[i]. */
-static inline void ki_philox_list(const uint64_t *blocks, int64_t n, uint32_t k0, uint32_t k1, uint32_t *out)
+/* The stream words of blocks blocks[0..n-1] (any numbers) of high counter words highs[0..n-1] (NULL: all 0):
+ * out[4*i + w] is word w of Philox4x32-10((lo32(b), hi32(b), lo32(h), hi32(h))), b = blocks[i], h = highs[i]. */
+static inline void ki_philox_list_hi(const uint64_t *blocks, const uint64_t *highs, int64_t n, uint32_t k0,
+                                     uint32_t k1, uint32_t *out)
 {
     int64_t i = 0;
 #ifdef KI_SIMD
     for (; i + KI_SIMD_BLOCKS <= n; i += KI_SIMD_BLOCKS) {
-        uint32_t lo[KI_SIMD_BLOCKS], hi[KI_SIMD_BLOCKS];
+        uint32_t w[4][KI_SIMD_BLOCKS];
         for (int j = 0; j < KI_SIMD_BLOCKS; j++) {
-            lo[j] = (uint32_t)blocks[i + j];
-            hi[j] = (uint32_t)(blocks[i + j] >> 32);
+            const uint64_t h = highs != NULL ? highs[i + j] : 0u;
+            w[0][j] = (uint32_t)blocks[i + j];
+            w[1][j] = (uint32_t)(blocks[i + j] >> 32);
+            w[2][j] = (uint32_t)h;
+            w[3][j] = (uint32_t)(h >> 32);
         }
-        ki_vec vlo[KI_GROUPS], vhi[KI_GROUPS];
+        ki_vec c0[KI_GROUPS], c1[KI_GROUPS], c2[KI_GROUPS], c3[KI_GROUPS];
         for (int g = 0; g < KI_GROUPS; g++) {
-            vlo[g] = ki_v_load(lo + KI_LANES * g);
-            vhi[g] = ki_v_load(hi + KI_LANES * g);
+            c0[g] = ki_v_load(w[0] + KI_LANES * g);
+            c1[g] = ki_v_load(w[1] + KI_LANES * g);
+            c2[g] = ki_v_load(w[2] + KI_LANES * g);
+            c3[g] = ki_v_load(w[3] + KI_LANES * g);
         }
-        ki_philox_simd_blocks(vlo, vhi, k0, k1, out + 4 * i);
+        ki_philox_simd_counters(c0, c1, c2, c3, k0, k1, out + 4 * i);
     }
 #endif
-    for (; i < n; i++) ki_philox_block(blocks[i], k0, k1, out + 4 * i);
+    for (; i < n; i++) ki_philox_block_hi(blocks[i], highs != NULL ? highs[i] : 0u, k0, k1, out + 4 * i);
+}
+
+/* The stream words of blocks blocks[0..n-1] (any numbers): out[4*i + w] is word w of block blocks[i]. */
+static inline void ki_philox_list(const uint64_t *blocks, int64_t n, uint32_t k0, uint32_t k1, uint32_t *out)
+{
+    ki_philox_list_hi(blocks, NULL, n, k0, k1, out);
 }
 
 /* out[j] = word 0 of Philox4x32-10((v[j], c1, 0, 0), (k0, k1)) for j < count (count <= KI_FIRST_WORDS_MAX).

@@ -131,6 +131,58 @@ static void kd_apply(const kd_plan_t *P, const uint32_t *restrict w, int64_t q, 
     }
 }
 
+/* Rows of consecutive global indices shorter than KD_SHORT_ROW elements (a keyed forward's rows of 40,
+ * 64 or 128 under stream v2's names, docs/spec.md 14.8, where v1's whole tensor is one run) are packed
+ * into whole vector passes of philox.h: each row takes its blocks in runs of KI_LANES, one vector group
+ * each (ki_philox_simd_runs), up to KD_SHORT_GROUPS groups and KD_SHORT_SEGMENTS rows at a time, in
+ * place of one short pass per row. Without a vector Philox (KI_SIMD), rows are runs as any other. */
+#ifdef KI_SIMD
+#define KD_SHORT_ROW 256
+#define KD_SHORT_GROUPS (4 * KI_GROUPS)
+#define KD_SHORT_SEGMENTS 64
+
+typedef struct {
+    uint64_t first[KD_SHORT_GROUPS], high[KD_SHORT_GROUPS]; /* group g: blocks first[g] .. + KI_LANES - 1 */
+    int64_t q[KD_SHORT_SEGMENTS], m[KD_SHORT_SEGMENTS], at[KD_SHORT_SEGMENTS]; /* at: the row's first word */
+    int64_t ngroups, nsegments;
+} kd_short_t;
+
+static void kd_short_flush(const kd_plan_t *P, kd_short_t *S)
+{
+    uint32_t lanes[4 * KI_LANES * KD_SHORT_GROUPS];
+    for (int64_t g = S->ngroups; g % KI_GROUPS; g++) { /* a last pass's spare groups: computed, unused */
+        S->first[g] = S->first[0];
+        S->high[g] = S->high[0];
+    }
+    for (int64_t g = 0; g < S->ngroups; g += KI_GROUPS)
+        ki_philox_simd_runs(S->first + g, S->high + g, P->k0, P->k1, lanes + 4 * KI_LANES * g);
+    for (int64_t s = 0; s < S->nsegments; s++) kd_apply(P, lanes + S->at[s], S->q[s], S->m[s]);
+    S->ngroups = S->nsegments = 0;
+}
+
+/* Elements q .. q+m-1 (m < KD_SHORT_ROW) with consecutive global indices from j0 and high words h. */
+static void kd_short_add(const kd_plan_t *P, kd_short_t *S, uint64_t j0, uint64_t h, int64_t q, int64_t m)
+{
+    const uint64_t b0 = j0 >> 2, b1 = (j0 + (uint64_t)m + 3u) >> 2;
+    const int64_t groups = (int64_t)((b1 - b0 + KI_LANES - 1) / KI_LANES);
+    if (S->ngroups + groups > KD_SHORT_GROUPS || S->nsegments == KD_SHORT_SEGMENTS) kd_short_flush(P, S);
+    const int64_t at = 4 * KI_LANES * S->ngroups + (int64_t)(j0 & 3u), last = S->nsegments - 1;
+    if (last >= 0 && S->q[last] + S->m[last] == q && S->at[last] + S->m[last] == at) {
+        S->m[last] += m; /* rows of whole groups: one segment, one kd_apply */
+    } else {
+        S->q[S->nsegments] = q;
+        S->m[S->nsegments] = m;
+        S->at[S->nsegments++] = at;
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        S->first[S->ngroups] = b0 + (uint64_t)(g * KI_LANES);
+        S->high[S->ngroups++] = h;
+    }
+}
+#else
+#define KD_SHORT_ROW 0
+#endif
+
 /* Elements q = qs .. qe-1 (row-major positions of the input). */
 static void kd_chunk(const kd_plan_t *P, int64_t qs, int64_t qe)
 {
@@ -144,16 +196,34 @@ static void kd_chunk(const kd_plan_t *P, int64_t qs, int64_t qe)
         rest /= P->size[d];
     }
     uint32_t words[KD_TILE + 8];
+    const int short_rows = run && inner < KD_SHORT_ROW;
+#ifdef KI_SIMD
+    kd_short_t S;
+    S.ngroups = S.nsegments = 0;
+#endif
     int64_t q = qs;
+    /* the outer dims' part of the indices: computed once, then advanced with the carries where no outer
+     * dim has an index vector (each row's own sums otherwise) */
+    int stepped = 1;
+    for (int d = 0; d < last; d++) stepped &= P->index[d] == NULL;
+    int64_t gouter = 0;
+    uint64_t houter = 0;
+    int fresh = 1;
     while (q < qe) {
-        int64_t gouter = P->base;
-        uint64_t houter = P->hbase;
-        for (int d = 0; d < last; d++) gouter += kd_index(P, d, pos[d]) * P->gstride[d];
-        if (P->hstride != NULL)
-            for (int d = 0; d < last; d++) houter += (uint64_t)(kd_index(P, d, pos[d]) * P->hstride[d]);
+        if (fresh) {
+            gouter = P->base;
+            houter = P->hbase;
+            for (int d = 0; d < last; d++) gouter += kd_index(P, d, pos[d]) * P->gstride[d];
+            if (P->hstride != NULL)
+                for (int d = 0; d < last; d++) houter += (uint64_t)(kd_index(P, d, pos[d]) * P->hstride[d]);
+            fresh = !stepped;
+        }
         const int64_t p0 = pos[last];
         const int64_t count = inner - p0 < qe - q ? inner - p0 : qe - q;
-        for (int64_t t = 0; t < count; t += KD_TILE) {
+#ifdef KI_SIMD
+        if (short_rows) kd_short_add(P, &S, (uint64_t)(gouter + p0), houter, q, count);
+#endif
+        for (int64_t t = 0; t < count && !short_rows; t += KD_TILE) {
             const int64_t m = count - t < KD_TILE ? count - t : KD_TILE;
             if (run) {
                 /* consecutive global indices j0 .. j0+m-1: blocks j0/4 .. (j0+m-1)/4 */
@@ -177,8 +247,21 @@ static void kd_chunk(const kd_plan_t *P, int64_t qs, int64_t qe)
         for (int d = last; d > 0 && pos[d] == P->size[d]; d--) {
             pos[d] = 0;
             pos[d - 1] += 1;
+            if (stepped) { /* dim d back to 0 (the innermost is not in gouter), dim d - 1 one on */
+                /* (modulo 2**64: the sums stay in range, a product alone may not) */
+                uint64_t g = (uint64_t)gouter;
+                if (d < last) {
+                    g -= (uint64_t)P->size[d] * (uint64_t)P->gstride[d];
+                    if (P->hstride != NULL) houter -= (uint64_t)P->size[d] * (uint64_t)P->hstride[d];
+                }
+                gouter = (int64_t)(g + (uint64_t)P->gstride[d - 1]);
+                if (P->hstride != NULL) houter += (uint64_t)P->hstride[d - 1];
+            }
         }
     }
+#ifdef KI_SIMD
+    if (S.nsegments) kd_short_flush(P, &S);
+#endif
 }
 
 /* Chunk c: elements c*KD_CHUNK .. (c+1)*KD_CHUNK - 1 (ki_parallel_for's body). */

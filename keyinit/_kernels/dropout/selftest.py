@@ -10,6 +10,10 @@ The cases are small (about 150k elements) and cover what could differ: each
 dtype's scaling and rounding (fp16 overflow to infinity, subnormal products),
 runs that start off a Philox block boundary, merged and split dimensions, index
 vectors, flat indices near 2**62, ``p`` at 0 and near 1, and two threads.
+
+:data:`NAMED_GOLDEN` does the same for a keyed forward's activations under stream v2's names
+(``docs/spec.md`` 14.8: high counter words, short rows packed into whole vector passes, the outer
+indices advanced with the carries), as :func:`keyinit._draw.reference_dropout.dropout` gives them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["GOLDEN", "KEY_WORDS", "cases", "inputs", "run"]
+__all__ = ["GOLDEN", "KEY_WORDS", "NAMED_GOLDEN", "cases", "named_cases", "named_geometry", "inputs", "run"]
 
 #: Key (k0, k1) of every case.
 KEY_WORDS = (0x13198A2E, 0x03707344)
@@ -43,6 +47,23 @@ def cases() -> list[tuple[str, torch.dtype, tuple[int, ...], Optional[tuple], fl
         ("f32-p-near-1", torch.float32, (1000,), None, 1 - 1e-9, 1, "mixed"),
         ("f32-two-threads", torch.float32, (20001,), None, 0.2, 2, "mixed"),
     ]
+
+
+def named_cases() -> list[tuple[str, torch.dtype, tuple[int, ...], int, float, int, str]]:
+    """``(name, dtype, activation shape, first sample, p, threads, values)`` of every case under stream v2's
+    names (row ``r`` of the activation is sample ``first + r``)."""
+    return [
+        ("v2-f32-short-rows", torch.float32, (3, 7, 40), 5, 0.3, 1, "mixed"),
+        ("v2-bf16-3-coords", torch.bfloat16, (2, 3, 5, 128), 2**31 - 2, 0.1, 1, "mixed"),
+        ("v2-f32-rows-across-chunks", torch.float32, (3, 41, 331), 0, 0.2, 2, "mixed"),
+    ]
+
+
+def named_geometry(shape: tuple[int, ...], first: int, p: float):
+    """The geometry of a named case (the one a keyed forward under stream v2 gives such an activation)."""
+    from keyinit._draw.dropout_geometry import rows_template, with_key
+
+    return with_key(rows_template(shape, first, p, "v2"), *KEY_WORDS)
 
 
 def inputs(shape: tuple[int, ...], dtype: torch.dtype, values: str) -> torch.Tensor:
@@ -80,6 +101,14 @@ GOLDEN = {
 }
 
 
+#: sha256(output bytes)[:16] of each named case, as the reference produces them.
+NAMED_GOLDEN = {
+    "v2-f32-short-rows": "71a4ea55ac95b322",
+    "v2-bf16-3-coords": "01e74f19471649df",
+    "v2-f32-rows-across-chunks": "bcfd9c85a23fda49",
+}
+
+
 def run(dropout: Callable[[torch.Tensor, torch.Tensor, Any, int], bool]) -> list[str]:
     """Names of the cases whose digest is not :data:`GOLDEN` (empty: all pass).
 
@@ -96,5 +125,10 @@ def run(dropout: Callable[[torch.Tensor, torch.Tensor, Any, int], bool]) -> list
         geometry = make_geometry(local, *KEY_WORDS, p, layout.gstrides, layout.starts, layout.indices)
         out = torch.full_like(x, 7.0)
         if not dropout(x, out, geometry, threads) or digest(out) != GOLDEN.get(name):
+            failed.append(name)
+    for name, dtype, shape, first, p, threads, values in named_cases():
+        x = inputs(shape, dtype, values)
+        out = torch.full_like(x, 7.0)
+        if not dropout(x, out, named_geometry(shape, first, p), threads) or digest(out) != NAMED_GOLDEN.get(name):
             failed.append(name)
     return failed

@@ -4,6 +4,11 @@ The kernel writes straight into ``out`` (any strides) with a bounded stack
 workspace per thread, and runs on ``torch.get_num_threads()`` threads; the
 values do not depend on that number. See ``fill_kernels.c`` for the
 element addressing.
+
+:func:`fill_named` is a keyed forward's draw under stream v2 (``docs/spec.md`` 14.8): the same kernel
+(``keyinit_fill_high``) on :func:`keyinit._draw.names.named_geometry`, the elements' extent-free names as
+low indices and high counter words; :func:`fill_v2` is stream v2's CPU fill kernel (it, while
+:func:`keyinit._draw.names.naming` is open, else :func:`fill`).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from keyinit._kernels.fill import selftest as _selftest
 from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
 from keyinit._kernels.common.library import I64P, MAX_DIMS, CompiledLibrary
 from keyinit._draw.geometry import geometry
+from keyinit._draw.names import named_geometry, naming_shape
 
-__all__ = ["KERNEL", "available", "fill", "fill_folded", "mt_seed", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
+__all__ = ["KERNEL", "available", "fill", "fill_named", "fill_v2", "fill_folded", "mt_seed", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
 
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 16
@@ -46,6 +52,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.keyinit_ndtri_tail.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.keyinit_derive.restype = ctypes.c_uint64
     lib.keyinit_derive.argtypes = [ctypes.c_uint32] * 6
+    lib.keyinit_fill_high.restype = ctypes.c_int
+    lib.keyinit_fill_high.argtypes = lib.keyinit_fill.argtypes + [
+        ctypes.c_uint64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
     lib.keyinit_fill_folded.restype = ctypes.c_int
     lib.keyinit_fill_folded.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64,
@@ -62,6 +71,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def _selftest_run(lib: ctypes.CDLL) -> list[str]:
     failed = _selftest.run(lambda out, dist, key, region, threads: fill(out, dist, key, region, threads=threads,
                                                                        lib=lib))
+    failed += _selftest.run_named(
+        lambda out, dist, key, region, sample_shape, threads: fill_named(out, dist, key, region, sample_shape,
+                                                                         threads=threads, lib=lib))
     failed += _selftest.run_folded(
         lib.keyinit_derive, lambda out, dist, key, region: fill(out, dist, key, region, threads=1, lib=lib),
         lambda out, dist, key, fold0, fold1: fill_folded(out, dist, key, fold0, fold1, threads=1, lib=lib))
@@ -99,14 +111,51 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, thread
     ``threads`` defaults to ``torch.get_num_threads()`` (one thread for small fills);
     ``lib`` to the library built for this machine (tests pass other builds).
     """
-    dist_id = DIST_IDS.get(type(dist))
-    dtype_id = DTYPE_IDS.get(out.dtype)
-    if dist_id is None or dtype_id is None or out.device.type != "cpu" or out.dim() > MAX_DIMS:
+    if not _takes(out, dist):
         return False
     lib = lib if lib is not None else KERNEL.usable(library)
     if lib is None:
         return False
     base, dims = geometry(out, region)
+    return _launch(out, dist, key, base, dims, threads, lib)
+
+
+def fill_named(out: torch.Tensor, dist: Distribution, key: Key, region: Region, sample_shape: tuple[int, ...],
+               threads: Optional[int] = None, lib: Optional[ctypes.CDLL] = None) -> bool:
+    """:func:`keyinit._draw.names.fill_named`'s values for ``region`` (positions of the canonical tensor of
+    ``sample_shape`` samples) with the kernel; ``False`` (nothing written) if the kernel cannot do it."""
+    if not _takes(out, dist):
+        return False
+    lib = lib if lib is not None else KERNEL.usable(library)
+    if lib is None:
+        return False
+    if out.numel() == 0:
+        return True
+    planned = named_geometry(out, region, sample_shape, dist.words_per_element)
+    if planned is None:
+        return False
+    base, high, dims, high_index = planned
+    return _launch(out, dist, key, base, dims, threads, lib, (high, [d[4] for d in dims], high_index))
+
+
+def fill_v2(out: torch.Tensor, dist: Distribution, key: Key, region: Region, threads: Optional[int] = None,
+            lib: Optional[ctypes.CDLL] = None) -> bool:
+    """Stream v2's CPU fill kernel: :func:`fill_named` while :func:`keyinit._draw.names.naming` is open (a
+    keyed forward's random op), else :func:`fill` (v2 is v1 there)."""
+    sample_shape = naming_shape()
+    if sample_shape is None:
+        return fill(out, dist, key, region, threads, lib)
+    return fill_named(out, dist, key, region, sample_shape, threads, lib)
+
+
+def _takes(out: torch.Tensor, dist: Distribution) -> bool:
+    return (type(dist) in DIST_IDS and out.dtype in DTYPE_IDS and out.device.type == "cpu"
+            and out.dim() <= MAX_DIMS)
+
+
+def _launch(out: torch.Tensor, dist: Distribution, key: Key, base: int, dims: list, threads: Optional[int],
+            lib: ctypes.CDLL, high: Optional[tuple[int, list[int], Optional[torch.Tensor]]] = None) -> bool:
+    """``keyinit_fill`` (``high``: ``keyinit_fill_high`` with ``(high_base, high_strides, high_index)``)."""
     nd = len(dims)
     sizes = (ctypes.c_int64 * nd)(*(d[0] for d in dims))
     ostrides = (ctypes.c_int64 * nd)(*(d[1] for d in dims))
@@ -119,12 +168,18 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, thread
     if threads is None:
         threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
     keep_alive = [d[3] for d in dims]  # noqa: F841 - index vectors must outlive the call
-    rc = lib.keyinit_fill(
-        dist_id, dtype_id, k0, k1, fparams, iparams, nd, base, sizes, ostrides, gstrides, indices,
-        out.data_ptr(), threads,
-    )
+    args = (dist_id := DIST_IDS[type(dist)], DTYPE_IDS[out.dtype], k0, k1, fparams, iparams, nd, base, sizes,
+            ostrides, gstrides, indices, out.data_ptr(), threads)
+    if high is None:
+        rc = lib.keyinit_fill(*args)
+    else:
+        hbase, hstrides, high_index = high
+        hindex = None
+        if high_index is not None:  # (one dim: named_geometry lists each element's high words)
+            hindex = (ctypes.c_void_p * nd)(high_index.data_ptr())
+        rc = lib.keyinit_fill_high(*args, hbase & 0xFFFFFFFFFFFFFFFF, (ctypes.c_int64 * nd)(*hstrides), hindex)
     if rc != 0:  # pragma: no cover - arguments are validated above
-        raise RuntimeError(f"keyinit_fill failed with code {rc}")
+        raise RuntimeError(f"keyinit_fill failed with code {rc} (distribution {dist_id})")
     # The write bypassed torch, so bump the version counter as an in-place op would.
     torch.autograd.graph.increment_version(out)
     return True

@@ -61,25 +61,29 @@ KI_API void keyinit_philox_range(uint64_t first, int64_t n, uint32_t k0, uint32_
     ki_philox_stream(first, n, k0, k1, out);
 }
 
-/* Words of elements with arbitrary global indices g[0..m-1] (m <= TILE): element
- * k gets words[w*k .. w*k + w - 1] (w is 1 or 2; an element's words lie in one
- * block). The blocks go through the same SIMD Philox as runs, each block once
- * where neighbouring elements share it (short rows gathered into one tile: a
- * keyed collate's (batch, length) draws), else one per element. */
-static void words_gather(const int64_t *restrict g, int64_t m, int w, uint32_t k0, uint32_t k1,
-                         uint32_t *restrict words)
+/* Words of elements with arbitrary global indices g[0..m-1] (m <= TILE) and high
+ * counter words h[0..m-1] (h == NULL: all h0): element k gets words[w*k .. w*k + w - 1]
+ * (w is 1 or 2; an element's words lie in one block). The blocks go through the same
+ * SIMD Philox as runs, each block once where neighbouring elements share it (short
+ * rows gathered into one tile: a keyed collate's (batch, length) draws), else one
+ * per element. */
+static void words_gather(const int64_t *restrict g, const uint64_t *restrict h, uint64_t h0, int64_t m, int w,
+                         uint32_t k0, uint32_t k1, uint32_t *restrict words)
 {
-    uint64_t blocks[TILE];
+    uint64_t blocks[TILE], highs[TILE];
     int32_t slot[TILE]; /* element k's block is blocks[slot[k]] */
     uint32_t lanes[4 * TILE];
     const unsigned shift = w == 1 ? 2u : 1u; /* block of element i: (w*i) >> 2 */
     int64_t n = 0;
     for (int64_t k = 0; k < m; k++) {
-        const uint64_t b = (uint64_t)g[k] >> shift;
-        if (n == 0 || blocks[n - 1] != b) blocks[n++] = b;
+        const uint64_t b = (uint64_t)g[k] >> shift, hk = h != NULL ? h[k] : h0;
+        if (n == 0 || blocks[n - 1] != b || highs[n - 1] != hk) {
+            blocks[n] = b;
+            highs[n++] = hk;
+        }
         slot[k] = (int32_t)(n - 1);
     }
-    ki_philox_list(blocks, n, k0, k1, lanes);
+    ki_philox_list_hi(blocks, highs, n, k0, k1, lanes);
     if (w == 1) {
         for (int64_t k = 0; k < m; k++) words[k] = lanes[4 * slot[k] + ((uint64_t)g[k] & 3u)];
     } else {
@@ -103,21 +107,6 @@ KI_API int keyinit_constants(float *dst, int capacity)
 /* Exported for the tests: ndtri_tail_batch over any number of tails. */
 KI_API void keyinit_ndtri_tail(const float *tail, int64_t n, float *mag);
 
-/* ------------------------------------------------ conversions to storage */
-
-/* Exported for the exhaustive conversion tests (convert.h). */
-KI_API void keyinit_convert_f32(const float *src, int64_t n, int dtype, void *dst)
-{
-    if (dtype == KI_DTYPE_BFLOAT16) {
-        uint16_t *d = (uint16_t *)dst;
-        for (int64_t i = 0; i < n; i++) d[i] = ki_f32_to_bf16(src[i]);
-    } else if (dtype == KI_DTYPE_FLOAT16) {
-        uint16_t *d = (uint16_t *)dst;
-        for (int64_t i = 0; i < n; i++) d[i] = ki_f32_to_f16(src[i]);
-    }
-}
-
-
 /* ------------------------------------------------------------------ plan */
 
 typedef struct {
@@ -140,6 +129,11 @@ typedef struct {
     const int64_t *ostride;
     const int64_t *gstride;
     const int64_t *const *index; /* per dim: an index vector, or NULL for idx(p) = p */
+    /* high counter words (docs/spec.md 14.8): h = hbase + sum_k high_k(p_k), high_k(p) = hindex[k][p]
+     * where that vector is given, else idx_k(p) * hstride[k]; hstride == NULL: h = 0 */
+    uint64_t hbase;
+    const int64_t *hstride;
+    const int64_t *const *hindex; /* NULL, or per dim a vector or NULL */
     char *out;
     int elsize;
     int64_t numel;
@@ -236,69 +230,19 @@ static void transform_tile(const plan_t *P, const uint32_t *wp, int64_t m, value
     }
 }
 
-/* ---------------------------------------------------------- store a tile */
+/* ---------------------------------------------------------- store a tile (store.h) */
 
-/* Destination element offsets: o[k] if o != NULL, else o0 + k*os. */
-#define STORE_LOOP(T, EXPR)                                                      \
-    do {                                                                         \
-        T *d = (T *)out;                                                         \
-        if (o != NULL) {                                                         \
-            for (int64_t k = 0; k < m; k++) d[o[k]] = (EXPR);                    \
-        } else if (os == 1) {                                                    \
-            d += o0;                                                             \
-            for (int64_t k = 0; k < m; k++) d[k] = (EXPR);                       \
-        } else {                                                                 \
-            d += o0;                                                             \
-            for (int64_t k = 0; k < m; k++) d[k * os] = (EXPR);                  \
-        }                                                                        \
-    } while (0)
-
-static void store_tile(const plan_t *P, const values_t *v, int64_t m, const int64_t *o, int64_t o0, int64_t os)
-{
-    char *out = P->out;
-    const float *f = v->f;
-    const int64_t *iv = v->i;
-    const uint8_t *u = v->u;
-    switch (P->dist) {
-    case KI_DIST_BITS:
-    case KI_DIST_RANDINT:
-        switch (P->dtype) {
-        case KI_DTYPE_INT64: STORE_LOOP(int64_t, iv[k]); break;
-        case KI_DTYPE_INT32: STORE_LOOP(int32_t, (int32_t)iv[k]); break;
-        case KI_DTYPE_INT16: STORE_LOOP(int16_t, (int16_t)iv[k]); break;
-        case KI_DTYPE_INT8: STORE_LOOP(int8_t, (int8_t)iv[k]); break;
-        case KI_DTYPE_UINT8: STORE_LOOP(uint8_t, (uint8_t)iv[k]); break;
-        }
-        break;
-    case KI_DIST_BERNOULLI:
-        switch (P->dtype) {
-        case KI_DTYPE_BOOL: case KI_DTYPE_UINT8: STORE_LOOP(uint8_t, u[k]); break;
-        case KI_DTYPE_INT8: STORE_LOOP(int8_t, (int8_t)u[k]); break;
-        case KI_DTYPE_INT16: STORE_LOOP(int16_t, (int16_t)u[k]); break;
-        case KI_DTYPE_INT32: STORE_LOOP(int32_t, (int32_t)u[k]); break;
-        case KI_DTYPE_INT64: STORE_LOOP(int64_t, (int64_t)u[k]); break;
-        case KI_DTYPE_FLOAT32: STORE_LOOP(float, (float)u[k]); break;
-        case KI_DTYPE_FLOAT64: STORE_LOOP(double, (double)u[k]); break;
-        case KI_DTYPE_BFLOAT16: STORE_LOOP(uint16_t, (uint16_t)(u[k] ? 0x3F80u : 0u)); break;
-        case KI_DTYPE_FLOAT16: STORE_LOOP(uint16_t, (uint16_t)(u[k] ? 0x3C00u : 0u)); break;
-        }
-        break;
-    default:
-        switch (P->dtype) {
-        case KI_DTYPE_FLOAT32: STORE_LOOP(float, f[k]); break;
-        case KI_DTYPE_FLOAT64: STORE_LOOP(double, (double)f[k]); break;
-        case KI_DTYPE_BFLOAT16: STORE_LOOP(uint16_t, ki_f32_to_bf16(f[k])); break;
-        case KI_DTYPE_FLOAT16: STORE_LOOP(uint16_t, ki_f32_to_f16(f[k])); break;
-        }
-    }
-}
+#include "store.h"
 
 /* ---------------------------------------------------------------- a tile */
 
 /* m elements (m <= TILE). Global indices: g0 .. g0+m-1 if g == NULL, else
- * g[0..m-1]. Destination offsets: o[k] if o != NULL, else o0 + k*os. */
-static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const int64_t *o, int64_t o0, int64_t os,
-                    int64_t m)
+ * g[0..m-1]; high counter words h[0..m-1], or h0 for all if h == NULL (a run
+ * has one h0). Destination offsets: o[k] if o != NULL, else o0 + k*os. */
+static void finish_tile(const plan_t *P, const uint32_t *wp, const int64_t *o, int64_t o0, int64_t os, int64_t m);
+
+static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const uint64_t *h, uint64_t h0,
+                    const int64_t *o, int64_t o0, int64_t os, int64_t m)
 {
     const int w = P->w;
     uint32_t words[2 * TILE + 16];
@@ -309,12 +253,18 @@ static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const int64_t
         uint64_t j0 = (uint64_t)g0 * (uint64_t)w;
         uint64_t j1 = j0 + (uint64_t)(m * w); /* exclusive */
         uint64_t b0 = j0 >> 2, b1 = (j1 + 3) >> 2;
-        ki_philox_stream(b0, (int64_t)(b1 - b0), P->k0, P->k1, words);
+        ki_philox_stream_hi(b0, (int64_t)(b1 - b0), h0, P->k0, P->k1, words);
         wp = words + (j0 & 3u);
     } else {
-        words_gather(g, m, w, P->k0, P->k1, words);
+        words_gather(g, h, h0, m, w, P->k0, P->k1, words);
         wp = words;
     }
+    finish_tile(P, wp, o, o0, os, m);
+}
+
+/* The values of m elements (m <= TILE) of words wp, stored (o, o0, os: as do_tile's). */
+static void finish_tile(const plan_t *P, const uint32_t *wp, const int64_t *o, int64_t o0, int64_t os, int64_t m)
+{
     /* Write straight into the destination when it has the value buffer's type. */
     const int float_values = P->dist == KI_DIST_UNIFORM || P->dist == KI_DIST_NORMAL ||
                              P->dist == KI_DIST_TRUNCATED_NORMAL;
@@ -338,21 +288,49 @@ static inline int64_t inner_global(const plan_t *P, int64_t gouter, int64_t p)
     return gouter + (iv != NULL ? iv[p] : p) * P->gstride[last];
 }
 
-/* Elements p0 .. p0+m-1 (m <= TILE) of one row of the innermost dimension. */
-static void do_row_tile(const plan_t *P, int64_t gouter, int64_t oouter, int64_t p0, int64_t m)
+/* What position p of dimension d adds to the high counter words. */
+static inline uint64_t dim_high(const plan_t *P, int d, int64_t p)
+{
+    if (P->hstride == NULL) return 0u;
+    const int64_t *hv = P->hindex != NULL ? P->hindex[d] : NULL;
+    if (hv != NULL) return (uint64_t)hv[p];
+    const int64_t *iv = P->index[d];
+    return (uint64_t)((iv != NULL ? iv[p] : p) * P->hstride[d]);
+}
+
+/* The innermost dimension changes the high counter words along a row. */
+static inline int inner_high(const plan_t *P)
+{
+    const int last = P->ndim - 1;
+    return P->hstride != NULL && (P->hstride[last] != 0 || (P->hindex != NULL && P->hindex[last] != NULL));
+}
+
+/* Elements p0 .. p0+m-1 (m <= TILE) of one row of the innermost dimension; the
+ * row's outer dimensions give it gouter and the high words houter. */
+static void do_row_tile(const plan_t *P, int64_t gouter, uint64_t houter, int64_t oouter, int64_t p0, int64_t m)
 {
     const int last = P->ndim - 1;
     const int64_t *iv = P->index[last];
     const int64_t gs = P->gstride[last], os = P->ostride[last];
+    if (inner_high(P)) { /* each element its own high words (a layout with the sample innermost) */
+        int64_t g[TILE];
+        uint64_t h[TILE];
+        for (int64_t k = 0; k < m; k++) {
+            g[k] = inner_global(P, gouter, p0 + k);
+            h[k] = houter + dim_high(P, last, p0 + k);
+        }
+        do_tile(P, g, 0, h, 0u, NULL, oouter + p0 * os, os, m);
+        return;
+    }
     if (iv == NULL) {
         if (gs == 1) { /* a slice with unit step: consecutive global indices */
-            do_tile(P, NULL, gouter + p0, NULL, oouter + p0 * os, os, m);
+            do_tile(P, NULL, gouter + p0, NULL, houter, NULL, oouter + p0 * os, os, m);
             return;
         }
         int64_t g[TILE];
         const int64_t g0 = gouter + p0 * gs;
         for (int64_t k = 0; k < m; k++) g[k] = g0 + k * gs;
-        do_tile(P, g, 0, NULL, oouter + p0 * os, os, m);
+        do_tile(P, g, 0, NULL, houter, NULL, oouter + p0 * os, os, m);
         return;
     }
     /* An index list: a tile whose indices happen to be consecutive is still a run. */
@@ -360,12 +338,12 @@ static void do_row_tile(const plan_t *P, int64_t gouter, int64_t oouter, int64_t
     int contiguous = gs == 1;
     for (int64_t k = 1; k < m && contiguous; k++) contiguous = ivp[k] == ivp[0] + k;
     if (contiguous) {
-        do_tile(P, NULL, gouter + ivp[0], NULL, oouter + p0 * os, os, m);
+        do_tile(P, NULL, gouter + ivp[0], NULL, houter, NULL, oouter + p0 * os, os, m);
         return;
     }
     int64_t g[TILE];
     for (int64_t k = 0; k < m; k++) g[k] = gouter + ivp[k] * gs;
-    do_tile(P, g, 0, NULL, oouter + p0 * os, os, m);
+    do_tile(P, g, 0, NULL, houter, NULL, oouter + p0 * os, os, m);
 }
 
 /* Rows shorter than this are batched into tiles that span rows (each element's block through
@@ -386,34 +364,66 @@ static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
         pos[k] = rest % P->size[k];
         rest /= P->size[k];
     }
-    const int short_rows = inner < SHORT_ROW;
+    const int short_rows = inner < SHORT_ROW, row_high = inner_high(P);
+    /* Rows of consecutive indices shorter than a tile, contiguous in out (a keyed forward's rows under
+     * stream v2's names, docs/spec.md 14.8, where v1's whole draw is one run): packed into whole tiles
+     * (pw: words of pm elements whose destination starts at po0), one transform and store per tile. */
+    const int w = P->w;
+    const int packed = !short_rows && inner < TILE && P->index[last] == NULL && P->gstride[last] == 1 &&
+                       !row_high && P->ostride[last] == 1;
+    uint32_t pw[2 * TILE + 16];
+    int64_t pm = 0, po0 = 0;
     int64_t g[TILE], o[TILE];
-    int64_t fill = 0; /* elements gathered into g/o (short rows) */
+    uint64_t h[TILE];
+    int64_t fill = 0; /* elements gathered into g/o/h (short rows) */
     int64_t done = start;
     while (done < stop) {
         int64_t gouter = P->base, oouter = 0;
+        uint64_t houter = P->hbase;
         for (int d = 0; d < last; d++) {
             const int64_t *iv = P->index[d];
             gouter += (iv != NULL ? iv[pos[d]] : pos[d]) * P->gstride[d];
             oouter += pos[d] * P->ostride[d];
+            houter += dim_high(P, d, pos[d]);
         }
         int64_t p0 = pos[last];
         int64_t cnt = inner - p0 < stop - done ? inner - p0 : stop - done;
-        if (!short_rows) {
+        if (packed) { /* a whole or partial row, appended to the tile (flushed first if it is full) */
+            const int64_t dest = oouter + p0;
+            if (pm && (pm + cnt > TILE || dest != po0 + pm)) {
+                finish_tile(P, pw, NULL, po0, 1, pm);
+                pm = 0;
+            }
+            if (!pm) po0 = dest;
+            const uint64_t j0 = (uint64_t)(gouter + p0) * (uint64_t)w, b0 = j0 >> 2;
+            const uint64_t b1 = (j0 + (uint64_t)(cnt * w) + 3u) >> 2;
+            if ((j0 & 3u) == 0) { /* whole blocks from the row's start: straight into the tile (past it: slack) */
+                ki_philox_stream_hi(b0, (int64_t)(b1 - b0), houter, P->k0, P->k1, pw + pm * w);
+            } else {
+                uint32_t row[2 * TILE + 16];
+                ki_philox_stream_hi(b0, (int64_t)(b1 - b0), houter, P->k0, P->k1, row);
+                memcpy(pw + pm * w, row + (j0 & 3u), (size_t)(cnt * w) * sizeof(uint32_t));
+            }
+            pm += cnt;
+        } else if (!short_rows) {
             for (int64_t t = 0; t < cnt; t += TILE)
-                do_row_tile(P, gouter, oouter, p0 + t, cnt - t < TILE ? cnt - t : TILE);
+                do_row_tile(P, gouter, houter, oouter, p0 + t, cnt - t < TILE ? cnt - t : TILE);
         } else {
             const int64_t os = P->ostride[last];
             for (int64_t j = 0; j < cnt; j++) {
                 g[fill] = inner_global(P, gouter, p0 + j);
+                h[fill] = houter + (row_high ? dim_high(P, last, p0 + j) : 0u);
                 o[fill] = oouter + (p0 + j) * os;
                 if (++fill == TILE || done + j + 1 == stop) {
-                    int contiguous = 1, dense = 1;
+                    int contiguous = 1, dense = 1, one_high = 1;
                     for (int64_t k = 1; k < fill; k++) {
                         contiguous &= g[k] == g[0] + k;
                         dense &= o[k] == o[0] + k;
+                        one_high &= h[k] == h[0];
                     }
-                    do_tile(P, contiguous ? NULL : g, g[0], dense ? NULL : o, o[0], 1, fill);
+                    contiguous &= one_high;
+                    do_tile(P, contiguous ? NULL : g, g[0], one_high ? NULL : h, h[0], dense ? NULL : o, o[0], 1,
+                            fill);
                     fill = 0;
                 }
             }
@@ -425,6 +435,7 @@ static void do_chunk(const plan_t *P, int64_t start, int64_t stop)
             pos[d - 1] += 1;
         }
     }
+    if (pm) finish_tile(P, pw, NULL, po0, 1, pm);
 }
 
 /* The values never depend on the caller's floating-point environment: each
@@ -486,10 +497,45 @@ KI_API int keyinit_fp_probe(void)
  * iparams: [flip, threshold, low, span]
  * Returns 0 on success, a negative number for invalid arguments.
  */
-static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1, const double *fparams,
-                        const int64_t *iparams, int ndim, int64_t base, const int64_t *size,
-                        const int64_t *ostride, const int64_t *gstride, const int64_t *const *index,
-                        void *out, int nthreads);
+static int fill_planned(plan_t *P, const double *fparams, const int64_t *iparams, int nthreads);
+
+/*
+ * keyinit_fill with high counter words: element (p_0, ..., p_{d-1}) also has the high counter words
+ * h = hbase + sum_k high_k(p_k), high_k(p) = hindex[k][p] where hindex and hindex[k] are not NULL, else
+ * idx_k(p) * hstride[k] (hstride NULL: h = 0, keyinit_fill), and its word j is lane j % 4 of
+ * Philox4x32-10((lo32(j/4), hi32(j/4), lo32(h), hi32(h)), (k0, k1)): a keyed forward's draw by the
+ * elements' extent-free names (docs/spec.md 14.8; keyinit._draw.names.fill_named is the reference).
+ */
+KI_API int keyinit_fill_high(int dist, int dtype, uint32_t k0, uint32_t k1,
+                             const double *fparams, const int64_t *iparams,
+                             int ndim, int64_t base, const int64_t *size, const int64_t *ostride,
+                             const int64_t *gstride, const int64_t *const *index,
+                             void *out, int nthreads, uint64_t hbase, const int64_t *hstride,
+                             const int64_t *const *hindex)
+{
+    if (ndim < 1 || ndim > KI_MAX_DIMS) return -1;
+    if (dist < 0 || dist >= KI_DIST_COUNT || dtype < 0 || dtype >= KI_DTYPE_COUNT) return -2;
+    static plan_t zero_plan;
+    plan_t P = zero_plan;
+    P.dist = dist;
+    P.dtype = dtype;
+    P.k0 = k0;
+    P.k1 = k1;
+    P.ndim = ndim;
+    P.base = base;
+    P.size = size;
+    P.ostride = ostride;
+    P.gstride = gstride;
+    P.index = index;
+    P.hbase = hstride != NULL ? hbase : 0u;
+    P.hstride = hstride;
+    P.hindex = hstride != NULL ? hindex : NULL;
+    P.out = (char *)out;
+    ki_fpstate_t saved = ki_fp_enter(); /* before the conversions below: exact, subnormals kept */
+    int rc = fill_planned(&P, fparams, iparams, nthreads);
+    ki_fp_leave(saved);
+    return rc;
+}
 
 KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
                         const double *fparams, const int64_t *iparams,
@@ -497,13 +543,8 @@ KI_API int keyinit_fill(int dist, int dtype, uint32_t k0, uint32_t k1,
                         const int64_t *gstride, const int64_t *const *index,
                         void *out, int nthreads)
 {
-    if (ndim < 1 || ndim > KI_MAX_DIMS) return -1;
-    if (dist < 0 || dist >= KI_DIST_COUNT || dtype < 0 || dtype >= KI_DTYPE_COUNT) return -2;
-    ki_fpstate_t saved = ki_fp_enter(); /* before the conversions below: exact, subnormals kept */
-    int rc = fill_planned(dist, dtype, k0, k1, fparams, iparams, ndim, base, size, ostride, gstride, index, out,
-                          nthreads);
-    ki_fp_leave(saved);
-    return rc;
+    return keyinit_fill_high(dist, dtype, k0, k1, fparams, iparams, ndim, base, size, ostride, gstride, index, out,
+                             nthreads, 0u, NULL, NULL);
 }
 
 /*
@@ -522,44 +563,28 @@ KI_API int keyinit_fill_folded(int dist, int dtype, uint32_t k0, uint32_t k1, ui
                         stride, index, out, nthreads);
 }
 
-static int fill_planned(int dist, int dtype, uint32_t k0, uint32_t k1,
-                        const double *fparams, const int64_t *iparams,
-                        int ndim, int64_t base, const int64_t *size, const int64_t *ostride,
-                        const int64_t *gstride, const int64_t *const *index,
-                        void *out, int nthreads)
+/* P: the geometry, key and distribution set; the parameters and derived fields set here. */
+static int fill_planned(plan_t *P, const double *fparams, const int64_t *iparams, int nthreads)
 {
-    static plan_t zero_plan;
-    plan_t P = zero_plan;
-    P.dist = dist;
-    P.dtype = dtype;
-    P.w = dist == KI_DIST_RANDINT ? 2 : 1;
-    P.k0 = k0;
-    P.k1 = k1;
-    P.a = (float)fparams[0]; /* exact: each is a binary32 value */
-    P.b = (float)fparams[1];
-    P.p_low = (float)fparams[2];
-    P.p_span = (float)fparams[3];
-    P.lower = (float)fparams[4];
-    P.upper = (float)fparams[5];
-    P.flip = (int)iparams[0];
-    P.threshold = (uint64_t)iparams[1];
-    P.low = iparams[2];
-    P.span = (uint64_t)iparams[3];
-    P.ndim = ndim;
-    P.base = base;
-    P.size = size;
-    P.ostride = ostride;
-    P.gstride = gstride;
-    P.index = index;
-    P.out = (char *)out;
-    P.elsize = elsize_of(dtype);
+    P->w = P->dist == KI_DIST_RANDINT ? 2 : 1;
+    P->a = (float)fparams[0]; /* exact: each is a binary32 value */
+    P->b = (float)fparams[1];
+    P->p_low = (float)fparams[2];
+    P->p_span = (float)fparams[3];
+    P->lower = (float)fparams[4];
+    P->upper = (float)fparams[5];
+    P->flip = (int)iparams[0];
+    P->threshold = (uint64_t)iparams[1];
+    P->low = iparams[2];
+    P->span = (uint64_t)iparams[3];
+    P->elsize = elsize_of(P->dtype);
     int64_t numel = 1;
-    for (int k = 0; k < ndim; k++) {
-        if (size[k] < 0) return -3;
-        numel *= size[k];
+    for (int k = 0; k < P->ndim; k++) {
+        if (P->size[k] < 0) return -3;
+        numel *= P->size[k];
     }
-    P.numel = numel;
+    P->numel = numel;
     if (numel == 0) return 0;
-    ki_parallel_for((numel + CHUNK - 1) / CHUNK, nthreads, 1, fill_chunk, &P);
+    ki_parallel_for((numel + CHUNK - 1) / CHUNK, nthreads, 1, fill_chunk, P);
     return 0;
 }

@@ -14,6 +14,12 @@ each PPND7 branch (central, near tail, far tail with the 2**-126 clamp), the
 bf16/fp16 roundings, two-word elements, runs starting off a Philox block
 boundary, strided, reversed and listed regions, flat indices near 2**62, a
 transposed destination and two threads.
+
+:data:`NAMED_GOLDEN` does the same for the draws of keyed forwards under stream v2 (``docs/spec.md``
+14.8, ``keyinit_fill_high``), the bytes of the reference :func:`keyinit._draw.names.fill_named`: one to
+three coordinates, extent-1 dimensions, the sample innermost (high words per element), samples near
+``2**31``, two-word elements, a listed region (a lazily evaluated draw's), a transposed destination
+and two threads.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["GOLDEN", "KEY_WORDS", "cases", "run", "run_folded", "run_mt_seed"]
+__all__ = ["GOLDEN", "KEY_WORDS", "NAMED_GOLDEN", "cases", "named_cases", "run", "run_named", "run_folded",
+           "run_mt_seed"]
 
 #: Key (k0, k1) of every case.
 KEY_WORDS = (0x243F6A88, 0x85A308D3)
@@ -79,6 +86,41 @@ GOLDEN = {
 }
 
 
+def named_cases() -> list[tuple[str, Any, torch.dtype, tuple[int, ...], Optional[tuple], tuple[int, ...], str,
+                                   int]]:
+    """``(name, dist, dtype, shape, region, sample_shape, layout, threads)`` of every named case: ``region``
+    of the canonical tensor ``shape`` whose samples have ``sample_shape`` (a keyed forward's random op)."""
+    from keyinit.distributions import Bernoulli, Normal, Randint, TruncatedNormal, Uniform
+
+    return [
+        ("named-normal-f32-extent-1", Normal.create(0.25, 2.0), torch.float32, (7, 5, 1, 130),
+         (slice(3, None), slice(None), slice(None), slice(None)), (5, 1, 130), "dense", 1),
+        ("named-uniform-bf16-3-coords", Uniform.create(-1.5, 2.25), torch.bfloat16, (2, 3, 4, 9),
+         (slice(None),) * 4, (3, 4, 9), "dense", 1),
+        ("named-randint-near-2**31", Randint.create(-7, 100, torch.int64), torch.int64, (_BIG, 6, 7),
+         (slice(_BIG - 3, None), slice(None), slice(None)), (6, 7), "dense", 1),
+        ("named-bernoulli-per-sample", Bernoulli.create(0.3), torch.bool, (40,), (slice(5, None),), (), "dense", 1),
+        ("named-normal-f64-listed", Normal.create(0.0, 1.0), torch.float64, (60,),
+         ([59, 0, 13, 14, 15, 16, 2, 2, 47],), (4, 3), "dense", 1),
+        ("named-trunc-f16-transposed", TruncatedNormal.create(1.0, 0.5, 1.2, 9.0, torch.float16), torch.float16,
+         (9, 19), (slice(1, None), slice(None)), (19,), "transposed", 1),
+        ("named-uniform-two-threads", Uniform.create(0.0, 1.0), torch.float32, (2, 137, 256), (slice(None),) * 3,
+         (137, 256), "dense", 2),
+    ]
+
+
+#: sha256(output bytes)[:16] of each named case, as the reference (keyinit._draw.names.fill_named) gives them.
+NAMED_GOLDEN = {
+    "named-normal-f32-extent-1": "377ef0bf69feb843",
+    "named-uniform-bf16-3-coords": "56302daa335487c6",
+    "named-randint-near-2**31": "ee4fd554ade0413c",
+    "named-bernoulli-per-sample": "3d8cafb58835b260",
+    "named-normal-f64-listed": "1519d997158da54b",
+    "named-trunc-f16-transposed": "c38685bc4c2318ee",
+    "named-uniform-two-threads": "aa65322da6156be0",
+}
+
+
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, layout: str) -> torch.Tensor:
     if layout == "transposed":
         return torch.zeros(tuple(reversed(shape)), dtype=dtype, device="cpu").t()
@@ -105,6 +147,24 @@ def run(fill: Callable[[torch.Tensor, Any, Any, Any, int], bool]) -> list[str]:
         reg = make_region(shape, region)
         out = _empty(reg.region_shape, dtype, layout)
         if not fill(out, dist, key, reg, threads) or digest(out) != GOLDEN.get(name):
+            failed.append(name)
+    return failed
+
+
+def run_named(fill: Callable[[torch.Tensor, Any, Any, Any, tuple[int, ...], int], bool]) -> list[str]:
+    """Names of the named cases whose digest is not :data:`NAMED_GOLDEN` (empty: all pass).
+
+    ``fill(out, dist, key, region, sample_shape, threads)`` is the implementation under test.
+    """
+    from keyinit.keys import Key
+    from keyinit.regions import make_region
+
+    key = Key(*KEY_WORDS, "v2")
+    failed = []
+    for name, dist, dtype, shape, region, sample_shape, layout, threads in named_cases():
+        reg = make_region(shape, region)
+        out = _empty(reg.region_shape, dtype, layout)
+        if not fill(out, dist, key, reg, sample_shape, threads) or digest(out) != NAMED_GOLDEN.get(name):
             failed.append(name)
     return failed
 

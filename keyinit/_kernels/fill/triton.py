@@ -48,9 +48,10 @@ from keyinit.keys import Key
 from keyinit.regions import Region
 from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
 from keyinit._draw.geometry import geometry
+from keyinit._draw.names import naming_shape
 from keyinit._kernels.fill.launch import BLOCK, LOOP, MAX_DIMS, MIN_PROGRAMS, NB
 
-__all__ = ["available", "fill", "MAX_DIMS", "RUN_MIN", "launch_args"]
+__all__ = ["available", "fill", "fill_v2", "MAX_DIMS", "RUN_MIN", "launch_args"]
 
 #: Shortest row of a multi-row region that takes the RUN path (shorter rows waste most of a RUN program).
 RUN_MIN = 256
@@ -187,3 +188,10 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, int
     # The write bypassed torch's in-place ops, so bump the version counter as they would.
     torch.autograd.graph.increment_version(out)
     return True
+
+
+def fill_v2(out: torch.Tensor, dist: Distribution, key: Key, region: Region) -> bool:
+    """Stream v2's CUDA fill kernel: :func:`fill`, except for a keyed forward's draw by extent-free names
+    (:func:`keyinit._draw.names.naming` open: ``False``, the reference draws it; such draws are made on the
+    CPU)."""
+    return naming_shape() is None and fill(out, dist, key, region)
