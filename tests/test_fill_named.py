@@ -42,6 +42,7 @@ SHAPES = [
     ((30,), (slice(4, None),), ()),
     ((10, 6, 5), ([4, 1, 1, 9], slice(None), slice(1, None, 2)), (6, 5)),
     ((2, 9, 1), (slice(None),) * 3, (9, 1)),
+    ((2, 3, 4, 5, 6), (slice(None),) * 5, (3, 4, 5, 6)),  # four coordinates: c_3 and c_4 share word 2
 ]
 
 
@@ -117,10 +118,10 @@ def test_padding_and_leading_ones_name_nothing():
 
 
 def test_errors_are_the_references():
-    out = torch.empty(2, 2, 2, 2, 2)
-    region = make_region((2, 2, 2, 2, 2), None)
-    with pytest.raises(ValueError, match="more than three dimensions of extent > 1"):
-        cpu.fill_named(out, Uniform.create(0.0, 1.0), KEY, region, (2, 2, 2, 2))
+    out = torch.empty(2, 70000, 2, 2, 2)
+    region = make_region((2, 70000, 2, 2, 2), None)
+    with pytest.raises(ValueError, match="exceeds stream v2's limit of 65536 for coordinate 4 of a sample with 4"):
+        cpu.fill_named(out, Uniform.create(0.0, 1.0), KEY, region, (70000, 2, 2, 2))
     big = 2**31
     region = make_region((big + 1, 3), (slice(big, None), slice(None)))
     with pytest.raises(ValueError, match=r"outside stream v2's \[0, 2\*\*31\)"):
