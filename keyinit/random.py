@@ -226,8 +226,8 @@ def stochastic_round(key: Key, x: torch.Tensor, dtype: torch.dtype, *, global_sh
       ``_StridedShard``, Replicate; Partial is an error) and gives a DTensor of the same
       placements, with no communication.
 
-    ``out``: a tensor of ``x``'s (local) shape and ``dtype`` to write into (the in-place form);
-    it may be ``x``'s own parameter in the narrow dtype. Integer operations on the bit patterns
+    ``out``: a tensor of ``x``'s (local) shape and ``dtype`` to write into, returned (the in-place
+    form; with a DTensor ``x``, a DTensor of the same placements or a plain local tensor). Integer operations on the bit patterns
     only: the same bits on every device. Never reads the global RNG.
     """
     key = require_key(key)
@@ -240,22 +240,26 @@ def stochastic_round(key: Key, x: torch.Tensor, dtype: torch.dtype, *, global_sh
         raise TypeError(f"stochastic_round: dtype must be one of {names}, got {dtype}")
     local, normalized, dtensor = _round_target(x, global_shape, region)
     if out is None:
-        out = torch.empty(local.shape, dtype=dtype, device=local.device)
+        out_local = torch.empty(local.shape, dtype=dtype, device=local.device)
     else:
-        if dtensor is not None and out.__class__ is dtensor.__class__:
+        out_local = out
+        if dtensor is not None and isinstance(out, type(dtensor)):
+            if tuple(out.placements) != tuple(dtensor.placements) or out.shape != dtensor.shape:
+                raise ValueError(f"stochastic_round: out is a DTensor of shape {tuple(out.shape)} and placements "
+                                 f"{tuple(out.placements)}, x one of shape {tuple(dtensor.shape)} and placements "
+                                 f"{tuple(dtensor.placements)}; they must agree")
             out_local = out.to_local()
-        else:
-            out_local = out
         _check_out(out_local, normalized.region_shape, dtype)
-    target_out = out if dtensor is None or out.__class__ is not dtensor.__class__ else out.to_local()
     if local.numel() and local.device.type != "meta":
         with torch.no_grad():
-            round_into(target_out, local, key, normalized)
-    if dtensor is not None and out.__class__ is not dtensor.__class__:
+            round_into(out_local, local, key, normalized)
+    if out is not None:
+        return out
+    if dtensor is not None:
         spec = dtensor._spec
-        return dtensor.__class__.from_local(out, spec.mesh, spec.placements, run_check=False,
-                                            shape=dtensor.shape, stride=dtensor.stride())
-    return out
+        return type(dtensor).from_local(out_local, spec.mesh, spec.placements, run_check=False,
+                                        shape=dtensor.shape, stride=dtensor.stride())
+    return out_local
 
 
 def _round_target(x: torch.Tensor, global_shape: Optional[ShapeLike], region: RegionLike):

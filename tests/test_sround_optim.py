@@ -191,7 +191,24 @@ def _fsdp2_run(steps):
     fully_shard(model, mesh=mesh)
     opt = _train(model, _sgd, steps)
     placements = sorted({str(p.placements) for p in model.parameters()})
-    return {fqn: p.full_tensor() for fqn, p in model.named_parameters()}, placements, opt.param_groups[0][STEP_KEY]
+    state = {fqn: p.full_tensor() for fqn, p in model.named_parameters()}
+    return state, placements, opt.param_groups[0][STEP_KEY], _dtensor_rounding(mesh)
+
+
+def _dtensor_rounding(mesh):
+    """stochastic_round of DTensors (rows and uneven columns sharded, replicated): DTensors of the same
+    placements whose full tensors are the whole tensor's rounding."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    full = keyinit.random.normal(keyinit.key(5), (7, 5), std=3.0)
+    out = []
+    for placement in (Shard(0), Shard(1), Replicate()):
+        x = distribute_tensor(full, mesh, [placement])
+        rounded = stochastic_round(keyinit.key(SEED), x, torch.bfloat16)
+        assert isinstance(rounded, DTensor) and tuple(rounded.placements) == (placement,)
+        assert rounded.to_local().shape == x.to_local().shape and rounded.dtype == torch.bfloat16
+        out.append(rounded.full_tensor())
+    return out
 
 
 @requires_gloo
@@ -199,7 +216,11 @@ def test_fsdp2_two_ranks_match_one_process_bitwise():
     single = _model()
     _train(single, _sgd, STEPS)
     expected = _state(single)
-    for rank, (state, placements, step) in enumerate(run_distributed(_fsdp2_run, 2, args=(STEPS,), timeout=240)):
+    whole = stochastic_round(keyinit.key(SEED), keyinit.random.normal(keyinit.key(5), (7, 5), std=3.0), torch.bfloat16)
+    for rank, (state, placements, step, rounded) in enumerate(
+            run_distributed(_fsdp2_run, 2, args=(STEPS,), timeout=240)):
         assert placements == ["(Shard(dim=0),)"], placements
         assert step == STEPS
         _assert_same(state, expected, f"FSDP2 rank {rank}")
+        for full in rounded:
+            assert torch.equal(full.view(torch.int16), whole.view(torch.int16)), f"DTensor rounding, rank {rank}"
