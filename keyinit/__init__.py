@@ -13,6 +13,7 @@ from keyinit.model import InitReport, Plan, TensorRecord, init_model, materializ
 from keyinit.rules import REGISTRY, Registry, RuleContext, register, register_pattern
 from keyinit.errors import InitError, LeftPaddingWarning, PlanError, SharedDrawWarning, UnkeyedRandomnessError
 from keyinit import nn
+from keyinit import optim
 from keyinit import _kernels
 
 _kernels.register()  # stream v1's kernels into the dispatch table: names only, nothing built or imported
@@ -43,6 +44,7 @@ __all__ = [
     "init",
     "layouts",
     "nn",
+    "optim",
     "data",
     "deferred",
     "per_module",

@@ -14,6 +14,10 @@ Common keyword arguments:
 - ``out``: an existing tensor of the region's shape and the dtype to write into.
 
 No sampler reads or changes the global torch RNG.
+
+:func:`stochastic_round` is not a sampler but uses the same words: it rounds a float32/float64
+tensor that holds ``full[region]`` to a narrower float dtype, element ``i`` rounded up with the
+probability of its distance from its lower neighbour, decided by word ``i`` of the key's stream.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import Optional, Union
 
 import torch
 
+from keyinit._bits.sround import TARGETS
 from keyinit._draw import dispatch
+from keyinit._draw.reference_sround import round_into
 from keyinit.distributions import (
     Bernoulli,
     Bits,
@@ -34,9 +40,10 @@ from keyinit.distributions import (
     Uniform,
 )
 from keyinit.keys import Key, require_key, as_int
+from keyinit.layouts import dtensor_class, target_for
 from keyinit.regions import RegionEntry, make_region, normalize_shape
 
-__all__ = ["bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint", "sample"]
+__all__ = ["bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint", "sample", "stochastic_round"]
 
 ShapeLike = Union[Sequence[int], torch.Size, int]
 DeviceLike = Union[torch.device, str, None]
@@ -195,3 +202,81 @@ def randint(key: Key, shape: ShapeLike, *, low: int, high: int, dtype: Optional[
     low, high = (_integer(value, name) for value, name in ((low, "low"), (high, "high")))
     dist = Randint.create(low, high, resolved)
     return sample(dist, key, shape, dtype=resolved, device=device, region=region, out=out)
+
+
+#: The dtypes :func:`stochastic_round` rounds from, and to (``docs/spec.md`` section 17).
+ROUND_SOURCES = (torch.float32, torch.float64)
+ROUND_TARGETS = tuple(TARGETS)
+
+
+def stochastic_round(key: Key, x: torch.Tensor, dtype: torch.dtype, *, global_shape: Optional[ShapeLike] = None,
+                     region: RegionLike = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` (float32 or float64) rounded stochastically to ``dtype`` (bfloat16, float16,
+    float8_e5m2, float8_e4m3fn), keyed by ``key`` and each element's global index.
+
+    Each value goes to one of its two neighbours in ``dtype``: up (in magnitude) with probability
+    ``R / 2**32``, ``R = floor(2**32 * (|v| - lo) / (hi - lo))``, decided by stream word ``i`` of
+    ``key`` for the element of global flat index ``i`` (``docs/spec.md`` section 17): so
+    ``E[result] = x`` up to ``2**-32`` of a step, representable values, zeros and NaN stay, and
+    overflow is ``inf`` (``float8_e4m3fn``, which has none: its largest finite value).
+
+    - a plain ``x`` is ``full[region]`` of a ``global_shape`` tensor, as for the samplers
+      (default: the whole tensor, ``global_shape = x.shape``);
+    - a DTensor ``x`` takes its global shape and region from its placements (Shard,
+      ``_StridedShard``, Replicate; Partial is an error) and gives a DTensor of the same
+      placements, with no communication.
+
+    ``out``: a tensor of ``x``'s (local) shape and ``dtype`` to write into, returned (the in-place
+    form; with a DTensor ``x``, a DTensor of the same placements or a plain local tensor). Integer operations on the bit patterns
+    only: the same bits on every device. Never reads the global RNG.
+    """
+    key = require_key(key)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"stochastic_round: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in ROUND_SOURCES:
+        raise TypeError(f"stochastic_round: x must be float32 or float64, got {x.dtype}")
+    if dtype not in ROUND_TARGETS:
+        names = ", ".join(str(d) for d in ROUND_TARGETS)
+        raise TypeError(f"stochastic_round: dtype must be one of {names}, got {dtype}")
+    local, normalized, dtensor = _round_target(x, global_shape, region)
+    if out is None:
+        out_local = torch.empty(local.shape, dtype=dtype, device=local.device)
+    else:
+        out_local = out
+        if dtensor is not None and isinstance(out, type(dtensor)):
+            if tuple(out.placements) != tuple(dtensor.placements) or out.shape != dtensor.shape:
+                raise ValueError(f"stochastic_round: out is a DTensor of shape {tuple(out.shape)} and placements "
+                                 f"{tuple(out.placements)}, x one of shape {tuple(dtensor.shape)} and placements "
+                                 f"{tuple(dtensor.placements)}; they must agree")
+            out_local = out.to_local()
+        _check_out(out_local, normalized.region_shape, dtype)
+    if local.numel() and local.device.type != "meta":
+        with torch.no_grad():
+            round_into(out_local, local, key, normalized)
+    if out is not None:
+        return out
+    if dtensor is not None:
+        spec = dtensor._spec
+        return type(dtensor).from_local(out_local, spec.mesh, spec.placements, run_check=False,
+                                        shape=dtensor.shape, stride=dtensor.stride())
+    return out_local
+
+
+def _round_target(x: torch.Tensor, global_shape: Optional[ShapeLike], region: RegionLike):
+    """``(local tensor, its Region, the DTensor or None)`` of :func:`stochastic_round`'s input."""
+    cls = None if type(x) in (torch.Tensor, torch.nn.Parameter) else dtensor_class()
+    if cls is not None and isinstance(x, cls):
+        if global_shape is not None or region is not None:
+            raise TypeError("stochastic_round: a DTensor's global shape and region come from its placements; "
+                            "pass global_shape/region only with a plain local tensor")
+        found = target_for(x, fqn="stochastic_round: x", module=torch.nn.Module(), name="x")
+        return found.out, found.region, x
+    if global_shape is None:
+        if region is not None:
+            raise TypeError("stochastic_round: a region needs the global_shape it is a region of")
+        global_shape = x.shape
+    normalized = make_region(normalize_shape(global_shape), region)
+    if normalized.region_shape != tuple(x.shape):
+        raise ValueError(f"stochastic_round: x has shape {tuple(x.shape)} but the region of global shape "
+                         f"{normalized.shape} has shape {normalized.region_shape}")
+    return x, normalized, None

@@ -107,7 +107,7 @@ FLOORS = (
     ("init",),
     ("rules", "nn_defaults"),
     ("_engine",),
-    ("data", "model", "nn"),
+    ("data", "model", "nn", "optim"),
     ("cli", "__main__"),
 )
 

@@ -15,7 +15,7 @@ from keyinit.distributions import Distribution
 from keyinit.keys import Key
 from keyinit.regions import Region
 
-__all__ = ["fill", "CHUNK_ELEMENTS"]
+__all__ = ["fill", "scatter_strided", "CHUNK_ELEMENTS"]
 
 CHUNK_ELEMENTS = 1 << 16
 
@@ -34,10 +34,10 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, chunk_
         if flat_out is not None:
             flat_out[start:stop] = values
         else:
-            _scatter_strided(out, start, stop, values)
+            scatter_strided(out, start, stop, values)
 
 
-def _scatter_strided(out: torch.Tensor, start: int, stop: int, values: torch.Tensor) -> None:
+def scatter_strided(out: torch.Tensor, start: int, stop: int, values: torch.Tensor) -> None:
     """Write region elements ``start .. stop - 1`` (row-major) of a non-contiguous ``out``.
 
     The elements are addressed through a 1-D view of ``out``'s storage that
