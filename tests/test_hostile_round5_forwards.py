@@ -1,0 +1,94 @@
+"""Hostile round 5 (issue 34), forwards people run besides training: Monte-Carlo dropout under
+``torch.inference_mode``, ``multinomial`` over per-row probabilities, ops of HF models that lacked a batch rule,
+plain ``torch.compile(fullgraph=True)`` inside ``keyed`` and pipelining schedules without ``micro_batches``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import keyinit
+
+# ---------------------------------------------------------------- 1. torch.inference_mode (Monte-Carlo dropout)
+
+
+class _Block(nn.Module):
+    """A small transformer-ish block: every dropout follows an op that inference_mode passes undecomposed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 24)
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.drop(self.proj(self.norm(x))).chunk(3, dim=-1)
+        scores = self.drop(torch.matmul(q, k.transpose(-1, -2)).softmax(-1))
+        h = self.drop(torch.einsum("bqk,bkd->bqd", scores, v))
+        h = self.drop(self.norm(x + self.out(h)))
+        h = self.drop(self.conv(h.transpose(1, 2))).transpose(1, 2)
+        return h + self.drop(nn.functional.gelu(h))
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(_Block(), _Block())
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.25, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.blocks(x))
+
+
+def _keyed_forward(model: nn.Module, x: torch.Tensor, offset: int, grad_mode) -> torch.Tensor:
+    with grad_mode(), keyinit.nn.keyed(model, 11, step=3, sample_offset=offset):
+        return model(x).clone()
+
+
+def test_inference_mode_keys_dropout_as_no_grad_does_and_is_split_invariant():
+    torch.manual_seed(0)
+    model = _Model().train()  # Monte-Carlo dropout: dropout on, no gradients
+    x = torch.randn(6, 5, 8)
+    reference = _keyed_forward(model, x, 0, torch.no_grad)
+    whole = _keyed_forward(model, x, 0, torch.inference_mode)
+    assert whole.is_inference()
+    torch.testing.assert_close(whole, reference, rtol=1e-5, atol=1e-6)
+    parts = [_keyed_forward(model, x[a:b], a, torch.inference_mode) for a, b in ((0, 1), (1, 4), (4, 6))]
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-6)
+
+
+class _Masks(nn.Module):
+    """Each dropout's mask, exactly: dropout of ones after linear, layer_norm, matmul, einsum and conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> list:
+        return [self.drop(torch.ones_like(h)) for h in (
+            self.lin(x), self.norm(x), torch.matmul(x, x.transpose(-1, -2)), torch.einsum("bij,bkj->bik", x, x),
+            self.conv(x.unsqueeze(1).expand(-1, 3, -1, -1)))]
+
+
+def test_inference_mode_masks_equal_no_grad_masks_bitwise_and_split_invariant():
+    model = _Masks().train()
+    x = torch.randn(5, 3, 4)
+    reference = [m.clone() for m in _keyed_list(model, x, 0, torch.no_grad)]
+    whole = _keyed_list(model, x, 0, torch.inference_mode)
+    for got, want in zip(whole, reference, strict=True):
+        assert torch.equal(got, want)
+        assert 0 < int((got == 0).sum()) < got.numel()
+    parts = [_keyed_list(model, x[a:b], a, torch.inference_mode) for a, b in ((0, 2), (2, 3), (3, 5))]
+    for i, want in enumerate(whole):
+        assert torch.equal(torch.cat([p[i] for p in parts]), want)
+
+
+def _keyed_list(model: nn.Module, x: torch.Tensor, offset: int, grad_mode) -> list:
+    with grad_mode(), keyinit.nn.keyed(model, 5, step=0, sample_offset=offset):
+        return [t.clone() for t in model(x)]
