@@ -92,3 +92,61 @@ def test_inference_mode_masks_equal_no_grad_masks_bitwise_and_split_invariant():
 def _keyed_list(model: nn.Module, x: torch.Tensor, offset: int, grad_mode) -> list:
     with grad_mode(), keyinit.nn.keyed(model, 5, step=0, sample_offset=offset):
         return [t.clone() for t in model(x)]
+
+
+# ---------------------------------------------------------------- 2. multinomial over per-row probabilities
+
+
+class _Sampler(nn.Module):
+    """Draws per row of its own probabilities: (B, C) rows, and (B*T, C) rows of T tokens per sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        probs = self.head(x).softmax(-1)  # (B, T, C)
+        rows = probs[:, 0]
+        flat = probs.reshape(-1, probs.shape[-1])
+        return (torch.multinomial(rows, 7, replacement=True), torch.multinomial(rows, 3),
+                torch.multinomial(flat, 4, replacement=True), torch.multinomial(flat, 2))
+
+
+def _sampled(model: nn.Module, x: torch.Tensor, offset: int) -> tuple:
+    with keyinit.nn.keyed(model, 3, step=1, sample_offset=offset):
+        return model(x)
+
+
+def test_multinomial_over_per_row_probabilities_is_keyed_per_sample():
+    torch.manual_seed(0)
+    model = _Sampler()
+    x = torch.randn(6, 3, 6)
+    whole = _sampled(model, x, 0)
+    torch.manual_seed(1)  # torch's generator plays no part
+    assert all(torch.equal(a, b) for a, b in zip(_sampled(model, x, 0), whole, strict=True))
+    parts = [_sampled(model, x[a:b], a) for a, b in ((0, 1), (1, 4), (4, 6))]
+    for i, want in enumerate(whole):
+        assert want.dtype == torch.int64
+        assert torch.equal(torch.cat([p[i] for p in parts]), want), i
+    for picks in (whole[1], whole[3]):  # without replacement: distinct categories in each row
+        assert all(len(set(row.tolist())) == row.numel() for row in picks)
+
+
+class _Given(nn.Module):
+    def forward(self, probs: torch.Tensor) -> tuple:
+        return torch.multinomial(probs, 2, replacement=True), torch.multinomial(probs, 3)
+
+
+def test_keyed_multinomial_draws_each_row_from_its_own_probabilities():
+    n = 4000
+    probs = torch.tensor([[0.1, 0.2, 0.7, 0.0], [0.0, 0.0, 1.0, 0.0], [0.5, 0.0, 0.0, 0.5]]).repeat(n, 1)
+    model = _Given()
+    with keyinit.nn.keyed(model, 0, step=0):
+        with_replacement, without = model(probs)
+    assert bool((with_replacement[1::3] == 2).all())
+    assert bool((without[1::3, 0] == 2).all())
+    first = with_replacement[0::3].reshape(-1)
+    frequencies = torch.bincount(first, minlength=4).double() / first.numel()
+    torch.testing.assert_close(frequencies, probs[0].double(), atol=0.02, rtol=0)
+    assert set(with_replacement[2::3].reshape(-1).tolist()) == {0, 3}
+    assert bool((without[2::3, :2].sort(dim=1).values == torch.tensor([0, 3])).all())
