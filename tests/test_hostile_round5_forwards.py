@@ -150,3 +150,100 @@ def test_keyed_multinomial_draws_each_row_from_its_own_probabilities():
     torch.testing.assert_close(frequencies, probs[0].double(), atol=0.02, rtol=0)
     assert set(with_replacement[2::3].reshape(-1).tolist()) == {0, 3}
     assert bool((without[2::3, :2].sort(dim=1).values == torch.tensor([0, 3])).all())
+
+
+# ---------------------------------------------------------------- 3. batch rules of log_sigmoid_forward, solve_triangular
+
+
+class _Solve(nn.Module):
+    """Dropout after log-sigmoid and after triangular solves: by a parameter matrix, by each sample's own
+    matrix, with the batch in the right-hand side's free dimension (left and right solves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tri = nn.Parameter(torch.eye(4) * 2 + torch.arange(16.0).reshape(4, 4).tril(-1) / 20)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> list:  # x: (B, 4, 3)
+        own = x.transpose(1, 2) @ x * 0.01 + torch.eye(3)  # (B, 3, 3): each sample's matrix
+        per_column = x.permute(1, 0, 2).reshape(4, -1)  # (4, B*3): the batch in the columns
+        solves = [
+            nn.functional.logsigmoid(x),
+            torch.linalg.solve_triangular(self.tri, x, upper=False),
+            torch.linalg.solve_triangular(own.triu(), x.transpose(1, 2), upper=True),
+            torch.linalg.solve_triangular(self.tri.T, x.transpose(1, 2), upper=True, left=False),
+            torch.linalg.solve_triangular(self.tri, per_column, upper=False).reshape(4, -1, 3).permute(1, 0, 2),
+        ]
+        return [self.drop(torch.ones_like(h)) * h for h in solves]
+
+
+def _solved(model: nn.Module, x: torch.Tensor, offset: int) -> list:
+    with keyinit.nn.keyed(model, 2, step=0, sample_offset=offset):
+        return model(x)
+
+
+def test_log_sigmoid_and_triangular_solves_carry_the_batch():
+    torch.manual_seed(0)
+    model = _Solve().train()
+    x = torch.randn(5, 4, 3)
+    whole = _solved(model, x, 0)
+    parts = [_solved(model, x[a:b], a) for a, b in ((0, 2), (2, 3), (3, 5))]
+    for i, want in enumerate(whole):
+        got = torch.cat([p[i] for p in parts])
+        assert torch.equal(got == 0, want == 0), i  # the masks, bitwise
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert 0 < int((want == 0).sum()) < want.numel()
+
+
+class _Mixed(nn.Module):
+    """A solve whose rows are the batch's (left=True solves along them): nothing to key, refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tri = nn.Parameter(torch.eye(5) * 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 3): the batch in the rows of the solve
+        return nn.functional.dropout(torch.linalg.solve_triangular(self.tri, x, upper=False), 0.5)
+
+
+def test_a_solve_along_the_batch_is_refused_naming_the_op():
+    with pytest.raises(keyinit.errors.UnkeyedRandomnessError,
+                       match=r"aten.linalg_solve_triangular.default solves along the batch dimension 0 of its "
+                             r"right-hand side"):
+        with keyinit.nn.keyed(model := _Mixed(), 2, step=0):
+            model(torch.randn(5, 3))
+
+
+@pytest.mark.parametrize("model_type,class_name,layers", [
+    ("inkling_text", "InklingForCausalLM", None),  # log_sigmoid_forward in the first layer's attention gates
+    ("olmo_hybrid", "OlmoHybridForCausalLM", ["linear_attention", "full_attention"]),  # gated delta rule solves
+])
+def test_hf_models_with_these_ops_are_keyed_and_split_invariant(model_type, class_name, layers):
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    from tests._hf_arch import tiny_config
+
+    if not hasattr(transformers, class_name):
+        pytest.skip(f"the installed transformers has no {class_name}")
+    config = tiny_config(model_type, dropout=0.1)
+    config.num_hidden_layers = 2  # a draw in the second layer, on what the first layer's op computed
+    config.layer_types = layers or config.layer_types[:2]
+    if getattr(config, "mlp_layer_types", None):
+        config.mlp_layer_types = config.mlp_layer_types[:2]
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = getattr(transformers, class_name)(config).train()
+        ids = (torch.arange(32).reshape(4, 8) * 7 + 3) % 60 + 4
+        with torch.no_grad():
+            plain = model.eval()(input_ids=ids).logits
+            model.train()
+            with keyinit.nn.keyed(model, 0, step=0):
+                whole = model(input_ids=ids).logits
+            parts = []
+            for lo, hi in ((0, 2), (2, 4)):
+                with keyinit.nn.keyed(model, 0, step=0, sample_offset=lo):
+                    parts.append(model(input_ids=ids[lo:hi]).logits)
+    assert not torch.allclose(whole, plain, rtol=1e-4, atol=1e-4)  # the draws are live
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-4, atol=1e-4)
