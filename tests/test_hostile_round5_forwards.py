@@ -247,3 +247,33 @@ def test_hf_models_with_these_ops_are_keyed_and_split_invariant(model_type, clas
                     parts.append(model(input_ids=ids[lo:hi]).logits)
     assert not torch.allclose(whole, plain, rtol=1e-4, atol=1e-4)  # the draws are live
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- 4. torch.compile(fullgraph=True) inside keyed
+
+
+@pytest.mark.parametrize("keyed_target", ["model", "compiled"])
+def test_plain_full_graph_compile_inside_keyed_names_keyinit_nn_compile(keyed_target):
+    import re
+    import warnings
+
+    from keyinit.nn._fullgraph import FULL_GRAPH
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    x = torch.randn(3, 4)
+    hooks = [dict(m._forward_pre_hooks) | dict(m._forward_hooks) for m in model.modules()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the warning that a torch.compile forward runs eagerly under keyed)
+        with pytest.raises(RuntimeError, match="^" + re.escape(FULL_GRAPH) + "$") as info:
+            with keyinit.nn.keyed(model if keyed_target == "model" else compiled, 0, step=0):
+                compiled(x)
+    cause = info.value.__cause__  # dynamo's own error, kept: a graph break in keyinit's code, or no frame compiled
+    assert type(cause).__module__ == "torch._dynamo.exc" or str(cause).startswith("torch.compile with fullgraph")
+    assert "keyinit.nn.compile(model, fullgraph=True)" in FULL_GRAPH
+    assert [dict(m._forward_pre_hooks) | dict(m._forward_hooks) for m in model.modules()] == hooks
+    with keyinit.nn.keyed(model, 0, step=0):  # the model is as it was: keyed eagerly as before
+        eager = model(x)
+    with keyinit.nn.keyed(model, 0, step=0):
+        assert torch.equal(model(x), eager)

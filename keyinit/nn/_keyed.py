@@ -62,6 +62,7 @@ from keyinit.nn._hostrandom import HOST_RANDOM
 from keyinit.nn._keyed_dropout import DropoutForward, takes_dropout_forward
 from keyinit.nn._checkpoint import hand_recomputes
 from keyinit.nn._copies import hold_getstate
+from keyinit.nn._fullgraph import refuse_full_graph
 from keyinit.nn._keyed_frames import (FrameStack, UNMATCHED_RECOMPUTE, later_block, _ThreadState, _grad_enabled,
                                       _saved_tensor_hooks, _saved_tensor_hooks_active, _top_dispatch_mode,
                                       _top_function_mode)
@@ -580,6 +581,8 @@ class Keyed(FrameStack):
             _left.add(self)
             return
         self._teardown()
+        if exc_info[1] is not None:
+            refuse_full_graph(exc_info[1])  # dynamo's error on tracing keyinit's hooks (fullgraph=True)
 
     def _hold_in_graph(self) -> None:
         """The autograd nodes of its forwards' tensors still alive hold this context (in their metadata): it
