@@ -277,3 +277,73 @@ def test_plain_full_graph_compile_inside_keyed_names_keyinit_nn_compile(keyed_ta
         eager = model(x)
     with keyinit.nn.keyed(model, 0, step=0):
         assert torch.equal(model(x), eager)
+
+
+# ---------------------------------------------------------------- 5. a pipelining schedule without micro_batches
+
+
+def _one_rank_pipeline(tmp_path, run):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        return run()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_pipelining_schedule_without_micro_batches_is_refused_naming_them(tmp_path):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("gloo is not available")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 4))
+    x = torch.randn(6, 4)
+    with keyinit.nn.keyed(net, 0, step=0):
+        reference = net(x)
+
+    def run():
+        stage = PipelineStage(net, stage_index=0, num_stages=1, device=torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, n_microbatches=2)
+        with keyinit.nn.keyed(net, 0, step=0) as ctx, \
+                keyinit.nn.micro_batches(stage, ctx, batch_size=6, n_microbatches=2):
+            wrapped = schedule.step(x)
+            schedule.step(x)  # the schedule run twice in one block: a second pass, as a double forward
+        with pytest.raises(RuntimeError, match=r"^keyinit.nn.keyed: the root module \(Sequential\) runs micro-batch 1 "
+                           r"of a torch.distributed.pipelining schedule \(3 rows\) as a repeat of rows an earlier "
+                           r"micro-batch drew for: its masks would not be the unpipelined forward's. Give each "
+                           r"micro-batch its rows with keyinit.nn.micro_batches\(stage, ctx, batch_size=B, "
+                           r"n_microbatches=M\) around schedule.step\(\)$"):
+            with keyinit.nn.keyed(net, 0, step=0):
+                schedule.step(x)
+        return wrapped
+
+    hooks = [dict(m._forward_pre_hooks) for m in net.modules()]
+    wrapped = _one_rank_pipeline(tmp_path, run)
+    torch.testing.assert_close(wrapped, reference, rtol=1e-5, atol=1e-6)
+    assert [dict(m._forward_pre_hooks) for m in net.modules()] == hooks
+
+
+def test_the_repeat_of_an_unwrapped_chunk_is_refused_where_it_is_counted():
+    """The detection alone, without a process group: a stand-in stage whose ``forward_one_chunk`` is in a file
+    under torch/distributed/pipelining (as the schedule's is) runs two chunks of the same rows."""
+    import os
+
+    from keyinit.nn._unwrapped import UnwrappedChunkError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    source = "def forward_one_chunk(fwd_chunk_id, model, x):\n    return model(x)\n"
+    namespace: dict = {}
+    path = os.path.join(os.path.dirname(torch.__file__), "distributed", "pipelining", "stage.py")
+    exec(compile(source, path, "exec"), namespace)
+    x = torch.randn(6, 4)
+    with keyinit.nn.keyed(model, 0, step=0):
+        namespace["forward_one_chunk"](0, model, x[:3])
+        with pytest.raises(UnwrappedChunkError, match=r"runs micro-batch 1 of a torch.distributed.pipelining "
+                                                       r"schedule \(3 rows\)"):
+            namespace["forward_one_chunk"](1, model, x[3:])
+    with keyinit.nn.keyed(model, 0, step=0):  # a double forward outside a schedule stays a repeat, as documented
+        first = model(x)
+        again = model(x)
+    assert not torch.equal(first != 0, again != 0)
