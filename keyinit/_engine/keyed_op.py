@@ -30,7 +30,8 @@ __all__ = ["Rows", "keyed_op"]
 @attrs.frozen
 class Rows:
     """The op's output as samples: ``to_canonical`` maps a tensor of the output's ``shape`` to
-    ``(count, *sample_shape)`` (``local``) and ``from_canonical`` back; local sample 0 is ``start``."""
+    ``(count, *sample_shape)`` (``local``) and ``from_canonical`` back; local sample 0 is ``start``; ``dim``
+    is the dimension that holds the batch (None: every element one sample's)."""
 
     start: int
     count: int
@@ -38,6 +39,7 @@ class Rows:
     local: tuple[int, ...]
     to_canonical: Callable[[torch.Tensor], torch.Tensor]
     from_canonical: Callable[[torch.Tensor], torch.Tensor]
+    dim: Optional[int] = None
 
 
 def _to_meta(x: Any) -> Any:
@@ -124,9 +126,22 @@ def keyed_op(func: Any, args: tuple, kwargs: dict, key: Key, site: str, caller: 
     def laid_out(t: torch.Tensor) -> bool:  # a tensor keyed per sample: the output's shape
         return rows is not None and t.dim() > 0 and tuple(t.shape) == rows.shape
 
+    def per_row(t: torch.Tensor) -> Optional[Node]:
+        """``multinomial``'s ``(N, C)`` probabilities for an ``(N, k)`` output whose batch is in its rows: each
+        output row draws from its own row, so the probabilities are laid out as the output's rows are, one
+        row of ``C`` per output row of ``k`` (in each sample's order), and the draw is per sample."""
+        if func._schema.name != "aten::multinomial" or t.dim() != 2 or len(rows.shape) != 2 or \
+                rows.dim not in (0, None) or int(t.shape[0]) != rows.shape[0]:
+            return None
+        canonical = rows_of(tuple(t.shape)).to_canonical(t.detach())
+        return Literal(canonical.reshape(-1, int(t.shape[1])).cpu())
+
     def read(t: torch.Tensor) -> Node:
         if rows is None or t.dim() == 0:
             return Literal(t.detach().cpu())
+        found = None if laid_out(t) else per_row(t)
+        if found is not None:
+            return found
         if not laid_out(t):
             raise UnkeyedRandomnessError(
                 f"{site}: {func} takes a {tuple(t.shape)} tensor argument for a {rows.shape} output; keyinit keys "

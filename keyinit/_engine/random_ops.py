@@ -210,12 +210,16 @@ def _multinomial(b: _Builder, probs: Any, num_samples: int, replacement: bool) -
     p = b.read(probs)
     rows = 1 if len(p.shape) == 1 else p.shape[0]
     categories = p.shape[-1]
-    draws = b.sample("bits", torch.int64, (rows, num_samples if replacement else categories))
     shape = b.shape
+    width = num_samples if replacement else categories
+    # the words of row r are row r's of a (rows, width) tensor; where the output is laid out per sample
+    # (keyinit._engine.keyed_op: (count, *sample_shape), a sample's rows in order), of a tensor laid out as
+    # the output with width in place of num_samples: (count, ..., width), each sample's rows its own words
+    draws = b.sample("bits", torch.int64, tuple(shape[:-1]) + (width,) if len(shape) >= 2 else (rows, width))
 
     def sample(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         weights = p.double().reshape(rows, categories)
-        u = _u(x)
+        u = _u(x).reshape(rows, width)
         if replacement:
             cdf = torch.cumsum(weights, dim=1)
             picks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=categories - 1)

@@ -14,7 +14,8 @@ Each rule states a fact of the op's definition, not of the sizes it sees:
 A batch dimension that an op mixes (convolved channels, a normalized or transformed
 dimension, a pooled dimension) gives an output of unknown batch. Rows of it picked or
 written by index values (a router's dispatch, a segment reduce, ``_grouped_mm`` of the
-picked rows) are followed on the values (:mod:`keyinit.nn._routed`).
+picked rows) are followed on the values (:mod:`keyinit.nn._routed`). ``log_sigmoid_forward`` is
+element-wise; ``linalg_solve_triangular`` solves one system per index of its leading dimensions.
 """
 
 from __future__ import annotations
@@ -439,6 +440,30 @@ def _rule_put_into(func, args, kwargs, outs, records):
     return [rec]
 
 
+def _rule_log_sigmoid_forward(func, args, kwargs, outs, records):
+    """``log_sigmoid_forward(self) -> (output, buffer)``: both element-wise in ``self`` (the buffer is ``self``'s
+    shape on the CPU, an empty tensor elsewhere: no elements, nothing to place)."""
+    self = args[0]
+    rec = _record_of(records, self)
+    return [rec if isinstance(o, torch.Tensor) and tuple(o.shape) == tuple(self.shape) else None for o in outs]
+
+
+def _rule_solve_triangular(func, args, kwargs, outs, records):
+    """``linalg_solve_triangular(A (*, n, n), B (*, n, k), left)``: one solve per index of the broadcast leading
+    dimensions. With ``left`` each column of ``X = A^-1 B`` is solved from the same column of ``B`` (with
+    ``left=False``, ``X = B A^-1``: each row from its row); every element of ``A`` enters every element."""
+    a, b = args[0], args[1]
+    left = bool(arg(func, args, kwargs, "left", True))
+    nd = outs[0].dim()
+    ra, rb = _record_of(records, a), _record_of(records, b)
+    if isinstance(ra, Batch) and ra.dim is not None and ra.dim >= a.dim() - 2:
+        return [Unknown(f"{func} solves with a triangular matrix that holds the batch in its matrix dimension "
+                        f"{ra.dim}")]
+    if isinstance(rb, Batch) and rb.dim is not None and rb.dim == b.dim() - (2 if left else 1):
+        return [Unknown(f"{func} solves along the batch dimension {rb.dim} of its right-hand side")]
+    return [merge([(ra, a.dim(), _sized(ra, a)), (rb, b.dim(), _sized(rb, b))], nd, str(func))]
+
+
 def _rule_factory_of(func, args, kwargs, outs, records):
     """``self.new_empty/new_zeros/new_ones/new_full(size)``: values that do not depend on ``self`` (its
     dtype and device only). The batch of the size (a ``BatchSize``) is set by the torch-function mode."""
@@ -483,6 +508,7 @@ NN_RULES = {
         "index_reduce_")},
     **{f"aten::{name}": _rule_put_into for name in (
         "index_put", "index_put_", "_index_put_impl_", "masked_scatter", "masked_scatter_", "put_", "put")},
+    "aten::log_sigmoid_forward": _rule_log_sigmoid_forward, "aten::linalg_solve_triangular": _rule_solve_triangular,
     **{f"aten::{name}": _rule_factory_of for name in (
         "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided")},
 }

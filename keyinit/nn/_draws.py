@@ -37,7 +37,7 @@ def sample_rows(shape: tuple[int, ...], batch: Batch) -> Rows:
     permuted = tuple(split[i] for i in order)
     return Rows(batch.start, batch.count, shape, local,
                 lambda t: t.reshape(split).permute(order).reshape(local),
-                lambda t: t.reshape(permuted).permute(inverse).reshape(shape))
+                lambda t: t.reshape(permuted).permute(inverse).reshape(shape), batch.dim)
 
 
 def routed_rows(shape: tuple[int, ...], rec: Any) -> Rows:
@@ -56,7 +56,7 @@ def routed_rows(shape: tuple[int, ...], rec: Any) -> Rows:
     def from_canonical(t):
         return virtual.from_canonical(t).index_select(d, rows.to(t.device))
 
-    return Rows(rec.start, rec.count, tuple(shape), virtual.local, to_canonical, from_canonical)
+    return Rows(rec.start, rec.count, tuple(shape), virtual.local, to_canonical, from_canonical, d)
 
 
 def keyed_draw(func: Any, args: tuple, kwargs: dict, key: Key, batch: Any, site: str) -> Any:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import warnings
 import weakref
 from typing import Any, Callable, Optional, Union
 
@@ -62,6 +61,8 @@ from keyinit.nn._hostrandom import HOST_RANDOM
 from keyinit.nn._keyed_dropout import DropoutForward, takes_dropout_forward
 from keyinit.nn._checkpoint import hand_recomputes
 from keyinit.nn._copies import hold_getstate
+from keyinit.nn._fullgraph import refuse_full_graph, warn_if_compiled
+from keyinit.nn._unwrapped import refuse_unwrapped_chunk, surface_chunk_error
 from keyinit.nn._keyed_frames import (FrameStack, UNMATCHED_RECOMPUTE, later_block, _ThreadState, _grad_enabled,
                                       _saved_tensor_hooks, _saved_tensor_hooks_active, _top_dispatch_mode,
                                       _top_function_mode)
@@ -109,17 +110,6 @@ def inside_keyed_forward() -> bool:
 
 
 # ----------------------------------------------------------------------------- the context
-
-
-def _warn_if_compiled() -> None:
-    """A ``torch.compile(model)`` called inside ``keyed``: dynamo does not trace under keyed()'s modes, so it
-    runs eagerly (right values, nothing compiled); ``keyinit.nn.compile`` is the compiled form."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled (and importing
-    is_in = getattr(eval_frame, "_is_in_optimized_module", None)  # dynamo costs seconds)
-    if is_in is not None and is_in():
-        warnings.warn("keyinit.nn.keyed: a torch.compile(model) forward runs eagerly under keyed() (dynamo does not "
-                      "trace under its modes); compile it with keyinit.nn.compile(model) to key a compiled forward",
-                      stacklevel=4)
 
 
 def context_of(module: torch.nn.Module) -> Optional["Keyed"]:
@@ -249,6 +239,8 @@ class Keyed(FrameStack):
         repeat = sum(1 for a, b in rows if a < start + count and start < b) if count else len(rows)
         forward = Forward(self, fqn, start, count, repeat)
         forward.probe = self._probing or any(t.device.type == "meta" for t in tensors)
+        if repeat and not forward.probe:
+            refuse_unwrapped_chunk(module, fqn, count)  # a pipelining schedule's chunk without micro_batches
         self._forwards.append(forward)
         if self.index == "tracked":
             for t, dim in zip(tensors, dims):
@@ -320,7 +312,7 @@ class Keyed(FrameStack):
                 else:
                     forward = self._root_forward(module, fqn, args, kwargs)
                     counts = forward.counts
-                    _warn_if_compiled()
+                    warn_if_compiled()
                     if not torch.is_grad_enabled():
                         remember(self, fqn, forward, args, kwargs)
                         self._recomputable = True
@@ -580,6 +572,9 @@ class Keyed(FrameStack):
             _left.add(self)
             return
         self._teardown()
+        if exc_info[1] is not None:
+            refuse_full_graph(exc_info[1])  # dynamo's error on tracing keyinit's hooks (fullgraph=True)
+            surface_chunk_error(exc_info[1])  # an unwrapped pipeline chunk's refusal, under the stage's error
 
     def _hold_in_graph(self) -> None:
         """The autograd nodes of its forwards' tensors still alive hold this context (in their metadata): it

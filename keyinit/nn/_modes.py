@@ -24,7 +24,7 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
 from keyinit.nn._batch_rules import restride_keeps_elements
 from keyinit.nn._checkpoint import refuse_unseen
-from keyinit.nn._propagate import propagate, propagate_traced
+from keyinit.nn._propagate import decomposed, propagate, propagate_traced
 from keyinit.nn._routed import Routed, needs_values, routed_draw
 from keyinit.nn._keyed_dropout import guard_alone, rows_dropout
 from keyinit.nn._replay import REMEMBERED, eligible, learn, replay, replayable, signature
@@ -447,6 +447,12 @@ class BatchMode(TorchDispatchMode):
             annotate(out, forward, records[0][1] if keeps else Unknown(f"{func} reinterprets the memory of a "
                                                                         "batch-holding tensor"))
             return out
+        if records and decomposed(func) and any(r is not None for _, r in records):
+            # (torch.inference_mode: a composite op arrives whole; its parts are the ops no_grad would show)
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         out = func(*args, **kwargs)
         state = self.ctx._thread_state()
         if not tensors or func._schema.name in _NEW:

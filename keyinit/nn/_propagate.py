@@ -13,7 +13,7 @@ from keyinit.nn._batch import FOREIGN, Batch, Foreign, Record, Unknown
 from keyinit.nn._batch_rules import rule_for
 from keyinit.nn._routed import Routed, needs_values, proxied, routed_rule, unproxied
 
-__all__ = ["propagate", "propagate_traced"]
+__all__ = ["propagate", "propagate_traced", "decomposed"]
 
 
 def _one_sample(records: list[tuple[torch.Tensor, Record]]) -> Optional[Batch]:
@@ -34,6 +34,25 @@ def _one_sample(records: list[tuple[torch.Tensor, Record]]) -> Optional[Batch]:
 
 
 _CACHE: dict[Any, Optional[Callable]] = {}
+_DECOMPOSED: dict[Any, bool] = {}
+_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+def decomposed(func: Any) -> bool:
+    """True for an op that has no batch rule and a ``CompositeImplicitAutograd`` kernel (``linear``, ``matmul``,
+    ``layer_norm``, ``einsum``, ``conv2d``, ...): such ops reach a dispatch mode undecomposed only where autograd is
+    off at the dispatcher (``torch.inference_mode``); the mode then runs the op's own decomposition, so its parts
+    take their rules as they do under ``no_grad``."""
+    try:
+        return _DECOMPOSED[func]
+    except KeyError:
+        pass
+    try:
+        answer = rule_for(func) is None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _IMPLICIT)
+    except (AttributeError, RuntimeError):
+        answer = False
+    _DECOMPOSED[func] = answer
+    return answer
 
 
 def propagate(func: Any, args: tuple, kwargs: dict, out: Any, records: list[tuple[torch.Tensor, Record]]) -> list:
