@@ -70,6 +70,8 @@ class Outcome:
     compared: int = 0  # kernel calls of the parts compared bitwise with the whole batch's
     unaligned: int = 0  # kernel calls whose elements could not be aligned (counted, not compared)
     worst: float = 0.0  # the largest |difference| of real-token logits over the parts
+    masks_differ: int = 0  # kernel calls of the parts whose mask is not the whole batch's
+    logits_differ: int = 0  # parts whose real-token logits are not the whole batch's
     layers: int = 0  # the layers of the build checked (0: unknown)
     noise: float = 0.0  # the largest change of eval real-token logits with the padding
 
@@ -302,6 +304,7 @@ def _compare(outcome: Outcome, whole: torch.Tensor, got: torch.Tensor, whole_cal
     outcome.worst = max(outcome.worst, diff)
     problems = []
     if not all(torch.allclose(got[i, :LENGTHS[b]], whole[b, :LENGTHS[b]], **TOL) for i, b in enumerate(part)):
+        outcome.logits_differ += 1
         problems.append(f"real-token logits of samples {part} differ by {diff:.2g}")
     for key, call in part_calls.items():
         if key not in whole_calls:
@@ -313,6 +316,7 @@ def _compare(outcome: Outcome, whole: torch.Tensor, got: torch.Tensor, whole_cal
         else:
             outcome.compared += 1
             if not same:
+                outcome.masks_differ += 1
                 problems.append(f"samples {part}: the dropout mask of a {tuple(call[0])} kernel call differs")
     if problems and outcome.kind == "kept":
         outcome.kind, outcome.reason = "differ", problems[0]
