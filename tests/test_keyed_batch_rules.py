@@ -158,6 +158,16 @@ def test_fft_and_norms_keep_the_batch():
     assert torch.equal(whole, halves)
 
 
+def test_log_sigmoid_keeps_the_batch():
+    """``F.logsigmoid`` (``aten.log_sigmoid_forward``: an output and a buffer; a gated attention's gate) keeps
+    its input's batch (it had no rule: a later draw was refused)."""
+    def gated(x):
+        return F.dropout(x * F.logsigmoid(x.reshape(-1, x.shape[-1])).reshape(x.shape).exp(), 0.5)
+
+    whole, halves = _masks(gated, X)
+    assert torch.equal(whole, halves)
+
+
 def test_sequence_first_heads_and_einsum_attention_in_forwards_of_one_row():
     """A forward of one row: a reshape of a size-1 batch cannot tell which dimension it merged into, and
     einsum folds a size-1 batch dimension into the ones it contracts; every element is still that sample's."""

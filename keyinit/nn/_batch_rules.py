@@ -50,6 +50,13 @@ def _pointwise(func: Any, args: tuple, kwargs: dict, outs: list, records: list) 
     return [merge(inputs, o.dim(), func) if isinstance(o, torch.Tensor) else None for o in outs]
 
 
+def _rule_shaped_as_input(func: Any, args: tuple, kwargs: dict, outs: list, records: list) -> list[Record]:
+    """An element-wise op whose outputs shaped as its input keep its record and whose others hold nothing
+    (``log_sigmoid_forward``'s buffer: the input's shape on the CPU, empty on CUDA)."""
+    t, rec = records[0]
+    return [rec if isinstance(o, torch.Tensor) and o.shape == t.shape else None for o in outs]
+
+
 def _first(records: list) -> tuple[torch.Tensor, Record]:
     return records[0]
 
@@ -409,7 +416,8 @@ _RULES: dict[str, Callable] = {
     "aten::_safe_softmax": _rule_along, "aten::median": _rule_reduce, "aten::nanmedian": _rule_reduce,
     "aten::mode": _rule_reduce, "aten::nansum": _rule_reduce, "aten::nanmean": _rule_reduce,
     "aten::kthvalue": _rule_reduce, "aten::view_as_real": _rule_complex_view,
-    "aten::view_as_complex": _rule_complex_view,
+    "aten::view_as_complex": _rule_complex_view, "aten::log_sigmoid_forward": _rule_shaped_as_input,
+    "aten::log_sigmoid_backward": _pointwise,
     **NN_RULES,
     "aten::as_strided": _rule_restride,
 }
