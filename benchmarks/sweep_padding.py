@@ -5,7 +5,8 @@ transformers (not a test; a few minutes).
     python benchmarks/sweep_padding.py --stream v1        # the control: v1's names depend on the padding
     python benchmarks/sweep_padding.py bert,opt,mixtral   # some
 
-Each architecture is built from its tiny config (``tests/_hf_arch.py``: every dropout-like probability 0.1),
+Each architecture is built from its tiny config (``tests/_hf_arch.py``: every dropout-like probability 0.1) with
+two layers (one where two do not build or run; the line says which),
 given 4 token sequences of real lengths 11/6/9/3 right-padded with an attention mask, and run in train mode
 under ``keyed(model, 0, step=1, stream=...)``: the whole batch, a split padded to each part's own longest
 (11 and 9), and each sample alone (a batch of one). ``tests/_hf_padding.py`` says what is compared: real-token
