@@ -267,6 +267,24 @@ def _rule_mm(func, args, kwargs, outs, records):
     return [merge(cands, nd, func)]
 
 
+def _rule_matrices(func, args, kwargs, outs, records):
+    """An op on batches of matrices (``linalg_solve_triangular(A, B)``: the last two dimensions are each
+    matrix's, the leading ones broadcast): a batch in a leading dimension of each input is the output's; one in
+    a matrix dimension is mixed with other rows."""
+    cands: list[tuple[Record, int, Optional[int]]] = []
+    for t, rec in records:
+        if isinstance(rec, Unknown):
+            return [rec] * len(outs)
+        if isinstance(rec, Batch) and rec.dim is not None:
+            if rec.dim >= t.dim() - 2:
+                return [Unknown(f"{func} solves across the batch dimension {rec.dim} of a {t.dim()}-D matrix "
+                                "operand")] * len(outs)
+            cands.append((rec, t.dim(), int(t.shape[rec.dim])))
+        else:
+            cands.append((rec, t.dim(), None))
+    return [merge(cands, o.dim(), func) if isinstance(o, torch.Tensor) else None for o in outs]
+
+
 def _rule_reduce(func, args, kwargs, outs, records):
     t, rec = records[0]
     nd = t.dim()
@@ -417,7 +435,7 @@ _RULES: dict[str, Callable] = {
     "aten::mode": _rule_reduce, "aten::nansum": _rule_reduce, "aten::nanmean": _rule_reduce,
     "aten::kthvalue": _rule_reduce, "aten::view_as_real": _rule_complex_view,
     "aten::view_as_complex": _rule_complex_view, "aten::log_sigmoid_forward": _rule_shaped_as_input,
-    "aten::log_sigmoid_backward": _pointwise,
+    "aten::log_sigmoid_backward": _pointwise, "aten::linalg_solve_triangular": _rule_matrices,
     **NN_RULES,
     "aten::as_strided": _rule_restride,
 }
