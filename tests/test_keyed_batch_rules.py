@@ -158,6 +158,33 @@ def test_fft_and_norms_keep_the_batch():
     assert torch.equal(whole, halves)
 
 
+def test_log_sigmoid_keeps_the_batch():
+    """``F.logsigmoid`` (``aten.log_sigmoid_forward``: an output and a buffer; a gated attention's gate) keeps
+    its input's batch (it had no rule: a later draw was refused)."""
+    def gated(x):
+        return F.dropout(x * F.logsigmoid(x.reshape(-1, x.shape[-1])).reshape(x.shape).exp(), 0.5)
+
+    whole, halves = _masks(gated, X)
+    assert torch.equal(whole, halves)
+
+
+def test_a_triangular_solve_over_batched_matrices_keeps_the_batch_and_refuses_across_it():
+    """``torch.linalg.solve_triangular`` (a delta-rule linear attention's chunk system): a batch in the leading
+    dimensions is the result's; solving across the batch dimension (rows of several samples) is refused."""
+    tri = torch.eye(6) + torch.tril(torch.full((6, 6), 0.1), -1)
+
+    def solve(x):  # (B, L, D): each sample's (L, L) system
+        system = tri + 0.01 * torch.tril(x @ x.transpose(1, 2), -1)
+        return F.dropout(torch.linalg.solve_triangular(system, x, upper=False, unitriangular=True), 0.5)
+
+    whole, halves = _masks(solve, X)
+    assert torch.equal(whole, halves)
+    model = Fn(lambda x: F.dropout(torch.linalg.solve_triangular(torch.eye(4), x[:, 0], upper=False), 0.5))
+    with pytest.raises(UnkeyedRandomnessError, match="solves along the batch dimension 0 of its right-hand side"):
+        with knn.keyed(model, 3, step=1):
+            model(X)
+
+
 def test_sequence_first_heads_and_einsum_attention_in_forwards_of_one_row():
     """A forward of one row: a reshape of a size-1 batch cannot tell which dimension it merged into, and
     einsum folds a size-1 batch dimension into the ones it contracts; every element is still that sample's."""

@@ -209,6 +209,33 @@ def test_sorted_topk_dispatch_is_a_batch_again_after_unsorting():
     assert torch.equal(y, dropout_rows(x, P, dropout_key(0, step=3, fqn="drop", ordinal=0), 0))
 
 
+def test_sorted_topk_dispatch_of_one_row_is_that_rows_part_of_the_batch():
+    """A forward of one sample (the usual LLM micro-batch): its top-k copies are one sample's rows (a batch of
+    count 1) and its routing weights picked by the sort stay routed; their product is still that sample's, so
+    the output dropout is keyed (was refused: 'combines tensors whose batches are laid out differently') with
+    the sample's masks in the whole batch, bitwise, and a second such layer keys on what the first gave back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(TopK(), TopK()).train()
+    h = torch.randn(B, L, D)
+    seen: list = []
+    hooks = [layer.drop.register_forward_hook(lambda m, a, o: seen.append((a[0] != 0) & (o == 0))) for layer in model]
+    try:
+        with torch.no_grad(), knn.keyed(model, 0, step=3, stream="v2"):
+            whole = model(h)
+        whole_masks, seen[:] = list(seen), []
+        for r in range(B):
+            with torch.no_grad(), knn.keyed(model, 0, step=3, sample_offset=r, stream="v2"):
+                row = model(h[r:r + 1])
+            torch.testing.assert_close(row, whole[r:r + 1], rtol=1e-5, atol=1e-5)
+            assert [m.shape[0] for m in seen] == [1, 1]
+            for got, want in zip(seen, whole_masks):
+                assert torch.equal(got[0], want[r]), r
+            seen[:] = []
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def test_dropout_of_a_token_picked_k_times_is_refused():
     model = TopK(drop_copies=True).train()
     with pytest.raises(UnkeyedRandomnessError, match="picked more than once"):

@@ -216,6 +216,11 @@ def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what:
             return Unknown(f"{what} combines tensors whose batches are laid out differently ({found} and {aligned})")
     if found is None:
         return single or constant or (FOREIGN if foreign else None)
+    if found.dim is None and found.count == 1 and isinstance(single, Batch) and single.start == found.start:
+        # one sample's elements (a rule could not place them) with the same sample in a dimension: every
+        # element is that sample's at its row-major place either way; keep the dimension (x.shape[0] stays
+        # its batch size, as it is for a batch of more rows)
+        return single
     return found
 
 

@@ -409,7 +409,7 @@ _RULES: dict[str, Callable] = {
     "aten::_safe_softmax": _rule_along, "aten::median": _rule_reduce, "aten::nanmedian": _rule_reduce,
     "aten::mode": _rule_reduce, "aten::nansum": _rule_reduce, "aten::nanmean": _rule_reduce,
     "aten::kthvalue": _rule_reduce, "aten::view_as_real": _rule_complex_view,
-    "aten::view_as_complex": _rule_complex_view,
+    "aten::view_as_complex": _rule_complex_view, "aten::log_sigmoid_backward": _pointwise,
     **NN_RULES,
     "aten::as_strided": _rule_restride,
 }

@@ -21,9 +21,18 @@ def _one_sample(records: list[tuple[torch.Tensor, Record]]) -> Optional[Batch]:
     row) and none is unknown: whatever the op does with their elements, every element of its result is
     sample ``s``'s, at its row-major place, so a rule's layout conflict there mixes no samples (a reshape of
     one sample cannot tell which dimension its batch merged into, and ``einsum`` folds a size-1 batch
-    dimension into the ones it contracts)."""
+    dimension into the ones it contracts). Rows picked by values (:class:`Routed`) count as sample ``s``'s
+    when every one of them is: a mixture of experts in a forward of one row, where top-k copies of its tokens
+    (one sample's rows, a ``Batch`` of count 1) meet its routing weights picked in another order (routed)."""
     sample: Optional[int] = None
     for _, rec in records:
+        if type(rec) is Routed:
+            # rows picked by values from the one sample (a forward of one row): its rows, whatever their order
+            with torch._C.DisableTorchFunction():
+                found = rec.samples
+                if found.numel() == 0 or not bool((found == found[0]).all()):
+                    return None
+                rec = Batch(rec.dim, 1, int(found[0]))
         if isinstance(rec, Unknown):
             return None
         if isinstance(rec, Batch):
@@ -74,6 +83,7 @@ def propagate(func: Any, args: tuple, kwargs: dict, out: Any, records: list[tupl
         if all(r is None for _, r in records):
             return [FOREIGN] * len(outs)
     groups: list = []
+    given = records
     if any(type(r) is Routed for _, r in records):
         # rows picked by values: the ops that read the values have their own rules; the others see each
         # routing as a batch of one-row samples (keyinit.nn._routed)
@@ -91,7 +101,7 @@ def propagate(func: Any, args: tuple, kwargs: dict, out: Any, records: list[tupl
     if len(result) < len(outs):
         result = result + [result[-1]] * (len(outs) - len(result))
     if any(type(r) is Unknown and not r.constant for r in result):
-        sample = _one_sample(records)
+        sample = _one_sample(given)
         if sample is not None:
             result = [sample if type(r) is Unknown and not r.constant else r for r in result]
     if foreign:
