@@ -29,7 +29,8 @@ expert) has one entry per grad mode and numbering, whatever the routing or the r
 graph's trace has needed values it is not traced again. The cache holds at most :data:`CACHE_SIZE`
 entries per graph, least recently used first out (an evicted form is traced again when it comes back).
 
-The compiled module's own calls are numbered on across its graphs (a graph
+A compiled block inside a compiled model is traced by dynamo as part of the outer forward (its module's
+code, keyed by the outer trace like any submodule). The compiled module's own calls are numbered on across its graphs (a graph
 break in its forward is fine). A draw that cannot be keyed this way (a random
 op that dynamo ran eagerly, outside the compiled graphs, as after LayerDrop's
 branch on a draw; a draw in a forward dynamo compiled as a frame of its own or
@@ -482,6 +483,10 @@ class KeyedCompiled(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module = self._orig_mod
+        if torch.compiler.is_dynamo_compiling():
+            # traced by dynamo as part of an outer compiled forward (a compiled block in a compiled model):
+            # its module's code is the outer graph's, keyed by the outer module's trace like any submodule
+            return module(*args, **kwargs)
         ctx = context_of(module)
         if ctx is None:
             if not self._unkeyed_ran and any(m.training for m in module.modules()):
