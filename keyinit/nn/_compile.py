@@ -21,7 +21,16 @@ by dynamo with keyinit's backend instead:
    offset, micro-batch, repeat count), so a new step or offset is a new input,
    never a recompilation, and the values are the eager keyed forward's.
 
-The compiled module's own calls are numbered on across its graphs (a graph
+Each graph keeps its traced forms in a cache keyed by what changes a trace (input shapes, scalars, the
+inputs' batch records relative to the forward's start, grad mode, stream and call numbering), never by
+step, seed or sample offset (those are ``ctl``). A graph whose batch goes where values say runs eagerly
+under keyed()'s modes, for any values: a graph fed rows a router picked by values (a compiled MoE
+expert) has one entry per grad mode and numbering, whatever the routing or the rows' count, and once a
+graph's trace has needed values it is not traced again. The cache holds at most :data:`CACHE_SIZE`
+entries per graph, least recently used first out (an evicted form is traced again when it comes back).
+
+A compiled block inside a compiled model is traced by dynamo as part of the outer forward (its module's
+code, keyed by the outer trace like any submodule). The compiled module's own calls are numbered on across its graphs (a graph
 break in its forward is fine). A draw that cannot be keyed this way (a random
 op that dynamo ran eagerly, outside the compiled graphs, as after LayerDrop's
 branch on a draw; a draw in a forward dynamo compiled as a frame of its own or
@@ -35,6 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
+from collections import OrderedDict
 import warnings
 from typing import Any, Callable, Optional
 
@@ -44,16 +55,20 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, annotate, record
 from keyinit.nn._forward import Forward
 from keyinit.nn._keyed import context_of
+from keyinit.nn._routed import Routed
 from keyinit.nn._sites import Trace
 from keyinit.nn._tracing import (
     Call, Frames, Interpreter, RanEagerly, TraceContext, TraceForward, bind, source_name,
 )
 from keyinit.nn._undo import Restoring, Snapshot, fake
 
-__all__ = ["compile", "KeyedCompiled"]
+__all__ = ["compile", "KeyedCompiled", "CACHE_SIZE"]
 
 _runtime = threading.local()  # .call: the Call running in this thread (None: outside keyed)
 _CAPACITY = 1024  # random sites a trace has room for at first (a larger model retraces with more)
+#: The most traced forms one dynamo graph keeps (least recently used first out): a bound on the cache
+#: whatever the shapes a long run brings (its key never holds a step, seed, offset or routing).
+CACHE_SIZE = 64
 
 
 # ----------------------------------------------------------------------------- one graph
@@ -77,14 +92,21 @@ class _Graph:
 
     def __init__(self, owner: "KeyedCompiled", gm: torch.fx.GraphModule, frame: tuple) -> None:
         self.owner, self.gm, self.frame = owner, gm, frame
-        self.entries: dict[tuple, _Entry] = {}
+        self.entries: OrderedDict[tuple, _Entry] = OrderedDict()  # (least recently used first)
+        self.eager: set = set()  # (grad mode, stream, numbering) for which this graph's trace needed values
         self.constant = [_is_constant(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        owner._graphs.add(self)
 
     def _signature(self, args: tuple, call: Optional[Call]) -> tuple:
         """What a trace is specialized on beyond dynamo's guards: the inputs' shapes (dynamo keeps the batch
         dimension dynamic, a trace does not), scalars, the batch records of the inputs that are not
-        parameters or buffers (their starts relative to the forward's), and how calls are numbered."""
-        parts: list = [torch.is_grad_enabled(), None if call is None else (call.ctx.root.stream, call.ctx.calls)]
+        parameters or buffers (their starts relative to the forward's), and how calls are numbered. A graph
+        that runs eagerly (an input of rows picked by values, or a trace that needed values before) has one
+        signature, ``("eager", mode)``: its entry does not depend on shapes, values or routings."""
+        mode = (torch.is_grad_enabled(), None if call is None else (call.ctx.root.stream, call.ctx.calls))
+        if call is not None and mode in self.eager:
+            return ("eager", mode)
+        parts: list = [mode]
         for constant, value in zip(self.constant, args):
             if constant:
                 continue
@@ -92,6 +114,8 @@ class _Graph:
                 parts.append(tuple(value.shape))
                 if call is not None:
                     rec = record(value, call.forward)
+                    if type(rec) is Routed:  # rows picked by values: the graph runs eagerly, for any routing
+                        return ("eager", mode)
                     if isinstance(rec, Batch):
                         rec = (rec.dim, rec.count, rec.start - call.forward.start, rec.inner)
                     parts.append(rec)
@@ -104,7 +128,21 @@ class _Graph:
         signature = self._signature(args, call)
         entry = self.entries.get(signature)
         if entry is None:
-            entry = self.entries[signature] = self._compile(args, call)
+            if signature[0] == "eager":
+                _warn_eager(self.owner, "it is fed rows picked by values (a router's dispatch), so where its "
+                                        "batch goes depends on values")
+                entry = _Entry(None, True, [], [])
+            else:
+                entry = self._compile(args, call)
+                if entry.fn is None and call is not None:  # its trace needed values: it runs eagerly from now on
+                    mode = signature[0]
+                    self.eager.add(mode)
+                    signature = ("eager", mode)
+            self.entries[signature] = entry
+            while len(self.entries) > CACHE_SIZE:
+                self.entries.popitem(last=False)
+        else:
+            self.entries.move_to_end(signature)
         if not entry.keyed:
             return entry.fn(*args)
         if call is None:
@@ -186,16 +224,20 @@ class _Graph:
                     raise
                 # the graph reads a tensor's value (.item()): a trace would freeze it, so this graph runs
                 # eagerly under keyed()'s modes (the eager keyed forward's values, not compiled)
-                warnings.warn(f"keyinit.nn.compile({type(self.owner.module).__name__}): a graph reads a tensor's "
-                              "value (.item(), float(t)), or where its batch goes depends on values (rows picked "
-                              "by index, keyinit.nn._propagate.propagate_traced); it runs eagerly under "
-                              "keyinit.nn.keyed, not compiled", stacklevel=2)
+                _warn_eager(self.owner, "it reads a tensor's value (.item(), float(t)), or where its batch goes "
+                                        "depends on values (rows picked by index, "
+                                        "keyinit.nn._propagate.propagate_traced)")
                 return _Entry(None, True, [], [])
         out, forward, own = results[0]
         slots = list(trace.slots)
         ctl = torch.zeros(1 + 2 * len(slots), dtype=torch.int64)
         fn = self.owner.inner(_reshaping_views(traced), list(args) + [ctl])
         return _Entry(fn, True, slots, _relative_records(out, forward, call), own)
+
+
+def _warn_eager(owner: "KeyedCompiled", why: str) -> None:
+    warnings.warn(f"keyinit.nn.compile({type(owner.module).__name__}): a graph runs eagerly under keyinit.nn.keyed, "
+                  f"not compiled: {why}", stacklevel=3)
 
 
 def _reshaping_views(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -413,6 +455,7 @@ class KeyedCompiled(torch.nn.Module):
         object.__setattr__(self, "_eager", False)  # its draws run eagerly: it runs as an eager keyed forward
         object.__setattr__(self, "_proven", False)  # a call drew in compiled graphs (no more undo)
         object.__setattr__(self, "_unkeyed_ran", False)  # a training call outside keyed ran through (no more undo)
+        object.__setattr__(self, "_graphs", weakref.WeakSet())  # its graphs (_Graph) that dynamo holds
         object.__setattr__(self, "_compiled", torch.compile(module, backend=self._backend, **options))
         # state_dict names are the module's own (no "_orig_mod."), and a state_dict of the plain module loads
         self._register_state_dict_hook(_strip_orig_mod)
@@ -427,6 +470,11 @@ class KeyedCompiled(torch.nn.Module):
         """Its draws run eagerly under dynamo, so it runs as an eager keyed forward (see :func:`compile`)."""
         return self._eager
 
+    @property
+    def cached_traces(self) -> int:
+        """How many traced forms its graphs hold now (at most :data:`CACHE_SIZE` per graph)."""
+        return sum(len(graph.entries) for graph in list(self._graphs))
+
     def inner(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         return self._inner(gm, example_inputs)
 
@@ -435,6 +483,10 @@ class KeyedCompiled(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module = self._orig_mod
+        if torch.compiler.is_dynamo_compiling():
+            # traced by dynamo as part of an outer compiled forward (a compiled block in a compiled model):
+            # its module's code is the outer graph's, keyed by the outer module's trace like any submodule
+            return module(*args, **kwargs)
         ctx = context_of(module)
         if ctx is None:
             if not self._unkeyed_ran and any(m.training for m in module.modules()):
