@@ -33,7 +33,7 @@ from keyinit.keys import DEFAULT_STREAM, Key
 from keyinit._engine.options import InitMethod, InitOptions, Rules
 from keyinit._engine.plan import plan_model
 from keyinit._engine.planned import ModelPlan, PlannedTensor
-from keyinit._engine.kept import refuse_allocated
+from keyinit._engine.kept import Loaded, keep_allocated, loaded_names, refuse_allocated
 from keyinit._engine.writer import InitReport, TensorRecord, materialize_plan, write_plan
 from keyinit.rules import REGISTRY, Registry
 
@@ -120,6 +120,7 @@ def materialize(
     stream: str = DEFAULT_STREAM,
     registry: Registry = REGISTRY,
     progress: Optional[bool] = None,
+    loaded: Loaded = None,
 ) -> InitReport:
     """Allocate a meta-device model on ``device`` and initialize it: ``to_empty`` then :func:`init_model`.
 
@@ -130,10 +131,17 @@ def materialize(
     and out-of-memory included, the model is returned to the meta device, so no uninitialized
     memory is ever left behind. The other arguments are :func:`init_model`'s. ``device``
     defaults to ``"cuda"`` when available, else ``"cpu"``.
+
+    Tensors not on meta that the user loaded (``load_state_dict(sd, assign=True)``) are kept as they are.
+    ``loaded``: the state dict loaded (its keys) or the FQNs of the tensors loaded; exactly those are
+    kept and every other tensor keyinit covers is written. Not given, a real tensor is kept unless
+    captured init code writes it (a constructor may have drawn it from torch's global RNG, as HF
+    DiffLlama's ``torch.normal(..., size=...)`` does under ``torch.device("meta")``): then a
+    :class:`PlanError` names those tensors; ``loaded=()`` writes them.
     """
     options = InitOptions.pick(locals())
     refuse_allocated(model)  # not a module, or nothing on meta (materialize called twice): an error
-    return _plan(model, seed, options, True, progress).apply(device=device)
+    return _plan(model, seed, options, True, progress, loaded_names(loaded)).apply(device=device)
 
 
 @attrs.frozen(eq=False)
@@ -284,20 +292,27 @@ class Plan:
 
 
 def plan_init(model: torch.nn.Module, seed: Union[int, Key], *, materializing: Optional[bool] = None,
-              progress: Optional[bool] = None, **options: Any) -> Plan:
+              progress: Optional[bool] = None, loaded: Loaded = None, **options: Any) -> Plan:
     """Plan ``model``'s initialization without allocating or writing anything; returns a :class:`Plan`.
 
     Takes :func:`init_model`'s keyword arguments. ``materializing`` (default: whether any tensor
-    is on the meta device) plans for :func:`materialize`: every buffer must be covered too.
+    is on the meta device) plans for :func:`materialize`: every buffer must be covered too, and
+    the tensors it keeps (``loaded``, as :func:`materialize` takes it) are decided.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"plan_init expects an nn.Module, got {type(model).__name__}")
     if materializing is None:
         materializing = any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
-    return _plan(model, seed, InitOptions.of(options, "plan_init()"), bool(materializing), progress)
+    names = loaded_names(loaded)
+    if names is not None and not materializing:
+        raise ValueError("loaded= is for a meta-device model (materialize); this model is allocated")
+    return _plan(model, seed, InitOptions.of(options, "plan_init()"), bool(materializing), progress, names)
 
 
 def _plan(model: torch.nn.Module, seed: Union[int, Key], options: InitOptions, materializing: bool,
-          progress: Optional[bool]) -> Plan:
+          progress: Optional[bool], loaded: Optional[frozenset[str]] = None) -> Plan:
     started = time.perf_counter()
-    return Plan(plan_model(model, seed, options, materializing=materializing), materializing, progress, started)
+    engine = plan_model(model, seed, options, materializing=materializing)
+    if materializing:  # what materialize keeps as it is: after the keys are given (they do not depend on it)
+        keep_allocated(engine, loaded, options.strict)
+    return Plan(engine, materializing, progress, started)

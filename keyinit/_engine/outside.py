@@ -11,13 +11,21 @@ Two things escape it:
 
 :func:`watched` runs a capture's block so that both are an :class:`keyinit.UnkeyedRandomnessError`
 naming the code: the global generators are put back as they were when the block advanced them, and
-every random torch op, or op on a stand-in, in a thread started inside the block is refused before it
+every random torch op, or op on a stand-in, in a thread the block's code starts is refused before it
 runs (nothing of torch's RNG is read); deterministic work on real tensors there (Hugging Face loads a
 checkpoint's tensors in a pool) runs. A thread that was running before the block (a pool a library
 keeps) cannot be given the refusal; what it draws is seen on torch's global CPU generator, which the
 block's own thread never draws from: put back and refused too. A reseed the code itself makes
-(``torch.manual_seed`` in a constructor) is left, as eager torch leaves it. Nothing is patched:
-``threading.setprofile`` is set for the block and put back.
+(``torch.manual_seed`` in a constructor) is left, as eager torch leaves it.
+
+Only the threads the block's own thread starts are watched: while a block is open anywhere,
+``threading.Thread.start`` is wrapped (put back when the last block closes), and a ``start`` called
+from a thread with an open block runs the new thread under that block's refusal. A thread other code
+starts meanwhile (a data loader, another ``init_model`` in its own thread) is not touched, so
+concurrent captures in two threads each watch their own. (A process-global ``threading.setprofile``
+reached every thread started anywhere while the block was open.) Torch's global CPU generator is one
+per process, though: another thread that draws from it while a capture is open (a model built eagerly
+there) is taken for such a pool, refused and put back; build concurrent models on meta or beforehand.
 
 Not seen: a generator object seeded from the operating system (``numpy.random.default_rng()``,
 ``random.Random()`` without a seed). Its values become constants of the record that differ in every
@@ -31,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -47,6 +55,59 @@ class _Watch:
         self.site = site
         self.open = True
         self.refused: list[str] = []
+
+
+_starts_lock = threading.Lock()
+#: thread ident -> (watch, mode class) of its open blocks, innermost last: the threads it starts run under it
+_open_blocks: dict[int, list[tuple[_Watch, Callable[[_Watch], TorchDispatchMode]]]] = {}
+_plain_start: Optional[Callable[[threading.Thread], None]] = None  # what ours wraps (kept once set)
+_WATCHED = "_keyinit_watched_by"  # the attribute of a thread a block started: that block's (watch, mode)
+_in_chain = False  # whether Thread.start reaches ours (it is ours, or other code wrapped ours since)
+
+
+def _watched_start(self: threading.Thread) -> None:
+    """``threading.Thread.start`` while a block is open: a thread started from a thread with an open
+    block, or from a thread such a block started, runs under that block's mode for its whole life (the
+    mode passes ops once the block closes); any other thread starts as it would."""
+    blocks = [*getattr(threading.current_thread(), _WATCHED, ()), *_open_blocks.get(threading.get_ident(), ())]
+    blocks = [block for block in blocks if block[0].open]
+    if blocks:
+        watch, mode = blocks[-1]
+        run = self.run
+
+        def run_watched() -> None:
+            with mode(watch):
+                run()
+
+        setattr(self, _WATCHED, (blocks[-1],))  # the threads it starts while the block is open are watched too
+        self.run = run_watched  # type: ignore[method-assign]
+    assert _plain_start is not None
+    _plain_start(self)
+
+
+def _open_for_threads(watch: _Watch, mode: Callable[[_Watch], TorchDispatchMode]) -> None:
+    """Threads this thread starts from now until :func:`_close_for_threads` run under ``mode(watch)``."""
+    global _plain_start, _in_chain
+    with _starts_lock:
+        if not _in_chain:
+            _plain_start = threading.Thread.start
+            threading.Thread.start = _watched_start  # type: ignore[method-assign]
+            _in_chain = True
+        _open_blocks.setdefault(threading.get_ident(), []).append((watch, mode))
+
+
+def _close_for_threads() -> None:
+    """Ends this thread's innermost :func:`_open_for_threads`; the last one open puts ``Thread.start`` back
+    (unless other code wrapped it since: then ours stays in its chain, passing every start through)."""
+    global _in_chain
+    with _starts_lock:
+        ident = threading.get_ident()
+        _open_blocks[ident].pop()
+        if not _open_blocks[ident]:
+            del _open_blocks[ident]
+        if not _open_blocks and threading.Thread.start is _watched_start:
+            threading.Thread.start = _plain_start  # type: ignore[method-assign]
+            _in_chain = False
 
 
 def _torch_rng() -> tuple[int, torch.Tensor]:
@@ -125,23 +186,16 @@ def _restore(name: str, state: Any) -> None:
 @contextlib.contextmanager
 def watched(site: str) -> Iterator[None]:
     """Run a capture's block; a draw from Python's, numpy's or torch's global generator, or a draw or a
-    stand-in in a thread started here, is an :class:`UnkeyedRandomnessError` naming ``site`` (the
+    stand-in in a thread the block's code starts, is an :class:`UnkeyedRandomnessError` naming ``site`` (the
     generators put back)."""
     watch = _Watch(site)
     before = _generator_states()
     torch_before = _torch_rng()
-    previous: Optional[Any] = threading.getprofile()
-
-    def start(frame: Any, event: str, arg: Any) -> None:  # the first event of each thread started here
-        sys.setprofile(previous)
-        if watch.open:
-            _RefuseInThread(watch).__enter__()  # for the thread's life; it passes ops through once the block ends
-
-    threading.setprofile(start)
+    _open_for_threads(watch, _RefuseInThread)  # the threads this thread starts in the block
     try:
         yield
     finally:
-        threading.setprofile(previous)
+        _close_for_threads()
         watch.open = False
         advanced = [name for name, state in before.items() if not _same(_generator_states().get(name), state)]
         for name in advanced:
@@ -185,30 +239,22 @@ class _RefuseDrawsInThread(TorchDispatchMode):
 
 
 class ThreadDrawsRefused:
-    """Context manager: a random torch op in a thread started inside the block is an
-    :class:`UnkeyedRandomnessError` naming ``site`` (refused before it draws; ``threading.setprofile``
-    is set for the block and put back)."""
+    """Context manager: a random torch op in a thread that the block's thread starts inside the block is
+    an :class:`UnkeyedRandomnessError` naming ``site`` (refused before it draws); threads other code
+    starts meanwhile are not watched."""
 
-    __slots__ = ("watch", "previous")
+    __slots__ = ("watch",)
 
     def __init__(self, site: str) -> None:
         self.watch = _Watch(site)
-        self.previous: Optional[Any] = None
 
     def __enter__(self) -> "ThreadDrawsRefused":
         watch = self.watch
-        self.previous = previous = threading.getprofile()
-
-        def start(frame: Any, event: str, arg: Any) -> None:  # the first event of each thread started here
-            sys.setprofile(previous)
-            if watch.open:
-                _RefuseDrawsInThread(watch).__enter__()  # for the thread's life; passes ops once the block ends
-
-        threading.setprofile(start)
+        _open_for_threads(watch, _RefuseDrawsInThread)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        threading.setprofile(self.previous)
+        _close_for_threads()
         self.watch.open = False
         if self.watch.refused and exc_info[0] is None:  # the thread swallowed it (threading's excepthook)
             raise UnkeyedRandomnessError(

@@ -76,6 +76,7 @@ class ModelPlan:
         self.tensors = tensors
         self.shards = dict(shards)
         self.notes = tuple(notes)
+        self.kept: list[PlannedTensor] = []  # what materialize keeps as it is (keyinit._engine.kept.keep_allocated)
         programs = [(t.program, t.key_fqn) for t in tensors if t.program is not None]
         self.keys = assign_keys(programs, root_key)
         self.evaluator = Evaluator(self.keys)

@@ -20,7 +20,7 @@ import torch
 
 from keyinit.errors import InitError
 from keyinit.init import Initializer
-from keyinit._engine.kept import keep_allocated, recompute_derived, to_empty_except
+from keyinit._engine.kept import recompute_derived, to_empty_except
 from keyinit._engine.planned import ModelPlan, PlannedTensor
 from keyinit._engine.program import Const, Random, iter_nodes
 from keyinit._engine.progress import Progress
@@ -269,7 +269,7 @@ def materialize_plan(plan: ModelPlan, progress: Optional[bool], device: Union[to
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = plan.model
-    kept = keep_allocated(plan)  # not on meta (loaded with load_state_dict(assign=True)): not written, and noted
+    kept = plan.kept  # loaded into the meta model: not written (decided while planning, keyinit._engine.kept)
     writer = Writer(plan, progress, device)
     marks = [(t, dict(vars(t.tensor))) for t in plan.tensors if not t.new]
     undo_created = [Undo(t, plan, keep_values=False) for t in plan.tensors if t.new or t.recreated]
