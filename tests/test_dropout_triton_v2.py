@@ -61,12 +61,19 @@ def _geometries():
         "sample-innermost": permuted((6, 70), (1, 2, 0), (0, 0, 3), (6, 70, 4)),  # (L, D, B)
         "inner-shard": permuted((4, 100), (0, 1, 2), (2, 1, 5), (2, 3, 90)),  # rows that start inside a block
         "routed": permuted((4, 100), (0, 1, 2), (0, 0, 0), (3, 2, 100), (torch.tensor([5, 0, 2]), None, None)),
+        "routed-rows": permuted((4, 100), (0, 1, 2), (0, 0, 0), (3, 3, 100),  # (an index on the row's dim too)
+                                (torch.tensor([5, 0, 2]), torch.tensor([3, 0, 1]), None)),
         "limits": permuted((5, 2**29 - 1, 80), (0, 1, 2, 3), (2**31 - 2, 3, 2**29 - 3, 0), (2, 2, 2, 80)),
         "limits-shard": permuted((5, 2**29 - 1, 80), (0, 1, 2, 3), (2**31 - 2, 3, 2**29 - 3, 20), (2, 2, 2, 60)),
         "v1-rows": rows((2, 3, 70), 11, "v1"),
         "v1-attention": rows((2, 2, 3, 80), 7, "v1"),
     }
 
+
+#: Other launches of the rows mode (``RowsConfig(block, warps, elements)``), the same values under each: programs
+#: of one tile and two rows (a program starts inside an outer dim), or of three rows; rows of several tiles.
+ROWS_CONFIGS = {"cfg-2": (128, 1, 256), "cfg-3": (256, 2, 384)}
+ROWS_CONFIG_CASES = ("rows", "rows-long", "attention", "sequence-first", "inner-shard", "routed-rows", "limits")
 
 #: ``{name: (stream, short shape, padded shape, offset)}``: the padded activation's real elements are the short's.
 PADDED = {
@@ -81,12 +88,14 @@ def _case_ids():
     ids += ["rows-float64", "attention-float64"]
     ids += [f"{name}-{str(dtype)[6:]}" for name in PADDED for dtype in DTYPES]
     ids += ["keyed-forward-bfloat16"]
+    ids += [f"{name}@{cfg}-{str(dtype)[6:]}" for name in ROWS_CONFIG_CASES for cfg in ROWS_CONFIGS
+            for dtype in (torch.float32, torch.bfloat16)]
     return ids
 
 
 def _geometry_names():
     return ("rows", "rows-vectors", "rows-short", "rows-long", "one-row", "attention", "attention-short",
-            "sequence-first", "sample-innermost", "inner-shard", "routed", "limits", "limits-shard", "v1-rows",
+            "sequence-first", "sample-innermost", "inner-shard", "routed", "routed-rows", "limits", "limits-shard", "v1-rows",
             "v1-attention")
 
 
@@ -194,6 +203,12 @@ def _keyed_case(run_fn, dtype) -> str:
     return "ok"
 
 
+def _rows_config(block, warps, elements):
+    from keyinit._kernels.dropout.triton import RowsConfig
+
+    return RowsConfig(block, warps, elements)
+
+
 def _results(run_fn, device, keyed=True) -> dict:
     results = {}
     for case_id in _case_ids():
@@ -204,6 +219,10 @@ def _results(run_fn, device, keyed=True) -> dict:
                 results[case_id] = _padded_case(run_fn, device, name, dtype)
             elif name == "keyed-forward":
                 results[case_id] = _keyed_case(run_fn, dtype) if keyed else "ok"
+            elif "@" in name:
+                name, cfg = name.split("@")
+                rows = _rows_config(*ROWS_CONFIGS[cfg])
+                results[case_id] = _kernel_case(lambda x, out, g: run_fn(x, out, g, rows=rows), device, name, dtype)
             else:
                 results[case_id] = _kernel_case(run_fn, device, name, dtype)
         except Exception as exc:  # noqa: BLE001 - reported per case
@@ -232,19 +251,26 @@ def test_the_kernel_modes_are_the_ones_the_cases_mean():
     from keyinit._draw.dropout_geometry import make_geometry
     from keyinit._kernels.dropout import triton as triton_dropout
 
-    modes = {}
+    modes, plans = {}, {}
     for name, (stream, shape, gstrides, starts, indices, hstrides) in _geometries().items():
         geometry = make_geometry(shape, K0, K1, P, gstrides, starts, indices, stream, hstrides)
-        mode, high, _, _, _, _, vec, _ = triton_dropout._plan(geometry, geometry_numel(shape), 4)
-        modes[name] = (mode, high, vec > 1)
+        plan = triton_dropout._plan(geometry, geometry_numel(shape), 4)
+        modes[name] = (plan.mode, plan.high, plan.vec > 1)
+        for cfg, config in ROWS_CONFIGS.items():
+            plans[name, cfg] = triton_dropout._plan(geometry, geometry_numel(shape), 4, _rows_config(*config))
     run_, rows, any_ = triton_dropout.RUN, triton_dropout.ROWS, triton_dropout.ANY
     assert modes["one-row"] == (run_, True, True)
     assert modes["rows"] == (rows, True, False) and modes["rows-vectors"] == (rows, True, True)
     assert modes["attention"][:2] == modes["sequence-first"][:2] == modes["inner-shard"][:2] == (rows, True)
-    assert modes["routed"][:2] == (rows, True)  # (an index vector on an outer dimension)
+    assert modes["routed"][:2] == modes["routed-rows"][:2] == (rows, True)  # (index vectors on outer dimensions)
     assert modes["rows-short"][:2] == modes["sample-innermost"][:2] == (any_, True)
     assert modes["limits"] == (rows, True, True) and modes["limits-shard"][:2] == (any_, True)
     assert not modes["v1-rows"][1] and not modes["v1-attention"][1]
+    # the other launches: programs of several rows, several programs, rows of several tiles
+    assert all(plans[name, cfg].mode == rows for name in ROWS_CONFIG_CASES for cfg in ROWS_CONFIGS)
+    assert [plans["attention", cfg][-4:-1] for cfg in ROWS_CONFIGS] == [((6,), 1, 2), ((4,), 1, 3)]
+    assert plans["routed-rows", "cfg-2"].gather and not plans["attention", "cfg-2"].gather
+    assert plans["rows-long", "cfg-2"].tiles == 9 and plans["rows-long", "cfg-3"].tiles == 5
 
 
 def geometry_numel(shape) -> int:
@@ -263,8 +289,8 @@ def _ptx(dtype, mode: int, high: bool, block: int, vec: int, ndim: int, num_warp
     from keyinit._kernels.dropout import triton as triton_dropout
 
     fn = triton_dropout._dropout_kernel
-    constexprs = {"NDIM": ndim, "MODE": mode, "HIGH": high, "KIND": triton_dropout._KINDS[dtype], "BLOCK": block,
-                  "VEC": vec}
+    constexprs = {"NDIM": ndim, "MODE": mode, "HIGH": high, "GATHER": False, "KIND": triton_dropout._KINDS[dtype],
+                  "BLOCK": block, "VEC": vec}
     pointer = {torch.float32: "*fp32", torch.bfloat16: "*i16"}[dtype]
     signature = {name: "constexpr" if name in constexprs else pointer if name in ("x_ptr", "out_ptr")
                  else "*i64" if name.endswith("_ptr") else "i64" for name in fn.arg_names}
@@ -319,8 +345,8 @@ def _worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from keyinit._kernels.dropout import triton as triton_dropout
 
-    def run_fn(x, out, geometry):
-        return triton_dropout.run(x, out, geometry, interpret_ok=True)
+    def run_fn(x, out, geometry, **kwargs):
+        return triton_dropout.run(x, out, geometry, interpret_ok=True, **kwargs)
 
     print(json.dumps(_results(run_fn, "cpu")))
 
