@@ -320,6 +320,28 @@ def test_rows_mode_compiles_for_cuda_with_vectors_and_a_quarter_of_the_philox(tm
         assert 4 * rows.count("mul.hi") <= general.count("mul.hi") + 8, (rows.count("mul.hi"), general.count("mul.hi"))
 
 
+def test_layout_tables_are_made_once_per_layout_without_index_vectors():
+    """A layout's tables reach the device once (a copy per call waited for the device); a layout with index
+    vectors, whose values the sizes and strides do not give, gets its own every call."""
+    from keyinit._draw.dropout_geometry import make_geometry
+    from keyinit._kernels.dropout import triton as triton_dropout
+
+    def tables(name):
+        stream, shape, gstrides, starts, indices, hstrides = _geometries()[name]
+        geometry = make_geometry(shape, K0, K1, P, gstrides, starts, indices, stream, hstrides)
+        plan = triton_dropout._plan(geometry, geometry_numel(shape), 4)
+        hs = geometry.hstrides or (0,) * len(geometry.sizes)
+        return triton_dropout._tables(geometry, hs, plan.mode, torch.device("cpu"))
+
+    for name in ("rows", "attention", "one-row", "rows-short"):
+        first, again = tables(name), tables(name)
+        assert first[0] is again[0] and first[1] is again[1], name
+    assert tables("rows")[0] is not tables("attention")[0]
+    routed, again = tables("routed-rows"), tables("routed-rows")
+    assert routed[0] is not again[0] and torch.equal(routed[1], again[1])
+    assert torch.tensor([5, 0, 2, 3, 0, 1]).tolist() == routed[1][:6].tolist()
+
+
 def test_kernel_arguments_cannot_make_new_variants():
     """Every runtime integer is int64 and none is specialized on its value: a batch offset (stream v2's high
     words), a key word above 2**31 or a row length does not compile another kernel."""

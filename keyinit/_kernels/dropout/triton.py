@@ -295,6 +295,48 @@ def _plan(geometry, numel: int, element_size: int, rows: RowsConfig = ROWS_CONFI
     return _Plan(ANY, high, len(sizes), 0, 1, BLOCK, 1, (triton.cdiv(numel, BLOCK),))
 
 
+#: ``(device, mode, sizes, gstrides, hstrides) -> (meta, indices)`` on the device, for layouts without index
+#: vectors: a layout's tables are copied to its device once, not per call (a copy from pageable memory waits
+#: for the device: every dropout stalled the host until the GPU had caught up).
+_TABLES: dict = {}
+_TABLES_MAX = 256
+
+
+def _tables(geometry, hstrides, mode: int, device: torch.device):
+    """The kernel's ``meta`` (per dim: size, global stride, high stride, offset of its indices) and ``indices``
+    (the dims' index vectors, ``arange`` where a dim has none) on ``device``; the run mode reads neither, the
+    rows mode no index of its run's dim and none at all without index vectors."""
+    gather = any(index is not None for index in geometry.indices)
+    key = None
+    if not gather:
+        key = (device, RUN) if mode == RUN else (device, mode, geometry.sizes, geometry.gstrides, tuple(hstrides))
+        cached = _TABLES.get(key)
+        if cached is not None:
+            return cached
+    if mode == RUN:
+        meta, indices = torch.zeros(4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    else:
+        table, pieces, offset = [], [], 0
+        for d, (size, gstride, hstride, index) in enumerate(zip(geometry.sizes, geometry.gstrides, hstrides,
+                                                                geometry.indices)):
+            if mode == ROWS and (d == len(geometry.sizes) - 1 or not gather):
+                vector = torch.zeros(1, dtype=torch.int64)  # (read by no program)
+            else:
+                vector = torch.arange(size, dtype=torch.int64) if index is None else index
+            table.append([size, gstride, hstride, offset])
+            pieces.append(vector)
+            offset += int(vector.numel())
+        meta, indices = torch.tensor(table, dtype=torch.int64).reshape(-1), torch.cat(pieces)
+    if device.type == "cuda":  # from pinned memory: the copy does not wait for the device
+        meta = meta.pin_memory().to(device, non_blocking=True)
+        indices = indices.pin_memory().to(device, non_blocking=True)
+    if key is not None:
+        if len(_TABLES) >= _TABLES_MAX:
+            _TABLES.clear()
+        _TABLES[key] = (meta, indices)
+    return meta, indices
+
+
 def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = False,
         rows: Optional[RowsConfig] = None) -> bool:
     """``out = dropout(x)`` for contiguous ``x``/``out`` laid out by ``geometry``; ``False``: nothing written.
@@ -315,22 +357,7 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = Fa
     s64_bits = struct.unpack("<q", struct.pack("<d", geometry.scale64))[0]
     plan = _plan(geometry, numel, x.element_size(), ROWS_CONFIG if rows is None else rows)
     mode, ndim = plan.mode, plan.ndim
-    if mode == RUN:
-        meta = torch.zeros(4, dtype=torch.int64, device=x.device)
-        index_all = torch.zeros(1, dtype=torch.int64, device=x.device)
-    else:
-        table, pieces, offset = [], [], 0
-        for d, (size, gstride, hstride, index) in enumerate(zip(geometry.sizes, geometry.gstrides, hstrides,
-                                                                geometry.indices)):
-            if mode == ROWS and d == ndim - 1:
-                vector = torch.zeros(1, dtype=torch.int64)  # (the rows mode reads no index of the run's dim)
-            else:
-                vector = torch.arange(size, dtype=torch.int64) if index is None else index
-            table.append([size, gstride, hstride, offset])
-            pieces.append(vector)
-            offset += int(vector.numel())
-        meta = torch.tensor(table, dtype=torch.int64).reshape(-1).to(x.device)
-        index_all = torch.cat(pieces).to(x.device)
+    meta, index_all = _tables(geometry, hstrides, mode, x.device)
     args = (_storage(x), _storage(out), meta, index_all, numel, geometry.base, geometry.hbase, plan.inner,
             plan.tiles, plan.rows_per, geometry.k0, geometry.k1, geometry.threshold, s32_bits, s64_bits)
     options = dict(NDIM=ndim, MODE=mode, HIGH=plan.high, GATHER=plan.gather, KIND=kind, BLOCK=plan.block,
