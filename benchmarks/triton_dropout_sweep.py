@@ -1,8 +1,8 @@
 """Launches of the Triton dropout kernel's rows mode (stream v2's names) against torch's F.dropout, one run.
 
-    python benchmarks/triton_dropout_sweep.py              # CUDA: (8, 4096, 4096) bf16 and fp32 (under 60 s on an H100)
-    python benchmarks/triton_dropout_sweep.py --dry-run    # CPU: Triton's interpreter on a tiny shape (checks the script)
-    python benchmarks/triton_dropout_sweep.py --candidates 1024/4/16384 2048/8/16384
+    python benchmarks/triton_dropout_sweep.py             # CUDA: (8, 4096, 4096) bf16 and fp32 (under 60 s on an H100)
+    python benchmarks/triton_dropout_sweep.py --dry-run   # CPU: Triton's interpreter on a tiny shape (checks the script)
+    python benchmarks/triton_dropout_sweep.py --candidates 1024/4/16384 2048/8/16384 1024/4/16384/bits
 
 Rows, each timed with ``triton.testing.do_bench`` (median; it flushes the L2 cache between calls):
 
@@ -11,13 +11,18 @@ Rows, each timed with ``triton.testing.do_bench`` (median; it flushes the L2 cac
   tensor's indices / ``dropout_rows``, dimension 0 the batch: v2's extent-free names), through autograd;
 - ``kernel v1 run``: the kernel alone on v1's indices (its run mode), forward = one launch, forward+backward =
   two (the forward on ``x``, the backward on the gradient: what the op launches);
-- ``rows B/W/E``: the kernel alone on v2's names in its rows mode under ``RowsConfig(block=B, warps=W,
-  elements=E)`` (tiles of B words, at most W warps a program, about E elements a program); ``*`` marks
-  ``ROWS_CONFIG``, the default the op ships with. Every candidate's output must equal the default's bit for
-  bit (column ``bits``); a mismatch is a bug in the kernel, not a result.
+- ``rows B/W/E``: the kernel alone on v2's names in its rows mode under ``Tuning(block=B, warps=W,
+  elements=E)`` (tiles of B words, at most W warps a program, about E elements a program); a ``/bits``
+  suffix rounds bfloat16 by integer arithmetic on the bits (``bf16_cvt=False``; the default is the
+  hardware's conversion); ``*`` marks ``TUNING``, what the op ships with.
+
+Values: the input ``x`` holds every bfloat16 bit pattern in turn (NaNs, infinities, subnormals, -0; in
+float32 those values widened, among normal draws), so the column ``bits`` checks the rounding: the op's
+output (v1 and v2) must equal keyinit's C kernel's on the CPU, and every candidate's the op's, bit for bit;
+a mismatch is a bug in the kernel, not a result (and the exit status is 2).
 
 Ratios are torch's time / the row's (> 1: faster than torch). To ship another candidate, set
-``keyinit._kernels.dropout.triton.ROWS_CONFIG`` to it. ``--json PATH`` writes the rows. This is not a test.
+``keyinit._kernels.dropout.triton.TUNING`` to it. ``--json PATH`` writes the rows. This is not a test.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from pathlib import Path
 
 if "--dry-run" in sys.argv:  # (before triton is imported: the interpreter runs the kernels on CPU tensors)
     os.environ["TRITON_INTERPRET"] = "1"
+    import warnings
+
+    warnings.filterwarnings("ignore", category=RuntimeWarning)  # (numpy on the NaN inputs)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -49,18 +57,21 @@ from keyinit.nn import functional as KF  # noqa: E402
 P = 0.1
 KEYS = {stream: dropout_key(keyinit.key(1234, stream=stream), step=0, fqn="layers.0.attention", ordinal=0)
         for stream in ("v1", "v2")}
-#: ``block/warps/elements`` of the candidates timed by default (the shipped ROWS_CONFIG is always added).
+#: ``block/warps/elements`` of the candidates timed by default (the shipped TUNING is always added).
 CANDIDATES = ("1024/4/4096", "1024/4/16384", "1024/4/65536", "1024/8/16384", "2048/4/16384", "2048/8/16384",
-              "4096/8/16384", "4096/16/16384", "512/2/16384")
+              "4096/8/16384", "4096/16/16384", "512/2/16384", "1024/4/16384/bits")
 
 
-def parse_config(text: str) -> triton_dropout.RowsConfig:
-    block, warps, elements = (int(v) for v in text.split("/"))
-    return triton_dropout.RowsConfig(block, warps, elements)
+def parse_config(text: str) -> triton_dropout.Tuning:
+    parts = text.split("/")
+    if len(parts) not in (3, 4) or len(parts) == 4 and parts[3] != "bits":
+        raise SystemExit(f"--candidates: {text!r} is not block/warps/elements or block/warps/elements/bits")
+    block, warps, elements = (int(v) for v in parts[:3])
+    return triton_dropout.Tuning(block, warps, elements, bf16_cvt=len(parts) == 3)
 
 
-def label(config: triton_dropout.RowsConfig) -> str:
-    return f"{config.block}/{config.warps}/{config.elements}"
+def label(config: triton_dropout.Tuning) -> str:
+    return f"{config.block}/{config.warps}/{config.elements}" + ("" if config.bf16_cvt else "/bits")
 
 
 def timer(device: str, dry_run: bool):
@@ -109,24 +120,55 @@ def warm_up(configs, device: str, jobs: int) -> None:
 def _compile_one(item) -> None:
     name, dtype_name = item
     dtype = getattr(torch, dtype_name)
-    shape = (1, 2, 4096)  # rows of 4096 words: the tile sizes of the full shape
+    shape = (2, 2, 4096)  # the full shape's kernel variants: three dims (none of extent 1), rows of 4096
     x = torch.zeros(shape, dtype=dtype, device="cuda")
     if name == "v1":
         triton_dropout.run(x, torch.empty_like(x), geometry(shape, "v1"))
     else:
-        triton_dropout.run(x, torch.empty_like(x), geometry(shape, "v2"), rows=parse_config(name))
+        triton_dropout.run(x, torch.empty_like(x), geometry(shape, "v2"), tuning=parse_config(name))
     torch.cuda.synchronize()
+
+
+def special_input(shape, dtype, device: str) -> torch.Tensor:
+    """Every bfloat16 bit pattern (NaN, infinities, subnormals, -0, ties of the rounding), in a scrambled
+    order; float32: those values widened in the even elements, normal draws in the odd."""
+    n = 1
+    for size in shape:
+        n *= size
+    # element i: pattern 40503 * i mod 2**16 (an odd factor: each 65536 elements hold every pattern once)
+    patterns = (torch.arange(n, device=device, dtype=torch.int64) * 40503).remainder(65536).to(torch.int16)
+    x = patterns.view(torch.bfloat16).reshape(shape)
+    if dtype == torch.bfloat16:
+        return x
+    draws = torch.randn(shape, generator=torch.Generator(device=device).manual_seed(0), device=device)
+    flat = draws.reshape(-1)
+    flat[0::2] = x.reshape(-1)[0::2].to(torch.float32)
+    return flat.reshape(shape).to(dtype)
+
+
+def c_dropout(x: torch.Tensor, geom) -> torch.Tensor:
+    """keyinit's C kernel on a CPU copy of ``x`` (the reference of the bits), on x's device."""
+    from keyinit._kernels.dropout import cpu
+
+    host = x.cpu()
+    out = torch.empty_like(host)
+    if not cpu.run(host, out, geom):
+        raise SystemExit("the C kernel declined (no compiler?): nothing to check the bits against")
+    return out.to(x.device)
+
+
+def same(got: torch.Tensor, want: torch.Tensor, what: str) -> str:
+    return f"= {what}" if torch.equal(got.view(torch.uint8), want.view(torch.uint8)) else f"DIFFER from {what}"
 
 
 def sweep(shape, dtypes, configs, device: str, dry_run: bool) -> list[dict]:
     time_ms = timer(device, dry_run)
     interpret = dry_run
-    shipped = triton_dropout.ROWS_CONFIG
+    shipped = triton_dropout.TUNING
     results = []
     for dtype in dtypes:
-        g = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(shape, generator=g, device=device).to(dtype)
-        grad = torch.randn(shape, generator=g, device=device).to(dtype)
+        x = special_input(shape, dtype, device)
+        grad = torch.randn(shape, generator=torch.Generator(device=device).manual_seed(1), device=device).to(dtype)
         out, out_grad = torch.empty_like(x), torch.empty_like(x)
         v1, v2 = geometry(shape, "v1"), geometry(shape, "v2")
         plan = triton_dropout._plan(v2, x.numel(), x.element_size(), shipped)
@@ -138,13 +180,13 @@ def sweep(shape, dtypes, configs, device: str, dry_run: bool) -> list[dict]:
                 fn(xr).backward(grad)
             return both
 
-        def kernel(geom, rows=None):
+        def kernel(geom, tuning=None):
             def fwd():
-                triton_dropout.run(x, out, geom, interpret_ok=interpret, rows=rows)
+                triton_dropout.run(x, out, geom, interpret_ok=interpret, tuning=tuning)
 
             def both():
-                triton_dropout.run(x, out, geom, interpret_ok=interpret, rows=rows)
-                triton_dropout.run(grad, out_grad, geom, interpret_ok=interpret, rows=rows)
+                triton_dropout.run(x, out, geom, interpret_ok=interpret, tuning=tuning)
+                triton_dropout.run(grad, out_grad, geom, interpret_ok=interpret, tuning=tuning)
             return fwd, both
 
         rows = [
@@ -158,17 +200,21 @@ def sweep(shape, dtypes, configs, device: str, dry_run: bool) -> list[dict]:
         for config in configs:
             rows.append((f"rows{'*' if config == shipped else ''}", label(config), *kernel(v2, config), config))
 
-        reference = torch.empty_like(x)
-        triton_dropout.run(x, reference, v2, interpret_ok=interpret, rows=shipped)
+        c_kernel = {stream: c_dropout(x, geom) for stream, geom in (("v1", v1), ("v2", v2))}
+        reference = KF.dropout_rows(x, P, KEYS["v2"], 0)
         torch_fwd = torch_both = None
         for name, config_label, fwd, both, config in rows:
             bits = ""
             if config is not None:
                 out.fill_(0)
                 fwd()
-                bits = "equal" if torch.equal(out.view(torch.uint8), reference.view(torch.uint8)) else "DIFFER"
-            elif name == "op v2":
-                bits = "equal" if torch.equal(fwd().view(torch.uint8), reference.view(torch.uint8)) else "DIFFER"
+                bits = same(out, reference, "the op v2")
+            elif name in ("op v1", "op v2"):
+                bits = same(fwd(), c_kernel[name[-2:]], "the C kernel")
+            elif name == "kernel v1 run":
+                out.fill_(0)
+                fwd()
+                bits = same(out, c_kernel["v1"], "the C kernel")
             fwd_ms, both_ms = time_ms(fwd), time_ms(both)
             if name == "torch":
                 torch_fwd, torch_both = fwd_ms, both_ms
@@ -180,9 +226,9 @@ def sweep(shape, dtypes, configs, device: str, dry_run: bool) -> list[dict]:
 
 
 def report(results) -> None:
-    print(f"\n{'dtype':9} {'row':14} {'config':15} {'fwd ms':>8} {'ratio':>6} {'f+b ms':>8} {'ratio':>6}  bits")
+    print(f"\n{'dtype':9} {'row':14} {'config':20} {'fwd ms':>8} {'ratio':>6} {'f+b ms':>8} {'ratio':>6}  bits")
     for r in results:
-        print(f"{r['dtype']:9} {r['row']:14} {r['config']:15} {r['fwd_ms']:8.3f} {r['fwd_ratio']:6.2f} "
+        print(f"{r['dtype']:9} {r['row']:14} {r['config']:20} {r['fwd_ms']:8.3f} {r['fwd_ratio']:6.2f} "
               f"{r['fwdbwd_ms']:8.3f} {r['fwdbwd_ratio']:6.2f}  {r['bits']}")
     for dtype in dict.fromkeys(r["dtype"] for r in results):
         candidates = [r for r in results if r["dtype"] == dtype and r["row"].startswith("rows")]
@@ -190,8 +236,8 @@ def report(results) -> None:
         v1 = next(r for r in results if r["dtype"] == dtype and r["row"] == "kernel v1 run")
         print(f"{dtype}: fastest rows candidate {best['config']} (fwd {best['fwd_ms']:.3f} ms, fwd+bwd "
               f"{best['fwdbwd_ms']:.3f} ms; kernel v1 run {v1['fwd_ms']:.3f} / {v1['fwdbwd_ms']:.3f} ms)")
-    if any(r["bits"] == "DIFFER" for r in results):
-        print("A CANDIDATE'S OUTPUT DIFFERS FROM THE SHIPPED KERNEL'S: a bug, not a result.")
+    if any(r["bits"].startswith("DIFFER") for r in results):
+        print("AN OUTPUT DIFFERS FROM ITS REFERENCE (column bits): a bug, not a result.")
 
 
 def main(argv=None) -> int:
@@ -212,7 +258,7 @@ def main(argv=None) -> int:
             print("no CUDA device: run with --dry-run to check the script on the CPU")
             return 1
         device, shape = "cuda", tuple(args.shape or (8, 4096, 4096))
-    configs = list(dict.fromkeys([triton_dropout.ROWS_CONFIG] + [parse_config(c) for c in args.candidates]))
+    configs = list(dict.fromkeys([triton_dropout.TUNING] + [parse_config(c) for c in args.candidates]))
     warm_up(configs, device, args.jobs)
     results = sweep(shape, [getattr(torch, d) for d in args.dtypes], configs, device, args.dry_run)
     report(results)
@@ -220,7 +266,7 @@ def main(argv=None) -> int:
           f"{results[0]['device']}; {time.perf_counter() - start:.1f} s in all")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
-    return 2 if any(r["bits"] == "DIFFER" for r in results) else 0
+    return 2 if any(r["bits"].startswith("DIFFER") for r in results) else 0
 
 
 if __name__ == "__main__":

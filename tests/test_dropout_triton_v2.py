@@ -70,10 +70,10 @@ def _geometries():
     }
 
 
-#: Other launches of the rows mode (``RowsConfig(block, warps, elements)``), the same values under each: programs
+#: Other launches of the rows mode (``Tuning(block, warps, elements)``), the same values under each: programs
 #: of one tile and two rows (a program starts inside an outer dim), or of three rows; rows of several tiles.
-ROWS_CONFIGS = {"cfg-2": (128, 1, 256), "cfg-3": (256, 2, 384)}
-ROWS_CONFIG_CASES = ("rows", "rows-long", "attention", "sequence-first", "inner-shard", "routed-rows", "limits")
+TUNINGS = {"cfg-2": (128, 1, 256), "cfg-3": (256, 2, 384)}
+TUNING_CASES = ("rows", "rows-long", "attention", "sequence-first", "inner-shard", "routed-rows", "limits")
 
 #: ``{name: (stream, short shape, padded shape, offset)}``: the padded activation's real elements are the short's.
 PADDED = {
@@ -88,15 +88,15 @@ def _case_ids():
     ids += ["rows-float64", "attention-float64"]
     ids += [f"{name}-{str(dtype)[6:]}" for name in PADDED for dtype in DTYPES]
     ids += ["keyed-forward-bfloat16"]
-    ids += [f"{name}@{cfg}-{str(dtype)[6:]}" for name in ROWS_CONFIG_CASES for cfg in ROWS_CONFIGS
+    ids += [f"{name}@{cfg}-{str(dtype)[6:]}" for name in TUNING_CASES for cfg in TUNINGS
             for dtype in (torch.float32, torch.bfloat16)]
     return ids
 
 
 def _geometry_names():
     return ("rows", "rows-vectors", "rows-short", "rows-long", "one-row", "attention", "attention-short",
-            "sequence-first", "sample-innermost", "inner-shard", "routed", "routed-rows", "limits", "limits-shard", "v1-rows",
-            "v1-attention")
+            "sequence-first", "sample-innermost", "inner-shard", "routed", "routed-rows", "limits", "limits-shard",
+            "v1-rows", "v1-attention")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -203,10 +203,10 @@ def _keyed_case(run_fn, dtype) -> str:
     return "ok"
 
 
-def _rows_config(block, warps, elements):
-    from keyinit._kernels.dropout.triton import RowsConfig
+def _tuning(block, warps, elements):
+    from keyinit._kernels.dropout.triton import Tuning
 
-    return RowsConfig(block, warps, elements)
+    return Tuning(block, warps, elements)
 
 
 def _results(run_fn, device, keyed=True) -> dict:
@@ -221,8 +221,12 @@ def _results(run_fn, device, keyed=True) -> dict:
                 results[case_id] = _keyed_case(run_fn, dtype) if keyed else "ok"
             elif "@" in name:
                 name, cfg = name.split("@")
-                rows = _rows_config(*ROWS_CONFIGS[cfg])
-                results[case_id] = _kernel_case(lambda x, out, g: run_fn(x, out, g, rows=rows), device, name, dtype)
+                tuning = _tuning(*TUNINGS[cfg])
+
+                def tuned(x, out, geometry):
+                    return run_fn(x, out, geometry, tuning=tuning)
+
+                results[case_id] = _kernel_case(tuned, device, name, dtype)
             else:
                 results[case_id] = _kernel_case(run_fn, device, name, dtype)
         except Exception as exc:  # noqa: BLE001 - reported per case
@@ -256,8 +260,8 @@ def test_the_kernel_modes_are_the_ones_the_cases_mean():
         geometry = make_geometry(shape, K0, K1, P, gstrides, starts, indices, stream, hstrides)
         plan = triton_dropout._plan(geometry, geometry_numel(shape), 4)
         modes[name] = (plan.mode, plan.high, plan.vec > 1)
-        for cfg, config in ROWS_CONFIGS.items():
-            plans[name, cfg] = triton_dropout._plan(geometry, geometry_numel(shape), 4, _rows_config(*config))
+        for cfg, config in TUNINGS.items():
+            plans[name, cfg] = triton_dropout._plan(geometry, geometry_numel(shape), 4, _tuning(*config))
     run_, rows, any_ = triton_dropout.RUN, triton_dropout.ROWS, triton_dropout.ANY
     assert modes["one-row"] == (run_, True, True)
     assert modes["rows"] == (rows, True, False) and modes["rows-vectors"] == (rows, True, True)
@@ -267,8 +271,8 @@ def test_the_kernel_modes_are_the_ones_the_cases_mean():
     assert modes["limits"] == (rows, True, True) and modes["limits-shard"][:2] == (any_, True)
     assert not modes["v1-rows"][1] and not modes["v1-attention"][1]
     # the other launches: programs of several rows, several programs, rows of several tiles
-    assert all(plans[name, cfg].mode == rows for name in ROWS_CONFIG_CASES for cfg in ROWS_CONFIGS)
-    assert [plans["attention", cfg][-4:-1] for cfg in ROWS_CONFIGS] == [((6,), 1, 2), ((4,), 1, 3)]
+    assert all(plans[name, cfg].mode == rows for name in TUNING_CASES for cfg in TUNINGS)
+    assert [plans["attention", cfg][-4:-1] for cfg in TUNINGS] == [((6,), 1, 2), ((4,), 1, 3)]
     assert plans["routed-rows", "cfg-2"].gather and not plans["attention", "cfg-2"].gather
     assert plans["rows-long", "cfg-2"].tiles == 9 and plans["rows-long", "cfg-3"].tiles == 5
 
@@ -289,8 +293,8 @@ def _ptx(dtype, mode: int, high: bool, block: int, vec: int, ndim: int, num_warp
     from keyinit._kernels.dropout import triton as triton_dropout
 
     fn = triton_dropout._dropout_kernel
-    constexprs = {"NDIM": ndim, "MODE": mode, "HIGH": high, "GATHER": False, "KIND": triton_dropout._KINDS[dtype],
-                  "BLOCK": block, "VEC": vec}
+    constexprs = {"NDIM": ndim, "MODE": mode, "HIGH": high, "GATHER": False, "CVT": True,
+                  "KIND": triton_dropout._KINDS[dtype], "BLOCK": block, "VEC": vec}
     pointer = {torch.float32: "*fp32", torch.bfloat16: "*i16"}[dtype]
     signature = {name: "constexpr" if name in constexprs else pointer if name in ("x_ptr", "out_ptr")
                  else "*i64" if name.endswith("_ptr") else "i64" for name in fn.arg_names}

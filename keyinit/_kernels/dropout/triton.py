@@ -30,7 +30,7 @@ constexpr ``HIGH`` leaves the ``h = 0`` kernels as they were. Three modes:
   innermost outer coordinate steps (the others again when it wraps), so the
   divisions and the loads of the layout's table are not paid per tile (one
   program per tile of 1024 spent about as much on them as on the Philox rounds).
-  :class:`RowsConfig` sets the tile, the warps and the elements a program takes;
+  :class:`Tuning` sets the tile, the warps and the elements a program takes;
 - general: any layout (index vectors, sharded inner dimensions, short rows); each
   element computes its own block and picks its lane.
 
@@ -53,7 +53,7 @@ import triton.language as tl
 from keyinit._kernels.common.ids import DTYPE, DTYPE_IDS
 from keyinit._kernels.common.triton_philox import philox, philox_hi  # Philox4x32-10 of (c0, c1, 0|c2, 0|c3)
 
-__all__ = ["run", "BLOCK", "RowsConfig", "ROWS_CONFIG"]
+__all__ = ["run", "BLOCK", "Tuning", "TUNING"]
 
 BLOCK = 1024
 #: dtype ids (the one table, keyinit._kernels.common.ids) of the dtypes dropout takes, as the C kernel gets them.
@@ -69,18 +69,22 @@ MODE_ROWS = tl.constexpr(ROWS)
 ROWS_MIN = 64
 
 
-class RowsConfig(NamedTuple):
-    """The rows mode's launch: tiles of at most ``block`` words (a power of two; shorter rows, the next power
-    of two of their span, at least 128), at most ``warps`` warps a program (and 256 words a warp at least), and
-    about ``elements`` elements a program (whole rows, at least one). The values do not depend on it."""
+class Tuning(NamedTuple):
+    """How the kernel runs; no value depends on it. The rows mode's launch: tiles of at most ``block`` words (a
+    power of two; shorter rows, the next power of two of their span, at least 128), at most ``warps`` warps a
+    program (and 256 words a warp at least), about ``elements`` elements a program (whole rows, at least one).
+    ``bf16_cvt`` (every mode, compiled kernels): bfloat16 rounded by the hardware's conversion (round to nearest
+    even, two a word), not by integer arithmetic on the bits (both torch's rule; NaN is set to 0x7FC0 after
+    either). Triton's interpreter does not round its conversion to nearest even, so it always takes the bits."""
 
     block: int = 1024
     warps: int = 4
     elements: int = 16384
+    bf16_cvt: bool = True
 
 
 #: The rows mode's launch unless :func:`run` is given another (benchmarks/triton_dropout_sweep.py times others).
-ROWS_CONFIG = RowsConfig()
+TUNING = Tuning()
 #: The kernel's runtime integers: every one int64 and none specialized on its value (Triton would otherwise
 #: type each i32 or i64 by value and specialize on divisibility, compiling a variant per batch offset).
 _INTS = ["numel", "base", "hbase", "inner", "tiles", "rows_per", "k0", "k1", "threshold", "s32_bits", "s64_bits"]
@@ -89,21 +93,29 @@ _INT64_MAX = (1 << 63) - 1
 
 
 @triton.jit
-def _scaled(x, s32, s64, KIND: tl.constexpr):
-    """``x * scale`` in the dtype's arithmetic, as stored (bfloat16 as int16 bits)."""
+def _dropped(x, keep, s32, s64, KIND: tl.constexpr, CVT: tl.constexpr):
+    """``keep ? x * scale : +0`` in the dtype's arithmetic, as stored (bfloat16 as int16 bits)."""
     if KIND == DTYPE_FLOAT32:
-        return x * s32
+        value = x * s32
+        return tl.where(keep, value, tl.zeros_like(value))
     elif KIND == DTYPE_FLOAT64:
-        return x * s64
+        value = x * s64
+        return tl.where(keep, value, tl.zeros_like(value))
     elif KIND == DTYPE_BFLOAT16:
-        bits = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        v = bits * s32
-        u = v.to(tl.uint32, bitcast=True)
-        rounded = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16
-        rounded = tl.where(v != v, 0x7FC0, rounded)
-        return rounded.to(tl.uint16).to(tl.int16, bitcast=True)
+        # the binary32 product, zeroed where dropped, rounded to nearest even; NaN as torch rounds it (0x7FC0)
+        v = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True) * s32
+        v = tl.where(keep, v, tl.zeros_like(v))
+        if CVT:  # the hardware's conversion (cvt.rn.bf16x2.f32: two a word), whatever bits it gives a NaN
+            rounded = v.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+            return tl.where(v != v, tl.zeros_like(rounded) + 0x7FC0, rounded)
+        else:
+            u = v.to(tl.uint32, bitcast=True)
+            rounded = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16
+            rounded = tl.where(v != v, 0x7FC0, rounded)
+            return rounded.to(tl.uint16).to(tl.int16, bitcast=True)
     else:
-        return (x.to(tl.float32) * s32).to(tl.float16)
+        value = (x.to(tl.float32) * s32).to(tl.float16)
+        return tl.where(keep, value, tl.zeros_like(value))
 
 
 @triton.jit
@@ -123,12 +135,11 @@ def _run_words(first, h, key0, key1, HIGH: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _apply(x_ptr, out_ptr, position, mask, words, threshold, s32, s64, KIND: tl.constexpr):
-    """``out[position] = word < threshold ? x[position] * scale : +0`` where ``mask``."""
-    keep = words.to(tl.int64) < threshold
+def _apply(x_ptr, out_ptr, position, mask, words, threshold, s32, s64, KIND: tl.constexpr, CVT: tl.constexpr):
+    """``out[position] = word < threshold ? x[position] * scale : +0`` where ``mask`` (``threshold >= 1``)."""
+    keep = words <= (threshold - 1).to(tl.uint32)  # word < threshold (1 .. 2**32) in one 32-bit comparison
     x = tl.load(x_ptr + position, mask=mask, other=0)
-    value = _scaled(x, s32, s64, KIND)
-    tl.store(out_ptr + position, tl.where(keep, value, tl.zeros_like(value)), mask=mask)
+    tl.store(out_ptr + position, _dropped(x, keep, s32, s64, KIND, CVT), mask=mask)
 
 
 @triton.jit
@@ -154,8 +165,8 @@ def _row_outer(row, meta_ptr, index_ptr, base, hbase, NDIM: tl.constexpr, GATHER
 
 @triton.jit
 def _rows(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inner, tiles, rows_per, key0, key1, threshold,
-          s32, s64, NDIM: tl.constexpr, GATHER: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr,
-          VEC: tl.constexpr):
+          s32, s64, NDIM: tl.constexpr, GATHER: tl.constexpr, KIND: tl.constexpr, CVT: tl.constexpr,
+          BLOCK: tl.constexpr, VEC: tl.constexpr):
     """The rows mode: rows ``pid * rows_per ..`` (at most ``rows_per``), each a run of ``inner`` consecutive
     global indices from its ``g`` with high words ``h``, in ``tiles`` tiles of ``BLOCK`` words."""
     nrows = numel // inner
@@ -178,7 +189,7 @@ def _rows(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inner, tiles,
                 within = tile * BLOCK + tl.arange(0, BLOCK)
                 mask = tl.max_constancy(within < inner, VEC)
                 words = _run_words(g + tile * BLOCK, h, key0, key1, True, BLOCK)
-                _apply(x_ptr + start, out_ptr + start, within, mask, words, threshold, s32, s64, KIND)
+                _apply(x_ptr + start, out_ptr + start, within, mask, words, threshold, s32, s64, KIND, CVT)
         else:
             start = row * inner
             for tile in range(0, tiles):
@@ -187,7 +198,7 @@ def _rows(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inner, tiles,
                 mask = (within >= 0) & (within < inner)
                 words = _run_words(first, h, key0, key1, True, BLOCK)
                 _apply(x_ptr + start, out_ptr + start, tl.where(mask, within, 0), mask, words, threshold, s32, s64,
-                       KIND)
+                       KIND, CVT)
         c += 1
         if c == size:  # the next row starts the next position of the dims before
             g0, h0, c = _row_outer(tl.minimum(row + 1, nrows - 1), meta_ptr, index_ptr, base, hbase, NDIM, GATHER)
@@ -197,7 +208,7 @@ def _rows(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inner, tiles,
 def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel: I64, base: I64, hbase: I64, inner: I64, tiles: I64,
                     rows_per: I64, k0: I64, k1: I64, threshold: I64, s32_bits: I64, s64_bits: I64,
                     NDIM: tl.constexpr, MODE: tl.constexpr, HIGH: tl.constexpr, GATHER: tl.constexpr,
-                    KIND: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+                    KIND: tl.constexpr, CVT: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     key0 = k0.to(tl.uint32)
     key1 = k1.to(tl.uint32)
@@ -205,7 +216,7 @@ def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel: I64, base: I64, 
     s64 = s64_bits.to(tl.int64).to(tl.float64, bitcast=True)
     if MODE == MODE_ROWS:
         _rows(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inner, tiles, rows_per, key0, key1, threshold,
-              s32, s64, NDIM, GATHER, KIND, BLOCK, VEC)
+              s32, s64, NDIM, GATHER, KIND, CVT, BLOCK, VEC)
     else:
         if MODE == MODE_RUN:
             # Global indices base .. base+numel-1, high words hbase. This program: words first .. first+BLOCK-1.
@@ -241,7 +252,7 @@ def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel: I64, base: I64, 
             lane = (g & 3).to(tl.int32)
             words = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
             position = tl.where(mask, position, 0)
-        _apply(x_ptr, out_ptr, position, mask, words, threshold, s32, s64, KIND)
+        _apply(x_ptr, out_ptr, position, mask, words, threshold, s32, s64, KIND, CVT)
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
@@ -265,8 +276,9 @@ class _Plan(NamedTuple):
     gather: bool = False
 
 
-def _plan(geometry, numel: int, element_size: int, rows: RowsConfig = ROWS_CONFIG) -> _Plan:
-    """The launch for ``geometry`` (``numel`` elements of ``element_size`` bytes); ``rows``: the rows mode's."""
+def _plan(geometry, numel: int, element_size: int, rows: Tuning = TUNING) -> _Plan:
+    """The launch for ``geometry`` (``numel`` elements of ``element_size`` bytes); ``rows``: the rows mode's
+    launch (``rows.bf16_cvt`` is the caller's)."""
     sizes, gstrides, indices = geometry.sizes, geometry.gstrides, geometry.indices
     hstrides = geometry.hstrides or (0,) * len(sizes)
     high = bool(geometry.hstrides) or geometry.hbase != 0
@@ -338,11 +350,11 @@ def _tables(geometry, hstrides, mode: int, device: torch.device):
 
 
 def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = False,
-        rows: Optional[RowsConfig] = None) -> bool:
+        tuning: Optional[Tuning] = None) -> bool:
     """``out = dropout(x)`` for contiguous ``x``/``out`` laid out by ``geometry``; ``False``: nothing written.
 
     Runs for CUDA tensors; CPU tensors only with ``interpret_ok`` (the tests, under ``TRITON_INTERPRET=1``).
-    ``rows``: the rows mode's launch (default :data:`ROWS_CONFIG`; the values are the same under any).
+    ``tuning``: how it runs (default :data:`TUNING`; the values are the same under any).
     """
     kind = _KINDS.get(x.dtype)
     if kind is None or (x.device.type != "cuda" and not interpret_ok):
@@ -353,14 +365,19 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = Fa
     numel = x.numel()
     if numel == 0:
         return True
+    if geometry.threshold == 0:  # (p = 1) nothing kept: +0 everywhere, all bits zero in every dtype
+        out.zero_()
+        return True
     s32_bits = struct.unpack("<i", struct.pack("<f", geometry.scale32))[0]
     s64_bits = struct.unpack("<q", struct.pack("<d", geometry.scale64))[0]
-    plan = _plan(geometry, numel, x.element_size(), ROWS_CONFIG if rows is None else rows)
+    tuning = TUNING if tuning is None else tuning
+    plan = _plan(geometry, numel, x.element_size(), tuning)
     mode, ndim = plan.mode, plan.ndim
     meta, index_all = _tables(geometry, hstrides, mode, x.device)
     args = (_storage(x), _storage(out), meta, index_all, numel, geometry.base, geometry.hbase, plan.inner,
             plan.tiles, plan.rows_per, geometry.k0, geometry.k1, geometry.threshold, s32_bits, s64_bits)
-    options = dict(NDIM=ndim, MODE=mode, HIGH=plan.high, GATHER=plan.gather, KIND=kind, BLOCK=plan.block,
+    cvt = tuning.bf16_cvt and x.device.type == "cuda"  # (the interpreter's conversion is not the hardware's)
+    options = dict(NDIM=ndim, MODE=mode, HIGH=plan.high, GATHER=plan.gather, KIND=kind, CVT=cvt, BLOCK=plan.block,
                    VEC=plan.vec, num_warps=plan.warps, enable_fp_fusion=False)
     if x.device.type == "cuda":
         with torch.cuda.device(x.device):
