@@ -2,7 +2,7 @@
 
     python benchmarks/triton_dropout_sweep.py             # CUDA: (8, 4096, 4096) bf16 and fp32 (under 60 s on an H100)
     python benchmarks/triton_dropout_sweep.py --dry-run   # CPU: Triton's interpreter on a tiny shape (checks the script)
-    python benchmarks/triton_dropout_sweep.py --candidates 1024/4/16384 2048/8/16384 1024/4/16384/bits
+    python benchmarks/triton_dropout_sweep.py --candidates 4096/4/16384 8192/8/16384 4096/4/16384/bits
 
 Rows, each timed with ``triton.testing.do_bench`` (median; it flushes the L2 cache between calls):
 
@@ -11,8 +11,9 @@ Rows, each timed with ``triton.testing.do_bench`` (median; it flushes the L2 cac
   tensor's indices / ``dropout_rows``, dimension 0 the batch: v2's extent-free names), through autograd;
 - ``kernel v1 run``: the kernel alone on v1's indices (its run mode), forward = one launch, forward+backward =
   two (the forward on ``x``, the backward on the gradient: what the op launches);
-- ``rows B/W/E``: the kernel alone on v2's names in its rows mode under ``Tuning(block=B, warps=W,
-  elements=E)`` (tiles of B words, at most W warps a program, about E elements a program); a ``/bits``
+- ``rows T/W/E``: the kernel alone on v2's names in its rows mode under ``Tuning(tile_bytes=T, warps=W,
+  elements=E)`` (tiles of T bytes: T/4 float32 or T/2 bfloat16 words; at most W warps a program; about E
+  elements a program); a ``/bits``
   suffix rounds bfloat16 by integer arithmetic on the bits (``bf16_cvt=False``; the default is the
   hardware's conversion); ``*`` marks ``TUNING``, what the op ships with.
 
@@ -57,21 +58,21 @@ from keyinit.nn import functional as KF  # noqa: E402
 P = 0.1
 KEYS = {stream: dropout_key(keyinit.key(1234, stream=stream), step=0, fqn="layers.0.attention", ordinal=0)
         for stream in ("v1", "v2")}
-#: ``block/warps/elements`` of the candidates timed by default (the shipped TUNING is always added).
-CANDIDATES = ("1024/4/4096", "1024/4/16384", "1024/4/65536", "1024/8/16384", "2048/4/16384", "2048/8/16384",
-              "4096/8/16384", "4096/16/16384", "512/2/16384", "1024/4/16384/bits")
+#: ``tile_bytes/warps/elements`` of the candidates timed by default (the shipped TUNING is always added).
+CANDIDATES = ("4096/4/4096", "4096/4/16384", "4096/4/65536", "4096/8/16384", "8192/4/16384", "8192/8/16384",
+              "16384/8/16384", "16384/16/16384", "2048/2/16384", "4096/4/16384/bits")
 
 
 def parse_config(text: str) -> triton_dropout.Tuning:
     parts = text.split("/")
     if len(parts) not in (3, 4) or len(parts) == 4 and parts[3] != "bits":
-        raise SystemExit(f"--candidates: {text!r} is not block/warps/elements or block/warps/elements/bits")
-    block, warps, elements = (int(v) for v in parts[:3])
-    return triton_dropout.Tuning(block, warps, elements, bf16_cvt=len(parts) == 3)
+        raise SystemExit(f"--candidates: {text!r} is not tile_bytes/warps/elements[/bits]")
+    tile_bytes, warps, elements = (int(v) for v in parts[:3])
+    return triton_dropout.Tuning(tile_bytes, warps, elements, bf16_cvt=len(parts) == 3)
 
 
 def label(config: triton_dropout.Tuning) -> str:
-    return f"{config.block}/{config.warps}/{config.elements}" + ("" if config.bf16_cvt else "/bits")
+    return f"{config.tile_bytes}/{config.warps}/{config.elements}" + ("" if config.bf16_cvt else "/bits")
 
 
 def timer(device: str, dry_run: bool):
@@ -243,7 +244,7 @@ def report(results) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, a tiny shape")
-    parser.add_argument("--candidates", nargs="*", default=list(CANDIDATES), help="block/warps/elements each")
+    parser.add_argument("--candidates", nargs="*", default=list(CANDIDATES), help="tile_bytes/warps/elements[/bits] each")
     parser.add_argument("--shape", type=int, nargs="+", default=None)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),

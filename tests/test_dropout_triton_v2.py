@@ -70,9 +70,10 @@ def _geometries():
     }
 
 
-#: Other launches of the rows mode (``Tuning(block, warps, elements)``), the same values under each: programs
-#: of one tile and two rows (a program starts inside an outer dim), or of three rows; rows of several tiles.
-TUNINGS = {"cfg-2": (128, 1, 256), "cfg-3": (256, 2, 384)}
+#: Other launches of the rows mode (``Tuning(tile_bytes, warps, elements)``), the same values under each:
+#: programs of one tile and two rows (a program starts inside an outer dim; float32), or of three rows; rows of
+#: several tiles.
+TUNINGS = {"cfg-2": (512, 1, 256), "cfg-3": (1024, 2, 384)}
 TUNING_CASES = ("rows", "rows-long", "attention", "sequence-first", "inner-shard", "routed-rows", "limits")
 
 #: ``{name: (stream, short shape, padded shape, offset)}``: the padded activation's real elements are the short's.
@@ -203,10 +204,10 @@ def _keyed_case(run_fn, dtype) -> str:
     return "ok"
 
 
-def _tuning(block, warps, elements):
+def _tuning(tile_bytes, warps, elements):
     from keyinit._kernels.dropout.triton import Tuning
 
-    return Tuning(block, warps, elements)
+    return Tuning(tile_bytes, warps, elements)
 
 
 def _results(run_fn, device, keyed=True) -> dict:
@@ -275,6 +276,10 @@ def test_the_kernel_modes_are_the_ones_the_cases_mean():
     assert [plans["attention", cfg][-4:-1] for cfg in TUNINGS] == [((6,), 1, 2), ((4,), 1, 3)]
     assert plans["routed-rows", "cfg-2"].gather and not plans["attention", "cfg-2"].gather
     assert plans["rows-long", "cfg-2"].tiles == 9 and plans["rows-long", "cfg-3"].tiles == 5
+    stream, shape, gstrides, starts, indices, hstrides = _geometries()["rows-long"]
+    geometry = make_geometry(shape, K0, K1, P, gstrides, starts, indices, stream, hstrides)
+    with pytest.raises(ValueError, match="Tuning.tile_bytes must be a power of two, got 3000"):
+        triton_dropout._plan(geometry, geometry_numel(shape), 4, _tuning(3000, 4, 16384))
 
 
 def geometry_numel(shape) -> int:

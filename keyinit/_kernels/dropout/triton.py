@@ -70,14 +70,15 @@ ROWS_MIN = 64
 
 
 class Tuning(NamedTuple):
-    """How the kernel runs; no value depends on it. The rows mode's launch: tiles of at most ``block`` words (a
-    power of two; shorter rows, the next power of two of their span, at least 128), at most ``warps`` warps a
-    program (and 256 words a warp at least), about ``elements`` elements a program (whole rows, at least one).
+    """How the kernel runs; no value depends on it. The rows mode's launch: tiles of at most ``tile_bytes``
+    bytes of the dtype (a power of two: 1024 float32 or 2048 bfloat16 words for 4096; shorter rows, the next
+    power of two of their span, at least 128 words), at most ``warps`` warps a program (and 256 words a warp
+    at least), about ``elements`` elements a program (whole rows, at least one).
     ``bf16_cvt`` (every mode, compiled kernels): bfloat16 rounded by the hardware's conversion (round to nearest
     even, two a word), not by integer arithmetic on the bits (both torch's rule; NaN is set to 0x7FC0 after
     either). Triton's interpreter does not round its conversion to nearest even, so it always takes the bits."""
 
-    block: int = 1024
+    tile_bytes: int = 4096
     warps: int = 4
     elements: int = 16384
     bf16_cvt: bool = True
@@ -293,7 +294,9 @@ def _plan(geometry, numel: int, element_size: int, rows: Tuning = TUNING) -> _Pl
         # every row starts on a Philox block when base and the outer global strides are multiples of 4
         aligned = geometry.base % 4 == 0 and all(g % 4 == 0 for g in gstrides[:-1])
         span = inner if aligned else inner + 3
-        block = min(rows.block, max(128, triton.next_power_of_2(span)))
+        block = min(max(1, rows.tile_bytes // element_size), max(128, triton.next_power_of_2(span)))
+        if block & (block - 1):
+            raise ValueError(f"keyinit::dropout: Tuning.tile_bytes must be a power of two, got {rows.tile_bytes}")
         vec = 16 // element_size
         if not aligned or inner % vec:
             vec = 1
