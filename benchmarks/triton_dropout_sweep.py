@@ -1,7 +1,7 @@
 """Launches of the Triton dropout kernel's rows mode (stream v2's names) against torch's F.dropout, one run.
 
     python benchmarks/triton_dropout_sweep.py             # CUDA: (8, 4096, 4096) bf16 and fp32 (under 60 s on an H100)
-    python benchmarks/triton_dropout_sweep.py --dry-run   # CPU: Triton's interpreter on a tiny shape (checks the script)
+    python benchmarks/triton_dropout_sweep.py --dry-run   # CPU: Triton's interpreter, a tiny shape (checks the script)
     python benchmarks/triton_dropout_sweep.py --candidates 4096/4/16384 8192/8/16384 4096/4/16384/bits
 
 Rows, each timed with ``triton.testing.do_bench`` (median; it flushes the L2 cache between calls):
@@ -15,7 +15,9 @@ Rows, each timed with ``triton.testing.do_bench`` (median; it flushes the L2 cac
   elements=E)`` (tiles of T bytes: T/4 float32 or T/2 bfloat16 words; at most W warps a program; about E
   elements a program); a ``/bits``
   suffix rounds bfloat16 by integer arithmetic on the bits (``bf16_cvt=False``; the default is the
-  hardware's conversion); ``*`` marks ``TUNING``, what the op ships with.
+  hardware's conversion), ``/anynan`` leaves a kept NaN as the conversion gives it (``bf16_nan=False``: not
+  set to the C kernel's 0x7FC0; the spec leaves a NaN's bits out); ``*`` marks ``TUNING``, what the op
+  ships with.
 
 Values: the input ``x`` holds every bfloat16 bit pattern in turn (NaNs, infinities, subnormals, -0; in
 float32 those values widened, among normal draws), so the column ``bits`` checks the rounding: the op's
@@ -60,19 +62,21 @@ KEYS = {stream: dropout_key(keyinit.key(1234, stream=stream), step=0, fqn="layer
         for stream in ("v1", "v2")}
 #: ``tile_bytes/warps/elements`` of the candidates timed by default (the shipped TUNING is always added).
 CANDIDATES = ("4096/4/4096", "4096/4/16384", "4096/4/65536", "4096/8/16384", "8192/4/16384", "8192/8/16384",
-              "16384/8/16384", "16384/16/16384", "2048/2/16384", "4096/4/16384/bits")
+              "16384/8/16384", "16384/16/16384", "2048/2/16384", "4096/4/16384/bits", "4096/4/16384/anynan")
 
 
 def parse_config(text: str) -> triton_dropout.Tuning:
     parts = text.split("/")
-    if len(parts) not in (3, 4) or len(parts) == 4 and parts[3] != "bits":
-        raise SystemExit(f"--candidates: {text!r} is not tile_bytes/warps/elements[/bits]")
+    if len(parts) < 3 or not set(parts[3:]) <= {"bits", "anynan"}:
+        raise SystemExit(f"--candidates: {text!r} is not tile_bytes/warps/elements[/bits][/anynan]")
     tile_bytes, warps, elements = (int(v) for v in parts[:3])
-    return triton_dropout.Tuning(tile_bytes, warps, elements, bf16_cvt=len(parts) == 3)
+    return triton_dropout.Tuning(tile_bytes, warps, elements, bf16_cvt="bits" not in parts,
+                                 bf16_nan="anynan" not in parts)
 
 
 def label(config: triton_dropout.Tuning) -> str:
-    return f"{config.tile_bytes}/{config.warps}/{config.elements}" + ("" if config.bf16_cvt else "/bits")
+    return (f"{config.tile_bytes}/{config.warps}/{config.elements}" + ("" if config.bf16_cvt else "/bits")
+            + ("" if config.bf16_nan else "/anynan"))
 
 
 def timer(device: str, dry_run: bool):
@@ -158,7 +162,12 @@ def c_dropout(x: torch.Tensor, geom) -> torch.Tensor:
     return out.to(x.device)
 
 
-def same(got: torch.Tensor, want: torch.Tensor, what: str) -> str:
+def same(got: torch.Tensor, want: torch.Tensor, what: str, nan_bits: bool = True) -> str:
+    """Bit for bit (``nan_bits=False``: NaN where ``want`` is NaN, whatever its bits)."""
+    if not nan_bits:
+        nan = want.isnan()
+        if torch.equal(got.isnan(), nan):
+            got, want = got.masked_fill(nan, 0), want.masked_fill(nan, 0)
     return f"= {what}" if torch.equal(got.view(torch.uint8), want.view(torch.uint8)) else f"DIFFER from {what}"
 
 
@@ -198,7 +207,9 @@ def sweep(shape, dtypes, configs, device: str, dry_run: bool) -> list[dict]:
              autograd(lambda t: KF.dropout_rows(t, P, KEYS["v2"], 0)), None),
             ("kernel v1 run", "", *kernel(v1), None),
         ]
-        for config in configs:
+        launches = configs if dtype == torch.bfloat16 else [  # (the bfloat16 flags change no other kernel)
+            c for c in configs if c.bf16_cvt == shipped.bf16_cvt and c.bf16_nan == shipped.bf16_nan]
+        for config in launches:
             rows.append((f"rows{'*' if config == shipped else ''}", label(config), *kernel(v2, config), config))
 
         c_kernel = {stream: c_dropout(x, geom) for stream, geom in (("v1", v1), ("v2", v2))}
@@ -209,7 +220,7 @@ def sweep(shape, dtypes, configs, device: str, dry_run: bool) -> list[dict]:
             if config is not None:
                 out.fill_(0)
                 fwd()
-                bits = same(out, reference, "the op v2")
+                bits = same(out, reference, "the op v2", config.bf16_nan or dtype != torch.bfloat16)
             elif name in ("op v1", "op v2"):
                 bits = same(fwd(), c_kernel[name[-2:]], "the C kernel")
             elif name == "kernel v1 run":
@@ -227,9 +238,9 @@ def sweep(shape, dtypes, configs, device: str, dry_run: bool) -> list[dict]:
 
 
 def report(results) -> None:
-    print(f"\n{'dtype':9} {'row':14} {'config':20} {'fwd ms':>8} {'ratio':>6} {'f+b ms':>8} {'ratio':>6}  bits")
+    print(f"\n{'dtype':9} {'row':14} {'config':24} {'fwd ms':>8} {'ratio':>6} {'f+b ms':>8} {'ratio':>6}  bits")
     for r in results:
-        print(f"{r['dtype']:9} {r['row']:14} {r['config']:20} {r['fwd_ms']:8.3f} {r['fwd_ratio']:6.2f} "
+        print(f"{r['dtype']:9} {r['row']:14} {r['config']:24} {r['fwd_ms']:8.3f} {r['fwd_ratio']:6.2f} "
               f"{r['fwdbwd_ms']:8.3f} {r['fwdbwd_ratio']:6.2f}  {r['bits']}")
     for dtype in dict.fromkeys(r["dtype"] for r in results):
         candidates = [r for r in results if r["dtype"] == dtype and r["row"].startswith("rows")]
@@ -244,7 +255,8 @@ def report(results) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, a tiny shape")
-    parser.add_argument("--candidates", nargs="*", default=list(CANDIDATES), help="tile_bytes/warps/elements[/bits] each")
+    parser.add_argument("--candidates", nargs="*", default=list(CANDIDATES),
+                        help="tile_bytes/warps/elements[/bits][/anynan] each")
     parser.add_argument("--shape", type=int, nargs="+", default=None)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),

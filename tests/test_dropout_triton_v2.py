@@ -91,6 +91,7 @@ def _case_ids():
     ids += ["keyed-forward-bfloat16"]
     ids += [f"{name}@{cfg}-{str(dtype)[6:]}" for name in TUNING_CASES for cfg in TUNINGS
             for dtype in (torch.float32, torch.bfloat16)]
+    ids += [f"bf16-patterns-{mode}-bfloat16" for mode in ("run", "rows", "general")]
     return ids
 
 
@@ -204,10 +205,56 @@ def _keyed_case(run_fn, dtype) -> str:
     return "ok"
 
 
-def _tuning(tile_bytes, warps, elements):
+def _bf16_patterns_case(run_fn, device, mode: str) -> str:
+    """bfloat16 inputs of every bit pattern (on the CPU a scattered quarter of them, and the specials: NaNs,
+    infinities, subnormals, -0, the largest finite) through one launch mode: the rounding of ``x * scale``
+    (the hardware's conversion on the GPU, and the integer rounding) equals the reference's bit for bit, a
+    kept NaN is a NaN (its bits are not in the contract, and torch's own product gives other bits than the C
+    kernel's 0x7FC0), and by default (and with the integer rounding) the C kernel's bits, NaNs included.
+    ``p = 1/3`` (scale 1.5: ``x * 1.5`` has at most 9 significant bits, so the rounding meets its ties)."""
+    from keyinit._draw.dropout_geometry import make_geometry, rows_layout
+    from keyinit._draw.reference_dropout import dropout as reference
+    from keyinit._kernels.dropout import cpu
+
+    n = 65536 if device == "cuda" else 16384
+    bits = (torch.arange(n, dtype=torch.int64) * 40503).remainder(65536)  # (an odd factor: a permutation)
+    specials = [0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x7FFF, 0x0001, 0x8001, 0x8000, 0x007F, 0x7F7F, 0xFF7F]
+    bits[:len(specials)] = torch.tensor(specials)
+    x = bits.to(torch.int16).view(torch.bfloat16)
+    if mode == "run":
+        shape = (n,)
+        geometry = make_geometry(shape, K0, K1, 1 / 3, (1,), (0,), (None,), "v1")
+    else:
+        shape = (2, n // 2048, 1024) if mode == "rows" else (n // 64, 8, 8)
+        layout = rows_layout(shape, 3, "v2")
+        geometry = make_geometry(shape, K0, K1, 1 / 3, layout.gstrides, layout.starts, layout.indices, "v2",
+                                 layout.hstrides)
+    assert geometry.scale32 == 1.5
+    x = x.reshape(shape)
+    want, c_out = torch.empty_like(x), torch.empty_like(x)
+    reference(x, want, geometry)
+    if not cpu.run(x, c_out, geometry):
+        return "the C kernel declined"
+    nan = want.isnan()
+    if not torch.equal(c_out.isnan(), nan) or not torch.equal(_bits(c_out[~nan]), _bits(want[~nan])):
+        return _mismatch(c_out, want, "the C kernel against the reference")
+    for tuning in (None, _tuning(4096, 4, 16384, bf16_cvt=False), _tuning(4096, 4, 16384, bf16_nan=False)):
+        out = torch.empty_like(x, device=device)
+        if not (run_fn(x.to(device), out, geometry) if tuning is None else
+                run_fn(x.to(device), out, geometry, tuning=tuning)):
+            return "kernel declined"
+        got = out.cpu()
+        if not torch.equal(got.isnan(), nan) or not torch.equal(_bits(got[~nan]), _bits(want[~nan])):
+            return _mismatch(got, want, f"Triton ({tuning}) against the reference")
+        if (tuning is None or tuning.bf16_nan) and not torch.equal(_bits(got), _bits(c_out)):
+            return _mismatch(got, c_out, f"Triton ({tuning}) against the C kernel")
+    return "ok"
+
+
+def _tuning(tile_bytes, warps, elements, bf16_cvt=True, bf16_nan=True):
     from keyinit._kernels.dropout.triton import Tuning
 
-    return Tuning(tile_bytes, warps, elements)
+    return Tuning(tile_bytes, warps, elements, bf16_cvt, bf16_nan)
 
 
 def _results(run_fn, device, keyed=True) -> dict:
@@ -220,6 +267,8 @@ def _results(run_fn, device, keyed=True) -> dict:
                 results[case_id] = _padded_case(run_fn, device, name, dtype)
             elif name == "keyed-forward":
                 results[case_id] = _keyed_case(run_fn, dtype) if keyed else "ok"
+            elif name.startswith("bf16-patterns-"):
+                results[case_id] = _bf16_patterns_case(run_fn, device, name.rpartition("-")[2])
             elif "@" in name:
                 name, cfg = name.split("@")
                 tuning = _tuning(*TUNINGS[cfg])
@@ -298,7 +347,7 @@ def _ptx(dtype, mode: int, high: bool, block: int, vec: int, ndim: int, num_warp
     from keyinit._kernels.dropout import triton as triton_dropout
 
     fn = triton_dropout._dropout_kernel
-    constexprs = {"NDIM": ndim, "MODE": mode, "HIGH": high, "GATHER": False, "CVT": True,
+    constexprs = {"NDIM": ndim, "MODE": mode, "HIGH": high, "GATHER": False, "CVT": True, "NAN": True,
                   "KIND": triton_dropout._KINDS[dtype], "BLOCK": block, "VEC": vec}
     pointer = {torch.float32: "*fp32", torch.bfloat16: "*i16"}[dtype]
     signature = {name: "constexpr" if name in constexprs else pointer if name in ("x_ptr", "out_ptr")

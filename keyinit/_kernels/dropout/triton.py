@@ -76,12 +76,16 @@ class Tuning(NamedTuple):
     at least), about ``elements`` elements a program (whole rows, at least one).
     ``bf16_cvt`` (every mode, compiled kernels): bfloat16 rounded by the hardware's conversion (round to nearest
     even, two a word), not by integer arithmetic on the bits (both torch's rule; NaN is set to 0x7FC0 after
-    either). Triton's interpreter does not round its conversion to nearest even, so it always takes the bits."""
+    either). Triton's interpreter does not round its conversion to nearest even, so it always takes the bits.
+    ``bf16_nan=False`` (with ``bf16_cvt``): a kept NaN is the conversion's NaN, not set to 0x7FC0 (the C
+    kernel's bits): docs/spec.md 14.3 leaves a NaN's sign and payload out of the contract, every other value
+    is the same."""
 
     tile_bytes: int = 4096
     warps: int = 4
     elements: int = 16384
     bf16_cvt: bool = True
+    bf16_nan: bool = True
 
 
 #: The rows mode's launch unless :func:`run` is given another (benchmarks/triton_dropout_sweep.py times others).
@@ -94,7 +98,7 @@ _INT64_MAX = (1 << 63) - 1
 
 
 @triton.jit
-def _dropped(x, keep, s32, s64, KIND: tl.constexpr, CVT: tl.constexpr):
+def _dropped(x, keep, s32, s64, KIND: tl.constexpr, CVT: tl.constexpr, NAN: tl.constexpr):
     """``keep ? x * scale : +0`` in the dtype's arithmetic, as stored (bfloat16 as int16 bits)."""
     if KIND == DTYPE_FLOAT32:
         value = x * s32
@@ -108,7 +112,9 @@ def _dropped(x, keep, s32, s64, KIND: tl.constexpr, CVT: tl.constexpr):
         v = tl.where(keep, v, tl.zeros_like(v))
         if CVT:  # the hardware's conversion (cvt.rn.bf16x2.f32: two a word), whatever bits it gives a NaN
             rounded = v.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
-            return tl.where(v != v, tl.zeros_like(rounded) + 0x7FC0, rounded)
+            if NAN:
+                rounded = tl.where(v != v, tl.zeros_like(rounded) + 0x7FC0, rounded)
+            return rounded
         else:
             u = v.to(tl.uint32, bitcast=True)
             rounded = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16
@@ -136,11 +142,12 @@ def _run_words(first, h, key0, key1, HIGH: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _apply(x_ptr, out_ptr, position, mask, words, threshold, s32, s64, KIND: tl.constexpr, CVT: tl.constexpr):
+def _apply(x_ptr, out_ptr, position, mask, words, threshold, s32, s64, KIND: tl.constexpr, CVT: tl.constexpr,
+           NAN: tl.constexpr):
     """``out[position] = word < threshold ? x[position] * scale : +0`` where ``mask`` (``threshold >= 1``)."""
     keep = words <= (threshold - 1).to(tl.uint32)  # word < threshold (1 .. 2**32) in one 32-bit comparison
     x = tl.load(x_ptr + position, mask=mask, other=0)
-    tl.store(out_ptr + position, _dropped(x, keep, s32, s64, KIND, CVT), mask=mask)
+    tl.store(out_ptr + position, _dropped(x, keep, s32, s64, KIND, CVT, NAN), mask=mask)
 
 
 @triton.jit
@@ -167,7 +174,7 @@ def _row_outer(row, meta_ptr, index_ptr, base, hbase, NDIM: tl.constexpr, GATHER
 @triton.jit
 def _rows(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inner, tiles, rows_per, key0, key1, threshold,
           s32, s64, NDIM: tl.constexpr, GATHER: tl.constexpr, KIND: tl.constexpr, CVT: tl.constexpr,
-          BLOCK: tl.constexpr, VEC: tl.constexpr):
+          NAN: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
     """The rows mode: rows ``pid * rows_per ..`` (at most ``rows_per``), each a run of ``inner`` consecutive
     global indices from its ``g`` with high words ``h``, in ``tiles`` tiles of ``BLOCK`` words."""
     nrows = numel // inner
@@ -190,7 +197,7 @@ def _rows(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inner, tiles,
                 within = tile * BLOCK + tl.arange(0, BLOCK)
                 mask = tl.max_constancy(within < inner, VEC)
                 words = _run_words(g + tile * BLOCK, h, key0, key1, True, BLOCK)
-                _apply(x_ptr + start, out_ptr + start, within, mask, words, threshold, s32, s64, KIND, CVT)
+                _apply(x_ptr + start, out_ptr + start, within, mask, words, threshold, s32, s64, KIND, CVT, NAN)
         else:
             start = row * inner
             for tile in range(0, tiles):
@@ -199,7 +206,7 @@ def _rows(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inner, tiles,
                 mask = (within >= 0) & (within < inner)
                 words = _run_words(first, h, key0, key1, True, BLOCK)
                 _apply(x_ptr + start, out_ptr + start, tl.where(mask, within, 0), mask, words, threshold, s32, s64,
-                       KIND, CVT)
+                       KIND, CVT, NAN)
         c += 1
         if c == size:  # the next row starts the next position of the dims before
             g0, h0, c = _row_outer(tl.minimum(row + 1, nrows - 1), meta_ptr, index_ptr, base, hbase, NDIM, GATHER)
@@ -209,7 +216,8 @@ def _rows(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inner, tiles,
 def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel: I64, base: I64, hbase: I64, inner: I64, tiles: I64,
                     rows_per: I64, k0: I64, k1: I64, threshold: I64, s32_bits: I64, s64_bits: I64,
                     NDIM: tl.constexpr, MODE: tl.constexpr, HIGH: tl.constexpr, GATHER: tl.constexpr,
-                    KIND: tl.constexpr, CVT: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+                    KIND: tl.constexpr, CVT: tl.constexpr, NAN: tl.constexpr, BLOCK: tl.constexpr,
+                    VEC: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     key0 = k0.to(tl.uint32)
     key1 = k1.to(tl.uint32)
@@ -217,7 +225,7 @@ def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel: I64, base: I64, 
     s64 = s64_bits.to(tl.int64).to(tl.float64, bitcast=True)
     if MODE == MODE_ROWS:
         _rows(x_ptr, out_ptr, meta_ptr, index_ptr, numel, base, hbase, inner, tiles, rows_per, key0, key1, threshold,
-              s32, s64, NDIM, GATHER, KIND, CVT, BLOCK, VEC)
+              s32, s64, NDIM, GATHER, KIND, CVT, NAN, BLOCK, VEC)
     else:
         if MODE == MODE_RUN:
             # Global indices base .. base+numel-1, high words hbase. This program: words first .. first+BLOCK-1.
@@ -253,7 +261,7 @@ def _dropout_kernel(x_ptr, out_ptr, meta_ptr, index_ptr, numel: I64, base: I64, 
             lane = (g & 3).to(tl.int32)
             words = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
             position = tl.where(mask, position, 0)
-        _apply(x_ptr, out_ptr, position, mask, words, threshold, s32, s64, KIND, CVT)
+        _apply(x_ptr, out_ptr, position, mask, words, threshold, s32, s64, KIND, CVT, NAN)
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
@@ -380,8 +388,9 @@ def run(x: torch.Tensor, out: torch.Tensor, geometry, *, interpret_ok: bool = Fa
     args = (_storage(x), _storage(out), meta, index_all, numel, geometry.base, geometry.hbase, plan.inner,
             plan.tiles, plan.rows_per, geometry.k0, geometry.k1, geometry.threshold, s32_bits, s64_bits)
     cvt = tuning.bf16_cvt and x.device.type == "cuda"  # (the interpreter's conversion is not the hardware's)
-    options = dict(NDIM=ndim, MODE=mode, HIGH=plan.high, GATHER=plan.gather, KIND=kind, CVT=cvt, BLOCK=plan.block,
-                   VEC=plan.vec, num_warps=plan.warps, enable_fp_fusion=False)
+    options = dict(NDIM=ndim, MODE=mode, HIGH=plan.high, GATHER=plan.gather, KIND=kind, CVT=cvt,
+                   NAN=tuning.bf16_nan or not cvt, BLOCK=plan.block, VEC=plan.vec, num_warps=plan.warps,
+                   enable_fp_fusion=False)
     if x.device.type == "cuda":
         with torch.cuda.device(x.device):
             _dropout_kernel[plan.grid](*args, **options)
