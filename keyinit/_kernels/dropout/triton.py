@@ -354,7 +354,9 @@ def _tables(geometry, hstrides, mode: int, device: torch.device):
         meta = meta.pin_memory().to(device, non_blocking=True)
         indices = indices.pin_memory().to(device, non_blocking=True)
     if key is not None:
-        if len(_TABLES) >= _TABLES_MAX:
+        if len(_TABLES) >= _TABLES_MAX:  # (a launch on another stream may still read one: wait, then drop all)
+            for cuda in {k[0] for k in _TABLES if k[0].type == "cuda"}:
+                torch.cuda.synchronize(cuda)
             _TABLES.clear()
         _TABLES[key] = (meta, indices)
     return meta, indices
