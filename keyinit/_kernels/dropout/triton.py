@@ -36,8 +36,10 @@ constexpr ``HIGH`` leaves the ``h = 0`` kernels as they were. Three modes:
 
 Arithmetic as in ``docs/spec.md`` section 14: a lone IEEE multiply (no FMA to
 contract; ``enable_fp_fusion=False`` all the same); bfloat16 is rounded from the
-binary32 product on its bits (nearest even, torch's rule), float16 by the
-round-to-nearest-even conversion. The scales reach the kernel as bit patterns, so
+binary32 product to nearest even (torch's rule) by the hardware's conversion on the
+GPU, on its bits under the interpreter (``Tuning.bf16_cvt``), float16 by the
+round-to-nearest-even conversion. The keep test is one 32-bit comparison,
+``word <= threshold - 1`` (``p = 1``, threshold 0, zeroes the output on the host). The scales reach the kernel as bit patterns, so
 no host conversion can round them. Throughput: benchmarks/bench_dropout.py
 (``--device cuda``; the H100 numbers are in docs/benchmarks.md).
 """
@@ -88,7 +90,7 @@ class Tuning(NamedTuple):
     bf16_nan: bool = True
 
 
-#: The rows mode's launch unless :func:`run` is given another (benchmarks/triton_dropout_sweep.py times others).
+#: How the kernel runs unless :func:`run` is given another (benchmarks/triton_dropout_sweep.py times others).
 TUNING = Tuning()
 #: The kernel's runtime integers: every one int64 and none specialized on its value (Triton would otherwise
 #: type each i32 or i64 by value and specialize on divisibility, compiling a variant per batch offset).
