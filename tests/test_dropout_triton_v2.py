@@ -61,12 +61,20 @@ def _geometries():
         "sample-innermost": permuted((6, 70), (1, 2, 0), (0, 0, 3), (6, 70, 4)),  # (L, D, B)
         "inner-shard": permuted((4, 100), (0, 1, 2), (2, 1, 5), (2, 3, 90)),  # rows that start inside a block
         "routed": permuted((4, 100), (0, 1, 2), (0, 0, 0), (3, 2, 100), (torch.tensor([5, 0, 2]), None, None)),
+        "routed-rows": permuted((4, 100), (0, 1, 2), (0, 0, 0), (3, 3, 100),  # (an index on the row's dim too)
+                                (torch.tensor([5, 0, 2]), torch.tensor([3, 0, 1]), None)),
         "limits": permuted((5, 2**29 - 1, 80), (0, 1, 2, 3), (2**31 - 2, 3, 2**29 - 3, 0), (2, 2, 2, 80)),
         "limits-shard": permuted((5, 2**29 - 1, 80), (0, 1, 2, 3), (2**31 - 2, 3, 2**29 - 3, 20), (2, 2, 2, 60)),
         "v1-rows": rows((2, 3, 70), 11, "v1"),
         "v1-attention": rows((2, 2, 3, 80), 7, "v1"),
     }
 
+
+#: Other launches of the rows mode (``Tuning(tile_bytes, warps, elements)``), the same values under each:
+#: programs of one tile and two rows (a program starts inside an outer dim; float32), or of three rows; rows of
+#: several tiles.
+TUNINGS = {"cfg-2": (512, 1, 256), "cfg-3": (1024, 2, 384)}
+TUNING_CASES = ("rows", "rows-long", "attention", "sequence-first", "inner-shard", "routed-rows", "limits")
 
 #: ``{name: (stream, short shape, padded shape, offset)}``: the padded activation's real elements are the short's.
 PADDED = {
@@ -81,13 +89,16 @@ def _case_ids():
     ids += ["rows-float64", "attention-float64"]
     ids += [f"{name}-{str(dtype)[6:]}" for name in PADDED for dtype in DTYPES]
     ids += ["keyed-forward-bfloat16"]
+    ids += [f"{name}@{cfg}-{str(dtype)[6:]}" for name in TUNING_CASES for cfg in TUNINGS
+            for dtype in (torch.float32, torch.bfloat16)]
+    ids += [f"bf16-patterns-{mode}-bfloat16" for mode in ("run", "rows", "general")]
     return ids
 
 
 def _geometry_names():
     return ("rows", "rows-vectors", "rows-short", "rows-long", "one-row", "attention", "attention-short",
-            "sequence-first", "sample-innermost", "inner-shard", "routed", "limits", "limits-shard", "v1-rows",
-            "v1-attention")
+            "sequence-first", "sample-innermost", "inner-shard", "routed", "routed-rows", "limits", "limits-shard",
+            "v1-rows", "v1-attention")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -194,6 +205,58 @@ def _keyed_case(run_fn, dtype) -> str:
     return "ok"
 
 
+def _bf16_patterns_case(run_fn, device, mode: str) -> str:
+    """bfloat16 inputs of every bit pattern (on the CPU a scattered quarter of them, and the specials: NaNs,
+    infinities, subnormals, -0, the largest finite) through one launch mode: the rounding of ``x * scale``
+    (the hardware's conversion on the GPU, and the integer rounding) equals the reference's bit for bit, a
+    kept NaN is a NaN (its bits are not in the contract, and torch's own product gives other bits than the C
+    kernel's 0x7FC0), and by default (and with the integer rounding) the C kernel's bits, NaNs included.
+    ``p = 1/3`` (scale 1.5: ``x * 1.5`` has at most 9 significant bits, so the rounding meets its ties)."""
+    from keyinit._draw.dropout_geometry import make_geometry, rows_layout
+    from keyinit._draw.reference_dropout import dropout as reference
+    from keyinit._kernels.dropout import cpu
+
+    n = 65536 if device == "cuda" else 16384
+    bits = (torch.arange(n, dtype=torch.int64) * 40503).remainder(65536)  # (an odd factor: a permutation)
+    specials = [0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x7FFF, 0x0001, 0x8001, 0x8000, 0x007F, 0x7F7F, 0xFF7F]
+    bits[:len(specials)] = torch.tensor(specials)
+    x = bits.to(torch.int16).view(torch.bfloat16)
+    if mode == "run":
+        shape = (n,)
+        geometry = make_geometry(shape, K0, K1, 1 / 3, (1,), (0,), (None,), "v1")
+    else:
+        shape = (2, n // 2048, 1024) if mode == "rows" else (n // 64, 8, 8)
+        layout = rows_layout(shape, 3, "v2")
+        geometry = make_geometry(shape, K0, K1, 1 / 3, layout.gstrides, layout.starts, layout.indices, "v2",
+                                 layout.hstrides)
+    assert geometry.scale32 == 1.5
+    x = x.reshape(shape)
+    want, c_out = torch.empty_like(x), torch.empty_like(x)
+    reference(x, want, geometry)
+    if not cpu.run(x, c_out, geometry):
+        return "the C kernel declined"
+    nan = want.isnan()
+    if not torch.equal(c_out.isnan(), nan) or not torch.equal(_bits(c_out[~nan]), _bits(want[~nan])):
+        return _mismatch(c_out, want, "the C kernel against the reference")
+    for tuning in (None, _tuning(4096, 4, 16384, bf16_cvt=False), _tuning(4096, 4, 16384, bf16_nan=False)):
+        out = torch.empty_like(x, device=device)
+        if not (run_fn(x.to(device), out, geometry) if tuning is None else
+                run_fn(x.to(device), out, geometry, tuning=tuning)):
+            return "kernel declined"
+        got = out.cpu()
+        if not torch.equal(got.isnan(), nan) or not torch.equal(_bits(got[~nan]), _bits(want[~nan])):
+            return _mismatch(got, want, f"Triton ({tuning}) against the reference")
+        if (tuning is None or tuning.bf16_nan) and not torch.equal(_bits(got), _bits(c_out)):
+            return _mismatch(got, c_out, f"Triton ({tuning}) against the C kernel")
+    return "ok"
+
+
+def _tuning(tile_bytes, warps, elements, bf16_cvt=True, bf16_nan=True):
+    from keyinit._kernels.dropout.triton import Tuning
+
+    return Tuning(tile_bytes, warps, elements, bf16_cvt, bf16_nan)
+
+
 def _results(run_fn, device, keyed=True) -> dict:
     results = {}
     for case_id in _case_ids():
@@ -204,6 +267,16 @@ def _results(run_fn, device, keyed=True) -> dict:
                 results[case_id] = _padded_case(run_fn, device, name, dtype)
             elif name == "keyed-forward":
                 results[case_id] = _keyed_case(run_fn, dtype) if keyed else "ok"
+            elif name.startswith("bf16-patterns-"):
+                results[case_id] = _bf16_patterns_case(run_fn, device, name.rpartition("-")[2])
+            elif "@" in name:
+                name, cfg = name.split("@")
+                tuning = _tuning(*TUNINGS[cfg])
+
+                def tuned(x, out, geometry):
+                    return run_fn(x, out, geometry, tuning=tuning)
+
+                results[case_id] = _kernel_case(tuned, device, name, dtype)
             else:
                 results[case_id] = _kernel_case(run_fn, device, name, dtype)
         except Exception as exc:  # noqa: BLE001 - reported per case
@@ -232,19 +305,30 @@ def test_the_kernel_modes_are_the_ones_the_cases_mean():
     from keyinit._draw.dropout_geometry import make_geometry
     from keyinit._kernels.dropout import triton as triton_dropout
 
-    modes = {}
+    modes, plans = {}, {}
     for name, (stream, shape, gstrides, starts, indices, hstrides) in _geometries().items():
         geometry = make_geometry(shape, K0, K1, P, gstrides, starts, indices, stream, hstrides)
-        mode, high, _, _, _, _, vec, _ = triton_dropout._plan(geometry, geometry_numel(shape), 4)
-        modes[name] = (mode, high, vec > 1)
+        plan = triton_dropout._plan(geometry, geometry_numel(shape), 4)
+        modes[name] = (plan.mode, plan.high, plan.vec > 1)
+        for cfg, config in TUNINGS.items():
+            plans[name, cfg] = triton_dropout._plan(geometry, geometry_numel(shape), 4, _tuning(*config))
     run_, rows, any_ = triton_dropout.RUN, triton_dropout.ROWS, triton_dropout.ANY
     assert modes["one-row"] == (run_, True, True)
     assert modes["rows"] == (rows, True, False) and modes["rows-vectors"] == (rows, True, True)
     assert modes["attention"][:2] == modes["sequence-first"][:2] == modes["inner-shard"][:2] == (rows, True)
-    assert modes["routed"][:2] == (rows, True)  # (an index vector on an outer dimension)
+    assert modes["routed"][:2] == modes["routed-rows"][:2] == (rows, True)  # (index vectors on outer dimensions)
     assert modes["rows-short"][:2] == modes["sample-innermost"][:2] == (any_, True)
     assert modes["limits"] == (rows, True, True) and modes["limits-shard"][:2] == (any_, True)
     assert not modes["v1-rows"][1] and not modes["v1-attention"][1]
+    # the other launches: programs of several rows, several programs, rows of several tiles
+    assert all(plans[name, cfg].mode == rows for name in TUNING_CASES for cfg in TUNINGS)
+    assert [plans["attention", cfg][-4:-1] for cfg in TUNINGS] == [((6,), 1, 2), ((4,), 1, 3)]
+    assert plans["routed-rows", "cfg-2"].gather and not plans["attention", "cfg-2"].gather
+    assert plans["rows-long", "cfg-2"].tiles == 9 and plans["rows-long", "cfg-3"].tiles == 5
+    stream, shape, gstrides, starts, indices, hstrides = _geometries()["rows-long"]
+    geometry = make_geometry(shape, K0, K1, P, gstrides, starts, indices, stream, hstrides)
+    with pytest.raises(ValueError, match="Tuning.tile_bytes must be a power of two, got 3000"):
+        triton_dropout._plan(geometry, geometry_numel(shape), 4, _tuning(3000, 4, 16384))
 
 
 def geometry_numel(shape) -> int:
@@ -263,8 +347,8 @@ def _ptx(dtype, mode: int, high: bool, block: int, vec: int, ndim: int, num_warp
     from keyinit._kernels.dropout import triton as triton_dropout
 
     fn = triton_dropout._dropout_kernel
-    constexprs = {"NDIM": ndim, "MODE": mode, "HIGH": high, "KIND": triton_dropout._KINDS[dtype], "BLOCK": block,
-                  "VEC": vec}
+    constexprs = {"NDIM": ndim, "MODE": mode, "HIGH": high, "GATHER": False, "CVT": True, "NAN": True,
+                  "KIND": triton_dropout._KINDS[dtype], "BLOCK": block, "VEC": vec}
     pointer = {torch.float32: "*fp32", torch.bfloat16: "*i16"}[dtype]
     signature = {name: "constexpr" if name in constexprs else pointer if name in ("x_ptr", "out_ptr")
                  else "*i64" if name.endswith("_ptr") else "i64" for name in fn.arg_names}
@@ -294,6 +378,28 @@ def test_rows_mode_compiles_for_cuda_with_vectors_and_a_quarter_of_the_philox(tm
         assert 4 * rows.count("mul.hi") <= general.count("mul.hi") + 8, (rows.count("mul.hi"), general.count("mul.hi"))
 
 
+def test_layout_tables_are_made_once_per_layout_without_index_vectors():
+    """A layout's tables reach the device once (a copy per call waited for the device); a layout with index
+    vectors, whose values the sizes and strides do not give, gets its own every call."""
+    from keyinit._draw.dropout_geometry import make_geometry
+    from keyinit._kernels.dropout import triton as triton_dropout
+
+    def tables(name):
+        stream, shape, gstrides, starts, indices, hstrides = _geometries()[name]
+        geometry = make_geometry(shape, K0, K1, P, gstrides, starts, indices, stream, hstrides)
+        plan = triton_dropout._plan(geometry, geometry_numel(shape), 4)
+        hs = geometry.hstrides or (0,) * len(geometry.sizes)
+        return triton_dropout._tables(geometry, hs, plan.mode, torch.device("cpu"))
+
+    for name in ("rows", "attention", "one-row", "rows-short"):
+        first, again = tables(name), tables(name)
+        assert first[0] is again[0] and first[1] is again[1], name
+    assert tables("rows")[0] is not tables("attention")[0]
+    routed, again = tables("routed-rows"), tables("routed-rows")
+    assert routed[0] is not again[0] and torch.equal(routed[1], again[1])
+    assert torch.tensor([5, 0, 2, 3, 0, 1]).tolist() == routed[1][:6].tolist()
+
+
 def test_kernel_arguments_cannot_make_new_variants():
     """Every runtime integer is int64 and none is specialized on its value: a batch offset (stream v2's high
     words), a key word above 2**31 or a row length does not compile another kernel."""
@@ -319,8 +425,8 @@ def _worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from keyinit._kernels.dropout import triton as triton_dropout
 
-    def run_fn(x, out, geometry):
-        return triton_dropout.run(x, out, geometry, interpret_ok=True)
+    def run_fn(x, out, geometry, **kwargs):
+        return triton_dropout.run(x, out, geometry, interpret_ok=True, **kwargs)
 
     print(json.dumps(_results(run_fn, "cpu")))
 
