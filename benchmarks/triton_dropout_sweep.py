@@ -14,8 +14,8 @@ Rows, each timed with ``triton.testing.do_bench`` (median; it flushes the L2 cac
 - ``rows T/W/E``: the kernel alone on v2's names in its rows mode under ``Tuning(tile_bytes=T, warps=W,
   elements=E)`` (tiles of T bytes: T/4 float32 or T/2 bfloat16 words; at most W warps a program; about E
   elements a program); a ``/bits``
-  suffix rounds bfloat16 by integer arithmetic on the bits (``bf16_cvt=False``; the default is the
-  hardware's conversion), ``/anynan`` leaves a kept NaN as the conversion gives it (``bf16_nan=False``: not
+  suffix rounds bfloat16 by integer arithmetic on the bits (``bf16_cvt=False``, the default until a GPU run
+  has checked the hardware's conversion; without it, the hardware's conversion), ``/anynan`` leaves a kept NaN as the conversion gives it (``bf16_nan=False``: not
   set to the C kernel's 0x7FC0; the spec leaves a NaN's bits out); ``*`` marks ``TUNING``, what the op
   ships with.
 
