@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from keyinit.nn._batch import Batch, Record, Unknown, merge, reshape, same_for_every_sample, sliced
-from keyinit.nn._batch_rules_nn import NN_RULES
+from keyinit.nn._batch_rules_nn import NN_RULES, _rule_as_strided
 from keyinit.nn._batch_rules_nn import arg as _arg
 from keyinit.nn._routed import gathered_rows, picked
 
@@ -359,7 +359,7 @@ def _rule_restride(func, args, kwargs, outs, records):
     t, rec = records[0]
     if restride_keeps_elements(t, args) or not isinstance(rec, Batch):
         return [rec]
-    return NN_RULES["aten::as_strided"](func, args, kwargs, outs, records)  # a new view of contiguous memory
+    return _rule_as_strided(func, args, kwargs, outs, records)  # a new view of contiguous memory
 
 
 _SAME = {
@@ -403,7 +403,7 @@ _RULES: dict[str, Callable] = {
     "aten::argsort": _rule_along, "aten::cummax": _rule_along,
     "aten::cummin": _rule_along, "aten::logcumsumexp": _rule_along,
     "aten::constant_pad_nd": _rule_pad, "aten::flip": _rule_flip, "aten::roll": _rule_flip,
-    "aten::repeat": _rule_repeat, "aten::as_strided": _rule_restride,
+    "aten::repeat": _rule_repeat,
     "_c10d_functional::all_gather_into_tensor": _rule_collective_dim0,
     "_c10d_functional::reduce_scatter_tensor": _rule_collective_dim0,
     "aten::_safe_softmax": _rule_along, "aten::median": _rule_reduce, "aten::nanmedian": _rule_reduce,

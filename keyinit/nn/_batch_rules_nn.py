@@ -500,7 +500,6 @@ NN_RULES = {
     # 3-D form, row i of the output from row i of the input (its docstring's contract)
     "transformers::grouped_mm_fallback": _rule_grouped_mm,
     "aten::_fft_c2c": _rule_fft, "aten::_fft_r2c": _rule_fft, "aten::_fft_c2r": _rule_fft,
-    "aten::as_strided": _rule_as_strided,
     **{f"aten::{name}": _rule_scatter for name in (
         "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_")},
     **{f"aten::{name}": _rule_index_into for name in (
