@@ -29,6 +29,9 @@ tensor whose batch dimension is exactly the batch (``outer = inner = 1``) give a
 ``x.new_empty((x.shape[0], 1, 1))`` know their dimension 0 is the batch.
 Arithmetic on a ``BatchSize`` gives a :class:`DerivedSize`: a factory sized by
 it holds an unknown batch (``B * H`` does not say whether ``B`` is outer).
+
+The rules of the ops (:mod:`keyinit.nn._batch_rules`) make records with :func:`merge`,
+:func:`reshape` and :func:`sliced`, and read their op's arguments with :func:`arg`.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import attrs
 import torch
 
 __all__ = ["Batch", "Unknown", "Foreign", "FOREIGN", "BatchSize", "DerivedSize", "declare", "declared", "record",
-           "annotate", "canonical", "same_for_every_sample"]
+           "annotate", "canonical", "same_for_every_sample", "arg"]
 
 
 @attrs.frozen
@@ -177,6 +180,17 @@ def annotate(tensor: Any, forward: Any, value: Record) -> None:
 
 
 # ----------------------------------------------------------------------------- rules
+
+
+
+def arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of an ATen call, positional or keyword, or its schema default (read by the batch rules)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            if i < len(args) and not a.kwarg_only:
+                return args[i]
+            return kwargs.get(name, a.default_value if a.has_default_value() else default)
+    return default
 
 
 def merge(records: Sequence[tuple[Record, int, Optional[int]]], ndim: int, what: Any) -> Record:

@@ -1,6 +1,10 @@
-"""Where the batch goes through the kernels of neural networks (:mod:`keyinit.nn._batch_rules` uses these).
+"""Batching rules of neural-network kernels, indexing and strides: where the batch goes through them.
 
-Each rule states a fact of the op's definition, not of the sizes it sees:
+The family of :mod:`keyinit.nn._batch_rules`'s table for convolutions, norms, pooling and
+resampling, fused attention, ``stack``, advanced indexing, the ops that write by index,
+FFTs, ``as_strided`` and a few others ("add a batching rule": one entry of :data:`RULES`,
+``(rule, op names)``; views, shapes, matmuls and reductions are
+:mod:`keyinit.nn._batch_rules_tensor`'s). Each rule states a fact of the op's definition, not of the sizes it sees:
 
 - convolutions treat dimension 0 of a batched input as independent rows; norms keep
   every position of their input in their output (their statistics are over the
@@ -8,8 +12,9 @@ Each rule states a fact of the op's definition, not of the sizes it sees:
   spatial ones; fused attention computes each query row from that row and the keys;
 - ``stack`` inserts a dimension; ``index.Tensor`` (advanced indexing) lays its result
   out as the indexing rules of NumPy and torch say; FFTs keep the dimensions they do not
-  transform; ``as_strided`` of a contiguous tensor keeps the samples where its strides
-  and extents say each output index stays within one sample's block of memory.
+  transform; ``as_strided`` that keeps every element in place (a memory-format fix-up)
+  keeps the record, and otherwise, of a contiguous tensor, keeps the samples where its
+  strides and extents say each output index stays within one sample's block of memory.
 
 A batch dimension that an op mixes (convolved channels, a normalized or transformed
 dimension, a pooled dimension) gives an output of unknown batch. Rows of it picked or
@@ -25,20 +30,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from keyinit.nn._batch import Batch, Record, Unknown, merge
+from keyinit.nn._batch import Batch, Record, Unknown, arg, merge
 from keyinit.nn._routed import picked, put_rows, written_batch
 
-__all__ = ["NN_RULES", "arg"]
-
-
-def arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
-    """Argument ``name`` of an ATen call, positional or keyword, or its schema default."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == name:
-            if i < len(args) and not a.kwarg_only:
-                return args[i]
-            return kwargs.get(name, a.default_value if a.has_default_value() else default)
-    return default
+__all__ = ["RULES", "restride_keeps_elements"]
 
 
 def _record_of(records: list, tensor: Any) -> Record:
@@ -369,6 +364,23 @@ def _rule_as_strided(func, args, kwargs, outs, records):
     return [Unknown(f"{func} lays the batch out in a way keyinit cannot follow (sizes {size}, strides {stride})")]
 
 
+def restride_keeps_elements(t: torch.Tensor, args: tuple) -> bool:
+    """True when ``as_strided(t, size, stride[, offset])`` views the same elements at the same positions."""
+    size, stride = list(args[1]), list(args[2])
+    offset = args[3] if len(args) > 3 and args[3] is not None else t.storage_offset()
+    return (list(t.shape) == size and offset == t.storage_offset()
+            and all(n == 1 or a == b for n, a, b in zip(size, t.stride(), stride)))
+
+
+def _rule_restride(func, args, kwargs, outs, records):
+    """``as_strided``/``as_strided_`` that keeps the size, the storage offset and the stride of every
+    dimension of size > 1 (a memory-format fix-up, as adaptive pooling does): the same elements."""
+    t, rec = records[0]
+    if restride_keeps_elements(t, args) or not isinstance(rec, Batch):
+        return [rec]
+    return _rule_as_strided(func, args, kwargs, outs, records)  # a new view of contiguous memory
+
+
 def _rule_scatter(func, args, kwargs, outs, records):
     """``scatter/scatter_add/scatter_reduce(self, dim, index, src)``: ``out[..i.., index[..i..], ..] = src[..i..]``
     along ``dim``; every other dimension of ``index``/``src`` is the output's. A batch of ``index``/``src`` in
@@ -470,44 +482,49 @@ def _rule_factory_of(func, args, kwargs, outs, records):
     return [None]
 
 
-NN_RULES = {
-    "aten::convolution": _rule_convolution, "aten::_convolution": _rule_convolution,
-    "aten::native_layer_norm": _rule_layer_norm, "aten::_fused_rms_norm": _rule_layer_norm,
-    "aten::rms_norm": _rule_layer_norm, "aten::native_group_norm": _rule_group_norm,
-    **{f"aten::{name}": _rule_batch_norm for name in (
+#: ``(rule, op names)``: the family's entries of :mod:`keyinit.nn._batch_rules`'s table (each op named once in
+#: all of the families).
+RULES = (
+    (_rule_convolution, ("aten::convolution", "aten::_convolution")),
+    (_rule_layer_norm, ("aten::native_layer_norm", "aten::_fused_rms_norm", "aten::rms_norm")),
+    (_rule_group_norm, ("aten::native_group_norm",)),
+    (_rule_batch_norm, tuple(f"aten::{name}" for name in (
         "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
-        "_native_batch_norm_legit_functional", "_batch_norm_with_update", "_batch_norm_no_update")},
-    **{f"aten::{name}": _rule_attention for name in (
+        "_native_batch_norm_legit_functional", "_batch_norm_with_update", "_batch_norm_no_update"))),
+    (_rule_attention, tuple(f"aten::{name}" for name in (
         "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable")},
-    **{f"aten::{name}": _spatial(1) for name in (
+        "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable"))),
+    (_spatial(1), tuple(f"aten::{name}" for name in (
         "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d", "adaptive_max_pool1d", "max_pool1d_with_indices",
         "upsample_nearest1d", "upsample_linear1d", "_upsample_nearest_exact1d", "reflection_pad1d",
-        "replication_pad1d")},
-    **{f"aten::{name}": _spatial(2) for name in (
+        "replication_pad1d"))),
+    (_spatial(2), tuple(f"aten::{name}" for name in (
         "max_pool2d_with_indices", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d",
         "adaptive_max_pool2d", "upsample_nearest2d", "upsample_bilinear2d", "upsample_bicubic2d",
         "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa", "_upsample_nearest_exact2d", "reflection_pad2d",
-        "replication_pad2d")},
-    **{f"aten::{name}": _spatial(3) for name in (
+        "replication_pad2d"))),
+    (_spatial(3), tuple(f"aten::{name}" for name in (
         "max_pool3d_with_indices", "max_pool3d", "avg_pool3d", "adaptive_avg_pool3d", "_adaptive_avg_pool3d",
         "upsample_nearest3d", "upsample_trilinear3d", "_upsample_nearest_exact3d", "reflection_pad3d",
-        "replication_pad3d", "pixel_shuffle", "pixel_unshuffle")},
-    "aten::im2col": _rule_im2col,
-    "aten::stack": _rule_stack, "aten::index": _rule_index, "aten::_grouped_mm": _rule_grouped_mm,
+        "replication_pad3d", "pixel_shuffle", "pixel_unshuffle"))),
+    (_rule_im2col, ("aten::im2col",)),
+    (_rule_stack, ("aten::stack",)),
+    (_rule_index, ("aten::index",)),
     # transformers' grouped matmul for torch.compile (transformers/integrations/moe.py): _grouped_mm's 2-D by
     # 3-D form, row i of the output from row i of the input (its docstring's contract)
-    "transformers::grouped_mm_fallback": _rule_grouped_mm,
-    "aten::_fft_c2c": _rule_fft, "aten::_fft_r2c": _rule_fft, "aten::_fft_c2r": _rule_fft,
-    **{f"aten::{name}": _rule_scatter for name in (
-        "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_")},
-    **{f"aten::{name}": _rule_index_into for name in (
+    (_rule_grouped_mm, ("aten::_grouped_mm", "transformers::grouped_mm_fallback")),
+    (_rule_fft, ("aten::_fft_c2c", "aten::_fft_r2c", "aten::_fft_c2r")),
+    (_rule_restride, ("aten::as_strided",)),  # _rule_as_strided where the view is not a memory-format fix-up
+    (_rule_scatter, tuple(f"aten::{name}" for name in (
+        "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_"))),
+    (_rule_index_into, tuple(f"aten::{name}" for name in (
         "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_", "index_reduce",
-        "index_reduce_")},
-    **{f"aten::{name}": _rule_put_into for name in (
-        "index_put", "index_put_", "_index_put_impl_", "masked_scatter", "masked_scatter_", "put_", "put")},
-    "aten::log_sigmoid_forward": _rule_log_sigmoid_forward, "aten::linalg_solve_triangular": _rule_solve_triangular,
-    **{f"aten::{name}": _rule_factory_of for name in (
-        "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided")},
-}
+        "index_reduce_"))),
+    (_rule_put_into, tuple(f"aten::{name}" for name in (
+        "index_put", "index_put_", "_index_put_impl_", "masked_scatter", "masked_scatter_", "put_", "put"))),
+    (_rule_log_sigmoid_forward, ("aten::log_sigmoid_forward",)),
+    (_rule_solve_triangular, ("aten::linalg_solve_triangular",)),
+    (_rule_factory_of, tuple(f"aten::{name}" for name in (
+        "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided"))),
+)

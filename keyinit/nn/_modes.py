@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
-from keyinit.nn._batch_rules import restride_keeps_elements
+from keyinit.nn._batch_rules_nn import restride_keeps_elements
 from keyinit.nn._checkpoint import refuse_unseen
 from keyinit.nn._propagate import decomposed, propagate, propagate_traced
 from keyinit.nn._routed import Routed, needs_values, routed_draw
