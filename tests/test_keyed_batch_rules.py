@@ -1,4 +1,4 @@
-"""The batch rules of keyed() on the layouts real models use (keyinit/nn/_batch_rules_nn.py, issue 22).
+"""The batch rules of keyed() on the layouts real models use (keyinit/nn/_batch_rules_*.py, issue 22).
 
 Each case runs a small forward that lays the batch out one way and then drops it, on a batch of 4,
 on rows 0:2 and 2:4 (``sample_offset`` 0 and 2) and on each row alone: the masks must be bitwise the
