@@ -36,6 +36,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional
 
+from keyinit._kernels.fill.folds import fold_with, kernel_library
 from keyinit.keys import Key
 
 __all__ = ["HOST_RANDOM", "HostRandom", "SAMPLE_FIXES", "fold", "host_stream_folds"]
@@ -47,8 +48,6 @@ HOST_RANDOM = ("sample", "forward", "replicated")
 def fold(parent: Key, data: int | str) -> Key:
     """``fold_in(parent, data)``, its Philox in C where the CPU kernel library is loaded (a root forward
     derives its host key at every step)."""
-    from keyinit.data._fill import fold_with, kernel_library
-
     return fold_with(kernel_library(), parent, data)
 
 
