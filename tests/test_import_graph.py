@@ -102,7 +102,7 @@ FLOORS = (
     ("keys", "regions", "distributions", "_placements", "fqn"),
     ("layouts", "walk"),
     ("_draw",),  # dispatch (the kernel table), geometries, references
-    ("_kernels", "random"),  # kernels register into _draw's table; samplers draw through it
+    ("_kernels", "random", "_host"),  # kernels register into _draw's table; samplers; host generators' states
     ("_initializer",),
     ("init",),
     ("rules", "nn_defaults"),

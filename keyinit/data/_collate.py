@@ -32,9 +32,10 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from keyinit.data import _augment, _fast, _fill
+from keyinit._host.lock import global_state_lock
+from keyinit._host.states import global_states
+from keyinit.data import _fast, _fill
 from keyinit.data._augment import Interception
-from keyinit.data._globals import global_states
 from keyinit.data._padding import check_collated
 from keyinit.data._positions import attach, sample_positions
 from keyinit.keys import Key, as_uint64, fold_in, key
@@ -177,7 +178,7 @@ class KeyedCollate:
 def _call_refusing_global_draws(fn: Callable[[Any], Any], batch: Any, keyer: _RowKeyer, site: str) -> Any:
     """``fn(batch)`` with torch's random ops sent to ``keyer``; a draw from ``random``/``numpy.random``
     is refused (detected by comparing their states before and after; the states are restored)."""
-    with _augment.global_state_lock():
+    with global_state_lock():
         states = global_states()
         before = states.save()
         try:
