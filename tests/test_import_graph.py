@@ -100,7 +100,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 FLOORS = (
     ("_bits", "errors", "_megatron"),  # the stream's math and registry; errors; megatron facts (duck-typed)
     ("keys", "regions", "distributions", "_placements", "fqn"),
-    ("layouts", "walk"),
+    ("layouts", "walk", "_samples"),  # local -> global elements; the model walk; a batch's global samples
     ("_draw",),  # dispatch (the kernel table), geometries, references
     ("_kernels", "random", "_host"),  # kernels register into _draw's table; samplers; host generators' states
     ("_initializer",),

@@ -34,9 +34,9 @@ import torch
 
 from keyinit._host.lock import global_state_lock
 from keyinit._host.states import global_states
+from keyinit._samples.padding import check_collated
 from keyinit.data import _fast, _fill
 from keyinit.data._augment import Interception
-from keyinit.data._padding import check_collated
 from keyinit.data._positions import attach, sample_positions
 from keyinit.keys import Key, as_uint64, fold_in, key
 
@@ -171,7 +171,7 @@ class KeyedCollate:
         first = f"{refs[0][1]} of epoch {refs[0][0]}" if refs else "none"
         site = f"keyed_collate (a batch of {len(refs)} rows, the first sample {first})"
         collated = _call_refusing_global_draws(self.collate_fn, batch, _RowKeyer(self.root, refs, site), site)
-        # the rows' places in the run, for keyed(samples=); a left-padded batch warned about (keyinit.data._padding)
+        # the rows' places in the run, for keyed(samples=); a left-padded batch warned about (keyinit._samples.padding)
         return check_collated(attach(collated, sample_positions(batch)))
 
 
