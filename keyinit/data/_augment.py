@@ -13,7 +13,7 @@ Inside the wrapped ``__getitem__``:
 - an op with no keyed equivalent (``poisson``, gamma, fused dropout kernels) raises
   :class:`keyinit.UnkeyedRandomnessError`.
 
-Only the random ops reach Python (:mod:`keyinit.data._intercept`: kernels under a dispatch key
+Only the random ops reach Python (:mod:`keyinit._engine.intercept`: kernels under a dispatch key
 turned on for the calling thread; a dispatch mode where a torch build lacks the hooks), and the
 common ones are keyed without a program (:mod:`keyinit.data._fast`, the same values).
 
@@ -27,10 +27,11 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from keyinit._engine import intercept as _intercept
 from keyinit._engine.outside import ThreadDrawsRefused
 from keyinit._host.lock import global_state_lock
 from keyinit._host.states import global_states
-from keyinit.data import _fast, _fill, _intercept
+from keyinit.data import _fast, _fill
 from keyinit.data._index import SampleIndex
 from keyinit.data._positions import SamplePositions, sample_positions
 from keyinit.keys import Key, as_uint64, key
@@ -89,7 +90,7 @@ class _Keyer:
 
 
 class _KeyedMode(TorchDispatchMode):
-    """The keyer as a dispatch mode (every op through Python): where :mod:`._intercept` is unavailable."""
+    """The keyer as a dispatch mode (every op through Python): where :mod:`keyinit._engine.intercept` is unavailable."""
 
     def __init__(self, keyer: Any) -> None:
         super().__init__()
@@ -105,8 +106,8 @@ class _KeyedMode(TorchDispatchMode):
 
 
 class Interception:
-    """Random ops to ``keyer`` while active: the dispatch-key kernels of :mod:`._intercept` where this
-    torch has them (only the random ops reach Python), else a dispatch mode (the same values)."""
+    """Random ops to ``keyer`` while active: the dispatch-key kernels of :mod:`keyinit._engine.intercept`
+    where this torch has them (only the random ops reach Python), else a dispatch mode (the same values)."""
 
     def __init__(self, keyer: Any) -> None:
         self.keyer = keyer
