@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from keyinit.data import _fast, _fill, _intercept, keyed_samples
+from keyinit._engine import intercept as _intercept
+from keyinit.data import _fast, _fill, keyed_samples
 
 
 class _Many(torch.utils.data.Dataset):

@@ -1,4 +1,4 @@
-"""random's and numpy.random's global states in keyed calls (keyinit.data._globals): read and written as
+"""random's and numpy.random's global states in keyed calls (keyinit._host.states): read and written as
 bytes, seeded without random.seed/numpy.random.seed, yet exactly the states those make, and put back
 exactly (cached Gaussians and numpy's seed_seq included); the public-API fallback gives the same values."""
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from keyinit.data import KeyedBatch, _fill, _globals, keyed_collate, keyed_samples
+from keyinit._host import states as _globals
+from keyinit.data import KeyedBatch, _fill, keyed_collate, keyed_samples
 from keyinit.errors import UnkeyedRandomnessError
 
 

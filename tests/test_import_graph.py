@@ -100,9 +100,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 FLOORS = (
     ("_bits", "errors", "_megatron"),  # the stream's math and registry; errors; megatron facts (duck-typed)
     ("keys", "regions", "distributions", "_placements", "fqn"),
-    ("layouts", "walk"),
+    ("layouts", "walk", "_samples"),  # local -> global elements; the model walk; a batch's global samples
     ("_draw",),  # dispatch (the kernel table), geometries, references
-    ("_kernels", "random"),  # kernels register into _draw's table; samplers draw through it
+    ("_kernels", "random", "_host"),  # kernels register into _draw's table; samplers; host generators' states
     ("_initializer",),
     ("init",),
     ("rules", "nn_defaults"),
@@ -133,6 +133,41 @@ def test_every_reference_stays_on_its_floor_or_below():
         if _room(target) is not None and floor[_room(target)] > floor[_room(m)]
     )
     assert upward == []
+
+
+#: Rooms on one floor that must not reference each other: (room, the rooms it never names).
+APART = (
+    ("nn", ("data",)),  # keyed forwards share with keyed data only what lies below both (_samples, _host, ...)
+)
+
+
+def test_rooms_kept_apart_do_not_reference_each_other():
+    """``keyinit.nn`` names nothing of ``keyinit.data`` (by import, lazily, or by a string): what both need
+    (sample positions, host generators, key folds, the random-op interceptor) is on a floor below both."""
+    found = sorted(
+        f"{m} -> {target}"
+        for room, others in APART
+        for m in MODULES if _room(m) == room
+        for target in imports_of(m)
+        if _room(target) in others
+    )
+    assert found == []
+
+
+def test_the_checker_sees_module_strings_and_lazy_imports_across_rooms(tmp_path, monkeypatch):
+    """What the rooms-apart check relies on: a lazy ``from keyinit.data import x``, a ``keyinit.data._x``
+    string and an ``importlib`` name are each a reference to ``keyinit.data``."""
+    fake = tmp_path / "probe.py"
+    fake.write_text(
+        "import importlib\n"
+        "def f():\n"
+        "    from keyinit.data import _fill\n"
+        "def g():\n"
+        "    return importlib.import_module('keyinit.data._collate')\n"
+        "NAME = 'keyinit.data._augment'\n"
+    )
+    monkeypatch.setitem(MODULES, "keyinit.nn._probe", fake)
+    assert {"keyinit.data._fill", "keyinit.data._collate", "keyinit.data._augment"} <= imports_of("keyinit.nn._probe")
 
 
 def test_the_checker_sees_cycles_through_lazy_and_type_checking_imports():

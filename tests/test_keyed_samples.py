@@ -199,6 +199,24 @@ def test_what_carries_the_positions():
     assert want.slice(1, 2) == SamplePositions(step=0, first=5, rows=1, global_batch_size=B)
 
 
+def test_batches_pickle_under_their_module_paths_old_and_new():
+    """``SamplePositions`` lives in ``keyinit._samples.positions`` (``keyinit.nn`` reads it without importing
+    ``keyinit.data``); a batch pickled when it was ``keyinit.data._positions``' still loads, and the
+    collated containers keep the module path their pickles have always named."""
+    batch = next(iter(_loader(1, 2, 2)[0]))
+    want = SamplePositions(step=0, first=4, rows=2, global_batch_size=B)
+    new = pickle.dumps(batch, protocol=2)  # protocol 2: classes named by "module\nname\n" (GLOBAL)
+    assert b"keyinit.data._positions\nSampleDict\n" in new
+    assert b"keyinit._samples.positions\nSamplePositions\n" in new
+    old = new.replace(b"keyinit._samples.positions\nSamplePositions\n", b"keyinit.data._positions\nSamplePositions\n")
+    assert old != new
+    for data in (new, old, pickle.dumps(batch)):
+        again = pickle.loads(data)
+        assert type(again) is SampleDict and sample_positions(again) == want
+        assert type(sample_positions(again)) is SamplePositions
+        assert again.keys() == batch.keys() and all(torch.equal(again[k], batch[k]) for k in batch)
+
+
 def test_errors():
     model = Net()
     loader, _ = _loader(0, 2, 2)

@@ -62,7 +62,7 @@ _THREAD = threading.local()  # .depth: how many captures run on this thread now 
 
 def capturing() -> bool:
     """Whether code on this thread runs under a capture now: a random op there is the capture's to key
-    (one thread-local read; keyed samples' op kernels pass such an op on, see keyinit.data._intercept)."""
+    (one thread-local read; keyed samples' op kernels pass such an op on, see keyinit._engine.intercept)."""
     return getattr(_THREAD, "depth", 0) > 0
 
 

@@ -13,7 +13,7 @@ Inside the wrapped ``__getitem__``:
 - an op with no keyed equivalent (``poisson``, gamma, fused dropout kernels) raises
   :class:`keyinit.UnkeyedRandomnessError`.
 
-Only the random ops reach Python (:mod:`keyinit.data._intercept`: kernels under a dispatch key
+Only the random ops reach Python (:mod:`keyinit._engine.intercept`: kernels under a dispatch key
 turned on for the calling thread; a dispatch mode where a torch build lacks the hooks), and the
 common ones are keyed without a program (:mod:`keyinit.data._fast`, the same values).
 
@@ -22,16 +22,16 @@ common ones are keyed without a program (:mod:`keyinit.data._fast`, the same val
 
 from __future__ import annotations
 
-import os
-import threading
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from keyinit._engine import intercept as _intercept
 from keyinit._engine.outside import ThreadDrawsRefused
-from keyinit.data import _fast, _fill, _intercept
-from keyinit.data._globals import global_states
+from keyinit._host.lock import global_state_lock
+from keyinit._host.states import global_states
+from keyinit.data import _fast, _fill
 from keyinit.data._index import SampleIndex
 from keyinit.data._positions import SamplePositions, sample_positions
 from keyinit.keys import Key, as_uint64, key
@@ -90,7 +90,7 @@ class _Keyer:
 
 
 class _KeyedMode(TorchDispatchMode):
-    """The keyer as a dispatch mode (every op through Python): where :mod:`._intercept` is unavailable."""
+    """The keyer as a dispatch mode (every op through Python): where :mod:`keyinit._engine.intercept` is unavailable."""
 
     def __init__(self, keyer: Any) -> None:
         super().__init__()
@@ -106,8 +106,8 @@ class _KeyedMode(TorchDispatchMode):
 
 
 class Interception:
-    """Random ops to ``keyer`` while active: the dispatch-key kernels of :mod:`._intercept` where this
-    torch has them (only the random ops reach Python), else a dispatch mode (the same values)."""
+    """Random ops to ``keyer`` while active: the dispatch-key kernels of :mod:`keyinit._engine.intercept`
+    where this torch has them (only the random ops reach Python), else a dispatch mode (the same values)."""
 
     def __init__(self, keyer: Any) -> None:
         self.keyer = keyer
@@ -127,29 +127,6 @@ class Interception:
             self._mode.__exit__(*exc)
 
 
-#: Held from entering a keyed sample to leaving it. Python's ``random`` and ``numpy.random`` have one
-#: global state per process, so two threads in keyed ``__getitem__`` calls at once would draw from each
-#: other's seeds (and restore each other's states): they take turns instead. Reentrant: a keyed dataset
-#: may read another keyed dataset in its ``__getitem__``.
-_GLOBAL_STATE_LOCK = threading.RLock()
-
-
-def global_state_lock() -> threading.RLock:
-    """The lock held while Python's ``random`` and ``numpy.random`` are keyed (by a keyed sample, a keyed
-    collate or a keyed forward): one per process, a fresh one in a forked child."""
-    return _GLOBAL_STATE_LOCK
-
-
-def _new_lock_after_fork() -> None:
-    # a DataLoader worker forked while another thread held the lock starts with a free one
-    global _GLOBAL_STATE_LOCK
-    _GLOBAL_STATE_LOCK = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_after_fork)
-
-
 _RESOLVE = object()  # keyed_randomness(lib=...) not given: the kernel library is looked up
 
 
@@ -166,11 +143,11 @@ class keyed_randomness:
 
     def __enter__(self) -> "keyed_randomness":
         # random's and numpy.random's global state is one per process: threads take turns
-        _GLOBAL_STATE_LOCK.acquire()
+        global_state_lock().acquire()
         try:
             self._enter()
         except BaseException:
-            _GLOBAL_STATE_LOCK.release()
+            global_state_lock().release()
             raise
         return self
 
@@ -199,7 +176,7 @@ class keyed_randomness:
             try:
                 global_states().restore(self._saved)
             finally:
-                _GLOBAL_STATE_LOCK.release()
+                global_state_lock().release()
 
 
 class KeyedSamples(torch.utils.data.Dataset):

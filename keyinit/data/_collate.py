@@ -32,10 +32,11 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from keyinit.data import _augment, _fast, _fill
+from keyinit._host.lock import global_state_lock
+from keyinit._host.states import global_states
+from keyinit._samples.padding import check_collated
+from keyinit.data import _fast, _fill
 from keyinit.data._augment import Interception
-from keyinit.data._globals import global_states
-from keyinit.data._padding import check_collated
 from keyinit.data._positions import attach, sample_positions
 from keyinit.keys import Key, as_uint64, fold_in, key
 
@@ -170,14 +171,14 @@ class KeyedCollate:
         first = f"{refs[0][1]} of epoch {refs[0][0]}" if refs else "none"
         site = f"keyed_collate (a batch of {len(refs)} rows, the first sample {first})"
         collated = _call_refusing_global_draws(self.collate_fn, batch, _RowKeyer(self.root, refs, site), site)
-        # the rows' places in the run, for keyed(samples=); a left-padded batch warned about (keyinit.data._padding)
+        # the rows' places in the run, for keyed(samples=); a left-padded batch warned about (keyinit._samples.padding)
         return check_collated(attach(collated, sample_positions(batch)))
 
 
 def _call_refusing_global_draws(fn: Callable[[Any], Any], batch: Any, keyer: _RowKeyer, site: str) -> Any:
     """``fn(batch)`` with torch's random ops sent to ``keyer``; a draw from ``random``/``numpy.random``
     is refused (detected by comparing their states before and after; the states are restored)."""
-    with _augment.global_state_lock():
+    with global_state_lock():
         states = global_states()
         before = states.save()
         try:

@@ -1,8 +1,8 @@
 """The CPU fill kernel as keyed data calls it: key folds in C, fills of contiguous tensors and of rows.
 
 :func:`fold` is ``keyinit.fold_in`` of an int or a str; with the CPU kernel library (:func:`fold_with`,
-:func:`fold_words`) the Philox of a stream v1 derivation runs in C. :func:`fill_folded` writes a draw of
-a keyed op under ``fold_in(fold_in(key, call), draw)`` with the two folds and the fill in one C call
+:func:`fold_words`: :mod:`keyinit._kernels.fill.folds`, named here too) the Philox of a stream v1
+derivation runs in C. :func:`fill_folded` writes a draw of a keyed op under ``fold_in(fold_in(key, call), draw)`` with the two folds and the fill in one C call
 (``keyinit_fill_folded``); :func:`fill` writes a draw at a :class:`Geometry` (all of a contiguous
 tensor, or rows at listed flat indices: keyed collate). Without the library (``KEYINIT_DISABLE_KERNELS``,
 no compiler) every function gives the same values through the reference.
@@ -13,16 +13,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
-from keyinit._bits.streams import derives_as_v1
-from keyinit._draw.dispatch import kernels_disabled
 from keyinit._draw.geometry import coalesce
 from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
 from keyinit._kernels.fill.cpu import MIN_PARALLEL_ELEMENTS
-from keyinit.keys import Key, derived_key, fold_in, fold_inputs
+from keyinit._kernels.fill.folds import fold_with, fold_words, fold_words_v1, kernel_library
+from keyinit.keys import Key, fold_in
 from keyinit.regions import make_region
 
 __all__ = ["fold", "fold_str", "fold_with", "fold_words", "fold_words_v1", "folded", "draw_key", "kernel_library",
@@ -32,72 +31,11 @@ __all__ = ["fold", "fold_str", "fold_with", "fold_words", "fold_words_v1", "fold
 fold = fold_in
 fold_str = fold_in
 
-_MASK32 = 0xFFFFFFFF
-
-
-@functools.lru_cache(maxsize=64)
-def _counter(data: Union[int, str]) -> tuple[int, int, int, int]:
-    """The stream v1 Philox counter ``(x0, x1, tag, x3)`` of ``fold_in(K, data)`` (constant strings: remembered)."""
-    tag, (x0, x1, x3) = fold_inputs(data)
-    return x0, x1, tag, x3
-
-
-def fold_words(lib: Any, parent: Key, data: Union[int, str]) -> tuple[int, int]:
-    """The words of ``fold_in(parent, data)``; with the kernel library ``lib`` (not None) the Philox of a key
-    of a stream that derives as v1 (v1, v2) runs in C."""
-    if lib is not None and derives_as_v1(parent.stream):
-        if type(data) is int and 0 <= data <= 0xFFFFFFFFFFFFFFFF:
-            words = lib.keyinit_derive(parent.k0, parent.k1, data & _MASK32, data >> 32, 2, 0)
-            return words & _MASK32, words >> 32
-        if type(data) is str:
-            words = lib.keyinit_derive(parent.k0, parent.k1, *_counter(data))
-            return words & _MASK32, words >> 32
-    return fold_in(parent, data).words  # fold_in says what is wrong with data
-
-
-def fold_words_v1(lib: Any, k0: int, k1: int, data: Union[int, str]) -> Optional[tuple[int, int]]:
-    """The words of ``fold_in(Key(k0, k1, "v1"), data)`` by the C Philox of the kernel library ``lib``, or
-    None where it does not apply (``data`` not an int in ``[0, 2**64)`` nor a str)."""
-    if type(data) is int and 0 <= data <= 0xFFFFFFFFFFFFFFFF:
-        words = lib.keyinit_derive(k0, k1, data & _MASK32, data >> 32, 2, 0)
-    elif type(data) is str:
-        words = lib.keyinit_derive(k0, k1, *_counter(data))
-    else:
-        return None
-    return words & _MASK32, words >> 32
-
-
-def fold_with(lib: Any, parent: Key, data: Union[int, str]) -> Key:
-    """``fold_in(parent, data)``; with the kernel library ``lib`` (not None) the Philox of a key of a stream that
-    derives as v1 (v1, v2) runs in C."""
-    if lib is None or not derives_as_v1(parent.stream):
-        return fold_in(parent, data)
-    k0, k1 = fold_words(lib, parent, data)
-    return derived_key(k0, k1, parent.stream)  # (words of a derivation: the checks of Key cannot fail)
-
 
 @functools.lru_cache(maxsize=1024)
 def folded(parent: Key, data: int) -> Key:
     """``fold_in(parent, data)``, remembered: the domain and epoch keys every sample of an epoch shares."""
     return fold_in(parent, data)
-
-
-_LIBRARY: list = []  # the CPU kernel library once loaded (loading it checks it: milliseconds)
-
-
-def kernel_library() -> Any:
-    """The CPU fill kernel's library, or None where kernels are disabled (``KEYINIT_DISABLE_KERNELS``,
-    read on every call) or unavailable (resolve once per keyed call)."""
-    if kernels_disabled():
-        return None
-    if not _LIBRARY:
-        from keyinit._kernels.fill.cpu import library
-
-        lib = library()
-        if lib is None:
-            return None
-        _LIBRARY.append(lib)
-    return _LIBRARY[0]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,4 +1,4 @@
-"""``SamplePositions``: where a (micro-)batch's rows sit in the run, carried from the sampler to ``keyed``.
+"""A collated batch carrying its ``SamplePositions`` (where its rows sit in the run) from the sampler to ``keyed``.
 
 :meth:`KeyedSampler.batch_sampler` yields lists of indices that carry it (``.keyinit_samples``);
 ``keyed_samples``' ``__getitems__`` passes it on in the :class:`KeyedBatch` it returns, and
@@ -18,51 +18,22 @@ encodings), the batch's class becomes a subclass of it made here (:func:`carrier
 in ``_CARRIERS``: the module's one registry) whose pickling is the class's own plus the positions. A
 bare tensor returned by the collate function keeps them in the process that collated it only (torch's
 worker queues rebuild tensors without their attributes): return a tuple, list or dict.
+
+:class:`SamplePositions`, :func:`sample_positions` and :data:`ATTRIBUTE` are
+:mod:`keyinit._samples.positions`' (``keyinit.nn.keyed`` reads them too), named here as well: a
+``SamplePositions`` pickled under this module's name still loads. ``SampleDict``, ``SampleList`` and
+``SampleTuple`` are defined here, under the name their pickles carry.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-import attrs
 import torch
 
-from keyinit.keys import as_int_in
+from keyinit._samples.positions import ATTRIBUTE, SamplePositions, sample_positions
 
 __all__ = ["SamplePositions", "sample_positions", "attach", "SampleDict", "SampleList", "SampleTuple", "ATTRIBUTE"]
-
-#: The attribute that carries a batch's :class:`SamplePositions`.
-ATTRIBUTE = "keyinit_samples"
-
-
-def _count(what: str, minimum: int) -> Any:
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        as_int_in(value, f"SamplePositions: {what}", minimum)
-    return check
-
-
-@attrs.frozen
-class SamplePositions:
-    """Rows ``0 .. rows - 1`` of a batch are global samples ``first .. first + rows - 1`` of step ``step``
-    (global sample positions ``step * global_batch_size + first + r``, docs/spec.md 16.2)."""
-
-    step: int = attrs.field(validator=_count("step", 0))
-    first: int = attrs.field(validator=_count("first", 0))
-    rows: int = attrs.field(validator=_count("rows", 0))
-    global_batch_size: int = attrs.field(validator=_count("global_batch_size", 1))
-
-    def __attrs_post_init__(self) -> None:
-        if self.first + self.rows > self.global_batch_size:
-            raise ValueError(f"SamplePositions: rows {self.first} .. {self.first + self.rows - 1} are not within "
-                             f"the step's global batch of {self.global_batch_size}")
-
-    def slice(self, start: int, stop: int) -> "SamplePositions":
-        """The positions of rows ``start .. stop - 1`` (a micro-batch cut from this batch)."""
-        start = as_int_in(start, "start", 0)
-        stop = as_int_in(stop, "stop", start)
-        if stop > self.rows:
-            raise ValueError(f"SamplePositions.slice: stop must be at most rows={self.rows}, got {stop}")
-        return SamplePositions(self.step, self.first + start, stop - start, self.global_batch_size)
 
 
 class SampleDict(dict):
@@ -135,14 +106,3 @@ def attach(batch: Any, positions: Optional[SamplePositions]) -> Any:
     except (AttributeError, TypeError):
         pass  # (an object without a __dict__: it carries nothing; keyed(samples=) says so)
     return batch
-
-
-def sample_positions(samples: Any) -> Optional[SamplePositions]:
-    """The :class:`SamplePositions` ``samples`` is or carries, else None."""
-    if isinstance(samples, SamplePositions):
-        return samples
-    try:
-        found = object.__getattribute__(samples, "__dict__").get(ATTRIBUTE)
-    except AttributeError:
-        return None
-    return found if isinstance(found, SamplePositions) else None

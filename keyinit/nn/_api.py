@@ -131,8 +131,8 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
 
 def _positions_of(samples: Any, sample_offset: Optional[int], step: int) -> Any:
     """``keyed(samples=)``: where the batch's rows sit in the step's global batch (see :func:`keyed`)."""
-    from keyinit.data._padding import check_samples
-    from keyinit.data._positions import sample_positions
+    from keyinit._samples.padding import check_samples
+    from keyinit._samples.positions import sample_positions
 
     if sample_offset is not None:
         raise ValueError("keyed: give samples= or sample_offset=, not both (samples= says the batch's first "
@@ -152,7 +152,7 @@ def _positions_of(samples: Any, sample_offset: Optional[int], step: int) -> Any:
         raise ValueError(f"keyed: samples= holds rows of step {positions.step} (KeyedSampler's step), but "
                          f"step={step}: the sampler's steps must be the optimizer's (global_batch_size = all the "
                          f"samples of one optimizer step, micro-batches by batch_sampler(micro_batch_size=...))")
-    check_samples(samples)  # a left-padded attention_mask: a LeftPaddingWarning (keyinit.data._padding)
+    check_samples(samples)  # a left-padded attention_mask: a LeftPaddingWarning (keyinit._samples.padding)
     return positions
 
 

@@ -332,7 +332,7 @@ class _RefuseDraws:
 
 class _Trap:
     """While compiled code runs, a random ATen op that reaches torch's kernels ran eagerly (outside the
-    compiled graphs): it is refused before it draws (:mod:`keyinit.data._intercept`)."""
+    compiled graphs): it is refused before it draws (:mod:`keyinit._engine.intercept`)."""
 
     def __init__(self, owner: "KeyedCompiled") -> None:
         self.owner = owner
@@ -352,13 +352,13 @@ class _Trap:
         )
 
     def __enter__(self) -> None:
-        from keyinit.data import _intercept
+        from keyinit._engine import intercept as _intercept
 
         if _intercept.available():
             self.saved = _intercept.enter(self.handler)
 
     def __exit__(self, *exc: Any) -> None:
-        from keyinit.data import _intercept
+        from keyinit._engine import intercept as _intercept
 
         if self.saved is not None:
             _intercept.leave(self.saved)

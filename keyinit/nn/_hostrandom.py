@@ -33,9 +33,11 @@ drawn from the forward's seed.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Optional
 
+from keyinit._host.lock import global_state_lock
+from keyinit._host.states import global_states
+from keyinit._kernels.fill.folds import fold_with, fold_words, kernel_library
 from keyinit.keys import Key
 
 __all__ = ["HOST_RANDOM", "HostRandom", "SAMPLE_FIXES", "fold", "host_stream_folds"]
@@ -47,8 +49,6 @@ HOST_RANDOM = ("sample", "forward", "replicated")
 def fold(parent: Key, data: int | str) -> Key:
     """``fold_in(parent, data)``, its Philox in C where the CPU kernel library is loaded (a root forward
     derives its host key at every step)."""
-    from keyinit.data._fill import fold_with, kernel_library
-
     return fold_with(kernel_library(), parent, data)
 
 
@@ -72,8 +72,8 @@ class HostRandom:
     :meth:`__exit__` then leaves the error in :attr:`refusal` (after restoring both states) for
     the caller to raise once the forward's modes are left, or raises it itself where
     :attr:`raises` is set (a plain ``with``) and no other exception is on its way. The states are
-    saved, seeded and put back through ``keyinit.data._globals`` (as bytes where it can), under
-    the process's one lock for them.
+    saved, seeded and put back through :mod:`keyinit._host.states` (as bytes where it can), under
+    the process's one lock for them (:mod:`keyinit._host.lock`).
     """
 
     __slots__ = ("key", "refuse", "drawn", "resume", "refusal", "raises", "_saved", "_seeded", "_lock")
@@ -91,16 +91,15 @@ class HostRandom:
         self._lock: Any = None
 
     def __enter__(self) -> "HostRandom":
-        _augment, _fill, _globals = _data()
-        self._lock = _augment.global_state_lock()  # the one lock of the process's global generators
+        self._lock = global_state_lock()  # the one lock of the process's global generators
         self._lock.acquire()
         try:
-            states = _globals.global_states()
+            states = global_states()
             self._saved = states.save()
-            lib = _fill.kernel_library()
+            lib = kernel_library()
             try:
-                states.seed(lib, _fill.fold_words(lib, self.key, "python.random"),
-                            _fill.fold_words(lib, self.key, "numpy.random"), self._saved)
+                states.seed(lib, fold_words(lib, self.key, "python.random"),
+                            fold_words(lib, self.key, "numpy.random"), self._saved)
                 if self.resume is not None:
                     states.restore(self.resume)
                 self._seeded = states.save()
@@ -118,14 +117,14 @@ class HostRandom:
 
     def state(self) -> Any:
         """Both generators' states now (for :attr:`resume`)."""
-        return _data()[2].global_states().save()
+        return global_states().save()
 
     def _drew(self) -> list[str]:
-        return _data()[2].global_states().drew(self._seeded)
+        return global_states().drew(self._seeded)
 
     def __exit__(self, *exc_info: Any) -> None:
         try:
-            states = _data()[2].global_states()
+            states = global_states()
             drew = states.drew(self._seeded)
             states.restore(self._saved)
         finally:
@@ -141,19 +140,6 @@ class HostRandom:
             self.refusal = UnkeyedRandomnessError(f"{before}{' and '.join(drew)}{after}")
             if self.raises and exc_info[0] is None:
                 raise self.refusal
-
-
-def _data() -> tuple[Any, Any, Any]:
-    """``keyinit.data``'s ``_augment`` (the lock), ``_fill`` (the kernel library) and ``_globals`` (the
-    states), imported on first use (a root forward asks at every step)."""
-    modules = sys.modules
-    found = (modules.get("keyinit.data._augment"), modules.get("keyinit.data._fill"),
-             modules.get("keyinit.data._globals"))
-    if None in found:
-        from keyinit.data import _augment, _fill, _globals
-
-        found = (_augment, _fill, _globals)
-    return found
 
 
 #: The end of the error of a forward of several samples that drew (``host_random="sample"``).

@@ -18,11 +18,10 @@ weight whatever the FQNs.
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
 from typing import Any, Union
 
 from keyinit._bits.streams import derives_as_v1
+from keyinit._kernels.fill.folds import fold_words_v1, kernel_library
 from keyinit.keys import Key, as_uint64, derived_key, fold_in, key
 
 __all__ = ["DROPOUT_DOMAIN", "dropout_key"]
@@ -47,15 +46,10 @@ def _fold(words: tuple[int, int], stream: str, data: Union[int, str], lib: Any) 
     library, checked against ``fold_in`` when it loads) is given and the stream derives keys as v1 (v1, v2),
     else ``fold_in`` (which also says what is wrong with ``data``)."""
     if lib is not None and derives_as_v1(stream):
-        found = _fill().fold_words_v1(lib, words[0], words[1], data)
+        found = fold_words_v1(lib, words[0], words[1], data)
         if found is not None:
             return found
     return fold_in(Key(words[0], words[1], stream), data).words
-
-
-def _fill() -> Any:
-    """:mod:`keyinit.data._fill` (imported on first use)."""
-    return sys.modules.get("keyinit.data._fill") or importlib.import_module("keyinit.data._fill")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -80,9 +74,8 @@ class CallKeys:
     def __init__(self, root: Key, step: int) -> None:
         self.root, self.step = root, step
         self.words: dict[str, tuple[int, int]] = {}
-        fill = _fill()
-        self.lib = fill.kernel_library() if derives_as_v1(root.stream) else None
-        self.fold = fill.fold_words_v1
+        self.lib = kernel_library() if derives_as_v1(root.stream) else None
+        self.fold = fold_words_v1
 
     def __call__(self, fqn: str, ordinal: int) -> Key:
         words = self.words.get(fqn) or self._module(fqn)
@@ -114,7 +107,7 @@ def _fqn_parts(fqn: str) -> tuple[str, ...]:
 def keyed_module_key(root: Key, step: int, fqn: str) -> Key:
     """``dropout_key`` before its ordinal fold: ``fold_in(fold_in(R, DROPOUT_DOMAIN), step)`` then fqn's parts."""
     stream = root.stream
-    words = _module_words(root.k0, root.k1, stream, step, check_fqn(fqn), _fill().kernel_library())
+    words = _module_words(root.k0, root.k1, stream, step, check_fqn(fqn), kernel_library())
     return derived_key(words[0], words[1], stream)
 
 

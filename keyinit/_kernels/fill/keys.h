@@ -1,6 +1,7 @@
 /*
- * keyinit's key derivation and host-generator seeding in C, for the keyed data paths (data/_fill,
- * data/_globals): fill_kernels.c includes this file, so both are in the fill library.
+ * keyinit's key derivation and host-generator seeding in C, for keyed data and keyed forwards
+ * (_kernels/fill/folds.py, _host/states.py): fill_kernels.c includes this file, so both are in the
+ * fill library.
  *
  * keyinit_derive is keys.fold_in's Philox step; keyinit_mt_seed is MT19937's init_by_array, which
  * Python's random.seed and numpy.random.seed run on a key.

@@ -16,6 +16,9 @@ documented registry of this module, made on first use, never at import. With the
 thread that is not inside a keyed call) the kernels are never reached. If an IPU autocast ever
 turned the key on outside a keyed call, a kernel passes the op on unchanged.
 
+``keyinit.nn.compile`` enters the same kernels with a handler that refuses a random op run eagerly
+outside its compiled graphs.
+
 Where this torch cannot register the kernels (no such key, a changed private API), :func:`active`
 returns False and callers use the dispatch mode, which gives the same values.
 """
