@@ -80,6 +80,7 @@ class Foreign:
 
 
 FOREIGN = Foreign()
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 Record = Union[Batch, Unknown, Foreign, None]  # None: replicated (no batch)
 _DECLARED = "_keyinit_batch_dim"
 
@@ -146,6 +147,8 @@ def record(tensor: Any, forward: Any) -> Record:
     if mark is not None:  # declared with batch_dim before the forward: its rows are the forward's
         dim = mark[1]
         return None if dim is None else Batch(dim, int(tensor.shape[dim]), forward.start)
+    if _wrapped(tensor):  # torch.func's wrappers (keyinit.nn._functorch): the dispatch mode sees the values under
+        return _wrapped_record(tensor, forward)
     local = getattr(tensor, "_local_tensor", None)
     if local is not None and local is not tensor:
         found = _dtensor_record(tensor, record(local, forward))
@@ -157,6 +160,25 @@ def record(tensor: Any, forward: Any) -> Record:
     if tensor.dim() == 0 or isinstance(tensor, torch.nn.Parameter) or id(tensor) in forward.constants:
         return None
     return FOREIGN
+
+
+def _wrapped_record(tensor: Any, forward: Any) -> Record:
+    """The record of a torch.func wrapper: its value's under grad levels; under a vmap level, whose samples are
+    a dimension the wrapper hides, an unknown (keyinit.nn._intercept keys element-wise dropout there on the
+    physical tensor)."""
+    from keyinit.nn._functorch import describe, unwrapped, vmap_levels
+
+    inner = unwrapped(tensor)
+    if inner is not None:
+        return record(inner, forward)
+    physical, _ = vmap_levels(tensor)
+    found = record(physical, forward)
+    if found is None or isinstance(found, (Unknown, Foreign)):
+        return found
+    return Unknown(f"it is {describe(tensor)}, whose samples are the vmapped dimension that the function does not "
+                   "see: under vmap keyinit keys element-wise dropout (nn.Dropout, F.dropout) and the random ATen "
+                   "ops; call the model on the whole batch for this draw (or use torch.func.grad/vjp/functional_call "
+                   "on the batch, which keep it)")
 
 
 def _dtensor_record(tensor: Any, local: Record) -> Record:
@@ -177,6 +199,12 @@ def _dtensor_record(tensor: Any, local: Record) -> Record:
 def annotate(tensor: Any, forward: Any, value: Record) -> None:
     if isinstance(tensor, torch.Tensor):
         forward.records[id(tensor)] = (weakref.ref(tensor), value)
+        if _wrapped(tensor):  # a torch.func grad wrapper: its value (which the dispatch mode sees) holds the same
+            from keyinit.nn._functorch import unwrapped
+
+            inner = unwrapped(tensor)
+            if inner is not None:
+                forward.records[id(inner)] = (weakref.ref(inner), value)
 
 
 # ----------------------------------------------------------------------------- rules

@@ -25,6 +25,7 @@ from keyinit._draw.names import V2, check_samples, names_strides
 from keyinit.nn import functional as KF
 from keyinit.nn._batch import Batch, Foreign, Unknown, annotate, canonical, record
 from keyinit.nn._checkpoint import refuse_unseen
+from keyinit.nn._functorch import unwrapped, wrapped as _wrapped
 from keyinit.nn._routed import Routed, needs_values, routed_draw, routed_layout
 from keyinit.regions import row_major_strides
 
@@ -260,6 +261,8 @@ def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op:
         refuse_foreign(ctx, frame, f"{kind}(p={p})")
     refuse_unseen(frame, f"{kind}(p={p})")
     key = frame.forward.call_key(ctx, frame.fqn, ordinal)
+    if _wrapped(input) and unwrapped(input) is None:  # torch.func.vmap: the samples are the vmapped dimension
+        return _vmapped_dropout(ctx, frame, kind, mask, inplace, input, p, key)
     routed = record(input, frame.forward) if ctx.index != "dim0" and mask == "element" else None
     if type(routed) is Routed:
         out = _routed_dropout(ctx, frame, kind, input, p, key, routed)
@@ -283,6 +286,48 @@ def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op:
         return input
     annotate(out, frame.forward, rec)
     return out
+
+
+def _vmapped_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace: bool, input: torch.Tensor,
+                     p: float, key: Any) -> torch.Tensor:
+    """Element-wise keyed dropout of a tensor of ``torch.func.vmap`` (keyinit.nn._functorch): the keep mask of
+    its physical tensor (each sample's row of the batched forward), wrapped at the vmap level and applied with
+    14.3's arithmetic by torch ops (so every torch.func level above sees its gradient)."""
+    from keyinit._draw.reference_dropout import apply_mask
+    from keyinit.nn._functorch import describe, vmap_levels, vmapped_mask
+
+    physical, levels = vmap_levels(input)
+    what = f"{kind}(p={p})"
+    if mask != "element" or len(levels) != 1 or getattr(ctx, "trace", None) is not None:
+        raise UnkeyedRandomnessError(
+            f"{frame.describe()}: {what} on {describe(input)}: under torch.func.vmap keyinit keys element-wise "
+            "dropout (one vmap level over the samples, not compiled), not channel-wise or alpha dropout; call the "
+            "model on the whole batch (torch.func.grad, vjp, jacrev and functional_call keep the batch)")
+    level, bdim = levels[0]
+    rec = placed(frame, record(physical, frame.forward), what, tuple(physical.shape))
+    KF.check_input(input)
+    with torch._C._DisableFuncTorch(), torch._C.DisableTorchFunction():
+        ones = torch.ones(physical.shape, dtype=physical.dtype, device=physical.device)
+        keep = keyed_masked(kind, mask, ones, p, key, rec) != 0
+    _, scale32, scale64 = constants(p)
+    out = apply_mask(input, vmapped_mask(keep, level, bdim), scale32, scale64)
+    if inplace:
+        input.copy_(out)
+        return input
+    out_physical, out_levels = vmap_levels(out)
+    if rec is not None and len(out_levels) == 1:
+        annotate(out_physical, frame.forward, _vmap_moved(rec, bdim, out_levels[0][1]))
+    return out
+
+
+def _vmap_moved(rec: Batch, was: int, now: int) -> Batch:
+    """``rec`` of a physical tensor whose vmap dimension moved from ``was`` to ``now`` (the others in order)."""
+    if rec.dim is None or was == now:
+        return rec
+    if rec.dim == was:
+        return rec.moved(now)
+    logical = rec.dim - (rec.dim > was)
+    return rec.moved(logical + (logical >= now))
 
 
 def _routed_dropout(ctx: "Keyed", frame: Frame, kind: str, input: torch.Tensor, p: float, key: Any,

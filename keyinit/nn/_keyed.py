@@ -39,6 +39,7 @@ from keyinit._bits.streams import get_stream
 from keyinit._draw.names import DEFAULT_FORWARD_STREAM
 from keyinit.keys import Key, as_uint64, key
 from keyinit.nn._batch import Batch, annotate, declared
+from keyinit.nn._functorch import root_inputs
 from keyinit.nn._intercept import Frame
 from keyinit.nn._forward import (
     CheckpointingFunction,
@@ -223,13 +224,14 @@ class Keyed(FrameStack):
     def _root_forward(self, module: torch.nn.Module, fqn: str, args: tuple, kwargs: dict) -> "Forward":
         """A new root forward: its rows, its repeat count, and its inputs' batch records."""
         start = self.sample_offset + self._rows
-        tensors = input_tensors(args, kwargs)
+        tensors, vmapped = root_inputs(input_tensors(args, kwargs))  # (torch.func.vmap: its physical tensors)
         default_dim = 1 if sequence_first_module(module) else 0
         count = None
         dims: list[Optional[int]] = []
-        for t in tensors:
+        for t, vdim in zip(tensors, vmapped):
             mark = declared(t)
-            dim = mark[1] if mark is not None else (default_dim if t.dim() > default_dim else None)
+            dim = vdim if vdim is not None else mark[1] if mark is not None else (
+                default_dim if t.dim() > default_dim else None)
             dims.append(dim)
             if count is None and dim is not None:
                 count = int(t.shape[dim])

@@ -121,6 +121,7 @@ _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _functorch_active = torch._C._are_functorch_transforms_active
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def call(x: torch.Tensor, k0: int, k1: int, p: float, gstrides: Sequence[int], starts: Sequence[int],
@@ -154,9 +155,22 @@ def call_rows(x: torch.Tensor, p: float, key: Key, row_offset: int) -> torch.Ten
 
 def _eager(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
     """The eager form on a plain tensor: the op alone where there is no backward to plan for (eval, a
-    compiled site), else the autograd function."""
+    compiled site), else the autograd function; under a torch.func transform, :func:`_under_functorch`."""
+    if _wrapped(x):
+        return _under_functorch(x, geometry)
     if not (x.requires_grad and _grad_enabled()):
         return dispatch.dropout(x, geometry)
     if _functorch_active():
         return _EagerDropout.apply(x, geometry)
     return _apply(_unwrap_if_dead(x), geometry)
+
+
+def _under_functorch(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    """The op on a tensor of a ``torch.func`` transform (grad, vjp, jacrev): the keep mask made outside the
+    transform (the op on a tensor of ones), applied by torch ops with docs/spec.md 14.3's arithmetic, so every
+    transform (the vmap of jacrev's backward too) differentiates and batches it as torch's own ops."""
+    from keyinit._draw.reference_dropout import apply_mask
+
+    with torch._C._DisableFuncTorch(), torch._C.DisableTorchFunction():
+        keep = dispatch.dropout(torch.ones(x.shape, dtype=x.dtype, device=x.device), geometry) != 0
+    return apply_mask(x, keep, geometry.scale32, geometry.scale64)
