@@ -210,3 +210,19 @@ def test_the_family_is_registered_for_both_streams():
         family = dispatch.kernels(stream, "sround")
         assert family.reference.module == "keyinit._draw.reference_sround"
         assert family.devices["cpu"].module == "keyinit._kernels.fill.cpu"
+
+
+@pytest.mark.parametrize("dtype", TARGETS, ids=IDS)
+def test_every_exponent_and_the_range_boundaries(dtype):
+    """Every sign and exponent (each top-16-bit pattern with three low halves) and every pattern within 4096
+    of float16's fast-path boundaries (2**-14, 2**16), of float8's, of binary32's largest finite value and of
+    infinity: the kernel's bits are the reference's."""
+    top = torch.arange(1 << 16, dtype=torch.int64) << 16
+    patterns = [top, top | 0x0001, top | 0x8000, top | 0xFFFF]
+    for centre in (0x38800000, 0x47800000, 0x477FF000, 0x43E80000, 0x47700000, 0x7F7FFFFF, 0x7F800000, 0x00800000):
+        for sign in (0, 0x80000000):
+            patterns.append(sign | (torch.arange(centre - 4096, centre + 4096, dtype=torch.int64) & 0x7FFFFFFF))
+    bits = torch.cat(patterns)
+    x = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+    reg = make_region((x.numel(),), None)
+    assert torch.equal(_bits(_kernel_round(x, dtype, KEY, reg, threads=2)), _bits(_reference(x, dtype, KEY, reg)))

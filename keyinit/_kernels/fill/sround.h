@@ -84,9 +84,23 @@ static void sround_tile(const plan_t *P, const uint32_t *wp, const int64_t *o, i
             return;
         }
         if (P->target == KI_SR_FLOAT16) {
+            /* float16's normal range, 2**-14 <= |v| < 2**16, in one vectorized pass (shift 13, section
+             * 17.2; the carry into the exponent gives 0x7C00, infinity, past the largest finite value),
+             * then the other values (subnormal results, overflow, NaN, inf) by the general rule */
             uint16_t *d = (uint16_t *)P->out + o0;
-            for (int64_t k = 0; k < m; k++)
-                d[k] = (uint16_t)ki_sr_f32(s[k], wp[k], 11, -14, 15, 16, 1, 0x7C00u, 0x7E00u, 0x7BFFu);
+            uint32_t others = 0;
+            for (int64_t k = 0; k < m; k++) {
+                const uint32_t u = s[k], mag = u & 0x7FFFFFFFu;
+                const uint32_t up = ((wp[k] >> 19) + (mag & 0x1FFFu)) >> 13;
+                d[k] = (uint16_t)((((mag - 0x38000000u) >> 13) + up) | ((u >> 16) & 0x8000u));
+                others |= (uint32_t)(mag - 0x38800000u >= 0x0F000000u);
+            }
+            if (others) {
+                for (int64_t k = 0; k < m; k++) {
+                    if ((s[k] & 0x7FFFFFFFu) - 0x38800000u >= 0x0F000000u)
+                        d[k] = (uint16_t)ki_sr_f32(s[k], wp[k], 11, -14, 15, 16, 1, 0x7C00u, 0x7E00u, 0x7BFFu);
+                }
+            }
             return;
         }
     }
