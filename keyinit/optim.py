@@ -13,7 +13,13 @@ parameters (``keyinit.random.stochastic_round``, ``docs/spec.md`` 17.5):
   GLOBAL index (a DTensor parameter by its placements, so FSDP2 and TP shards round as one process
   does) and written in place into the parameter's own storage (FSDP2's sharded storage too); the
   parameter groups and the state hold the original parameters again. No float32 copy is kept between steps: the step holds one of each
-  stepped parameter and of its gradient (8 bytes per element) while it runs.
+  stepped parameter and of its gradient (8 bytes per element) while it runs;
+- a step that raises (in the optimizer or in the rounding) puts the original parameters and their
+  state back in the parameter groups before the exception leaves ``optimizer.step()`` (the optimizer's
+  ``step`` is wrapped, as a bound method, so LR schedulers can wrap it in turn); its counter does not
+  advance. A subclass whose ``step`` calls ``super().step()`` (torch runs the hooks at both levels)
+  steps and counts once. What the optimizer had already done to the state tensors in place before it raised stays,
+  as for any optimizer.
 
 The step counter ``t`` (0 for the first step) lives in every parameter group as
 :data:`STEP_KEY`, so ``optimizer.state_dict()`` saves it and ``load_state_dict`` restores it: a
@@ -23,6 +29,7 @@ resumed run continues the same keys. Loading also keeps the float32 optimizer st
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
@@ -71,6 +78,7 @@ class StochasticRounding:
         self._fqns = fqns
         self._swapped: list[tuple[list, int, torch.Tensor, torch.Tensor]] = []
         self._loading: list[tuple[list, int, torch.Tensor, torch.Tensor]] = []
+        self._depth = 0  # steps entered and not yet left (the hooks of nested step calls)
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.dtype in ROUND_TARGETS and id(param) not in fqns:
@@ -78,6 +86,7 @@ class StochasticRounding:
                                      "in the optimizer is not a parameter of `names`; pass the model that holds "
                                      "the optimizer's parameters (after fully_shard/parallelize)")
             group.setdefault(STEP_KEY, 0)
+        self._wrap_step()
         self._handles = [
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
@@ -136,7 +145,39 @@ class StochasticRounding:
         copy.grad = param.grad.detach().to(torch.float32)
         return copy
 
+    def _wrap_step(self) -> None:
+        """Make ``optimizer.step`` put the parameters back when the step raises (a bound method on the
+        instance, calling the one it shadows: the class's, hooks included, or an earlier wrapper)."""
+        optimizer = self.optimizer
+        self._had_step = "step" in vars(optimizer)
+        self._inner_step = optimizer.step
+        handle = self
+
+        def step(opt: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return handle._inner_step(*args, **kwargs)
+            except BaseException:
+                handle._depth = 0  # the post-hooks did not run
+                handle._swap_out(handle._swapped)  # nothing half-done stays in the parameter groups
+                raise
+
+        self._step = types.MethodType(step, optimizer)
+        optimizer.step = self._step
+
+    def _unwrap_step(self) -> None:
+        optimizer = self.optimizer
+        if vars(optimizer).get("step") is not self._step:
+            return  # wrapped again since (an LR scheduler): ours stays and only passes through
+        if self._had_step:
+            optimizer.step = self._inner_step
+        else:
+            del optimizer.step
+
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # A subclass whose step calls super().step() runs the hooks at both levels: only the outer acts
+        self._depth += 1
+        if self._depth > 1:
+            return
         self._swap_out(self._swapped)  # a step that raised left its copies in place
         t = self.step
         for group in self.optimizer.param_groups:
@@ -144,6 +185,9 @@ class StochasticRounding:
         self._swapped = self._swap_in(self._float32_copy)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
         t = self.step
         with torch.no_grad():
             for _, _, param, stand_in in self._swapped:
@@ -169,6 +213,7 @@ class StochasticRounding:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._unwrap_step()
 
 
 def stochastic_rounding(optimizer: torch.optim.Optimizer, seed: Union[int, Key], *,

@@ -29,7 +29,6 @@ import torch
 
 from keyinit._bits.sround import TARGETS
 from keyinit._draw import dispatch
-from keyinit._draw.reference_sround import round_into
 from keyinit.distributions import (
     Bernoulli,
     Bits,
@@ -252,7 +251,7 @@ def stochastic_round(key: Key, x: torch.Tensor, dtype: torch.dtype, *, global_sh
         _check_out(out_local, normalized.region_shape, dtype)
     if local.numel() and local.device.type != "meta":
         with torch.no_grad():
-            round_into(out_local, local, key, normalized)
+            dispatch.sround(out_local, local, key, normalized)
     if out is not None:
         return out
     if dtensor is not None:

@@ -33,6 +33,7 @@ from keyinit.distributions import (
 )
 from keyinit.keys import key
 from keyinit.regions import make_region
+from keyinit._kernels.fill import selftest_sround as _sround_selftest
 
 # The kernel is compared with the reference case by case, so these tests use the library whether or
 # not it passed its load-time self-test: a kernel bug fails the tests that describe it, never turns
@@ -393,6 +394,8 @@ def test_build_variants_agree(variant, native, extra, tmp_path, monkeypatch):
         expected = torch.empty_like(got)
         reference_fill.fill(expected, dist, KEY, reg)
         assert torch.equal(_bits(got), _bits(expected))
+    # keyed stochastic rounding (keyinit_sround) on the same build: its golden cases
+    assert _sround_selftest.run(lambda o, x, k, r, t: _cpu.sround(o, x, k, r, threads=t, lib=lib)) == []
 
 
 # ------------------------------------------------------------- property test

@@ -1,20 +1,22 @@
 """Chooses the implementation of every kernel family: the one seam between keyinit and its kernels.
 
-Three families, each with one call here:
+Four families, each with one call here:
 
 - :func:`fill`: a distribution's values for a region (``keyinit.random``, the
   initializers, replayed init code);
 - :func:`dropout`: keyed dropout of a tensor laid out by a
   :class:`~keyinit._draw.dropout_geometry.Geometry` (the ``keyinit::dropout`` op and its
   eager form, ``keyinit.nn._op``);
-- :func:`permute`: the keyed permutation at some positions (``keyinit.data``).
+- :func:`permute`: the keyed permutation at some positions (``keyinit.data``);
+- :func:`sround`: keyed stochastic rounding of a region's values (``keyinit.random.stochastic_round``,
+  ``keyinit.optim``; ``docs/spec.md`` section 17).
 
 Each stream version has each family as a :class:`Kernels` in :data:`KERNELS`,
 the kernel table: a reference that runs on any device and kernels by device
 type. Every kernel must produce exactly the reference's bits, and the tests hold
 them to it. The table is one of keyinit's documented registries. Stream v1's
 references are here, one floor below every kernel (``reference_fill``,
-``reference_dropout``, ``reference_permutation``); its kernels register
+``reference_dropout``, ``reference_permutation``, ``reference_sround``); its kernels register
 themselves from above (:func:`keyinit._kernels.register`, which importing keyinit calls):
 
 - CPU tensors: the compiled C kernels (``keyinit._kernels.fill.cpu``,
@@ -65,10 +67,10 @@ from keyinit.keys import Key
 from keyinit.regions import Region
 
 __all__ = ["KernelRef", "Kernels", "KERNELS", "FAMILIES", "kernels", "register_family", "register_kernel",
-           "kernels_disabled", "fill", "dropout", "permute"]
+           "kernels_disabled", "fill", "dropout", "permute", "sround"]
 
 #: The kernel families every stream version has.
-FAMILIES = ("fill", "dropout", "permutation")
+FAMILIES = ("fill", "dropout", "permutation", "sround")
 
 
 def kernels_disabled() -> bool:
@@ -156,6 +158,7 @@ KERNELS: dict[str, dict[str, Kernels]] = {
         "fill": Kernels(KernelRef("keyinit._draw.reference_fill", "fill")),
         "dropout": Kernels(KernelRef("keyinit._draw.reference_dropout", "dropout")),
         "permutation": Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into")),
+        "sround": Kernels(KernelRef("keyinit._draw.reference_sround", "round_into")),
     },
     # v2 is v1 with keyed forwards' extent-free names (docs/spec.md 14.8), which reach the same families
     # through a geometry's high counter words: the same references (and kernels, keyinit._kernels), but for
@@ -164,6 +167,7 @@ KERNELS: dict[str, dict[str, Kernels]] = {
         "fill": Kernels(KernelRef("keyinit._draw.names", "fill")),
         "dropout": Kernels(KernelRef("keyinit._draw.reference_dropout", "dropout")),
         "permutation": Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into")),
+        "sround": Kernels(KernelRef("keyinit._draw.reference_sround", "round_into")),
     },
 }
 
@@ -277,3 +281,17 @@ def permute(key: Key, n: int, inverse: bool, out: torch.Tensor, *, positions: Op
         kp = permutation_key(key, n).words  # derived in the key's own stream
         family.run(out.device.type, kp, n, inverse, out, positions=positions, start=start, step=step)
     return out
+
+
+def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region) -> None:
+    """Write ``x`` (float32 or float64, shaped like ``region``) rounded stochastically to ``out.dtype`` into
+    ``out`` (same shape), keyed by ``key`` and each element's global index (``docs/spec.md`` section 17).
+    Under a dispatch mode, into or from a subclass, or into a negated view: the reference, through torch."""
+    family = kernels(key.stream, "sround")
+    if out.numel() == 0 or out.device.type == "meta":
+        return
+    if _intercepted(out) or _intercepted(x) or out.is_neg() or out.is_conj():
+        reference = family.reference.resolve()
+        reference(out, x, key, region)
+        return
+    family.run(out.device.type, out, x, key, region)

@@ -9,7 +9,10 @@ library must reproduce before it is used):
   log and the normal quantile, are ``fill/fp32math.h``, its stores ``fill/store.h``), and under stream
   v2 a keyed forward's random op by the elements' extent-free names (``keyinit_fill_high``);
 - ``dropout/``: keyed dropout (``dropout_kernels.c``);
-- ``permutation/``: the keyed permutation (``permutation_kernels.c``).
+- ``permutation/``: the keyed permutation (``permutation_kernels.c``);
+- keyed stochastic rounding (``docs/spec.md`` section 17) is the fill library's ``keyinit_sround``
+  (``fill/sround.h``: the fill walk's words, then section 17.2's integer rule; CPU, binary32 sources;
+  ``fill/selftest_sround.py`` its golden digests): the other cases take the reference.
 
 ``common/`` is what they share: one Philox (``philox.h``; ``triton_philox.py`` for Triton), one
 set of float conversions (``convert.h``), one thread pool (``parallel.h``), the distribution and
@@ -40,6 +43,7 @@ _V1 = (
     ("dropout", "cuda", "keyinit._kernels.dropout.triton", "run"),
     ("permutation", "cpu", "keyinit._kernels.permutation.cpu", "run"),
     ("permutation", "cuda", "keyinit._kernels.permutation.triton", "run"),
+    ("sround", "cpu", "keyinit._kernels.fill.cpu", "sround"),
 )
 
 

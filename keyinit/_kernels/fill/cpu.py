@@ -22,13 +22,15 @@ from keyinit.distributions import Bernoulli, Distribution, Normal, Randint, Trun
 from keyinit.keys import Key
 from keyinit.regions import Region
 
+from keyinit._bits.streams import stream_words
 from keyinit._kernels.fill import selftest as _selftest
+from keyinit._kernels.fill import selftest_sround as _selftest_sround
 from keyinit._kernels.common.ids import DIST_IDS, DTYPE_IDS
 from keyinit._kernels.common.library import I64P, MAX_DIMS, CompiledLibrary
 from keyinit._draw.geometry import geometry
 from keyinit._draw.names import named_geometry, naming_shape
 
-__all__ = ["KERNEL", "available", "fill", "fill_named", "fill_v2", "fill_folded", "mt_seed", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
+__all__ = ["KERNEL", "available", "fill", "fill_named", "fill_v2", "fill_folded", "sround", "SROUND_TARGETS", "mt_seed", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
 
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 16
@@ -62,6 +64,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]
     lib.keyinit_mt_seed.restype = None
     lib.keyinit_mt_seed.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int, ctypes.c_void_p]
+    lib.keyinit_sround.restype = ctypes.c_int
+    lib.keyinit_sround.argtypes = [
+        ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int, ctypes.c_int64, I64P, I64P, I64P,
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+    ]
     lib.keyinit_philox_range.restype = None
     lib.keyinit_philox_range.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32,
                                          ctypes.c_void_p]
@@ -77,6 +84,8 @@ def _selftest_run(lib: ctypes.CDLL) -> list[str]:
     failed += _selftest.run_folded(
         lib.keyinit_derive, lambda out, dist, key, region: fill(out, dist, key, region, threads=1, lib=lib),
         lambda out, dist, key, fold0, fold1: fill_folded(out, dist, key, fold0, fold1, threads=1, lib=lib))
+    failed += _selftest_sround.run(lambda out, x, key, region, threads: sround(out, x, key, region,
+                                                                               threads=threads, lib=lib))
     return failed + _selftest.run_mt_seed(lambda key: mt_seed(key, lib))
 
 
@@ -204,6 +213,44 @@ def fill_folded(out: torch.Tensor, dist: Distribution, key: Key, fold0: int, fol
                                  (ctypes.c_int64 * 4)(*i), out.numel(), out.data_ptr(), threads)
     if rc != 0:  # pragma: no cover - arguments are validated above
         raise RuntimeError(f"keyinit_fill_folded failed with code {rc}")
+    torch.autograd.graph.increment_version(out)
+    return True
+
+
+#: The targets of ``keyinit_sround`` (its ``KI_SR_*`` ids, ``sround.h``), from binary32 sources.
+SROUND_TARGETS = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e5m2: 2, torch.float8_e4m3fn: 3}
+
+
+def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, threads: Optional[int] = None,
+           lib: Optional[ctypes.CDLL] = None) -> bool:
+    """Keyed stochastic rounding (``docs/spec.md`` section 17) of ``x`` (float32, shaped like ``region``)
+    into ``out`` with ``keyinit_sround``: the fill kernel's words of the region (as ``bits`` draws them),
+    then section 17.2's integer rule. ``False`` (nothing written) if the kernel cannot do it (a float64
+    source, a device other than the CPU, a stream whose element words are not v1's)."""
+    target = SROUND_TARGETS.get(out.dtype)
+    if (target is None or x.dtype != torch.float32 or out.device.type != "cpu" or x.device.type != "cpu"
+            or out.dim() > MAX_DIMS or key.impl.words is not stream_words):
+        return False
+    lib = lib if lib is not None else KERNEL.usable(library)
+    if lib is None:
+        return False
+    if out.numel() == 0:
+        return True
+    base, dims = geometry(out, region)
+    src = x.detach()
+    if src.is_neg() or any(n > 1 and a != b for n, a, b in zip(out.shape, out.stride(), src.stride())):
+        # the kernel reads the source at the destination's offsets: the values laid out as out is
+        src = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32).copy_(src)
+    nd = len(dims)
+    if threads is None:
+        threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
+    keep_alive = [d[3] for d in dims]  # noqa: F841 - index vectors must outlive the call
+    rc = lib.keyinit_sround(target, key.k0, key.k1, nd, base, (ctypes.c_int64 * nd)(*(d[0] for d in dims)),
+                            (ctypes.c_int64 * nd)(*(d[1] for d in dims)), (ctypes.c_int64 * nd)(*(d[2] for d in dims)),
+                            (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims)),
+                            src.data_ptr(), out.data_ptr(), threads)
+    if rc != 0:  # pragma: no cover - arguments are validated above
+        raise RuntimeError(f"keyinit_sround failed with code {rc}")
     torch.autograd.graph.increment_version(out)
     return True
 

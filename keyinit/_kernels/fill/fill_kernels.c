@@ -137,6 +137,8 @@ typedef struct {
     char *out;
     int elsize;
     int64_t numel;
+    const char *src; /* stochastic rounding (sround.h): the binary32 values, out's strides; else NULL */
+    int target;      /* its target format (KI_SR_*) */
 } plan_t;
 
 static int elsize_of(int dtype)
@@ -233,6 +235,7 @@ static void transform_tile(const plan_t *P, const uint32_t *wp, int64_t m, value
 /* ---------------------------------------------------------- store a tile (store.h) */
 
 #include "store.h"
+#include "sround.h"
 
 /* ---------------------------------------------------------------- a tile */
 
@@ -265,6 +268,10 @@ static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const uint64_
 /* The values of m elements (m <= TILE) of words wp, stored (o, o0, os: as do_tile's). */
 static void finish_tile(const plan_t *P, const uint32_t *wp, const int64_t *o, int64_t o0, int64_t os, int64_t m)
 {
+    if (P->src != NULL) { /* keyinit_sround: the words round the source's values */
+        sround_tile(P, wp, o, o0, os, m);
+        return;
+    }
     /* Write straight into the destination when it has the value buffer's type. */
     const int float_values = P->dist == KI_DIST_UNIFORM || P->dist == KI_DIST_NORMAL ||
                              P->dist == KI_DIST_TRUNCATED_NORMAL;

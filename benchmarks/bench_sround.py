@@ -1,0 +1,173 @@
+"""Keyed stochastic rounding against the randint-and-mask peer, and a keyed SR AdamW step against round to nearest.
+
+    python benchmarks/bench_sround.py            # 1M and 16M elements, 1 and 2 threads; the AdamW step
+    python benchmarks/bench_sround.py --quick    # fewer repeats
+    python benchmarks/bench_sround.py --only ops # (or --only adamw) one section
+
+Sections (every ratio is peer time / keyinit time, so >= 1 means keyinit is at least as fast):
+
+1. per element, float32 -> bfloat16 and -> float16, into a preallocated tensor:
+   ``keyinit.random.stochastic_round(key, x, dtype, out=out)`` (the compiled CPU kernel, ``docs/spec.md``
+   section 17) vs the randint-and-mask SR of OneTrainer and torchao's bf16 optimizers,
+   ``(x.view(torch.int32) + torch.randint(0, 1 << 16, x.shape, dtype=torch.int32)) & -65536``, in its
+   fastest form (in place, the truncated float32 converted exactly into ``out``; the form read as
+   bfloat16 through its upper half, ``.view(torch.bfloat16)[..., 1::2]``, is measured too); for float16
+   the same with 13 random bits (``& -8192``, then converted to float16, exact in float16's normal
+   range): the global RNG's draws, not keyed;
+2. one AdamW step of a small bfloat16 MLP (4 blocks of 512 -> 2048 -> 512, 8.4M parameters, gradients
+   fixed): ``keyinit.optim.stochastic_rounding`` (float32 step, keyed SR into the bf16 parameters) vs
+   (a) the same float32 step with the new values rounded to nearest (the same hooks, the rounding
+   replaced by ``out.copy_(x)``: the cost of SR itself) and (b) torch's AdamW on the bf16 parameters
+   as they are (bf16 state, round to nearest).
+
+Timings alternate peer and keyinit call by call (round ``r`` starts with a different one) after a warm-up
+and report the MEDIAN of the repeats. This is not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import keyinit  # noqa: E402
+import keyinit.optim  # noqa: E402
+from keyinit.random import stochastic_round  # noqa: E402
+
+KEY = keyinit.key(1234)
+
+
+def median_all(fns, repeats: int) -> list[float]:
+    """Median wall times of each of ``fns``, called in turn (round ``r`` starting at ``fns[r % len]``)."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(repeats):
+        first = r % len(fns)
+        for i in (*range(first, len(fns)), *range(first)):
+            start = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def peer_bf16_upper_half(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """OneTrainer / torchao, as written: 16 random low bits added to the float32 pattern, truncated; the
+    upper half read as bfloat16 (little-endian: element 1 of each pair) and copied into ``out``."""
+    rounded = (x.view(torch.int32) + torch.randint(0, 1 << 16, x.shape, dtype=torch.int32)) & -65536
+    return out.copy_(rounded.view(torch.bfloat16)[..., 1::2])
+
+
+def peer_bf16(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The same arithmetic in place, the truncated float32 converted (exactly) into ``out``: the fastest form
+    measured here (4.2 ns per element against 6.9 for :func:`peer_bf16_upper_half`, 1 thread, 4M), the peer."""
+    rounded = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32)
+    rounded.add_(x.view(torch.int32)).bitwise_and_(-65536)
+    return out.copy_(rounded.view(torch.float32))
+
+
+def peer_fp16(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The same for float16's 13 dropped fraction bits (float16's normal range), converted to float16."""
+    rounded = torch.randint(0, 1 << 13, x.shape, dtype=torch.int32)
+    rounded.add_(x.view(torch.int32)).bitwise_and_(-8192)
+    return out.copy_(rounded.view(torch.float32))
+
+
+PEERS = {torch.bfloat16: peer_bf16, torch.float16: peer_fp16}
+#: Measured beside the peers (the bf16 peer as OneTrainer / torchao write it).
+ALSO = {torch.bfloat16: peer_bf16_upper_half}
+
+
+def bench_ops(sizes, threads_list, repeats: int) -> list[dict]:
+    rows = []
+    for n in sizes:
+        x = keyinit.random.normal(keyinit.key(7), (n,), std=1.0)
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            for dtype, peer in PEERS.items():
+                out_peer = torch.empty(n, dtype=dtype)
+                out_mine = torch.empty(n, dtype=dtype)
+                fns = [lambda: peer(x, out_peer), lambda: stochastic_round(KEY, x, dtype, out=out_mine)]
+                if dtype in ALSO:
+                    fns.append(lambda: ALSO[dtype](x, out_peer))
+                t_peer, t_mine, *t_also = median_all(fns, repeats)
+                rows.append({"n": n, "threads": threads, "dtype": str(dtype).removeprefix("torch."),
+                             "peer_ns": 1e9 * t_peer / n, "keyinit_ns": 1e9 * t_mine / n,
+                             "ratio": t_peer / t_mine, "also_ns": [1e9 * t / n for t in t_also]})
+    return rows
+
+
+def _mlp() -> torch.nn.Module:
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)]
+    model = torch.nn.Sequential(*layers)
+    keyinit.init_model(model, seed=0)
+    model.to(torch.bfloat16)
+    for fqn, p in model.named_parameters():
+        p.grad = keyinit.random.normal(keyinit.key_for(keyinit.key(9), fqn), p.shape, std=1e-3, dtype=p.dtype)
+    return model
+
+
+def _nearest(key, x, dtype, *, out):
+    return out.copy_(x)
+
+
+def bench_adamw(threads_list, repeats: int) -> list[dict]:
+    rows = []
+    keyed, nearest, plain = _mlp(), _mlp(), _mlp()
+    opt_keyed = torch.optim.AdamW(keyed.parameters(), lr=1e-4)
+    keyinit.optim.stochastic_rounding(opt_keyed, 5, names=keyed)
+    opt_nearest = torch.optim.AdamW(nearest.parameters(), lr=1e-4)
+    keyinit.optim.stochastic_rounding(opt_nearest, 5, names=nearest)
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+
+    def step_nearest():
+        with mock.patch.object(keyinit.optim, "stochastic_round", _nearest):
+            opt_nearest.step()
+
+    params = sum(p.numel() for p in keyed.parameters())
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        t_keyed, t_nearest, t_plain = median_all((opt_keyed.step, step_nearest, opt_plain.step), repeats)
+        rows.append({"threads": threads, "params": params, "keyed_ms": 1e3 * t_keyed,
+                     "f32_nearest_ms": 1e3 * t_nearest, "bf16_torch_ms": 1e3 * t_plain,
+                     "keyed/f32_nearest": t_keyed / t_nearest, "keyed/bf16_torch": t_keyed / t_plain})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=("ops", "adamw"))
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    repeats = 7 if args.quick else 21
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads available; medians of {repeats}")
+    if args.only in (None, "ops"):
+        print("\n1. stochastic rounding per element, float32 -> dtype (ratio: peer / keyinit, >= 1.0 is the target)")
+        print(f"{'n':>9} {'thr':>3} {'dtype':>9} {'peer ns':>8} {'keyinit ns':>10} {'ratio':>6}  upper-half peer ns")
+        for r in bench_ops((1 << 20, 1 << 24), args.threads, repeats):
+            also = " ".join(f"{t:.3f}" for t in r["also_ns"])
+            print(f"{r['n']:>9} {r['threads']:>3} {r['dtype']:>9} {r['peer_ns']:>8.3f} {r['keyinit_ns']:>10.3f} "
+                  f"{r['ratio']:>6.2f}  {also}")
+    if args.only in (None, "adamw"):
+        print("\n2. one AdamW step, bf16 MLP (ratio: keyed / peer, <= 1.1 is the target)")
+        for r in bench_adamw(args.threads, repeats):
+            print(f"threads {r['threads']}, {r['params']} parameters: keyed SR {r['keyed_ms']:.2f} ms, "
+                  f"float32 step + round to nearest {r['f32_nearest_ms']:.2f} ms "
+                  f"(ratio {r['keyed/f32_nearest']:.3f}), torch AdamW on bf16 {r['bf16_torch_ms']:.2f} ms "
+                  f"(ratio {r['keyed/bf16_torch']:.3f})")
+
+
+if __name__ == "__main__":
+    main()
