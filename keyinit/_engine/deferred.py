@@ -33,7 +33,7 @@ import torch
 
 from keyinit._engine.megatron_records import whole_node
 from keyinit._engine.capture import Capture, LazyTensor
-from keyinit._engine.escape import concretize_attributes, forget_escaped, sweep_escaped
+from keyinit._engine.escape import concretize_attributes, escaped_values, forget_escaped, swap_in
 from keyinit._engine.guard import ModelState
 from keyinit._engine.lazy import check_lazy
 from keyinit._engine.program import StridedView, Literal, Node, Read, Storage, Write
@@ -182,7 +182,8 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
 
     Everything that can fail (a record, a stand-in in a plain attribute that holds a draw) runs
     before any table is touched: when it raises, every module the builder was given (a real
-    pretrained backbone) keeps its own tensors."""
+    pretrained backbone) keeps its own tensors. Only the in-place swap of escaped stand-ins runs
+    after (torch refuses a tensor a view still holds); :func:`deferred` puts those modules back then."""
     replaced: dict[int, torch.Tensor] = {}
     values: dict[int, Node] = {}
     installs: list[tuple[torch.nn.Module, ConstructorRecord, list[tuple[dict, str, torch.Tensor]]]] = []
@@ -210,11 +211,16 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
     # gets its meta replacement; any other stand-in its real value.
     for module_fqn, module in model.named_modules(remove_duplicate=True):
         concretize_attributes(capture, module, module_fqn, replaced, site=f"{builder}(...)")
-    sweep_escaped(capture, replaced, f"{builder}(...)")  # an lru_cache, a hook's closure, a class attribute
-    for module, record, swaps in installs:  # nothing below can fail
+    # an lru_cache, a hook's closure, a class attribute (a model tensor a cache holds too): their real values
+    escaped = escaped_values(capture, replaced, f"{builder}(...)", model)
+    tensor = None  # (the last stand-in of the loops above: it would hold a cached table a view of it was taken from)
+    for module, record, swaps in installs:
         for table, name, meta in swaps:
             table[name] = meta
         object.__setattr__(module, RECORD_ATTRIBUTE, record)
+    # the model holds meta tensors now, and no view of a cached table: in place (a refusal clears the caches,
+    # and deferred() puts back the modules it was given)
+    swap_in(escaped, f"{builder}(...)")
 
 
 def _value_node(tensor: torch.Tensor, capture: Capture, fqn: str) -> Node:

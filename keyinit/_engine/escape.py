@@ -14,13 +14,16 @@ Stand-ins kept where no walk of the model reaches them (a ``functools.lru_cache`
 closure cell of a hook, a ``functools.partial`` forward hook, a class attribute cache) are found by
 :func:`sweep_escaped` (the capture keeps a weak reference to each stand-in it makes: those still alive
 when the build ends escaped it) and turned into real tensors in place
-(``torch.utils.swap_tensors``), so every reference sees the values eager torch would hold.
+(``torch.utils.swap_tensors``), so every reference sees the values eager torch would hold. A model
+tensor such a holder shares (``register_buffer("cos", rope_table(n))`` of an ``lru_cache`` helper) is one
+too: the model gets a meta tensor, the holder keeps the stand-in object, which gets its real value.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import sys
 import types
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Optional
@@ -30,7 +33,8 @@ import torch
 from keyinit._engine.capture import Capture, CaptureError, LazyTensor
 from keyinit.errors import UnkeyedRandomnessError
 
-__all__ = ["concretize_attributes", "derived_attributes", "sweep_escaped", "forget_escaped"]
+__all__ = ["concretize_attributes", "derived_attributes", "sweep_escaped", "escaped_values", "swap_in",
+           "forget_escaped"]
 
 #: nn.Module's own bookkeeping attributes (its parameter, buffer, module and hook tables).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
@@ -230,15 +234,31 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
     """Give every stand-in of ``capture`` still alive outside the model its real value, in place; one
     whose value depends on a random draw is an :class:`UnkeyedRandomnessError` naming what holds it
     (nothing is changed then). Stand-ins of model tensors (``replaced``) are left alone."""
-    if not _alive(capture, replaced):
+    swap_in(escaped_values(capture, replaced, site), site)
+
+
+def escaped_values(capture: Capture, replaced: Mapping[int, torch.Tensor], site: str,
+                   model: Optional[torch.nn.Module] = None) -> list:
+    """The first half of :func:`sweep_escaped`: ``[(stand-in, its real value)]`` of every stand-in of
+    ``capture`` alive outside the model, for :func:`swap_in`; errors are raised here, before anything is
+    changed. Stand-ins of model tensors (``replaced``) are left out, but for one that ``model`` (its
+    parameter and buffer tables) shares with another holder (``register_buffer("cos", table(n))`` of a
+    ``functools.lru_cache`` helper): that holder keeps the stand-in object after the model's tables get meta
+    tensors, so it gets its real value (at the end of construction, as eager torch holds it there). Swap
+    them in once the model holds meta tensors: a model tensor that is a view of a cached table holds it."""
+    shared = _shared_model_tensors(capture, replaced, model) if model is not None else []
+    shared_fqns = {id(lazy): fqn for fqn, lazy in shared}
+    if not shared and not _alive(capture, replaced):
         capture.made.clear()
-        return
+        return []
     gc.collect()  # only what is still referenced counts (weak references do not keep it)
     bases = {id(model._base) for model in map(_deref, capture.made)
              if model is not None and id(model) in replaced and model._base is not None}
     # (no walrus here: its name would be a cell of this function holding the last stand-in)
     found = [lazy for lazy in map(_deref, _alive(capture, replaced)) if lazy is not None]
     found = [lazy for lazy in found if not _only_a_base_of(lazy, bases, found)]
+    found += [lazy for _, lazy in shared]
+    del shared  # (only ``found`` holds them from here: the referrer walks below must not see another list)
     capture.made.clear()  # swap_tensors refuses a tensor with weak references
     found.sort(key=lambda lazy: lazy._base is None)  # views first: what holds a view can be named
     values = []
@@ -254,6 +274,7 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
                     drawn.append(other)
             names: list[str] = []
             objects: list[Any] = []
+            caches: list[str] = []
             for tensor in drawn:
                 held, by = _holders(tensor, found, drawn)
                 names += [held] if held else []
@@ -261,7 +282,17 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
                 for cache in _referrers(tensor, found, depth=3):  # a cache: cleared, so later calls compute again
                     if isinstance(cache, functools._lru_cache_wrapper):
                         cache.cache_clear()
+                        caches.append(_cache_name(cache))
             holders = ", ".join(dict.fromkeys(names)) or "an object keyinit cannot name"
+            fqns = [shared_fqns[id(t)] for t in drawn if id(t) in shared_fqns]
+            if fqns:
+                where = ", ".join(dict.fromkeys(caches)) or holders
+                raise UnkeyedRandomnessError(
+                    f"{site}: {', '.join(fqns)} (shape {tuple(lazy.shape)}) holds random draws and is also held by "
+                    f"{where}; keyinit keys a draw by the parameter or buffer it lands in when the model is "
+                    f"materialized and cannot give that holder the same values: draw the tensor in the constructor "
+                    f"without caching it, or cache only what holds no draw"
+                    + (" (the cache was cleared)" if caches else "")) from exc
             remedy = ("torch's pruning keeps it in its forward pre-hook (global_unstructured, custom_from_mask on "
                       "drawn weights): prune after materialize, on the real weights"
                       if any(isinstance(o, _recomputing_hooks()[2]) for o in objects) else
@@ -274,6 +305,14 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
     # on its base, which swap_tensors needs gone
     pairs = sorted(zip(found, values), key=lambda pair: pair[0]._base is None)
     del found, values
+    return pairs
+
+
+def swap_in(pairs: list, site: str) -> None:
+    """Give each stand-in of ``pairs`` (from :func:`escaped_values`, which this empties) its real value in
+    place (``torch.utils.swap_tensors``), so every reference sees it. Where torch refuses (a view of it is
+    still held elsewhere), each ``functools.lru_cache`` holding one of them is cleared, so later calls compute
+    real tensors, and a :class:`CaptureError` names what holds it."""
     for i in range(len(pairs)):
         lazy, value = pairs[i]
         pairs[i] = None
@@ -281,10 +320,59 @@ def sweep_escaped(capture: Capture, replaced: Mapping[int, torch.Tensor], site: 
         try:
             torch.utils.swap_tensors(lazy, value)
         except RuntimeError as exc:
+            held, _ = _holders(lazy, pairs, [])
+            rest = [pair[0] for pair in pairs if pair is not None]
+            caches = []
+            for tensor in [lazy] + rest:
+                for cache in _referrers(tensor, pairs, depth=3):
+                    if isinstance(cache, functools._lru_cache_wrapper):
+                        cache.cache_clear()
+                        caches.append(_cache_name(cache))
+            del rest, tensor
+            held = ", ".join(dict.fromkeys(caches)) or held
             raise CaptureError(f"{site}: code stored a tensor of shape {tuple(lazy.shape)} outside the model's "
-                               f"parameters and buffers, where keyinit cannot give it its values in place ({exc}); "
-                               f"register it as a buffer") from exc
+                               f"parameters and buffers, in {held or 'an object keyinit cannot name'}, where keyinit "
+                               f"cannot give it its values in place ({exc}); register it as a buffer, or compute it "
+                               f"in forward (a functools.lru_cache holding it was cleared)") from exc
         del lazy, value
+
+
+def _cache_name(cache: Any) -> str:
+    """``the functools.lru_cache of module.function``."""
+    fn = getattr(cache, "__wrapped__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"the functools.lru_cache of {getattr(fn, '__module__', None) or '?'}.{name}"
+
+
+def _shared_model_tensors(capture: Capture, replaced: Mapping[int, torch.Tensor],
+                          model: torch.nn.Module) -> list[tuple[str, LazyTensor]]:
+    """``(fqn, stand-in)`` of each parameter or buffer stand-in of ``model`` that something besides the
+    model's parameter and buffer tables holds (a ``functools.lru_cache``, a global dict, a closure)."""
+    tables = {id(table): table for module in model.modules()
+              for table in (module._parameters, module._buffers)}  # each table once (a module used twice)
+    held: dict[int, int] = {}  # id(stand-in) -> how many table entries hold it (a tie: several)
+    for table in tables.values():
+        for tensor in table.values():
+            if isinstance(tensor, LazyTensor) and tensor._capture is capture and id(tensor) in replaced:
+                held[id(tensor)] = held.get(id(tensor), 0) + 1
+    fqns: list[str] = []
+    tensors: list[LazyTensor] = []
+    for module_fqn, module in model.named_modules(remove_duplicate=True):
+        for table in (module._parameters, module._buffers):
+            for name in list(table.keys()):  # (not items(): its reused tuple would be one more reference)
+                tensor = table[name]
+                # a cheap test first: references beyond the tables' (and this loop's and getrefcount's own)
+                if id(tensor) in held and sys.getrefcount(tensor) > held.pop(id(tensor)) + 2:
+                    fqns.append(f"{module_fqn}.{name}" if module_fqn else name)
+                    tensors.append(tensor)
+    tensor = None
+    out = []
+    for i in range(len(tensors)):  # then who holds it: no frame, table or list of this function
+        if any(id(h) not in tables and h is not tensors and not isinstance(h, types.FrameType)
+               for h in gc.get_referrers(tensors[i])):
+            out.append((fqns[i], tensors[i]))
+    del tensors
+    return out
 
 
 def forget_escaped(capture: Capture) -> None:
