@@ -240,7 +240,7 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, threads
     src = x.detach()
     if src.is_neg() or any(n > 1 and a != b for n, a, b in zip(out.shape, out.stride(), src.stride())):
         # the kernel reads the source at the destination's offsets: the values laid out as out is
-        src = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32).copy_(src)
+        src = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device="cpu").copy_(src)
     nd = len(dims)
     if threads is None:
         threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())

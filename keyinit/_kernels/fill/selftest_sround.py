@@ -30,8 +30,8 @@ EDGES = (
 
 def inputs(n: int) -> torch.Tensor:
     """``n`` binary32 values: :data:`EDGES`, then bit patterns spread over all 2**32 (a Weyl sequence)."""
-    spread = (torch.arange(n, dtype=torch.int64) * 0x9E3779B9 + 0x7F4A7C15) & 0xFFFFFFFF
-    spread[: min(n, len(EDGES))] = torch.tensor(EDGES[:n], dtype=torch.int64)
+    spread = (torch.arange(n, dtype=torch.int64, device="cpu") * 0x9E3779B9 + 0x7F4A7C15) & 0xFFFFFFFF
+    spread[: min(n, len(EDGES))] = torch.tensor(EDGES[:n], dtype=torch.int64, device="cpu")
     return torch.where(spread >= 2**31, spread - 2**32, spread).to(torch.int32).view(torch.float32)
 
 
@@ -64,8 +64,8 @@ GOLDEN = {
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, layout: str) -> torch.Tensor:
     if layout == "transposed":
-        return torch.zeros(tuple(reversed(shape)), dtype=dtype).t()
-    return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(tuple(reversed(shape)), dtype=dtype, device="cpu").t()
+    return torch.zeros(shape, dtype=dtype, device="cpu")
 
 
 def run(sround: Callable[[torch.Tensor, torch.Tensor, Any, Any, int], bool]) -> list[str]:
