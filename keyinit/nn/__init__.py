@@ -11,7 +11,8 @@ global index):
   (``nn.Dropout``, ``F.dropout``, HF eager attention, ...) is keyed;
 - :func:`compile`: ``torch.compile`` for keyed forwards (keys and offsets are graph inputs);
 - :func:`checkpoint`: ``torch.utils.checkpoint.checkpoint`` whose recompute is keyed as its first execution;
-- :func:`dropout_key`: the key ``keyed`` gives a call (``docs/spec.md`` section 14).
+- :func:`dropout_key`: the key ``keyed`` gives a call (``docs/spec.md`` section 14);
+- :class:`Randomness`: ``keyed(randomness=)``, how a keyed forward indexes, numbers and seeds its draws.
 
 See ``docs/dropout.md``.
 """
@@ -23,6 +24,7 @@ from keyinit.nn._keyed import Keyed
 from keyinit.nn._pipeline import micro_batches
 from keyinit.nn._keys import DROPOUT_DOMAIN, dropout_key
 from keyinit.nn.modules import Dropout
+from keyinit.nn.policy import Randomness
 
 __all__ = ["functional", "Dropout", "keyed", "Keyed", "batch_dim", "checkpoint", "micro_batches", "compile", "KeyedCompiled",
-           "dropout_key", "DROPOUT_DOMAIN"]
+           "dropout_key", "DROPOUT_DOMAIN", "Randomness"]

@@ -11,6 +11,7 @@ from keyinit.nn._batch import Batch, annotate, declare
 from keyinit.keys import Key, as_uint64
 from keyinit.nn._checkpoint import Region
 from keyinit.nn._keyed import Keyed, current_forward, running_frame
+from keyinit.nn.policy import Randomness, resolve
 
 __all__ = ["keyed", "batch_dim", "checkpoint"]
 
@@ -39,8 +40,9 @@ def batch_dim(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
 
 
 def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: int,
-          sample_offset: Optional[int] = None, samples: Any = None, index: str = "tracked", inputs: Any = (),
-          host_random: str = "sample", calls: Optional[str] = None, stream: Optional[str] = None) -> Keyed:
+          sample_offset: Optional[int] = None, samples: Any = None, randomness: Optional[Randomness] = None,
+          inputs: Any = (), stream: Optional[str] = None, index: Optional[str] = None,
+          host_random: Optional[str] = None, calls: Optional[str] = None) -> Keyed:
     """Key every random op in ``model``'s forward by (seed, step, module FQN, call ordinal, sample, place).
 
     Use it around each forward (and backward)::
@@ -70,15 +72,18 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     why; :func:`keyinit.nn.batch_dim` declares a tensor's batch.
 
     Python's ``random`` and ``numpy.random`` are seeded per root forward and
-    restored after it; ``host_random`` (``"sample"``, ``"forward"``,
+    restored after it; ``randomness=Randomness(host=...)`` (``"sample"``, ``"rows"``,
     ``"replicated"``) says from what, and whether a forward of several samples
     may draw from them (:mod:`keyinit.nn._hostrandom`, ``docs/spec.md`` 14.7).
     Randomness outside the model's forwards is left alone; the global RNGs are
-    never read or advanced. ``index="dim0"`` keeps stream v1's first rule
+    never read or advanced. ``Randomness(index="dim0")`` keeps stream v1's first rule
     (dimension 0 of each dropout input is the batch; other draws refused; calls
-    numbered per execution). ``calls="execution"`` keeps that rule's numbering
+    numbered per execution). ``Randomness(calls="execution")`` keeps that rule's numbering
     alone: the count restarts at each execution of a module, so two executions of
     one module in a forward share their keys (``docs/spec.md`` 14.4).
+    :class:`keyinit.nn.Randomness` (:mod:`keyinit.nn.policy`) holds the three choices;
+    the keywords ``index=``, ``calls=`` and ``host_random=`` (``"forward"`` for
+    ``host="rows"``) still work, with a ``DeprecationWarning`` naming the new spelling.
 
     ``model`` may also be a name (``"diffusion.noise"``): the whole block is then
     one root forward under that FQN, whose batch-holding tensors are ``inputs``
@@ -121,6 +126,7 @@ def keyed(model: Union[torch.nn.Module, str], seed: Union[int, Key], *, step: in
     elements are named by their coordinates, not by the token's position, so pad on the right
     (``docs/dropout.md``, "Padding and packing").
     """
+    index, calls, host_random = resolve(randomness, index=index, calls=calls, host_random=host_random)
     positions = None if samples is None else _positions_of(samples, sample_offset, step)
     ctx = Keyed(model, seed, step, sample_offset if positions is None else positions.first, index, inputs,
                 host_random, calls, stream)

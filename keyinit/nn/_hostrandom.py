@@ -5,7 +5,8 @@ placed in a sample the way a torch op on a batch-holding tensor is. So inside a
 root forward both are seeded from a key of their own and given back their state
 when the forward returns (no value depends on the global states, and they are
 left as they were), and what that key is follows what the forward holds
-(``keyed(..., host_random=...)``):
+(``keyed(..., randomness=keyinit.nn.Randomness(host=...))``; the deprecated ``host_random=`` spells
+``"rows"`` as ``"forward"``):
 
 - ``"sample"`` (the default): a forward of exactly one sample ``s`` seeds them
   from (root forward key, ``s``), so each sample's values are its own, whatever
@@ -15,7 +16,7 @@ left as they were), and what that key is follows what the forward holds
   raises :class:`~keyinit.errors.UnkeyedRandomnessError` before its output
   reaches the caller: a draw there would depend on which rows the local batch
   holds.
-- ``"forward"``: a forward of samples ``s .. s+n-1`` seeds them from (root
+- ``"rows"``: a forward of samples ``s .. s+n-1`` seeds them from (root
   forward key, ``s``, ``n``): the same values on every rank and run for the same
   rows, but they depend on how the batch is split into forwards.
 - ``"replicated"``: every forward seeds them from the root forward key alone, so
@@ -149,9 +150,10 @@ SAMPLE_FIXES = (
     "forward of several rows depends on which rows the local batch holds). The global states are restored "
     "and the forward's output discarded. Fixes: run the forward one sample at a time (a batch of one row, "
     "or ctx.micro_batch(offset) per row: each sample then draws from its own keyed stream); or declare "
-    "keyinit.nn.keyed(..., host_random='forward') (keyed by the forward's rows: the same on every rank for "
-    "the same rows, but depending on how the batch is split) or host_random='replicated' (every forward "
-    "draws the same values: right for draws that are the same for every sample, such as a per-layer "
-    "decision); or turn the host-side randomness off (for Wav2Vec2-style models mask_time_prob=0 and "
+    "keyinit.nn.keyed(..., randomness=keyinit.nn.Randomness(host='rows')) (keyed by the forward's rows: the "
+    "same on every rank for the same rows, but depending on how the batch is split; the deprecated "
+    "host_random='forward') or Randomness(host='replicated') (every forward draws the same values: right for "
+    "draws that are the same for every sample, such as a per-layer decision; the deprecated "
+    "host_random='replicated'); or turn the host-side randomness off (for Wav2Vec2-style models mask_time_prob=0 and "
     "mask_feature_prob=0) or draw it with torch ops on the batch, which keyed() keys per sample"
 )
