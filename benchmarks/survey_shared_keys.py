@@ -3,7 +3,7 @@
 For every architecture of ``tests/_hf_arch.lm_architectures()`` and ``seq2seq_architectures()`` that
 builds from its tiny config and runs from token ids, one
 keyed train forward (every dropout-like probability 0.1) is run under each numbering rule of
-``keyed(..., calls=...)`` (docs/spec.md 14.4), recording the key of every draw. Under
+``keyed(..., randomness=Randomness(calls=...))`` (docs/spec.md 14.4), recording the key of every draw. Under
 ``calls="execution"`` (stream v1's first rule) a module's executions restart their count, so a module
 run twice draws with the same keys twice; under the default ``calls="forward"`` no key may repeat.
 
@@ -33,7 +33,7 @@ from tests._hf_arch import lm_architectures, seq2seq_architectures, tiny_config 
 
 def shared_keys(model: torch.nn.Module, inputs: dict, calls: str) -> dict[str, int]:
     """``{FQN: draws whose key an earlier draw of the forward had}`` of one keyed forward."""
-    with keys_drawn() as drawn, knn.keyed(model, 0, step=0, calls=calls):
+    with keys_drawn() as drawn, knn.keyed(model, 0, step=0, randomness=knn.Randomness(calls=calls)):
         model(**inputs)
     seen: set = set()
     repeated: Counter = Counter()
