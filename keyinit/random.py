@@ -42,7 +42,8 @@ from keyinit.keys import Key, require_key, as_int
 from keyinit.layouts import dtensor_class, target_for
 from keyinit.regions import RegionEntry, make_region, normalize_shape
 
-__all__ = ["bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint", "sample", "stochastic_round"]
+__all__ = ["bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint", "sample", "stochastic_round",
+           "ROUND_SOURCES", "ROUND_TARGETS"]
 
 ShapeLike = Union[Sequence[int], torch.Size, int]
 DeviceLike = Union[torch.device, str, None]

@@ -29,7 +29,7 @@ from typing import Any, Union
 import attrs
 import torch
 
-__all__ = ["Region", "RegionEntry", "IndexEntry", "normalize_shape", "make_region", "row_major_strides", "MAX_NUMEL"]
+__all__ = ["Region", "RegionEntry", "IndexEntry", "make_region", "MAX_NUMEL"]
 
 RegionEntry = Union[slice, range, Sequence[int], torch.Tensor]
 #: A normalized entry: a ``range`` of in-bounds indices, or an int64 CPU index tensor.
