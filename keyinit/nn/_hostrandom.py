@@ -149,7 +149,7 @@ SAMPLE_FIXES = (
     "belongs to (HF's SpecAugment draws one value per batch and then one per row; a per-row draw in a "
     "forward of several rows depends on which rows the local batch holds). The global states are restored "
     "and the forward's output discarded. Fixes: run the forward one sample at a time (a batch of one row, "
-    "or ctx.micro_batch(offset) per row: each sample then draws from its own keyed stream); or declare "
+    "or ctx.micro_batch(offset) per row: each sample's generators are then seeded by its own key); or declare "
     "keyinit.nn.keyed(..., randomness=keyinit.nn.Randomness(host='rows')) (keyed by the forward's rows: the "
     "same on every rank for the same rows, but depending on how the batch is split; the deprecated "
     "host_random='forward') or Randomness(host='replicated') (every forward draws the same values: right for "
