@@ -28,7 +28,7 @@ from typing import Optional
 
 import attrs
 
-__all__ = ["Randomness", "INDEX", "CALLS", "HOST", "resolve"]
+__all__ = ["Randomness", "INDEX", "CALLS", "HOST"]
 
 #: The values of :attr:`Randomness.index`.
 INDEX = ("tracked", "dim0")
