@@ -1,0 +1,1 @@
+"""The keyinit command line: demo, verify (and its fidelity check), slice."""

@@ -1,0 +1,1 @@
+"""keyinit.nn: keyed dropout and keyed forwards (keyed()), by feature in the folders below."""

@@ -1,0 +1,1 @@
+"""keyinit.nn.compile: a keyed forward under torch.compile draws what the eager keyed forward draws."""
