@@ -205,7 +205,7 @@ def section4(args) -> dict:
     torch.set_num_threads(1)
     cases = {"one_torch_rand": (lambda image: torch.rand(4), 50 if args.quick else 200)}
     try:
-        from tests._vision import define_torchvision_schemas
+        from tests._support.vision import define_torchvision_schemas
 
         define_torchvision_schemas()
         from torchvision.transforms import v2
@@ -271,7 +271,7 @@ def section5(args) -> dict:
     out: dict = {"threads": 1, "repeats": args.repeats}
     try:
         try:
-            from tests._vision import define_torchvision_schemas
+            from tests._support.vision import define_torchvision_schemas
 
             define_torchvision_schemas()
             from torchvision.transforms import v2

@@ -32,7 +32,7 @@ _LLAMA_125M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, nu
 
 def _transformers():
     sys.path.insert(0, str(REPO))
-    from tests._vision import define_torchvision_schemas  # the CUDA torchvision wheel beside CPU torch
+    from tests._support.vision import define_torchvision_schemas  # the CUDA torchvision wheel beside CPU torch
 
     define_torchvision_schemas()
     import transformers

@@ -36,7 +36,7 @@ import keyinit.nn as knn  # noqa: E402
 
 
 def build(dry: bool, device: str):
-    from tests._vision import define_torchvision_schemas
+    from tests._support.vision import define_torchvision_schemas
 
     define_torchvision_schemas()  # a CUDA torchvision wheel beside CPU torch (transformers imports it)
     from transformers import GPT2Config, GPT2LMHeadModel

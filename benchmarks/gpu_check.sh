@@ -2,7 +2,7 @@
 # One prepared device session (issue brief: GPU checks in one script). Writes logs under $OUT (or /tmp/gpu_out).
 #   bash benchmarks/gpu_check.sh            # all steps
 #   bash benchmarks/gpu_check.sh sweep gpt2 # some of them
-# steps: env, sweep (Triton dropout launches v1/v2 vs torch, bits checked), tests (tests/test_cuda.py and the
+# steps: env, sweep (Triton dropout launches v1/v2 vs torch, bits checked), tests (tests/gpu/test_cuda.py and the
 # Triton kernels on the device), drop (bench_dropout v1/v2, attention v2), gpt2 (a GPT-2-small bf16 training
 # step plain / keyed / torch.compile / keyinit.nn.compile), bench6 (bench.py's GPU targets).
 set -u
@@ -14,9 +14,9 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name ($(date +%T))"; timeout 
 { nvidia-smi -L; $PY -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.log" 2>&1; cat "$OUT/env.log"
 for s in "${steps[@]}"; do case $s in
   sweep) run sweep 110 $PY benchmarks/triton_dropout_sweep.py --json "$OUT/sweep.json" ;;
-  tests) run tests 140 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-           tests/test_dropout_triton_v2.py::test_gpu_kernel_gives_the_names_bit_for_bit \
-           tests/test_dropout_triton.py::test_gpu_kernel_is_bit_exact_forward_and_backward ;;
+  tests) run tests 140 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_cuda.py \
+           tests/gpu/test_dropout_triton_v2.py::test_gpu_kernel_gives_the_names_bit_for_bit \
+           tests/gpu/test_dropout_triton.py::test_gpu_kernel_is_bit_exact_forward_and_backward ;;
   drop) run drop_v1 50 $PY benchmarks/bench_dropout.py --device cuda --only ops --stream v1
         run drop_v2 50 $PY benchmarks/bench_dropout.py --device cuda --only ops --stream v2
         run attn_v2 50 $PY benchmarks/bench_dropout.py --device cuda --only attention --stream v2 ;;

@@ -1,6 +1,6 @@
 """Which HF LMs and seq2seq models run a module more than once per forward with draws of its own (not a test).
 
-For every architecture of ``tests/_hf_arch.lm_architectures()`` and ``seq2seq_architectures()`` that
+For every architecture of ``tests/_support/hf_arch.lm_architectures()`` and ``seq2seq_architectures()`` that
 builds from its tiny config and runs from token ids, one
 keyed train forward (every dropout-like probability 0.1) is run under each numbering rule of
 ``keyed(..., randomness=Randomness(calls=...))`` (docs/spec.md 14.4), recording the key of every draw. Under
@@ -27,8 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402
 
 import keyinit.nn as knn  # noqa: E402
-from tests._drawn_keys import keys_drawn  # noqa: E402
-from tests._hf_arch import lm_architectures, seq2seq_architectures, tiny_config  # noqa: E402
+from tests._support.drawn_keys import keys_drawn  # noqa: E402
+from tests._support.hf_arch import lm_architectures, seq2seq_architectures, tiny_config  # noqa: E402
 
 
 def shared_keys(model: torch.nn.Module, inputs: dict, calls: str) -> dict[str, int]:
@@ -45,7 +45,7 @@ def shared_keys(model: torch.nn.Module, inputs: dict, calls: str) -> dict[str, i
 
 
 def main() -> None:
-    from tests._vision import define_torchvision_schemas
+    from tests._support.vision import define_torchvision_schemas
 
     define_torchvision_schemas()
     ran, affected, failed = 0, {}, []

@@ -8,8 +8,8 @@
 For each model: build it eagerly twice (torch's RNG under two seeds, inside fork_rng), then
 ``keyinit.deferred`` + ``keyinit.materialize``, and compare every tensor with the model's own
 init (deterministic tensors bitwise, random ones by a two-sample KS test: the check of
-``tests/test_vision_zoo.py``). HF configs are the architecture's defaults shrunk field by field
-(``SMALL`` in ``tests/_hf_arch.py``); architectures whose shrunk config does not build eagerly are counted, not checked.
+``tests/zoo/test_vision_zoo.py``). HF configs are the architecture's defaults shrunk field by field
+(``SMALL`` in ``tests/_support/hf_arch.py``); architectures whose shrunk config does not build eagerly are counted, not checked.
 Prints one line per problem and a summary.
 """
 
@@ -27,11 +27,11 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import tests.conftest  # noqa: E402,F401 - the torchvision shim (see tests/_vision.py)
+import tests.conftest  # noqa: E402,F401 - the torchvision shim (see tests/_support/vision.py)
 import torch  # noqa: E402
 
 import keyinit  # noqa: E402
-from tests.test_vision_zoo import full_state, unfaithful  # noqa: E402
+from tests.zoo.test_vision_zoo import full_state, unfaithful  # noqa: E402
 
 TIMM = ["resnet18", "resnet50d", "resnext26ts", "seresnet18", "efficientnet_b0", "mobilenetv3_small_100",
         "mobilenetv2_050", "regnety_002", "convnext_atto", "convnextv2_atto", "vit_tiny_patch16_224",
@@ -148,7 +148,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--timm", action="store_true")
     parser.add_argument("--hf", default=None, help="a mapping of transformers.models.auto.modeling_auto, or 'all' "
-                        "(one class per model type: tests/_hf_arch.py)")
+                        "(one class per model type: tests/_support/hf_arch.py)")
     parser.add_argument("--layouts", action="store_true",
                         help="check with keyinit verify's engine: fidelity and fsdp4/tp2 regions bit for bit")
     parser.add_argument("--start", type=int, default=0)
@@ -165,7 +165,7 @@ def main() -> None:
         for name in TIMM[args.start:args.start + args.count]:
             check(lambda name=name: timm.create_model(name, num_classes=10), f"timm:{name}", stats, args.seconds)
     if args.hf:
-        from tests._hf_arch import architectures, tiny_factory
+        from tests._support.hf_arch import architectures, tiny_factory
 
         chosen = architectures() if args.hf == "all" else _mapping(args.hf)
         for model_type, class_name in chosen[args.start:args.start + args.count]:

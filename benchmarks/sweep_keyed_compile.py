@@ -3,7 +3,7 @@
     python benchmarks/sweep_keyed_compile.py                  # every architecture (about 12 minutes on 2 cores)
     python benchmarks/sweep_keyed_compile.py bert,opt,bart    # some
 
-Each architecture is built from its tiny config (``tests/_hf_arch.py``: every dropout-like probability
+Each architecture is built from its tiny config (``tests/_support/hf_arch.py``: every dropout-like probability
 0.1, LayerDrop 0), in train mode, and run under ``keyinit.nn.keyed`` eagerly and compiled by
 ``keyinit.nn.compile(model, backend="aot_eager")`` (dynamo and AOTAutograd over torch's own eager
 kernels, so equal values are expected bit for bit) at step 0 on rows 0..3 and at step 1 on rows 2..3
@@ -28,11 +28,11 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import tests.conftest  # noqa: E402,F401 - the torchvision shim (see tests/_vision.py)
+import tests.conftest  # noqa: E402,F401 - the torchvision shim (see tests/_support/vision.py)
 import torch  # noqa: E402
 
 import keyinit.nn as knn  # noqa: E402
-from tests._hf_arch import lm_architectures, tiny_config  # noqa: E402
+from tests._support.hf_arch import lm_architectures, tiny_config  # noqa: E402
 
 MAX_ELEMENTS = 2_000_000
 

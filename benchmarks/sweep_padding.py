@@ -5,11 +5,11 @@ transformers (not a test; a few minutes).
     python benchmarks/sweep_padding.py --stream v1        # the control: v1's names depend on the padding
     python benchmarks/sweep_padding.py bert,opt,mixtral   # some
 
-Each architecture is built from its tiny config (``tests/_hf_arch.py``: every dropout-like probability 0.1) with
+Each architecture is built from its tiny config (``tests/_support/hf_arch.py``: every dropout-like probability 0.1) with
 two layers (one where two do not build or run; the line says which),
 given 4 token sequences of real lengths 11/6/9/3 right-padded with an attention mask, and run in train mode
 under ``keyed(model, 0, step=1, stream=...)``: the whole batch, a split padded to each part's own longest
-(11 and 9), and each sample alone (a batch of one). ``tests/_hf_padding.py`` says what is compared: real-token
+(11 and 9), and each sample alone (a batch of one). ``tests/_support/hf_padding.py`` says what is compared: real-token
 logits with a tolerance of 1e-5, every dropout kernel call's mask bitwise. One line per architecture that is
 not kept, then the counts: kept, differ, refused (by reason) and skipped (by reason).
 """
@@ -30,10 +30,10 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import tests.conftest  # noqa: E402,F401 - the torchvision shim (see tests/_vision.py)
+import tests.conftest  # noqa: E402,F401 - the torchvision shim (see tests/_support/vision.py)
 
-from tests._hf_arch import lm_architectures  # noqa: E402
-from tests._hf_padding import Outcome, check  # noqa: E402
+from tests._support.hf_arch import lm_architectures  # noqa: E402
+from tests._support.hf_padding import Outcome, check  # noqa: E402
 
 
 class _Timeout(BaseException):  # (not caught as a refusal by the check)

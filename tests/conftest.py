@@ -23,10 +23,10 @@ if str(ROOT) not in sys.path:  # make `pytest` work without installing keyinit
 
 import keyinit  # noqa: E402
 from keyinit import random as kr  # noqa: E402
-from tests._vision import define_torchvision_schemas  # noqa: E402
+from tests._support.vision import define_torchvision_schemas  # noqa: E402
 
 # transformers, timm and open_clip import torchvision when it is installed; the wheel served
-# here cannot load its C++ ops beside CPU torch (see tests/_vision.py).
+# here cannot load its C++ ops beside CPU torch (see tests/_support/vision.py).
 define_torchvision_schemas()
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)

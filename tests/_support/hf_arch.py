@@ -4,12 +4,12 @@
 auto mappings, the first of causal LM, masked LM and base model that it has (the heads are where
 ties and aliases live). ``tiny_factory(model_type, class_name)`` gives a factory that builds it
 from the architecture's default config shrunk field by field (:data:`SMALL`, sub-configs too), or
-raises ``ValueError`` when the shrunk config cannot be made. Used by ``tests/test_hf_sweep.py``
+raises ``ValueError`` when the shrunk config cannot be made. Used by ``tests/zoo/test_hf_sweep.py``
 and ``benchmarks/sweep_deferred.py``.
 
 ``lm_architectures()`` lists the causal-LM and masked-LM classes (one per ``model_type``, causal
 first) and ``tiny_config(model_type, dropout=p)`` gives the shrunk config with every dropout-like
-probability set to ``p``: used by ``tests/test_keyed_sweep.py``.
+probability set to ``p``: used by ``tests/nn/sweeps/test_keyed_sweep.py``.
 """
 
 from __future__ import annotations

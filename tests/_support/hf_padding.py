@@ -1,9 +1,9 @@
 """One check: a keyed HF language model under dynamic right padding gives every sample's real tokens the same
 logits and dropout masks whether the sample is run in the whole batch, in a part padded to its own longest, or
-alone (a batch of one). Used by ``tests/test_keyed_padding_sweep.py`` (a representative subset) and
+alone (a batch of one). Used by ``tests/nn/sweeps/test_keyed_padding_sweep.py`` (a representative subset) and
 ``benchmarks/sweep_padding.py`` (every causal-LM and masked-LM architecture).
 
-:func:`check` builds the architecture from its tiny config (``tests/_hf_arch.py``, every dropout-like
+:func:`check` builds the architecture from its tiny config (``tests/_support/hf_arch.py``, every dropout-like
 probability :data:`P`), token sequences of real lengths :data:`LENGTHS` right-padded with an attention mask,
 and returns an :class:`Outcome`:
 
@@ -85,7 +85,7 @@ def build(model_type: str, class_name: str, layers: int = LAYERS) -> tuple[Any, 
     the tiny config's one; or :class:`Skip`."""
     import transformers
 
-    from tests._hf_arch import tiny_config
+    from tests._support.hf_arch import tiny_config
 
     try:
         config = tiny_config(model_type, dropout=P)

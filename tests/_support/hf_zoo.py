@@ -46,7 +46,7 @@ def _transformers():
     os.environ["HF_HUB_OFFLINE"] = "1"  # no hub access here: every model is built from a config
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from tests._vision import define_torchvision_schemas
+    from tests._support.vision import define_torchvision_schemas
 
     define_torchvision_schemas()  # transformers imports torchvision when it is installed
     import transformers

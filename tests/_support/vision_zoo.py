@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from tests._vision import define_torchvision_schemas
+from tests._support.vision import define_torchvision_schemas
 
 __all__ = ["VISION", "DIST", "build"]
 

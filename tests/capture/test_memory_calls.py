@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import keyinit
-from tests._dist import requires_gloo, run_distributed
+from tests._support.dist import requires_gloo, run_distributed
 
 SEED = 5
 
@@ -133,7 +133,7 @@ def _rank() -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from tests.test_model_dist import count_collectives
+    from tests.init.test_model_dist import count_collectives
 
     results = {}
     for layout in ("fsdp", "tp"):

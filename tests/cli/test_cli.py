@@ -17,7 +17,7 @@ from keyinit.cli import main
 from keyinit.cli._layout_specs import parse_layout
 from keyinit.cli.slicing import parse_selector
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -1,6 +1,6 @@
 """keyinit verify runs the real plan: zoo models under its default layouts, and costs that follow distinct shards.
 
-``tests/test_zoo.py`` shows real gloo runs of the zoo (FSDP2 x4, FSDP2xTP 2x2) bit-identical to one
+``tests/zoo/test_zoo.py`` shows real gloo runs of the zoo (FSDP2 x4, FSDP2xTP 2x2) bit-identical to one
 process; here ``verify`` reaches the same verdict in one process, for its default layouts (pipeline
 stages of encoder-decoder models included), with no factory kwargs: the factory is built with
 ``keyinit.deferred``, so HF's own init (``post_init`` in the constructor) is what is replayed, and
@@ -17,7 +17,7 @@ from torch import nn
 import keyinit
 from keyinit.cli.verify import DEFAULT_LAYOUTS, verify
 from keyinit._engine.planned import ModelPlan
-from tests import _zoo
+from tests._support import hf_zoo as _zoo
 
 
 @pytest.mark.parametrize("name", [*_zoo.NAMES])
@@ -102,7 +102,7 @@ def test_verifys_final_line_says_when_a_pipeline_cut_tested_little(tmp_path, cap
     from keyinit.cli import main
 
     (tmp_path / "lopsided_models.py").write_text(
-        "from tests.test_verify import Lopsided\n\ndef build():\n    return Lopsided()\n")
+        "from tests.cli.test_verify import Lopsided\n\ndef build():\n    return Lopsided()\n")
     import sys
 
     sys.path.insert(0, str(tmp_path))

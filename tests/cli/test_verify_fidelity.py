@@ -316,7 +316,7 @@ def test_torchvision_resnet_passes_with_deferred_and_fails_built_on_meta():
     without it, torch.nn's default conv init, which fidelity catches on every 3x3 conv."""
     import functools
 
-    from tests._vision import import_vision
+    from tests._support.vision import import_vision
 
     resnet = import_vision("torchvision.models.resnet")
     factory = functools.partial(resnet.ResNet, resnet.BasicBlock, [1, 1, 1, 1], num_classes=10)

@@ -112,7 +112,7 @@ class _Vision(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         if self.transform is None:
-            from tests._torchvision import import_torchvision
+            from tests._support.torchvision_import import import_torchvision
 
             import_torchvision()
             from torchvision.transforms import v2
@@ -145,7 +145,7 @@ def _epoch_samples(workers, persistent=False, world=1, start_step=0, steps=3, n=
 def vision_reference():
     if importlib.util.find_spec("torchvision") is None:
         pytest.skip("torchvision is not installed")
-    from tests._torchvision import import_torchvision
+    from tests._support.torchvision_import import import_torchvision
 
     import_torchvision()
     return _epoch_samples(0, steps=4)

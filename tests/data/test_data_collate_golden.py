@@ -1,9 +1,9 @@
 """Golden vectors of keyed collate draws (docs/spec.md section 16.4), and a from-the-spec check.
 
-``tests/golden_collate_v1.json`` pins collate keys and the rows a collate function's draws give.
+``tests/data/golden_collate_v1.json`` pins collate keys and the rows a collate function's draws give.
 It was generated ONCE by running this file as a script::
 
-    python tests/test_data_collate_golden.py     # refuses to overwrite an existing file
+    python tests/data/test_data_collate_golden.py     # refuses to overwrite an existing file
 
 NEVER regenerate it to make a failing test pass: a failure means a change altered stream v1.
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 if __name__ == "__main__":  # the generator
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import keyinit  # noqa: E402
 from keyinit.data import KeyedBatch, collate_key, keyed_collate  # noqa: E402
@@ -46,7 +46,7 @@ def _generate() -> dict:
     return {
         "stream": "v1",
         "comment": "Golden vectors of keyed_collate (docs/spec.md section 16.4), generated once by "
-                   "tests/test_data_collate_golden.py. Never regenerate this file to make a test pass.",
+                   "tests/data/test_data_collate_golden.py. Never regenerate this file to make a test pass.",
         "collate_domain": COLLATE_DOMAIN,
         "keys": [{"seed": s, "epoch": e, "call": c, "draw": j, "key": list(collate_key(s, e, c, j).words)}
                  for s, e, c, j in KEYS],

@@ -1,5 +1,5 @@
 """examples/data_resume.py under torchrun: W=2 for steps 0-2, checkpoint, resume at W=4 for steps 3-5;
-the printed global batches are KeyedSampler's (which tests/test_data_sampler.py checks on gloo ranks), and
+the printed global batches are KeyedSampler's (which tests/data/test_data_sampler.py checks on gloo ranks), and
 the printed digests of the augmented inputs (made in 2 DataLoader workers per rank) are one process's.
 ``python examples/data_resume.py --check`` also compares the augmented inputs with a W=1 run (by hand:
 it spawns three process groups, too slow for the suite)."""
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -79,7 +79,7 @@ def test_outside_a_keyed_call_random_ops_are_torch_s():
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is None, reason="torchvision is not installed")
 def test_torchvision_pipeline_fast_equals_general(monkeypatch):
-    from tests.test_data_augment import _Vision
+    from tests.data.test_data_augment import _Vision
 
     fast = [keyed_samples(_Vision(), 11)[(i, 1)][0] for i in range(4)]
     with monkeypatch.context() as m:

@@ -1,10 +1,10 @@
 """Golden vectors of keyed data order (docs/spec.md section 16), and a from-the-spec reimplementation.
 
-``tests/golden_data_v1.json`` pins permutation keys, permutations (whole for small
+``tests/data/golden_data_v1.json`` pins permutation keys, permutations (whole for small
 ``n``, random positions for huge ``n``), KeyedSampler global batches and
 augmentation sample keys. It was generated ONCE by running this file as a script::
 
-    python tests/test_data_golden.py     # refuses to overwrite an existing file
+    python tests/data/test_data_golden.py     # refuses to overwrite an existing file
 
 NEVER regenerate it to make a failing test pass: a failure means a change altered
 stream v1 (docs/spec.md section 11). The second half recomputes the values with
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 if __name__ == "__main__":  # the generator
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import keyinit
 from keyinit.data import KeyedSampler, inverse_permutation, permutation, sample_key
@@ -49,7 +49,7 @@ def _generate() -> dict:
     data: dict = {
         "stream": "v1",
         "comment": "Golden vectors of keyinit.data (docs/spec.md section 16), generated once by "
-                   "tests/test_data_golden.py. Never regenerate this file to make a test pass.",
+                   "tests/data/test_data_golden.py. Never regenerate this file to make a test pass.",
         "permute_domain": PERMUTE_DOMAIN,
         "augment_domain": AUGMENT_DOMAIN,
         "whole": [], "sparse": [], "samplers": [], "sample_keys": [],

@@ -43,7 +43,7 @@ BATCHINGS = [[(i,) for i in range(len(LENGTHS))], [(0, 1), (2, 3), (4,)], [(1, 2
 def hf():
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    from tests.test_data_collate import _tokenizer
+    from tests.data.test_data_collate import _tokenizer
 
     tokenizer = _tokenizer()
     items = [tokenizer(" ".join(f"w{(7 * i + k) % 60}" for k in range(n))) for i, n in enumerate(LENGTHS)]

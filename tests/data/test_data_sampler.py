@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 import keyinit
 from keyinit.data import KeyedSampler, SampleRef, permutation
-from tests._dist import requires_gloo, run_distributed
+from tests._support.dist import requires_gloo, run_distributed
 
 
 def _global_batches(n, seed, B, W, steps, start_step=0):

@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from tests._vision import define_torchvision_schemas
+from tests._support.vision import define_torchvision_schemas
 
 define_torchvision_schemas()  # transformers imports torchvision when it is installed (also in the ranks)
 transformers = pytest.importorskip("transformers")
@@ -38,7 +38,7 @@ import keyinit  # noqa: E402
 import keyinit.nn as knn  # noqa: E402
 from keyinit._draw import dispatch  # noqa: E402
 from keyinit.data import KeyedSampler, keyed_collate, keyed_samples, sample_positions  # noqa: E402
-from tests._dist import requires_gloo, run_distributed  # noqa: E402
+from tests._support.dist import requires_gloo, run_distributed  # noqa: E402
 
 N, B, STEPS, SEED, DATA_SEED, INIT_SEED = 32, 8, 4, 7, 11, 3
 WORDS = [f"w{i}" for i in range(27)]

@@ -18,7 +18,7 @@ from torch import nn
 import keyinit
 from keyinit import init
 from keyinit.layouts import ManualShard
-from tests.test_zoo import assert_same_bits, full_state, same_bits
+from tests.zoo.test_zoo import assert_same_bits, full_state, same_bits
 
 SEED = 7
 

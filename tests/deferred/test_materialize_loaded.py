@@ -140,7 +140,7 @@ def test_hf_diffllama_materialized_with_its_init_weights_gets_keyed_lambdas():
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DiffLlamaModel"):
         pytest.skip("this transformers has no DiffLlama")
-    from tests._hf_arch import tiny_config
+    from tests._support.hf_arch import tiny_config
 
     config = tiny_config("diffllama")
     config.num_key_value_heads = config.num_attention_heads  # DiffLlama splits the KV heads in two

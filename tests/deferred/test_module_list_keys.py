@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import keyinit
-from tests.test_hostile_round4 import DepthBlock, Stack  # the renumbered-stack models
+from tests.deferred.test_hostile_constructors import DepthBlock, Stack  # the renumbered-stack models
 
 
 @pytest.fixture(scope="module")

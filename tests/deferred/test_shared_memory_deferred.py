@@ -1,7 +1,7 @@
 """Different parameters a deferred constructor builds as views sharing elements of one buffer (issue 23:
 ``a = Parameter(base)``, ``b = Parameter(base[:2])``): the record keeps what each held, so every layout
 gets eager torch's values (b's zeros in a's rows too), and the report says each now has its own memory.
-An allocated model with such tensors is a PlanError (tests/test_hostile_round4.py)."""
+An allocated model with such tensors is a PlanError (tests/deferred/test_hostile_constructors.py)."""
 
 from __future__ import annotations
 

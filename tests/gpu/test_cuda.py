@@ -26,8 +26,8 @@ import keyinit
 import keyinit.nn as knn
 from keyinit import random as kr
 from tests.conftest import assert_bits_equal
-from tests._vision import import_vision
-from tests.test_keyed_checkpoint import _grads  # three checkpointable blocks: Linear, Dropout, bernoulli_
+from tests._support.vision import import_vision
+from tests.nn.checkpoint.test_keyed_checkpoint import _grads  # three checkpointable blocks: Linear, Dropout, bernoulli_
 
 DEVICE = os.environ.get("KEYINIT_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(

@@ -2,7 +2,7 @@
 
 The interpreter must be set before triton is imported, so the cases run in a fresh
 subprocess (this file as a script) that prints one verdict per case as JSON, as
-tests/test_dropout_triton.py does. With CUDA the compiled kernel is checked in-process.
+tests/gpu/test_dropout_triton.py does. With CUDA the compiled kernel is checked in-process.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CASES = {  # name: (seed, n, positions: "range" or "tensor", inverse)
     "n2": (0, 2, "range", False),
     "n5-small-domain": (1, 5, "range", False),

@@ -3,7 +3,7 @@
 Without a GPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``, CPU
 tensors), which must be set before triton is imported: the cases run in a fresh
 subprocess (this file as a script) and return one verdict per case as JSON, as
-tests/test_kernels_triton.py does for the init kernel. With CUDA, the compiled
+tests/gpu/test_kernels_triton.py does for the init kernel. With CUDA, the compiled
 kernel is checked in-process too (forward and backward through the op).
 """
 
@@ -22,7 +22,7 @@ import torch
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed; the Triton dropout kernel is not tested")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cases():

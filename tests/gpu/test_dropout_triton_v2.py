@@ -10,7 +10,7 @@ shapes still give v1's reference. A keyed forward of ``stream="v2"`` run through
 
 Without a GPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors), which
 must be set before triton is imported: the cases run in a fresh subprocess (this file as a script) and
-return one verdict per case as JSON, as tests/test_dropout_triton.py does. With CUDA the compiled kernel
+return one verdict per case as JSON, as tests/gpu/test_dropout_triton.py does. With CUDA the compiled kernel
 is checked in-process on the same cases.
 """
 
@@ -29,7 +29,7 @@ import torch
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed; the Triton dropout kernel is not tested")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 K0, K1, P = 0x2545F491, 0x9E3779B9, 0.3
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

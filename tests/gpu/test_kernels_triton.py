@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
     not HAVE_TRITON, reason="triton is not installed (pip install 'keyinit[triton]'); Triton kernel not tested"
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cases():

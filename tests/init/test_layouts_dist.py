@@ -21,7 +21,7 @@ import keyinit
 from keyinit.layouts import target_for
 
 try:  # tests/ as a package
-    from tests._dist import DistributedFailure, requires_gloo, run_distributed
+    from tests._support.dist import DistributedFailure, requires_gloo, run_distributed
 except ImportError:  # tests/ on sys.path (pytest's default rootdir-relative imports)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _dist import DistributedFailure, requires_gloo, run_distributed

@@ -1,6 +1,6 @@
 """init_model under real multi-process layouts (gloo, CPU): bit-identical to one process, zero collectives.
 
-Each test spawns real ranks with ``tests/_dist.py``. Every rank initializes its
+Each test spawns real ranks with ``tests/_support/dist.py``. Every rank initializes its
 own layout of the model; the collectives issued *during* ``init_model`` are
 counted two ways (``CommDebugMode`` for DTensor/functional collectives, and
 wrappers around every ``torch.distributed`` c10d entry point); full tensors are
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import keyinit
-from tests._dist import run_distributed
-from tests._models import ConvNet, TinyLlama, full_state, llama_rules, tp_plan
+from tests._support.dist import run_distributed
+from tests._support.models import ConvNet, TinyLlama, full_state, llama_rules, tp_plan
 
 SEED = 1234
 

@@ -20,7 +20,7 @@ from keyinit._draw import reference_dropout as dropout_reference
 from keyinit._draw.dropout_geometry import layout_for, make_geometry
 from keyinit.regions import make_region
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ON_CI = os.environ.get("CI", "").lower() == "true"
 HAS_COMPILER = _build.find_compiler() is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER and not ON_CI, reason="no C compiler")

@@ -28,7 +28,7 @@ from keyinit._kernels.fill import selftest as _selftest
 from keyinit.keys import Key
 from keyinit.regions import make_region
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GCC = shutil.which("gcc")
 pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is not installed")
 

@@ -13,7 +13,7 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "keyinit"
+PACKAGE = Path(__file__).resolve().parents[2] / "keyinit"
 
 
 def _module_name(path: Path) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "keyinit"
+PACKAGE = Path(__file__).resolve().parents[2] / "keyinit"
 LIMIT = 600
 SOURCES = sorted([*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.c"), *PACKAGE.rglob("*.h")])
 

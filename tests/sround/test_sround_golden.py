@@ -3,8 +3,8 @@
 ``_spec_round`` is an independent implementation of 17.1-17.2 in exact rational arithmetic: it lists
 the target's values from 17.1's formula, finds ``lo`` and ``hi = lo + q`` by bisection, and compares
 ``x + floor((a - lo) * 2**32 / q)`` with ``2**32``. The words come from section 1/4's Philox
-(``philox4x32`` on Python ints, pinned by its known-answer vectors). ``tests/golden_sround_v1.json``
-was written once by ``python -m tests.test_sround_golden`` from ``_spec_round`` (never from
+(``philox4x32`` on Python ints, pinned by its known-answer vectors). ``tests/sround/golden_sround_v1.json``
+was written once by ``python -m tests.sround.test_sround_golden`` from ``_spec_round`` (never from
 ``keyinit.random.stochastic_round``); the tests check that the file still is what the text gives and
 that the implementation gives it, for whole tensors and regions.
 """
@@ -191,5 +191,5 @@ def test_the_bf16_bits_rule_of_17_2():
 if __name__ == "__main__":  # writes the golden file from the spec text (run once; never to make a test pass)
     GOLDEN.write_text(json.dumps({
         "comment": "docs/spec.md section 17 (keyed stochastic rounding), computed from the text by "
-                   "tests/test_sround_golden.py's _spec_round; bits in hex, row-major",
+                   "tests/sround/test_sround_golden.py's _spec_round; bits in hex, row-major",
         "cases": [_case(*c) for c in CASES]}, indent=1) + "\n")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import keyinit
 from keyinit.optim import STEP_KEY, stochastic_rounding
 from keyinit.random import stochastic_round
-from tests._dist import requires_gloo, run_distributed
+from tests._support.dist import requires_gloo, run_distributed
 
 SEED = 11
 GRAD_SEED = 99

@@ -1,12 +1,12 @@
 """Golden vectors of stream v1, and a from-the-spec reimplementation that must agree.
 
-``tests/golden_v1.json`` pins the values of stream v1: key words of
+``tests/stream/golden_v1.json`` pins the values of stream v1: key words of
 key/split/fold_in/key_for and the first values of every distribution for
 several parameter settings, dtypes and keys (floats as hex bit patterns, so the
 comparison is bit-exact). It was generated ONCE, from the reference
 implementation, by running this file as a script::
 
-    python tests/test_golden.py        # refuses to overwrite an existing file
+    python tests/stream/test_golden.py        # refuses to overwrite an existing file
 
 NEVER regenerate it to make a failing test pass. A failure here means a change
 altered values of stream v1, which the versioning policy (docs/spec.md,
@@ -33,14 +33,14 @@ import pytest
 import torch
 
 if __name__ == "__main__":  # running as the generator script, not under pytest
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import keyinit
 from keyinit import fold_in, key, key_for, split
 from keyinit import random as kr
 
 GOLDEN = pathlib.Path(__file__).with_name("golden_v1.json")
-SPEC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "spec.md"
+SPEC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "spec.md"
 
 FQNS = ("layers.0.attention.wq.weight", "tok_embeddings.weight")
 
@@ -498,7 +498,7 @@ if __name__ == "__main__":
     data = {
         "stream": "v1",
         "comment": (
-            "Golden vectors of keyinit stream v1, generated once by tests/test_golden.py. "
+            "Golden vectors of keyinit stream v1, generated once by tests/stream/test_golden.py. "
             "Floats are hex bit patterns. Never regenerate this file to make a test pass."
         ),
         "torch": torch.__version__,

@@ -37,7 +37,7 @@ try:  # tests/ as a package or as a plain directory
 except ImportError:
     from conftest import assert_bits_equal
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 K = keyinit.key(7)
 
 

@@ -242,7 +242,7 @@ def test_same_results_in_fresh_processes():
         "draws": _probe_draws(),
         "keys": {fqn: list(keyinit.key_for(7, fqn).words) for fqn in ("a.b", "tok_embeddings.weight", "émoji.0")},
     }
-    code = _SUBPROCESS.format(root=str(ROOT), tests=str(ROOT / "tests"))
+    code = _SUBPROCESS.format(root=str(ROOT), tests=str(ROOT / "tests" / "stream"))
     # one thread each: the thread count is varied in-process above, and two
     # oversubscribed OpenMP processes on a small shared machine crawl
     environments = [

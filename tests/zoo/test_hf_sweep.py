@@ -1,6 +1,6 @@
 """A sweep over the architectures the installed transformers offers, not a hand-picked zoo.
 
-For each architecture (``tests/_hf_arch.py``: one class per ``model_type`` of the auto mappings,
+For each architecture (``tests/_support/hf_arch.py``: one class per ``model_type`` of the auto mappings,
 built from its default config shrunk to a tiny one, no hub), ``keyinit verify``'s engine builds it
 with :func:`keyinit.deferred`, plans it exactly as ``materialize`` does, and checks
 
@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests._hf_arch import architectures, tiny_factory  # noqa: E402
+from tests._support.hf_arch import architectures, tiny_factory  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

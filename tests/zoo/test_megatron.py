@@ -22,7 +22,7 @@ import torch.distributed as dist
 import keyinit
 from keyinit import init
 from keyinit.layouts import MegatronLayout, register_layout, unregister_layout
-from tests._dist import requires_gloo, run_distributed
+from tests._support.dist import requires_gloo, run_distributed
 
 with warnings.catch_warnings():  # megatron warns at import that Transformer Engine and Apex are missing
     warnings.simplefilter("ignore")
@@ -73,7 +73,7 @@ def _materialize_and_report(model, tp_group=None) -> dict:
     """Materialize under counted collectives; return what the parent needs to reassemble full tensors."""
     from megatron.core import parallel_state
 
-    from tests.test_model_dist import count_collectives
+    from tests.init.test_model_dist import count_collectives
 
     with count_collectives() as counts:
         report = keyinit.materialize(model, SEED, device="cpu")

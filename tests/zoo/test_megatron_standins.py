@@ -4,7 +4,7 @@ The stand-ins carry the attributes megatron-core 0.16 layers and experts modules
 (``tp_group``, ``output_size``/``output_size_per_partition``, ``ep_group``,
 ``num_local_experts``, ``local_experts``, ``local_expert_indices``) and groups with
 ``rank()``/``size()``. megatron reads a group only once torch.distributed is initialized, so
-each check runs in one real gloo rank (``tests/_dist.py``).
+each check runs in one real gloo rank (``tests/_support/dist.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 import keyinit
 from keyinit import init
 from keyinit.layouts import MegatronLayout, register_layout, target_for, unregister_layout
-from tests._dist import requires_gloo, run_distributed
+from tests._support.dist import requires_gloo, run_distributed
 
 pytestmark = requires_gloo
 

@@ -36,8 +36,8 @@ from torch import nn
 
 import keyinit
 from keyinit.cli._fidelity import compare
-from tests._dist import requires_gloo, run_distributed
-from tests.test_model_dist import count_collectives
+from tests._support.dist import requires_gloo, run_distributed
+from tests.init.test_model_dist import count_collectives
 
 
 

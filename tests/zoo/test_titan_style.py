@@ -1,4 +1,4 @@
-"""Acceptance (issue 8): torchtitan-style init code (``tests/_titan.py``), unmodified, keyed.
+"""Acceptance (issue 8): torchtitan-style init code (``tests/_support/titan.py``), unmodified, keyed.
 
 The model is built on meta and materialized with its own root-level
 ``init_weights(buffer_device=...)``::
@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 import keyinit
-from tests import _titan
-from tests._dist import requires_gloo, run_distributed
-from tests.test_model_dist import count_collectives
-from tests.test_zoo import assert_same_bits, check_std, full_state, same_bits
+from tests._support import titan as _titan
+from tests._support.dist import requires_gloo, run_distributed
+from tests.init.test_model_dist import count_collectives
+from tests.zoo.test_zoo import assert_same_bits, check_std, full_state, same_bits
 
 SEED = 31337
 INIT_KWARGS = {"buffer_device": torch.device("cpu")}

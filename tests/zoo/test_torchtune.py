@@ -35,10 +35,10 @@ from torch import nn
 import keyinit
 from keyinit._engine.capture import CaptureError
 from keyinit.cli._fidelity import compare
-from tests._dist import requires_gloo, run_distributed
-from tests._vision import define_torchvision_schemas
-from tests.test_model_dist import count_collectives
-from tests.test_zoo import assert_same_bits, full_state, same_bits
+from tests._support.dist import requires_gloo, run_distributed
+from tests._support.vision import define_torchvision_schemas
+from tests.init.test_model_dist import count_collectives
+from tests.zoo.test_zoo import assert_same_bits, full_state, same_bits
 
 try:  # not pytest.importorskip: without torchao (or with one too new) torchtune raises a plain ImportError
     import torchtune.models.llama3 as llama3_models
@@ -61,7 +61,7 @@ def _clip_vision() -> nn.Module:
     """CLIP's vision encoder (Llama 3.2 Vision's): ``VisionTransformer`` deep-copies one layer per
     depth, the CLS embedding, projection and tile/token positions are ``scale * torch.randn``,
     the tile gates zeros."""
-    define_torchvision_schemas()  # torchtune.models.clip imports torchvision (see tests/_vision.py)
+    define_torchvision_schemas()  # torchtune.models.clip imports torchvision (see tests/_support/vision.py)
     from torchtune.models.clip import clip_vision_encoder
 
     return clip_vision_encoder(tile_size=32, patch_size=8, embed_dim=64, num_layers=2, num_heads=4,

@@ -1,7 +1,7 @@
 """Acceptance (issue 13): models that keep their init in ``__init__``, built with ``keyinit.deferred``.
 
-Every torchvision, timm and open_clip model of ``tests/_vision_zoo.py`` and every HF model
-of ``tests/_zoo.py`` is built as ``keyinit.deferred(builder)`` and initialized with
+Every torchvision, timm and open_clip model of ``tests/_support/vision_zoo.py`` and every HF model
+of ``tests/_support/hf_zoo.py`` is built as ``keyinit.deferred(builder)`` and initialized with
 ``keyinit.materialize(model, seed, device="cpu")`` and nothing else. The tests check:
 
 - one process: every tensor follows the model's OWN eager init (the builder run on CPU with
@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 import keyinit
-from tests import _vision_zoo, _zoo
-from tests._dist import requires_gloo, run_distributed
-from tests.test_model_dist import count_collectives
-from tests.test_zoo import assert_same_bits, check_same_distribution, full_state, named_tensors, reference, same_bits
+from tests._support import hf_zoo as _zoo, vision_zoo as _vision_zoo
+from tests._support.dist import requires_gloo, run_distributed
+from tests.init.test_model_dist import count_collectives
+from tests.zoo.test_zoo import assert_same_bits, check_same_distribution, full_state, named_tensors, reference, same_bits
 
 SEED = 20261124
 
@@ -138,13 +138,13 @@ def test_hf_clip_logit_scale_comes_from_the_constructor():
 
 
 def _zoo_seed() -> int:
-    from tests import test_zoo
+    from tests.zoo import test_zoo
 
     return test_zoo.SEED
 
 
 # ----------------------------------------------------------------------------- real ranks
-#: HF models run on real ranks through deferred (tests/test_zoo.py runs every one through init_method, and
+#: HF models run on real ranks through deferred (tests/zoo/test_zoo.py runs every one through init_method, and
 #: test_hf_deferred_equals_init_method shows the two give the same values): tied, padded, encoder-decoder,
 #: sinusoids, vision, state-space.
 HF_DIST = ("llama_tied", "roberta", "t5", "whisper", "convnext", "mamba")
@@ -172,7 +172,7 @@ def _apply_layout(model: nn.Module, mesh: Any) -> None:
 
 
 def _rank(layout: str) -> dict[str, dict[str, Any]]:
-    from tests.test_zoo import _mesh
+    from tests.zoo.test_zoo import _mesh
 
     mesh = _mesh(layout)
     results: dict[str, dict[str, Any]] = {}

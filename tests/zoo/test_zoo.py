@@ -1,6 +1,6 @@
 """Acceptance (issue 8): HF ``_init_weights``, unmodified, over a zoo of tiny transformers models.
 
-Every model is built on the meta device from a config (``tests/_zoo.py``) and
+Every model is built on the meta device from a config (``tests/_support/hf_zoo.py``) and
 initialized with ``keyinit.materialize(model, seed, init_method=model._init_weights)``
 and nothing else. The tests check:
 
@@ -31,10 +31,10 @@ import torch.distributed as dist
 from torch import nn
 
 import keyinit
-from tests import _zoo
-from tests._dist import requires_gloo, run_distributed
+from tests._support import hf_zoo as _zoo
+from tests._support.dist import requires_gloo, run_distributed
 from tests.conftest import bit_view
-from tests.test_model_dist import count_collectives
+from tests.init.test_model_dist import count_collectives
 
 SEED = 20260817
 

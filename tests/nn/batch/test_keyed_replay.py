@@ -187,7 +187,7 @@ HF = ("bert", "gpt2", "llama", "opt", "xlnet", "funnel")
 @pytest.mark.skipif(transformers is None, reason="needs transformers")
 @pytest.mark.parametrize("model_type", HF)
 def test_replayed_records_of_hf_models_are_the_aten_rules(model_type, monkeypatch):
-    from tests._hf_arch import lm_architectures, tiny_config
+    from tests._support.hf_arch import lm_architectures, tiny_config
 
     class_name = dict(lm_architectures())[model_type]
     config = tiny_config(model_type, dropout=0.1)

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import keyinit
 import keyinit.nn as knn
-from tests._dist import requires_gloo, run_distributed
-from tests.test_keyed_routed import B, D, L, Top1
+from tests._support.dist import requires_gloo, run_distributed
+from tests.nn.batch.test_keyed_routed import B, D, L, Top1
 
 pytestmark = requires_gloo
 

@@ -4,7 +4,7 @@ Reentrant (``use_reentrant=True``: the recompute gets detached copies of the
 inputs, autograd off in the first execution) and non-reentrant checkpointing,
 with ``backward()`` inside the keyed block or after it (the checkpoints hold
 the context for the recomputes of its forwards; nothing stays on the model:
-tests/test_keyed_checkpoint_lifecycle.py): the gradients equal those of the
+tests/nn/checkpoint/test_keyed_checkpoint_lifecycle.py): the gradients equal those of the
 same model without checkpointing.
 """
 
@@ -181,7 +181,7 @@ def test_a_recomputed_module_draws_what_its_first_execution_drew_from_numpy(reen
 
 def _hf_grads(model_type: str, class_name: str, reentrant, backward_inside: bool) -> dict:
     transformers = pytest.importorskip("transformers")
-    from tests._hf_arch import tiny_config
+    from tests._support.hf_arch import tiny_config
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -25,7 +25,7 @@ from torch import nn
 import keyinit
 import keyinit.nn as knn
 from keyinit.errors import UnkeyedRandomnessError
-from tests.test_keyed_checkpoint import Net
+from tests.nn.checkpoint.test_keyed_checkpoint import Net
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
@@ -130,7 +130,7 @@ def test_torch_checkpoint_leaves_nothing_and_a_later_block_changes_no_key(reentr
 
 def _hf(model_type: str, class_name: str, reentrant):
     transformers = pytest.importorskip("transformers")
-    from tests._hf_arch import tiny_config
+    from tests._support.hf_arch import tiny_config
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -172,7 +172,7 @@ def test_transformers_gradient_checkpointing_leaves_nothing_and_a_later_block_ch
 
 
 def test_megatron_checkpoint_leaves_nothing_and_a_later_block_changes_no_key(monkeypatch):
-    from tests.test_keyed_checkpoint_functions import _MegatronStyle, _megatron_checkpoint
+    from tests.nn.checkpoint.test_keyed_checkpoint_functions import _MegatronStyle, _megatron_checkpoint
 
     checkpoint = _megatron_checkpoint(monkeypatch)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
@@ -194,7 +194,7 @@ def test_megatron_checkpoint_leaves_nothing_and_a_later_block_changes_no_key(mon
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_keyinit_checkpoint_region_after_a_later_block_keeps_its_keys(reentrant):
-    from tests.test_keyed_checkpoint_functions import Model
+    from tests.nn.checkpoint.test_keyed_checkpoint_functions import Model
 
     grads = []
     for how in ("plain", "keyinit"):

@@ -350,7 +350,7 @@ def test_a_draw_inside_another_higher_order_op_runs_eagerly():
 
 def test_hf_opt_and_timm_vit():
     transformers = pytest.importorskip("transformers")
-    from tests._vision import import_vision
+    from tests._support.vision import import_vision
 
     timm = import_vision("timm")
     with torch.random.fork_rng():
@@ -474,7 +474,7 @@ HF_EAGER = ("opt", "bart")
 @pytest.mark.parametrize("model_type", HF_COMPILED)
 def test_hf_architectures_compiled_equal_eager(model_type):
     transformers = pytest.importorskip("transformers")
-    from tests._hf_arch import lm_architectures, tiny_config
+    from tests._support.hf_arch import lm_architectures, tiny_config
 
     class_name = dict(lm_architectures())[model_type]
     config = tiny_config(model_type, dropout=0.1)

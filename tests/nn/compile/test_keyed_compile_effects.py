@@ -19,7 +19,7 @@ from torch import nn
 
 import keyinit.nn as knn
 from keyinit.errors import UnkeyedRandomnessError
-from tests.test_keyed_compile import _fresh_dynamo, kernel_masks  # noqa: F401 - (_fresh_dynamo: autouse fixture)
+from tests.nn.compile.test_keyed_compile import _fresh_dynamo, kernel_masks  # noqa: F401 - (_fresh_dynamo: autouse fixture)
 
 
 def _x(rows: int = 6, dim: int = 4) -> torch.Tensor:

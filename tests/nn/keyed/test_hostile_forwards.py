@@ -222,7 +222,7 @@ def test_hf_models_with_these_ops_are_keyed_and_split_invariant(model_type, clas
     import warnings
 
     transformers = pytest.importorskip("transformers")
-    from tests._hf_arch import tiny_config
+    from tests._support.hf_arch import tiny_config
 
     if not hasattr(transformers, class_name):
         pytest.skip(f"the installed transformers has no {class_name}")

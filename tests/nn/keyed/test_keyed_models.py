@@ -4,7 +4,7 @@
 call: ``nn.Dropout`` modules, a ``keyinit.nn.Dropout``, and functional
 ``F.dropout`` calls inside the attention and the feed-forward. Its attention is
 written out (matmul, softmax, dropout), so with DTensor activations it runs
-under tensor + sequence parallelism too (tests/test_dropout_dist.py). Every
+under tensor + sequence parallelism too (tests/nn/keyed/test_keyed_models_dist.py). Every
 dropout output is recorded (``taps``), and a mask is read back as ``out != 0``
 (the inputs to every dropout are non-zero almost surely).
 """
@@ -392,7 +392,7 @@ def test_unkeyable_randomness_names_module_and_op():
             halves.append(model(x[lo:lo + 2]))
     assert torch.equal(whole, torch.cat(halves)) and 0 < int((whole == 0).sum()) < whole.numel()
     with knn.keyed(sdpa := Sdpa(0.1), 0, step=0):
-        sdpa(x)  # keyed (tests/test_dropout_attention.py)
+        sdpa(x)  # keyed (tests/nn/dropout/test_dropout_attention.py)
         Sdpa(0.1)(x)  # not a module of the keyed model: left to torch
     with knn.keyed(no_dropout := Sdpa(0.0), 0, step=0):
         assert torch.equal(no_dropout(x), F.scaled_dot_product_attention(x, x, x))

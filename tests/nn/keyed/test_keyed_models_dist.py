@@ -3,10 +3,10 @@
 - The functional contract on DTensors (Shard(0), Shard(1), Shard(2), Replicate,
   uneven shapes, every dtype, forward and backward) on 2 ranks: the collectives
   issued during each dropout call are counted two ways (``CommDebugMode`` and
-  wrappers around the c10d entry points, tests/test_model_dist.py's
+  wrappers around the c10d entry points, tests/init/test_model_dist.py's
   ``count_collectives``); full tensors are gathered afterwards and compared with
   one process, bit for bit.
-- DropLlama (tests/test_dropout_keyed.py) under ``keyed``: real data parallelism
+- DropLlama (tests/nn/keyed/test_keyed_models.py) under ``keyed``: real data parallelism
   (DDP and FSDP2 over 2 ranks, each with its ``sample_offset``) gives the one-process
   logits and dropout outputs; tensor parallelism with sequence-parallel DTensor
   activations gives the one-process masks (the values differ only by the order
@@ -26,9 +26,9 @@ import keyinit
 import keyinit.nn as knn
 from keyinit.nn import dropout_key
 from keyinit.nn import functional as KF
-from tests._dist import requires_gloo, run_distributed
-from tests.test_dropout_keyed import SEED, DropLlama, build, masks, tapped, tokens
-from tests.test_model_dist import count_collectives
+from tests._support.dist import requires_gloo, run_distributed
+from tests.nn.keyed.test_keyed_models import SEED, DropLlama, build, masks, tapped, tokens
+from tests.init.test_model_dist import count_collectives
 
 pytestmark = requires_gloo
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 import keyinit.nn as knn
 from keyinit.data import (KeyedBatch, KeyedSampler, SampleDict, SampleList, SamplePositions, keyed_collate,
                           keyed_samples, sample_positions)
-from tests._dist import requires_gloo, run_distributed
+from tests._support.dist import requires_gloo, run_distributed
 
 N, B, LENGTH, SEED, DATA_SEED, STEPS = 24, 8, 6, 5, 9, 3
 

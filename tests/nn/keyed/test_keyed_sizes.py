@@ -7,7 +7,7 @@ import torch
 
 import keyinit.nn as knn
 from keyinit.errors import UnkeyedRandomnessError
-from tests.test_keyed_golden import Fn
+from tests.nn.stream.test_keyed_golden import Fn
 
 
 def _split_invariant(fn) -> None:

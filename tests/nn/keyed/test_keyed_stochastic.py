@@ -51,7 +51,7 @@ def _split_runs(model: nn.Module, x: torch.Tensor, step: int = 0) -> tuple:
 
 
 def _timm_models():
-    from tests._vision_zoo import _timm
+    from tests._support.vision_zoo import _timm
 
     timm = _timm()
     torch.manual_seed(0)  # (under fork_rng: the same weights whatever ran before)
@@ -67,7 +67,7 @@ def _timm_models():
 
 def test_timm_drop_path_is_keyed_per_sample_and_split_invariant():
     pytest.importorskip("timm")
-    from tests._vision import define_torchvision_schemas
+    from tests._support.vision import define_torchvision_schemas
 
     define_torchvision_schemas()
     with torch.random.fork_rng(devices=[]):

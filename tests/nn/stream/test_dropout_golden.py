@@ -1,11 +1,11 @@
 """Golden vectors of keyed dropout (docs/spec.md section 14), and a from-the-spec reimplementation.
 
-``tests/golden_dropout_v1.json`` pins dropout keys (``dropout_key``), keep-masks
+``tests/nn/stream/golden_dropout_v1.json`` pins dropout keys (``dropout_key``), keep-masks
 and outputs of ``keyinit.nn.functional.dropout`` for every dtype and several
 ``p``, plus the keys ``keyed`` uses. It was generated ONCE by running this file
 as a script::
 
-    python tests/test_dropout_golden.py     # refuses to overwrite an existing file
+    python tests/nn/stream/test_dropout_golden.py     # refuses to overwrite an existing file
 
 NEVER regenerate it to make a failing test pass: a failure means a change
 altered dropout masks of stream v1 (see docs/spec.md section 11).
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 if __name__ == "__main__":  # the generator
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 
 import keyinit
 from keyinit.nn import dropout_key
@@ -104,7 +104,7 @@ def compute() -> dict:
     return {
         "stream": "v1",
         "comment": "Golden vectors of keyinit keyed dropout (docs/spec.md section 14), generated once by "
-                   "tests/test_dropout_golden.py. Floats are hex bit patterns. Never regenerate this file to make "
+                   "tests/nn/stream/test_dropout_golden.py. Floats are hex bit patterns. Never regenerate this file to make "
                    "a test pass.",
         "torch": torch.__version__,
         "dropout_domain": keyinit.nn.DROPOUT_DOMAIN,
@@ -151,7 +151,7 @@ def test_outputs_every_dtype_and_p(golden):
 def test_the_spec_example_key():
     import re
 
-    spec = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "spec.md").read_text()
+    spec = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "spec.md").read_text()
     match = re.search(r'`dropout_key\(key\(0\), 0, "", 0\) = \((0x[0-9a-f]{8}), (0x[0-9a-f]{8})\)`', spec)
     assert match is not None, "docs/spec.md section 14.1 lost its example"
     assert dropout_key(0, step=0, fqn="", ordinal=0).words == (int(match.group(1), 16), int(match.group(2), 16))

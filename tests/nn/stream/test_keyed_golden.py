@@ -1,6 +1,6 @@
 """Golden vectors of keyed forwards (docs/spec.md sections 14.6 and 14.7), and the same values from the spec.
 
-``tests/golden_keyed_draws_v1.json`` pins what ``keyinit.nn.keyed`` draws for
+``tests/nn/stream/golden_keyed_draws_v1.json`` pins what ``keyinit.nn.keyed`` draws for
 activations whose batch is not their dimension 0 (a ``(B*H, L, S)`` view, a
 sequence-first ``(L*B, d)`` flattening), per-sample draws of other random ops
 (``rand`` sized by ``x.shape[0]``, a DropPath ``bernoulli_``, ``normal_`` on
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if __name__ == "__main__":  # the generator
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 
 import keyinit.nn as knn
 import keyinit.random as kr

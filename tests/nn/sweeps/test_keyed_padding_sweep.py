@@ -2,7 +2,7 @@
 tokens get the same logits and dropout masks in the whole batch, in a part padded to its own longest, and alone
 (a batch of one), on a representative subset of architectures; stream v1 is the control that differs.
 
-``tests/_hf_padding.py`` is the check (tiny 2-layer configs, dropout 0.1 everywhere, real lengths 11/6/9/3
+``tests/_support/hf_padding.py`` is the check (tiny 2-layer configs, dropout 0.1 everywhere, real lengths 11/6/9/3
 right-padded with an attention mask; real-token logits with a tolerance of 1e-5, every dropout kernel call's
 mask bitwise); ``benchmarks/sweep_padding.py`` runs it over every architecture of the installed transformers.
 The subset may not be skipped: an architecture of it that stops building or running fails here.
@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests._hf_arch import lm_architectures  # noqa: E402
-from tests._hf_padding import SPLITS, check  # noqa: E402
+from tests._support.hf_arch import lm_architectures  # noqa: E402
+from tests._support.hf_padding import SPLITS, check  # noqa: E402
 
 #: Chosen for the ways they lay out the batch and its tokens where they draw.
 REPRESENTATIVE = (

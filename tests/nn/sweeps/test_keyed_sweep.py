@@ -1,6 +1,6 @@
 """keyed() on the causal-LM and masked-LM architectures of the installed transformers (issue 22).
 
-Each architecture (``tests/_hf_arch.py``: one class per ``model_type``, its default config shrunk
+Each architecture (``tests/_support/hf_arch.py``: one class per ``model_type``, its default config shrunk
 to a tiny one, no hub) is built with every dropout-like probability at 0.1 (``*dropout*``,
 ``*_pdrop``, ``*layerdrop``: LayerDrop included), put in train mode with its BatchNorms on their
 running statistics, and run under ``keyinit.nn.keyed(model, 0, step=0)`` on a batch of 4 token
@@ -44,8 +44,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import keyinit.nn as knn  # noqa: E402
-from tests._drawn_keys import keys_drawn  # noqa: E402
-from tests._hf_arch import lm_architectures, tiny_config  # noqa: E402
+from tests._support.drawn_keys import keys_drawn  # noqa: E402
+from tests._support.hf_arch import lm_architectures, tiny_config  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -55,7 +55,7 @@ MAX_ELEMENTS = 5_000_000
 #: Logits are compared with this tolerance (float32 matmuls and attention over 1, 2 or 4 rows).
 TOL = dict(rtol=1e-4, atol=1e-4)
 #: The splits of the batch of 4 compared with it: halves (``sample_offset`` 0 and 2) and single rows (these
-#: for :data:`REPRESENTATIVE` only: they double the sweep's time; tests/test_keyed_sweep_seq2seq_vision.py
+#: for :data:`REPRESENTATIVE` only: they double the sweep's time; tests/nn/sweeps/test_keyed_sweep_seq2seq_vision.py
 #: runs them on every architecture).
 SPLITS = (((0, 2), (2, 4)), ((0, 1), (1, 2), (2, 3), (3, 4)))
 

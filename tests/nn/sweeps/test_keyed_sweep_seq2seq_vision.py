@@ -1,7 +1,7 @@
 """keyed() on the encoder-decoder and image-classification architectures of the installed transformers.
 
-As ``tests/test_keyed_sweep.py`` does for the language models (issue 22): each ``AutoModelForSeq2SeqLM``
-and ``AutoModelForImageClassification`` class (``tests/_hf_arch.py``: its default config shrunk, no
+As ``tests/nn/sweeps/test_keyed_sweep.py`` does for the language models (issue 22): each ``AutoModelForSeq2SeqLM``
+and ``AutoModelForImageClassification`` class (``tests/_support/hf_arch.py``: its default config shrunk, no
 hub) is built with every dropout-like probability at :data:`P` (LayerDrop and, for the vision models,
 stochastic depth: ``drop_path_rate`` and the like), put in train mode with its BatchNorms on their
 running statistics, and run under ``keyinit.nn.keyed`` on a batch of 4, on rows 0:2 and 2:4
@@ -17,7 +17,7 @@ the ones keyed() refuses (strict xfails; none now).
 
 Every architecture runs by default: the whole sweep takes about 25 s on 2 cores (``pytest --durations``,
 load average 4). ``KEYINIT_FULL_SWEEP=0`` runs only :data:`REPRESENTATIVE`, chosen for the ways they lay
-the batch out (those may not be skipped), as in ``tests/test_keyed_sweep.py``.
+the batch out (those may not be skipped), as in ``tests/nn/sweeps/test_keyed_sweep.py``.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests._hf_arch import (  # noqa: E402
+from tests._support.hf_arch import (  # noqa: E402
     image_classification_architectures,
     seq2seq_architectures,
     tiny_config,
     tiny_vision_config,
 )
-from tests.test_keyed_sweep import SPLITS, TOL, check_keyed_splits  # noqa: E402
+from tests.nn.sweeps.test_keyed_sweep import SPLITS, TOL, check_keyed_splits  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
