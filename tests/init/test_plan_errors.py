@@ -9,6 +9,7 @@ from torch import nn
 import keyinit
 from keyinit import init
 from keyinit.layouts import ManualShard
+from tests._support.nets import TwoLinears
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -79,20 +80,13 @@ def test_unkeyed_randomness_error_is_not_wrapped():
     assert model.w.is_meta
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(3, 3)
-        self.b = nn.Linear(3, 3)
-
-
 @pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit, torch.OutOfMemoryError])
 def test_materialize_returns_to_meta_on_any_base_exception_while_writing(error):
     def explode(key, target):
         raise error("stop")
 
     with torch.device("meta"):
-        model = Net()
+        model = TwoLinears()
     expected = keyinit.InitError if issubclass(error, Exception) else error
     with pytest.raises(expected):
         keyinit.materialize(model, 0, device="cpu", rules={"b.weight": explode})

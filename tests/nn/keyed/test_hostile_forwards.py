@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import keyinit
+from tests._support.splits import check_splits
 
 # ---------------------------------------------------------------- 1. torch.inference_mode (Monte-Carlo dropout)
 
@@ -56,8 +57,8 @@ def test_inference_mode_keys_dropout_as_no_grad_does_and_is_split_invariant():
     whole = _keyed_forward(model, x, 0, torch.inference_mode)
     assert whole.is_inference()
     torch.testing.assert_close(whole, reference, rtol=1e-5, atol=1e-6)
-    parts = [_keyed_forward(model, x[a:b], a, torch.inference_mode) for a, b in ((0, 1), (1, 4), (4, 6))]
-    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-6)
+    check_splits(model, x, [((0, 1), (1, 4), (4, 6))], seed=11, step=3, grad_mode=torch.inference_mode,
+                 rtol=1e-5, atol=1e-6)
 
 
 class _Masks(nn.Module):
@@ -84,9 +85,7 @@ def test_inference_mode_masks_equal_no_grad_masks_bitwise_and_split_invariant():
     for got, want in zip(whole, reference, strict=True):
         assert torch.equal(got, want)
         assert 0 < int((got == 0).sum()) < got.numel()
-    parts = [_keyed_list(model, x[a:b], a, torch.inference_mode) for a, b in ((0, 2), (2, 3), (3, 5))]
-    for i, want in enumerate(whole):
-        assert torch.equal(torch.cat([p[i] for p in parts]), want)
+    check_splits(model, x, [((0, 2), (2, 3), (3, 5))], seed=5, step=0, grad_mode=torch.inference_mode, exact=True)
 
 
 def _keyed_list(model: nn.Module, x: torch.Tensor, offset: int, grad_mode) -> list:
@@ -124,10 +123,8 @@ def test_multinomial_over_per_row_probabilities_is_keyed_per_sample():
     whole = _sampled(model, x, 0)
     torch.manual_seed(1)  # torch's generator plays no part
     assert all(torch.equal(a, b) for a, b in zip(_sampled(model, x, 0), whole, strict=True))
-    parts = [_sampled(model, x[a:b], a) for a, b in ((0, 1), (1, 4), (4, 6))]
-    for i, want in enumerate(whole):
-        assert want.dtype == torch.int64
-        assert torch.equal(torch.cat([p[i] for p in parts]), want), i
+    check_splits(model, x, [((0, 1), (1, 4), (4, 6))], seed=3, step=1, exact=True)
+    assert all(want.dtype == torch.int64 for want in whole)
     for picks in (whole[1], whole[3]):  # without replacement: distinct categories in each row
         assert all(len(set(row.tolist())) == row.numel() for row in picks)
 
@@ -187,11 +184,8 @@ def test_log_sigmoid_and_triangular_solves_carry_the_batch():
     model = _Solve().train()
     x = torch.randn(5, 4, 3)
     whole = _solved(model, x, 0)
-    parts = [_solved(model, x[a:b], a) for a, b in ((0, 2), (2, 3), (3, 5))]
-    for i, want in enumerate(whole):
-        got = torch.cat([p[i] for p in parts])
-        assert torch.equal(got == 0, want == 0), i  # the masks, bitwise
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    check_splits(model, x, [((0, 2), (2, 3), (3, 5))], seed=2, step=0, rtol=1e-5, atol=1e-6)  # masks bitwise
+    for want in whole:
         assert 0 < int((want == 0).sum()) < want.numel()
 
 
@@ -239,14 +233,9 @@ def test_hf_models_with_these_ops_are_keyed_and_split_invariant(model_type, clas
         with torch.no_grad():
             plain = model.eval()(input_ids=ids).logits
             model.train()
-            with keyinit.nn.keyed(model, 0, step=0):
-                whole = model(input_ids=ids).logits
-            parts = []
-            for lo, hi in ((0, 2), (2, 4)):
-                with keyinit.nn.keyed(model, 0, step=0, sample_offset=lo):
-                    parts.append(model(input_ids=ids[lo:hi]).logits)
+            whole = check_splits(model, ids, [((0, 2), (2, 4))], seed=0, step=0, rtol=1e-4, atol=1e-4,
+                                 forward=lambda m, ids: m(input_ids=ids).logits)
     assert not torch.allclose(whole, plain, rtol=1e-4, atol=1e-4)  # the draws are live
-    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------- 4. torch.compile(fullgraph=True) inside keyed

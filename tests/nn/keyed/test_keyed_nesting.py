@@ -12,13 +12,14 @@ import keyinit
 import keyinit.nn as knn
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn import dropout_key
+from tests._support.nets import linear_dropout
 
 
 
 class _Outer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.d = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+        self.d = linear_dropout(4, 0.5)
 
     def forward(self, x):
         return self.d(x)

@@ -13,40 +13,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import keyinit
 import keyinit.nn as knn
 from keyinit.nn._pipeline import chunk_offsets
 from tests._support.dist import requires_gloo, run_distributed
+from tests._support.nets import BlockStack
 
 SEED, STEP, BATCH, CHUNKS = 7, 3, 6, 2
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, dim)
-        self.drop = nn.Dropout(0.3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(0.75)  # DropPath: one per sample
-        return x + self.drop(torch.relu(self.proj(x))) * keep / 0.75
-
-
-class Net(nn.Module):
-    def __init__(self, dim: int = 8, depth: int = 4) -> None:
-        super().__init__()
-        self.layers = nn.ModuleDict({str(i): Block(dim) for i in range(depth)})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers.values():
-            x = layer(x)
-        return x
-
-
-def _net() -> Net:
-    net = Net()
+def _net() -> BlockStack:
+    net = BlockStack(dim=8, depth=4, p=0.3, keep=0.75)
     keyinit.init_model(net, 0)
     return net.train()
 
