@@ -21,6 +21,7 @@ import keyinit.nn as knn
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn import dropout_key
 from keyinit.nn import functional as KF
+from tests._support.splits import check_splits
 
 SEED = 2024
 
@@ -264,14 +265,7 @@ def test_dropout_variants_are_keyed_and_split_invariant():
 
     model = Variants()
     x = torch.randn(6, 5, 4, 3, generator=torch.Generator().manual_seed(1)) + 3.0  # no zeros
-    with knn.keyed(model, 3, step=1, stream="v1"):
-        whole = model(x)
-    parts = []
-    for lo, hi in ((0, 2), (2, 6)):
-        with knn.keyed(model, 3, step=1, sample_offset=lo, stream="v1"):
-            parts.append(model(x[lo:hi]))
-    for i, (w, a, b) in enumerate(zip(whole, *parts)):
-        assert torch.equal(w, torch.cat([a, b])), f"variant {i}"
+    whole = check_splits(model, x, [((0, 2), (2, 6))], seed=3, step=1, exact=True, stream="v1")
     # channel-wise: a whole (sample, channel) plane is kept or dropped
     planes = (whole[1] != 0).flatten(2)
     assert torch.equal(planes.all(-1), planes.any(-1))
@@ -485,13 +479,8 @@ def _hf_llama(attn_implementation: str):
 def test_hf_llama_eager_is_invariant_to_the_batch_split():
     model = _hf_llama("eager")
     ids = (torch.arange(8 * 9).reshape(8, 9) * 7) % 64
-    with knn.keyed(model, 11, step=1):
-        whole = model(ids).logits
-    parts = []
-    for lo, hi in ((0, 3), (3, 8)):
-        with knn.keyed(model, 11, step=1, sample_offset=lo):
-            parts.append(model(ids[lo:hi]).logits)
-    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-5)  # torch's matmuls/attention
+    whole = check_splits(model, ids, [((0, 3), (3, 8))], seed=11, step=1, rtol=1e-5, atol=1e-5,  # torch's matmuls
+                         forward=lambda m, ids: m(ids).logits)
     with knn.keyed(model, 11, step=2):
         assert not torch.allclose(whole, model(ids).logits, rtol=1e-3, atol=1e-3)  # the attention dropout is live, and keyed by step
     model.eval()
