@@ -135,6 +135,7 @@ def _step(keyed_model, params, step, offset, x):
     return y.detach(), grads
 
 
+@pytest.mark.slow
 def test_compiled_draws_equal_eager_for_every_step_and_offset_without_recompiling():
     model, x = _model(), _inputs()
     params = list(model.parameters())
@@ -158,6 +159,7 @@ def test_compiled_draws_equal_eager_for_every_step_and_offset_without_recompilin
     assert np.array_equal(np.random.get_state()[1], np_state[1]) and random.getstate() == py_state
 
 
+@pytest.mark.slow
 def test_no_graph_break_added():
     model, x = _model(), _inputs()
     plain = Counting()
@@ -169,6 +171,7 @@ def test_no_graph_break_added():
     assert plain.calls == keyed_inner.calls == 1
 
 
+@pytest.mark.slow
 def test_inductor_masks_equal_eager():
     model, x = _model(depth=1), _inputs()
     params = list(model.parameters())
@@ -182,6 +185,7 @@ def test_inductor_masks_equal_eager():
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_inside_an_eager_keyed_model():
     model, x = _model(depth=3), _inputs()
     params = list(model.parameters())
@@ -195,6 +199,7 @@ def test_compiled_blocks_inside_an_eager_keyed_model():
         assert all(torch.equal(u, v) for u, v in zip(ga, gb))
 
 
+@pytest.mark.slow
 def test_micro_batches_and_repeats():
     model, x = _model(), _inputs()
     compiled = knn.compile(model, backend="aot_eager")
@@ -212,6 +217,7 @@ def test_micro_batches_and_repeats():
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing_inside(reentrant):
     class Checkpointed(nn.Module):
@@ -348,6 +354,7 @@ def test_a_draw_inside_another_higher_order_op_runs_eagerly():
             assert torch.equal(compiled(_inputs().requires_grad_()), eager)
 
 
+@pytest.mark.slow
 def test_hf_opt_and_timm_vit():
     transformers = pytest.importorskip("transformers")
     from tests._support.vision import import_vision
@@ -504,6 +511,7 @@ def test_hf_architectures_compiled_equal_eager(model_type):
     assert compiled.runs_eagerly == (model_type in HF_EAGER)
 
 
+@pytest.mark.slow
 def test_hf_gpt2_lm_with_its_cache_compiles_under_inductor_and_equals_eager():
     """GPT-2's LM head with labels and its default ``use_cache``: the cache's ``cat`` with an empty tensor
     has other strides under inductor's decompositions than on the real tensors the graph was traced on, so
