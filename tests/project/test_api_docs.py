@@ -14,7 +14,7 @@ from pathlib import Path
 
 import keyinit
 
-API = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+API = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
 #: Names api.md documents that are deliberately not in their module's ``__all__``.
 NOT_EXPORTED = {
