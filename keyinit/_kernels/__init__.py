@@ -44,6 +44,7 @@ _V1 = (
     ("permutation", "cpu", "keyinit._kernels.permutation.cpu", "run"),
     ("permutation", "cuda", "keyinit._kernels.permutation.triton", "run"),
     ("sround", "cpu", "keyinit._kernels.fill.cpu", "sround"),
+    ("sround_adam", "cpu", "keyinit._kernels.fill.cpu", "sround_adam"),
 )
 
 

@@ -270,10 +270,7 @@ static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const uint64_
 /* The values of m elements (m <= TILE) of words wp, stored (o, o0, os: as do_tile's). */
 static void finish_tile(const plan_t *P, const uint32_t *wp, const int64_t *o, int64_t o0, int64_t os, int64_t m)
 {
-    if (P->adam != NULL) { /* keyinit_sround_adam: the words round the stepped parameter */
-        adam_tile(P, wp, o, o0, os, m);
-        return;
-    }
+    if (P->adam != NULL) { adam_tile(P, wp, o, o0, os, m); return; } /* keyinit_sround_adam */
     if (P->src != NULL) { /* keyinit_sround: the words round the source's values */
         sround_tile(P, wp, o, o0, os, m);
         return;
