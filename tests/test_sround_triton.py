@@ -147,3 +147,35 @@ def _worker() -> None:
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     _worker()
+
+
+def test_kernel_compiles_for_cuda_one_variant_per_target(tmp_path, monkeypatch):
+    """Without a GPU: the kernel passes Triton's compiler for an NVIDIA target (the interpreter checks far
+    less) for every target, and every runtime integer is typed int64 and never specialized on its value."""
+    try:
+        import triton.backends.nvidia.compiler  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"Triton's NVIDIA backend is unavailable: {exc}")
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from keyinit._bits.sround import TARGETS as FORMATS
+    from keyinit._kernels.fill import triton_sround_impl as impl
+    from keyinit._kernels.fill.launch import BLOCK
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fn = impl._sround_kernel
+    runtime = [p for p in fn.params if p.name not in ("out_ptr", "src_ptr", "index_ptr") and not p.is_constexpr]
+    assert {p.name for p in runtime} == set(impl._INTS)
+    assert all(p.annotation_type == "i64" and p.do_not_specialize for p in runtime)
+    for target in TARGETS:
+        f = FORMATS[target]
+        constexprs = dict(P=f.p, EMIN=f.emin, EMAX=f.emax, NBITS=f.nbits, HAS_INF=int(f.inf is not None),
+                          INF=f.inf or 0, NAN=f.nan, MAXF=f.max_finite, BLOCK=BLOCK)
+        signature = {name: ("*i16" if f.nbits == 16 else "*u8") if name == "out_ptr" else
+                     "*i32" if name == "src_ptr" else "*i64" if name == "index_ptr" else
+                     "constexpr" if name in constexprs else "i64" for name in fn.arg_names}
+        compiled = triton_compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+        assert "ld.global" in compiled.asm["ptx"], target
