@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from keyinit._bits.sround import TARGETS, round_bits, to_dtype
+from keyinit._bits.sround import E2M1, TARGETS, round_bits, to_dtype
 from keyinit._draw.reference_fill import CHUNK_ELEMENTS, scatter_strided
 from keyinit.keys import Key
 from keyinit.regions import Region
 
-__all__ = ["round_into", "adam_values", "adam_into"]
+__all__ = ["round_into", "round_fp4_into", "adam_values", "adam_into"]
 
 
 def round_into(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region,
@@ -30,6 +30,24 @@ def round_into(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region,
         element = region.flat_indices(start, stop).to(out.device)
         (words,) = words_of(key.words, element, 1)
         values = to_dtype(round_bits(source[start:stop].to(out.device), words, target), out.dtype)
+        if flat_out is not None:
+            flat_out[start:stop] = values
+        else:
+            scatter_strided(out, start, stop, values)
+
+
+def round_fp4_into(out: torch.Tensor, v: torch.Tensor, key: Key, region: Region,
+                   chunk_elements: int = CHUNK_ELEMENTS) -> None:
+    """Write ``v`` (float64, already divided by its scale, no NaN; shaped like ``region``) rounded
+    stochastically to FP4 E2M1 (``docs/spec.md`` 17.7) into ``out`` (uint8, same shape): each element's
+    4-bit code (sign bit 3) in its low bits, torchao's unpacked layout."""
+    source = v.detach().reshape(-1)
+    words_of = key.impl.words
+    flat_out = out.view(-1) if out.is_contiguous() else None
+    for start, stop in region.chunks(chunk_elements):
+        element = region.flat_indices(start, stop).to(out.device)
+        (words,) = words_of(key.words, element, 1)
+        values = round_bits(source[start:stop].to(out.device), words, E2M1).to(torch.uint8)
         if flat_out is not None:
             flat_out[start:stop] = values
         else:
