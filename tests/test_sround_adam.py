@@ -18,6 +18,9 @@ import torch
 import keyinit
 from keyinit._draw import reference_sround
 from keyinit._kernels.fill import cpu as _cpu
+from keyinit._kernels.fill import selftest_sround
+from keyinit._kernels.fill.selftest import KEY_WORDS
+from keyinit.keys import Key
 from keyinit.optim import STEP_KEY, stochastic_rounding
 from keyinit.random import stochastic_round
 from keyinit.regions import make_region
@@ -135,6 +138,19 @@ def test_the_kernel_gives_the_reference_bits(dtype, scalars, has_decay):
             assert torch.equal(_bits(a), _bits(b)), (what, shape, region, threads)
     assert not _cpu.sround_adam(p.t(), g.t(), m.t(), v.t(), KEY, make_region((300, 5), None), scalars, has_decay,
                                 lib=_KERNEL)  # not contiguous: declined, nothing written
+
+
+def test_the_load_time_golden_digests_are_the_references():
+    key = Key(*KEY_WORDS)
+    for name, dtype, shape, region, which, _ in selftest_sround.adam_cases():
+        reg = make_region(shape, region)
+        p, g, m, v = (t.reshape(reg.region_shape) for t in selftest_sround.adam_inputs(reg.numel, dtype))
+        reference_sround.adam_into(p, g, m, v, key, reg, *selftest_sround.ADAM_SCALARS[which])
+        assert selftest_sround.adam_digest(p, m, v) == selftest_sround.GOLDEN_ADAM[name], name
+    assert sorted(selftest_sround.GOLDEN_ADAM) == sorted(c[0] for c in selftest_sround.adam_cases())
+    if _KERNEL is not None:
+        assert selftest_sround.run_adam(lambda p, g, m, v, k, r, s, d, t: _cpu.sround_adam(
+            p, g, m, v, k, r, s, d, threads=t, lib=_KERNEL)) == []
 
 
 # ---------------------------------------------------------------------------------- the optimizer path

@@ -92,6 +92,8 @@ def _selftest_run(lib: ctypes.CDLL) -> list[str]:
         lambda out, dist, key, fold0, fold1: fill_folded(out, dist, key, fold0, fold1, threads=1, lib=lib))
     failed += _selftest_sround.run(lambda out, x, key, region, threads: sround(out, x, key, region,
                                                                                threads=threads, lib=lib))
+    failed += _selftest_sround.run_adam(lambda p, g, m, v, key, region, scalars, has_decay, threads: sround_adam(
+        p, g, m, v, key, region, scalars, has_decay, threads=threads, lib=lib))
     return failed + _selftest.run_mt_seed(lambda key: mt_seed(key, lib))
 
 
