@@ -8,6 +8,7 @@ refuses what it cannot compute as torch's Adam would."""
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 import os
 from fractions import Fraction
@@ -240,3 +241,26 @@ def test_errors_leave_the_optimizer_as_found():
     stochastic_rounding(opt, SEED, names=model, fused=True)
     opt.step()
     assert opt.param_groups[0][STEP_KEY] == 1
+
+
+def test_a_step_that_raises_gives_the_gradients_back(monkeypatch):
+    model = _model()
+    opt = _fused(model)
+    _set_keyed_grads(model, 0)
+
+    def fails(*args, **kwargs):  # torch's own step (of the float32 parameters) raises
+        raise RuntimeError("the optimizer failed")
+
+    monkeypatch.setattr(importlib.import_module("torch.optim.adam"), "_single_tensor_adam", fails)
+    grads = {fqn: p.grad for fqn, p in model.named_parameters()}
+    before = {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="the optimizer failed"):
+        opt.step()
+    for fqn, p in model.named_parameters():
+        assert p.grad is grads[fqn], fqn
+        if p.dtype != torch.float32:
+            assert torch.equal(p, before[fqn]) and not opt.state[p], fqn  # the fused step never ran
+    assert opt.param_groups[0][STEP_KEY] == 0
+    monkeypatch.undo()
+    opt.step()  # and the next step is a whole one
+    assert opt.param_groups[0][STEP_KEY] == 1 and opt.state[model.head.weight]["step"].item() == 1.0
