@@ -1,7 +1,8 @@
 """The Triton stochastic rounding kernel (``keyinit._kernels.fill.triton_sround``) gives the reference's bits
 (``keyinit._draw.reference_sround``, ``docs/spec.md`` section 17) for every target: the golden self-test's
 cases (their inputs, regions and layouts) and every kind of binary32 value over strided, listed and
-transposed regions. Without a GPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``) in a fresh
+transposed regions; so does its fused Adam/AdamW step (17.6) on the C kernel's self-test cases and a
+listed region, and both compile for an NVIDIA target with IEEE operations only. Without a GPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``) in a fresh
 subprocess (this file run as a script), as ``tests/test_kernels_triton.py`` does; with CUDA, on the GPU
 too, through ``keyinit.random.stochastic_round``'s dispatch. Skipped when triton is not installed."""
 
@@ -81,7 +82,39 @@ def interpreter_results():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case_id", [*_cases(), "golden"])
+def _adam_cases() -> dict:
+    from keyinit._kernels.fill import selftest_sround
+
+    cases = {name: case for name, *case in selftest_sround.adam_cases()}
+    cases["adam-bf16-listed"] = (torch.bfloat16, (9, 300), ([8, 0, 3], slice(None, None, -2)), 1, 1)
+    return cases
+
+
+def _run_adam_case(case, adam_fn, device) -> str:
+    from keyinit._draw import reference_sround
+    from keyinit._kernels.fill import selftest_sround
+    from keyinit.keys import key
+    from keyinit.regions import make_region
+
+    dtype, shape, region, which, _ = case
+    reg = make_region(shape, region)
+    mine = [t.reshape(reg.region_shape).to(device) for t in selftest_sround.adam_inputs(reg.numel, dtype)]
+    ref = [t.cpu().clone() for t in mine]
+    scalars, has_decay = selftest_sround.ADAM_SCALARS[which]
+    k = key(2**40 + 9)
+    if not adam_fn(*mine, k, reg, scalars, has_decay):
+        return "kernel declined"
+    reference_sround.adam_into(*ref, k, reg, scalars, has_decay)
+    for what, a, b in zip(("param", "grad", "exp_avg", "exp_avg_sq"), mine, ref):
+        if not torch.equal(a.cpu().contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+            return f"{what} differs"
+    return "ok"
+
+
+ADAM_IDS = ["adam-bf16-dense", "adam-f16-off-block", "adam-f32-dense", "adam-bf16-two-threads", "adam-bf16-listed"]
+
+
+@pytest.mark.parametrize("case_id", [*_cases(), "golden", *ADAM_IDS])
 def test_interpreter_kernel_equals_reference(interpreter_results, case_id):
     assert interpreter_results[case_id] == "ok", interpreter_results[case_id]
 
@@ -120,6 +153,8 @@ def test_gpu_kernel_equals_reference():
         return done
 
     assert _golden_cases(on_gpu) == []
+    adam = {name: _run_adam_case(case, triton_sround.sround_adam, "cuda") for name, case in _adam_cases().items()}
+    assert {k: v for k, v in adam.items() if v != "ok"} == {}
 
 
 def _worker() -> None:
@@ -135,6 +170,12 @@ def _worker() -> None:
     for case_id, case in _cases().items():
         try:
             results[case_id] = _run_case(case, round_fn, "cpu")
+        except Exception as exc:  # noqa: BLE001 - reported per case
+            results[case_id] = f"{type(exc).__name__}: {exc}"
+    for case_id, case in _adam_cases().items():
+        try:
+            results[case_id] = _run_adam_case(
+                case, lambda *a: triton_sround.sround_adam(*a, interpret_ok=True), "cpu")
         except Exception as exc:  # noqa: BLE001 - reported per case
             results[case_id] = f"{type(exc).__name__}: {exc}"
     try:
@@ -179,3 +220,20 @@ def test_kernel_compiles_for_cuda_one_variant_per_target(tmp_path, monkeypatch):
         compiled = triton_compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
         assert "ld.global" in compiled.asm["ptx"], target
+    adam = impl._adam_kernel
+    floats = {p.name for p in adam.params if p.annotation_type == "fp32"}
+    runtime = [p for p in adam.params if not p.is_constexpr and p.name not in floats and not p.name.endswith("_ptr")]
+    assert {p.name for p in runtime} == set(impl._ADAM_INTS)
+    assert all(p.annotation_type == "i64" and p.do_not_specialize for p in runtime)
+    for ptype, pointer in ((0, "*i16"), (1, "*fp16"), (4, "*fp32")):
+        constexprs = dict(PTYPE=ptype, BLOCK=BLOCK)
+        signature = {name: (pointer if name in ("p_ptr", "g_ptr") else "*fp32" if name in ("m_ptr", "v_ptr") else
+                            "*i64" if name == "index_ptr" else "constexpr" if name in constexprs else
+                            "fp32" if name in floats else "i64") for name in adam.arg_names}
+        ptx = triton_compile(ASTSource(fn=adam, signature=signature, constexprs=constexprs),
+                             target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
+        assert ".approx" not in ptx and "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, ptype
+        # 17.6's fmas are explicit; every other multiply and add keeps its own rounding (.rn: ptxas never
+        # contracts those into an fma)
+        assert "fma.rn.f32" in ptx and "mul.rn.f32" in ptx and "add.rn.f32" in ptx, ptype
+        assert "mul.f32" not in ptx and "add.f32" not in ptx, ptype
