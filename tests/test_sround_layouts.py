@@ -132,7 +132,7 @@ def _assert_same(got, want, what):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: {fqn} differs"
 
 
-@pytest.mark.slow  # two real multi-process runs (2 and 4 ranks): ~35 s on 2 busy cores
+@pytest.mark.slow  # two real multi-process runs (2 and 4 ranks): 13 s on 2 cores, 35 s when they are busy
 @requires_gloo
 def test_one_two_and_four_ranks_and_resumes_across_world_sizes_round_alike():
     single = {fused: _single(fused) for fused in FUSED}

@@ -85,7 +85,8 @@ def interpreter_results():
 def _adam_cases() -> dict:
     from keyinit._kernels.fill import selftest_sround
 
-    cases = {name: case for name, *case in selftest_sround.adam_cases()}
+    # (its two-thread case is the CPU kernel's concern: 70001 elements cost the interpreter seconds)
+    cases = {name: case for name, *case in selftest_sround.adam_cases() if case[-1] == 1}
     cases["adam-bf16-listed"] = (torch.bfloat16, (9, 300), ([8, 0, 3], slice(None, None, -2)), 1, 1)
     return cases
 
@@ -111,7 +112,7 @@ def _run_adam_case(case, adam_fn, device) -> str:
     return "ok"
 
 
-ADAM_IDS = ["adam-bf16-dense", "adam-f16-off-block", "adam-f32-dense", "adam-bf16-two-threads", "adam-bf16-listed"]
+ADAM_IDS = ["adam-bf16-dense", "adam-f16-off-block", "adam-f32-dense", "adam-bf16-listed"]
 
 
 @pytest.mark.parametrize("case_id", [*_cases(), "golden", *ADAM_IDS])
