@@ -15,7 +15,10 @@ Sections (every ratio is peer time / keyinit time, so >= 1 means keyinit is at l
    the same with 13 random bits (``& -8192``, then converted to float16, exact in float16's normal
    range): the global RNG's draws, not keyed;
 2. one AdamW step of a small bfloat16 MLP (4 blocks of 512 -> 2048 -> 512, 8.4M parameters, gradients
-   fixed): ``keyinit.optim.stochastic_rounding`` (float32 step, keyed SR into the bf16 parameters) vs
+   fixed): ``keyinit.optim.stochastic_rounding(..., fused=True)`` (the one-pass step, ``docs/spec.md``
+   17.6: bf16 parameter and gradient, float32 state, keyed SR; no float32 copies) vs torch's AdamW on the
+   bf16 parameters as they are (bf16 state, round to nearest; its default CPU path, the single-tensor
+   loop): the target, <= 1.1. Also ``fused=False`` (float32 step, keyed SR into the bf16 parameters) vs
    (a) the same float32 step with the new values rounded to nearest (the same hooks, the rounding
    replaced by ``out.copy_(x)``: the cost of SR itself) and (b) torch's AdamW on the bf16 parameters
    as they are (bf16 state, round to nearest).
@@ -124,7 +127,9 @@ def _nearest(key, x, dtype, *, out):
 
 def bench_adamw(threads_list, repeats: int) -> list[dict]:
     rows = []
-    keyed, nearest, plain = _mlp(), _mlp(), _mlp()
+    keyed, nearest, plain, fused = _mlp(), _mlp(), _mlp(), _mlp()
+    opt_fused = torch.optim.AdamW(fused.parameters(), lr=1e-4)
+    keyinit.optim.stochastic_rounding(opt_fused, 5, names=fused, fused=True)
     opt_keyed = torch.optim.AdamW(keyed.parameters(), lr=1e-4)
     keyinit.optim.stochastic_rounding(opt_keyed, 5, names=keyed)
     opt_nearest = torch.optim.AdamW(nearest.parameters(), lr=1e-4)
@@ -138,8 +143,10 @@ def bench_adamw(threads_list, repeats: int) -> list[dict]:
     params = sum(p.numel() for p in keyed.parameters())
     for threads in threads_list:
         torch.set_num_threads(threads)
-        t_keyed, t_nearest, t_plain = median_all((opt_keyed.step, step_nearest, opt_plain.step), repeats)
-        rows.append({"threads": threads, "params": params, "keyed_ms": 1e3 * t_keyed,
+        t_keyed, t_nearest, t_plain, t_fused = median_all((opt_keyed.step, step_nearest, opt_plain.step,
+                                                           opt_fused.step), repeats)
+        rows.append({"threads": threads, "params": params, "keyed_ms": 1e3 * t_keyed, "fused_ms": 1e3 * t_fused,
+                     "fused/bf16_torch": t_fused / t_plain,
                      "f32_nearest_ms": 1e3 * t_nearest, "bf16_torch_ms": 1e3 * t_plain,
                      "keyed/f32_nearest": t_keyed / t_nearest, "keyed/bf16_torch": t_keyed / t_plain})
     return rows
@@ -163,7 +170,9 @@ def main() -> None:
     if args.only in (None, "adamw"):
         print("\n2. one AdamW step, bf16 MLP (ratio: keyed / peer, <= 1.1 is the target)")
         for r in bench_adamw(args.threads, repeats):
-            print(f"threads {r['threads']}, {r['params']} parameters: keyed SR {r['keyed_ms']:.2f} ms, "
+            print(f"threads {r['threads']}, {r['params']} parameters: keyed SR fused {r['fused_ms']:.2f} ms, torch "
+                  f"AdamW on bf16 {r['bf16_torch_ms']:.2f} ms: ratio {r['fused/bf16_torch']:.3f}")
+            print(f"  fused=False: keyed SR {r['keyed_ms']:.2f} ms, "
                   f"float32 step + round to nearest {r['f32_nearest_ms']:.2f} ms "
                   f"(ratio {r['keyed/f32_nearest']:.3f}), torch AdamW on bf16 {r['bf16_torch_ms']:.2f} ms "
                   f"(ratio {r['keyed/bf16_torch']:.3f})")

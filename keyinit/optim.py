@@ -21,6 +21,15 @@ parameters (``keyinit.random.stochastic_round``, ``docs/spec.md`` 17.5):
   steps and counts once. What the optimizer had already done to the state tensors in place before it raised stays,
   as for any optimizer.
 
+``fused=True`` (``torch.optim.Adam``/``AdamW`` only) steps the bfloat16/float16 parameters in one pass
+instead (``docs/spec.md`` 17.6, :func:`keyinit._draw.dispatch.sround_adam`): the optimizer's own step
+skips them (their gradients are out of its sight while it runs), then each one's low-precision values,
+gradient and float32 state are read, stepped with torch's single-tensor Adam arithmetic (a correctly
+rounded square root: torch's CPU ``sqrt`` is not, so values can differ from ``fused=False`` by one
+float32 unit before the rounding) and rounded into the parameter. No float32 copy of a parameter or
+gradient is made: the step needs no memory beyond the state. The state is torch's (``step``,
+``exp_avg``, ``exp_avg_sq``, float32), so a run can switch between the two paths at a step boundary.
+
 The step counter ``t`` (0 for the first step) lives in every parameter group as
 :data:`STEP_KEY`, so ``optimizer.state_dict()`` saves it and ``load_state_dict`` restores it: a
 resumed run continues the same keys. Loading also keeps the float32 optimizer state float32
@@ -35,8 +44,10 @@ from typing import Any, Optional, Union
 
 import torch
 
+from keyinit._draw import dispatch
 from keyinit.fqn import canonical_modules
 from keyinit.keys import Key, fold_in, key, key_for, require_key
+from keyinit.layouts import target_for
 from keyinit.random import ROUND_TARGETS, stochastic_round
 
 __all__ = ["stochastic_rounding", "StochasticRounding", "STEP_KEY", "TAG"]
@@ -45,6 +56,10 @@ __all__ = ["stochastic_rounding", "StochasticRounding", "STEP_KEY", "TAG"]
 STEP_KEY = "stochastic_rounding_step"
 #: The string folded into the root key before the step (``docs/spec.md`` 17.5).
 TAG = "stochastic_rounding"
+#: The parameter dtypes that ``fused=True`` steps in one pass (others take the float32 path).
+_FUSED_TYPES = (torch.bfloat16, torch.float16)
+#: The optimizers ``fused=True`` takes (exactly these classes: a subclass may change the arithmetic).
+_FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def _names_of(names: Union[torch.nn.Module, Mapping[str, torch.Tensor]]) -> dict[int, str]:
@@ -71,8 +86,13 @@ def _names_of(names: Union[torch.nn.Module, Mapping[str, torch.Tensor]]) -> dict
 class StochasticRounding:
     """The hooks :func:`stochastic_rounding` put on an optimizer; :meth:`remove` takes them off."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, root: Key, fqns: dict[int, str]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, root: Key, fqns: dict[int, str], fused: bool = False) -> None:
+        if fused and type(optimizer) not in _FUSED_OPTIMIZERS:
+            raise TypeError(f"stochastic_rounding: fused=True takes torch.optim.Adam or torch.optim.AdamW, got "
+                            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
         self.optimizer = optimizer
+        self.fused = bool(fused)
+        self._held: list[tuple[torch.Tensor, torch.Tensor, dict]] = []  # fused: (param, its gradient, its group)
         self.root = root
         self._base = fold_in(root, TAG)
         self._fqns = fqns
@@ -159,6 +179,7 @@ class StochasticRounding:
             except BaseException:
                 handle._depth = 0  # the post-hooks did not run
                 handle._swap_out(handle._swapped)  # nothing half-done stays in the parameter groups
+                handle._release()
                 raise
 
         self._step = types.MethodType(step, optimizer)
@@ -179,9 +200,12 @@ class StochasticRounding:
         if self._depth > 1:
             return
         self._swap_out(self._swapped)  # a step that raised left its copies in place
+        self._release()  # a step that raised left gradients held
         t = self.step
         for group in self.optimizer.param_groups:
             group[STEP_KEY] = t  # groups added since (add_param_group) join at the current step
+        if self.fused:
+            self._hold()
         self._swapped = self._swap_in(self._float32_copy)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -193,8 +217,61 @@ class StochasticRounding:
             for _, _, param, stand_in in self._swapped:
                 stochastic_round(self.key(t, self._fqns[id(param)]), stand_in.detach(), param.dtype, out=param.detach())
         self._swap_out(self._swapped)
+        try:
+            self._fused_steps(t)
+        finally:
+            self._release()
         for group in self.optimizer.param_groups:
             group[STEP_KEY] = t + 1
+
+    # -------------------------------------------------------------------------------- the fused step
+
+    def _hold(self) -> None:
+        """Take the gradients of the parameters the fused step will step out of the optimizer's sight
+        (it skips a parameter without one), after checking every option first (nothing changed on error)."""
+        held = []
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param.dtype in _FUSED_TYPES and param.grad is not None:
+                    _check_fused_group(group, self._fqns[id(param)], self.optimizer)
+                    held.append((param, param.grad, group))
+        for param, _, _ in held:
+            param.grad = None
+        self._held = held
+
+    def _release(self) -> None:
+        for param, grad, _ in self._held:
+            param.grad = grad
+        self._held = []
+
+    def _fused_steps(self, t: int) -> None:
+        if not self._held:
+            return
+        base = fold_in(self._base, t)
+        state = self.optimizer.state
+        for param, grad, group in self._held:
+            fqn = self._fqns[id(param)]
+            found = state[param]
+            if not found:  # as torch's Adam._init_group makes it (float32 moments)
+                found["step"] = torch.tensor(0.0, dtype=torch.float64 if torch.get_default_dtype() == torch.float64
+                                             else torch.float32)
+                for name in ("exp_avg", "exp_avg_sq"):
+                    found[name] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+            exp_avg, exp_avg_sq, step_t = found["exp_avg"], found["exp_avg_sq"], found["step"]
+            if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+                raise TypeError(f"stochastic_rounding: fused=True needs float32 exp_avg/exp_avg_sq; {fqn!r} has "
+                                f"{exp_avg.dtype}/{exp_avg_sq.dtype}")
+            step_t += 1
+            step = step_t.item()
+            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            scalars = [1 - lr * decay, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step) ** 0.5, eps,
+                       -(lr / (1 - beta1 ** step))]
+            target = target_for(param.detach(), fqn=fqn, module=torch.nn.Module(), name=fqn.rpartition(".")[2])
+            local = target.out
+            with torch.no_grad():
+                dispatch.sround_adam(local, _local(grad, local, fqn, "gradient"), _local(exp_avg, local, fqn, "exp_avg"),
+                                     _local(exp_avg_sq, local, fqn, "exp_avg_sq"), key_for(base, fqn), target.region,
+                                     scalars, decay != 0)
 
     # -------------------------------------------------------------------------------------- loading
 
@@ -216,18 +293,52 @@ class StochasticRounding:
         self._unwrap_step()
 
 
+def _local(tensor: torch.Tensor, param_local: torch.Tensor, fqn: str, what: str) -> torch.Tensor:
+    """``tensor``'s local part (a DTensor's ``to_local()``), which must have the parameter's local shape."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = local.detach()
+    if local.shape != param_local.shape:
+        raise ValueError(f"stochastic_rounding: the {what} of {fqn!r} has local shape {tuple(local.shape)}, its "
+                         f"parameter {tuple(param_local.shape)}")
+    return local
+
+
+def _check_fused_group(group: dict, fqn: str, optimizer: torch.optim.Optimizer) -> None:
+    """The options of ``fqn``'s parameter group that the fused step computes as torch's Adam/AdamW would."""
+    for option, plain in (("amsgrad", False), ("maximize", False), ("capturable", False),
+                          ("differentiable", False)):
+        if bool(group.get(option, plain)) != plain:
+            raise ValueError(f"stochastic_rounding: fused=True does not step {option}={group[option]!r} "
+                             f"(parameter {fqn!r}); use fused=False")
+    if group.get("fused"):
+        raise ValueError(f"stochastic_rounding: fused=True does not take torch's fused=True (parameter {fqn!r})")
+    for option in ("lr", "eps", "weight_decay"):
+        if isinstance(group[option], bool) or not isinstance(group[option], (int, float)):
+            raise TypeError(f"stochastic_rounding: fused=True needs a Python number for {option}, got "
+                            f"{type(group[option]).__name__} (parameter {fqn!r})")
+    if any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in group["betas"]):
+        raise TypeError(f"stochastic_rounding: fused=True needs Python numbers for betas (parameter {fqn!r})")
+    decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+    if group["weight_decay"] != 0 and not decoupled:
+        raise ValueError(f"stochastic_rounding: fused=True steps decoupled weight decay only (AdamW); Adam's "
+                         f"weight_decay={group['weight_decay']!r} adds it to the gradient (parameter {fqn!r}); use "
+                         "AdamW, decoupled_weight_decay=True or fused=False")
+
+
 def stochastic_rounding(optimizer: torch.optim.Optimizer, seed: Union[int, Key], *,
-                        names: Union[torch.nn.Module, Mapping[str, torch.Tensor]]) -> StochasticRounding:
+                        names: Union[torch.nn.Module, Mapping[str, torch.Tensor]],
+                        fused: bool = False) -> StochasticRounding:
     """Make ``optimizer`` step its bfloat16/float16/float8 parameters in float32 and round the results
     stochastically, keyed by (``seed``, step, canonical FQN, global index).
 
     ``seed``: an int or a :class:`~keyinit.Key`. ``names``: the model (canonical FQNs, wrappers
     stripped, as for initialization) or a mapping of FQNs to the optimizer's parameters. Parameters of
-    other dtypes step as usual. Call it after the optimizer is made (and after ``fully_shard``); save
+    other dtypes step as usual. ``fused=True`` (``torch.optim.Adam``/``AdamW``): the bfloat16/float16
+    parameters step in one pass with no float32 copies (``docs/spec.md`` 17.6). Call it after the optimizer is made (and after ``fully_shard``); save
     and load ``optimizer.state_dict()`` as usual. Returns the hooks' handle (``.step``, ``.key(t, fqn)``,
     ``.remove()``).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"stochastic_rounding: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     root = key(seed) if isinstance(seed, int) and not isinstance(seed, bool) else require_key(seed, "seed")
-    return StochasticRounding(optimizer, root, _names_of(names))
+    return StochasticRounding(optimizer, root, _names_of(names), fused)

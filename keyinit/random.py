@@ -29,6 +29,7 @@ import torch
 
 from keyinit._bits.sround import TARGETS
 from keyinit._draw import dispatch
+from keyinit._draw.reference_sround import round_fp4_into
 from keyinit.distributions import (
     Bernoulli,
     Bits,
@@ -43,7 +44,7 @@ from keyinit.layouts import dtensor_class, target_for
 from keyinit.regions import RegionEntry, make_region, normalize_shape
 
 __all__ = ["bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint", "sample", "stochastic_round",
-           "ROUND_SOURCES", "ROUND_TARGETS"]
+           "stochastic_round_fp4", "ROUND_SOURCES", "ROUND_TARGETS"]
 
 ShapeLike = Union[Sequence[int], torch.Size, int]
 DeviceLike = Union[torch.device, str, None]
@@ -280,3 +281,60 @@ def _round_target(x: torch.Tensor, global_shape: Optional[ShapeLike], region: Re
         raise ValueError(f"stochastic_round: x has shape {tuple(x.shape)} but the region of global shape "
                          f"{normalized.shape} has shape {normalized.region_shape}")
     return x, normalized, None
+
+
+def stochastic_round_fp4(key: Key, x: torch.Tensor, scale: Union[torch.Tensor, float], *,
+                         global_shape: Optional[ShapeLike] = None, region: RegionLike = None,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x / scale`` rounded stochastically to FP4 E2M1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+    negatives), keyed like :func:`stochastic_round` (``docs/spec.md`` 17.7): the MX/NVFP4 element
+    format, given the scale the caller computed (an E8M0 or E4M3 block scale broadcast to ``x``'s
+    shape, times NVFP4's per-tensor scale, as a tensor or a number).
+
+    ``x``: float32 or float64 (a plain tensor holding ``full[region]`` of ``global_shape``, or a DTensor);
+    ``scale``: a number or a tensor broadcastable to ``x``'s (local) shape, on its device. The quotient
+    is taken in float64 (exact for power-of-two scales), then rounded by section 17.2 with E2M1's
+    ``p = 2``, ``emin = 0``, ``emax = 2``; overflow and infinities saturate to 6 (sign kept), a NaN
+    quotient (NaN input, ``0 / 0``) is a ``ValueError``.
+
+    Returns uint8 codes of ``x``'s (local) shape, one element each, the 4-bit E2M1 code (sign bit 3) in
+    the low bits: torchao's unpacked layout (``f32_to_f4_unpacked``), to be packed two per byte as the
+    consumer wants (torchao's ``pack_uint4``; ``torch.float4_e2m1fn_x2``). ``out``: uint8, that shape.
+    """
+    key = require_key(key)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"stochastic_round_fp4: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in ROUND_SOURCES:
+        raise TypeError(f"stochastic_round_fp4: x must be float32 or float64, got {x.dtype}")
+    local, normalized, dtensor = _round_target(x, global_shape, region)
+    if out is None:
+        out_local = torch.empty(local.shape, dtype=torch.uint8, device=local.device)
+    else:
+        out_local = out.to_local() if dtensor is not None and isinstance(out, type(dtensor)) else out
+        _check_out(out_local, normalized.region_shape, torch.uint8)
+    if isinstance(scale, torch.Tensor):
+        if scale.device != local.device:
+            raise ValueError(f"stochastic_round_fp4: scale is on {scale.device}, x on {local.device}")
+        scale64 = scale.detach().to(torch.float64)
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        scale64 = torch.tensor(float(scale), dtype=torch.float64, device=local.device)
+    else:
+        raise TypeError(f"stochastic_round_fp4: scale must be a number or a tensor, got {type(scale).__name__}")
+    try:
+        v = torch.broadcast_to(local.detach().to(torch.float64) / scale64, local.shape)
+    except RuntimeError:
+        raise ValueError(f"stochastic_round_fp4: scale of shape {tuple(scale64.shape)} does not broadcast to "
+                         f"x's local shape {tuple(local.shape)}") from None
+    if local.numel() and local.device.type != "meta":
+        if bool(torch.isnan(v).any()):
+            raise ValueError("stochastic_round_fp4: x / scale has NaN elements (a NaN in x or scale, or 0 / 0); "
+                             "E2M1 has no NaN")
+        with torch.no_grad():
+            round_fp4_into(out_local, v, key, normalized)
+    if out is not None:
+        return out
+    if dtensor is not None:
+        spec = dtensor._spec
+        return type(dtensor).from_local(out_local, spec.mesh, spec.placements, run_check=False,
+                                        shape=dtensor.shape, stride=dtensor.stride())
+    return out_local

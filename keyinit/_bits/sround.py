@@ -19,7 +19,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-__all__ = ["TargetFormat", "TARGETS", "SOURCES", "round_bits", "to_dtype"]
+__all__ = ["TargetFormat", "TARGETS", "SOURCES", "E2M1", "round_bits", "to_dtype"]
 
 
 @attrs.frozen
@@ -46,6 +46,11 @@ TARGETS: dict[torch.dtype, TargetFormat] = {
     torch.float8_e5m2: TargetFormat("float8_e5m2", 8, 3, -14, 15, 0x7C, 0x7E, 0x7B),
     torch.float8_e4m3fn: TargetFormat("float8_e4m3fn", 8, 4, -6, 8, None, 0x7F, 0x7E),
 }
+
+#: FP4 E2M1 (section 17.7: values 0, 0.5, 1, 1.5, 2, 3, 4, 6), which has neither infinity nor NaN: finite
+#: overflow and infinities saturate to 6 (its ``nan`` field is the largest finite magnitude, which only an
+#: infinite source reaches: a NaN is refused before rounding), as torchao's round-to-nearest cast does.
+E2M1 = TargetFormat("float4_e2m1", 4, 2, 0, 2, None, 0x7, 0x7)
 
 #: The sources: (significand bits stored, exponent bits, the int dtype of the same width).
 SOURCES: dict[torch.dtype, tuple[int, int]] = {

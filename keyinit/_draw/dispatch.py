@@ -1,6 +1,6 @@
 """Chooses the implementation of every kernel family: the one seam between keyinit and its kernels.
 
-Four families, each with one call here:
+Five families, each with one call here:
 
 - :func:`fill`: a distribution's values for a region (``keyinit.random``, the
   initializers, replayed init code);
@@ -9,7 +9,9 @@ Four families, each with one call here:
   eager form, ``keyinit.nn._op``);
 - :func:`permute`: the keyed permutation at some positions (``keyinit.data``);
 - :func:`sround`: keyed stochastic rounding of a region's values (``keyinit.random.stochastic_round``,
-  ``keyinit.optim``; ``docs/spec.md`` section 17).
+  ``keyinit.optim``; ``docs/spec.md`` section 17);
+- :func:`sround_adam`: a fused, stochastically rounded Adam/AdamW step of one parameter
+  (``keyinit.optim.stochastic_rounding(..., fused=True)``; ``docs/spec.md`` 17.6).
 
 Each stream version has each family as a :class:`Kernels` in :data:`KERNELS`,
 the kernel table: a reference that runs on any device and kernels by device
@@ -67,10 +69,10 @@ from keyinit.keys import Key
 from keyinit.regions import Region
 
 __all__ = ["KernelRef", "Kernels", "KERNELS", "FAMILIES", "kernels", "register_family", "register_kernel",
-           "kernels_disabled", "fill", "dropout", "permute", "sround"]
+           "kernels_disabled", "fill", "dropout", "permute", "sround", "sround_adam"]
 
 #: The kernel families every stream version has.
-FAMILIES = ("fill", "dropout", "permutation", "sround")
+FAMILIES = ("fill", "dropout", "permutation", "sround", "sround_adam")
 
 
 def kernels_disabled() -> bool:
@@ -159,6 +161,7 @@ KERNELS: dict[str, dict[str, Kernels]] = {
         "dropout": Kernels(KernelRef("keyinit._draw.reference_dropout", "dropout")),
         "permutation": Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into")),
         "sround": Kernels(KernelRef("keyinit._draw.reference_sround", "round_into")),
+        "sround_adam": Kernels(KernelRef("keyinit._draw.reference_sround", "adam_into")),
     },
     # v2 is v1 with keyed forwards' extent-free names (docs/spec.md 14.8), which reach the same families
     # through a geometry's high counter words: the same references (and kernels, keyinit._kernels), but for
@@ -168,6 +171,7 @@ KERNELS: dict[str, dict[str, Kernels]] = {
         "dropout": Kernels(KernelRef("keyinit._draw.reference_dropout", "dropout")),
         "permutation": Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into")),
         "sround": Kernels(KernelRef("keyinit._draw.reference_sround", "round_into")),
+        "sround_adam": Kernels(KernelRef("keyinit._draw.reference_sround", "adam_into")),
     },
 }
 
@@ -295,3 +299,17 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region) -> None
         reference(out, x, key, region)
         return
     family.run(out.device.type, out, x, key, region)
+
+
+def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                key: Key, region: Region, scalars: "list[float]", has_decay: bool) -> None:
+    """One fused Adam/AdamW step (``docs/spec.md`` 17.6) of ``param`` (bfloat16/float16, rounded
+    stochastically with ``key`` at ``region``'s global indices) from ``grad`` and the float32 state
+    ``exp_avg``/``exp_avg_sq``, all four of one shape, updated in place."""
+    if param.numel() == 0 or param.device.type == "meta":
+        return
+    family = kernels(key.stream, "sround_adam")
+    if any(_intercepted(t) for t in (param, grad, exp_avg, exp_avg_sq)):
+        family.reference.resolve()(param, grad, exp_avg, exp_avg_sq, key, region, scalars, has_decay)
+        return
+    family.run(param.device.type, param, grad, exp_avg, exp_avg_sq, key, region, scalars, has_decay)

@@ -12,7 +12,9 @@ library must reproduce before it is used):
 - ``permutation/``: the keyed permutation (``permutation_kernels.c``);
 - keyed stochastic rounding (``docs/spec.md`` section 17) is the fill library's ``keyinit_sround``
   (``fill/sround.h``: the fill walk's words, then section 17.2's integer rule; CPU, binary32 sources;
-  ``fill/selftest_sround.py`` its golden digests): the other cases take the reference.
+  ``fill/selftest_sround.py`` its golden digests), on CUDA ``fill/triton_sround.py`` (Triton); the
+  fused Adam/AdamW step of section 17.6 is ``keyinit_sround_adam`` (``fill/sround_adam.h``, CPU) and
+  ``fill/triton_sround.py``'s ``sround_adam`` (CUDA): the other cases take the reference.
 
 ``common/`` is what they share: one Philox (``philox.h``; ``triton_philox.py`` for Triton), one
 set of float conversions (``convert.h``), one thread pool (``parallel.h``), the distribution and
@@ -44,6 +46,9 @@ _V1 = (
     ("permutation", "cpu", "keyinit._kernels.permutation.cpu", "run"),
     ("permutation", "cuda", "keyinit._kernels.permutation.triton", "run"),
     ("sround", "cpu", "keyinit._kernels.fill.cpu", "sround"),
+    ("sround", "cuda", "keyinit._kernels.fill.triton_sround", "sround"),
+    ("sround_adam", "cpu", "keyinit._kernels.fill.cpu", "sround_adam"),
+    ("sround_adam", "cuda", "keyinit._kernels.fill.triton_sround", "sround_adam"),
 )
 
 

@@ -30,7 +30,7 @@ from keyinit._kernels.common.library import I64P, MAX_DIMS, CompiledLibrary
 from keyinit._draw.geometry import geometry
 from keyinit._draw.names import named_geometry, naming_shape
 
-__all__ = ["KERNEL", "available", "fill", "fill_named", "fill_v2", "fill_folded", "sround", "SROUND_TARGETS", "mt_seed", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
+__all__ = ["KERNEL", "available", "fill", "fill_named", "fill_v2", "fill_folded", "sround", "SROUND_TARGETS", "sround_adam", "ADAM_TYPES", "mt_seed", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
 
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 16
@@ -69,6 +69,12 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int, ctypes.c_int64, I64P, I64P, I64P,
         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
     ]
+    lib.keyinit_sround_adam.restype = ctypes.c_int
+    lib.keyinit_sround_adam.argtypes = [
+        ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int, ctypes.c_int64, I64P, I64P, I64P,
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_float), ctypes.c_int, ctypes.c_int,
+    ]
     lib.keyinit_philox_range.restype = None
     lib.keyinit_philox_range.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32,
                                          ctypes.c_void_p]
@@ -86,6 +92,8 @@ def _selftest_run(lib: ctypes.CDLL) -> list[str]:
         lambda out, dist, key, fold0, fold1: fill_folded(out, dist, key, fold0, fold1, threads=1, lib=lib))
     failed += _selftest_sround.run(lambda out, x, key, region, threads: sround(out, x, key, region,
                                                                                threads=threads, lib=lib))
+    failed += _selftest_sround.run_adam(lambda p, g, m, v, key, region, scalars, has_decay, threads: sround_adam(
+        p, g, m, v, key, region, scalars, has_decay, threads=threads, lib=lib))
     return failed + _selftest.run_mt_seed(lambda key: mt_seed(key, lib))
 
 
@@ -252,6 +260,47 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, threads
     if rc != 0:  # pragma: no cover - arguments are validated above
         raise RuntimeError(f"keyinit_sround failed with code {rc}")
     torch.autograd.graph.increment_version(out)
+    return True
+
+
+#: The parameter types of ``keyinit_sround_adam`` (``sround_adam.h``): rounded stochastically, or float32 as is.
+ADAM_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 4}
+
+
+def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                key: Key, region: Region, scalars: "list[float]", has_decay: bool, threads: Optional[int] = None,
+                lib: Optional[ctypes.CDLL] = None) -> bool:
+    """One fused Adam step of ``param`` (bfloat16/float16, rounded stochastically with ``key``'s words of
+    ``region``; float32 written as is) from ``grad`` (its dtype) and the float32 state, all four contiguous
+    CPU tensors of one shape (``sround_adam.h``). ``scalars``: decay, w, beta2, s2, bc2s, eps, neg_step
+    (each rounded to float32 here, as torch rounds a Python scalar). ``False`` (nothing written) if the
+    kernel cannot do it."""
+    ptype = ADAM_TYPES.get(param.dtype)
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    if (ptype is None or grad.dtype != param.dtype or exp_avg.dtype != torch.float32
+            or exp_avg_sq.dtype != torch.float32 or param.dim() > MAX_DIMS or key.impl.words is not stream_words
+            or any(t.device.type != "cpu" or not t.is_contiguous() or t.shape != param.shape for t in tensors)):
+        return False
+    lib = lib if lib is not None else KERNEL.usable(library)
+    if lib is None:
+        return False
+    if param.numel() == 0:
+        return True
+    base, dims = geometry(param, region)
+    nd = len(dims)
+    if threads is None:
+        threads = 1 if param.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
+    keep_alive = [d[3] for d in dims]  # noqa: F841 - index vectors must outlive the call
+    rc = lib.keyinit_sround_adam(ptype, key.k0, key.k1, nd, base, (ctypes.c_int64 * nd)(*(d[0] for d in dims)),
+                                 (ctypes.c_int64 * nd)(*(d[1] for d in dims)),
+                                 (ctypes.c_int64 * nd)(*(d[2] for d in dims)),
+                                 (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims)),
+                                 param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                                 (ctypes.c_float * 7)(*scalars), int(has_decay), threads)
+    if rc != 0:  # pragma: no cover - arguments are validated above
+        raise RuntimeError(f"keyinit_sround_adam failed with code {rc}")
+    for t in (param, exp_avg, exp_avg_sq):
+        torch.autograd.graph.increment_version(t)
     return True
 
 

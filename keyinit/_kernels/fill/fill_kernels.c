@@ -139,6 +139,7 @@ typedef struct {
     int64_t numel;
     const char *src; /* stochastic rounding (sround.h): the binary32 values, out's strides; else NULL */
     int target;      /* its target format (KI_SR_*) */
+    const struct ki_adam_s *adam; /* a fused Adam step (sround_adam.h): the parameter at out; else NULL */
 } plan_t;
 
 static int elsize_of(int dtype)
@@ -236,6 +237,7 @@ static void transform_tile(const plan_t *P, const uint32_t *wp, int64_t m, value
 
 #include "store.h"
 #include "sround.h"
+#include "sround_adam.h"
 
 /* ---------------------------------------------------------------- a tile */
 
@@ -268,6 +270,7 @@ static void do_tile(const plan_t *P, const int64_t *g, int64_t g0, const uint64_
 /* The values of m elements (m <= TILE) of words wp, stored (o, o0, os: as do_tile's). */
 static void finish_tile(const plan_t *P, const uint32_t *wp, const int64_t *o, int64_t o0, int64_t os, int64_t m)
 {
+    if (P->adam != NULL) { adam_tile(P, wp, o, o0, os, m); return; } /* keyinit_sround_adam */
     if (P->src != NULL) { /* keyinit_sround: the words round the source's values */
         sround_tile(P, wp, o, o0, os, m);
         return;

@@ -17,7 +17,7 @@ import torch
 
 from keyinit._kernels.fill.selftest import KEY_WORDS, digest
 
-__all__ = ["GOLDEN", "cases", "inputs", "run"]
+__all__ = ["GOLDEN", "GOLDEN_ADAM", "cases", "adam_cases", "adam_inputs", "inputs", "run", "run_adam"]
 
 #: binary32 bit patterns every case starts with: the edge values of section 17.2.
 EDGES = (
@@ -83,5 +83,73 @@ def run(sround: Callable[[torch.Tensor, torch.Tensor, Any, Any, int], bool]) -> 
         x = inputs(reg.numel).reshape(reg.region_shape)
         out = _empty(reg.region_shape, dtype, layout)
         if not sround(out, x, key, reg, threads) or digest(out) != GOLDEN.get(name):
+            failed.append(name)
+    return failed
+
+
+#: decay, w, beta2, s2, bc2s, eps, neg_step and has_decay: AdamW's third step (w < 0.5), and w >= 0.5.
+ADAM_SCALARS = (
+    ([1 - 1e-3, 0.1, 0.999, 1 - 0.999, (1 - 0.999 ** 3) ** 0.5, 1e-8, -1e-2 / (1 - 0.9 ** 3)], True),
+    ([1.0, 0.7, 0.5, 0.5, 0.9, 1e-6, -0.3], False),
+)
+
+
+def _finite(n: int, salt: int, fields: int, signed: bool = True) -> torch.Tensor:
+    """``n`` finite binary32 values, exponent fields ``1 .. fields`` (a Weyl sequence of bit patterns)."""
+    spread = (torch.arange(n, dtype=torch.int64, device="cpu") * 0x9E3779B9 + salt) & 0xFFFFFFFF
+    field = ((spread >> 23) & 0xFF) % fields + 1
+    bits = (spread & (0x807FFFFF if signed else 0x007FFFFF)) | (field << 23)
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def adam_inputs(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Parameter (``dtype``), gradient (``dtype``, below 2 in magnitude), and float32 moments."""
+    p = _finite(n, 0x7F4A7C15, 254).to(dtype)
+    g = _finite(n, 0x1234567, 127).to(dtype)
+    m = _finite(n, 0x2545F491, 120)
+    v = _finite(n, 0x6A09E667, 120, signed=False)
+    g[::11] = 0
+    m[::7] = 0
+    return p, g, m, v
+
+
+def adam_cases() -> list[tuple[str, torch.dtype, tuple[int, ...], Optional[tuple], int, int]]:
+    """``(name, parameter dtype, global shape, region, scalars index, threads)`` of every fused Adam case."""
+    return [
+        ("adam-bf16-dense", torch.bfloat16, (1031,), None, 0, 1),
+        ("adam-f16-off-block", torch.float16, (9, 300), (slice(2, 7), slice(3, 290)), 1, 1),
+        ("adam-f32-dense", torch.float32, (517,), None, 1, 1),
+        ("adam-bf16-two-threads", torch.bfloat16, (70001,), None, 0, 2),
+    ]
+
+
+#: sha256(parameter, exp_avg, exp_avg_sq bytes after the step)[:16], as the reference produces them.
+GOLDEN_ADAM = {
+    "adam-bf16-dense": "1ccdebb607b6c56d",
+    "adam-f16-off-block": "52a05809af0846bd",
+    "adam-f32-dense": "0b6719542ae10eca",
+    "adam-bf16-two-threads": "5e65580fb11b6571",
+}
+
+
+def adam_digest(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> str:
+    return digest(torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in (p, m, v)]))
+
+
+def run_adam(adam: Callable[..., bool]) -> list[str]:
+    """Names of the fused Adam cases whose digest is not :data:`GOLDEN_ADAM` (empty: all pass).
+
+    ``adam(param, grad, exp_avg, exp_avg_sq, key, region, scalars, has_decay, threads)`` is under test.
+    """
+    from keyinit.keys import Key
+    from keyinit.regions import make_region
+
+    key = Key(*KEY_WORDS)
+    failed = []
+    for name, dtype, shape, region, which, threads in adam_cases():
+        reg = make_region(shape, region)
+        p, g, m, v = (t.reshape(reg.region_shape) for t in adam_inputs(reg.numel, dtype))
+        scalars, has_decay = ADAM_SCALARS[which]
+        if not adam(p, g, m, v, key, reg, scalars, has_decay, threads) or adam_digest(p, m, v) != GOLDEN_ADAM.get(name):
             failed.append(name)
     return failed

@@ -1,0 +1,131 @@
+"""Keyed stochastic rounding on CUDA tensors with Triton (``docs/spec.md`` section 17), bit-identical to
+:mod:`keyinit._draw.reference_sround`: the sround family's CUDA kernel, and the sround_adam family's
+(:func:`sround_adam`, the fused Adam/AdamW step of 17.6).
+
+Triton is optional and imported lazily; :func:`sround` returns ``False`` (the reference runs) when it is
+missing, for a float64 source, or for a stream whose element words are not v1's. The source is read at
+the destination's offsets (laid out as ``out`` first when its strides differ). Under
+``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors (``interpret_ok``), which is how
+``tests/test_sround_triton.py`` checks it without a GPU. The kernel is
+:mod:`keyinit._kernels.fill.triton_sround_impl`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from keyinit._bits.sround import TARGETS
+from keyinit._bits.streams import stream_words
+from keyinit._kernels.fill.launch import BLOCK
+from keyinit._kernels.fill.triton import launch_args
+from keyinit.keys import Key
+from keyinit.regions import Region
+
+__all__ = ["available", "sround", "sround_adam"]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str = "sround_kernel"):
+    try:
+        from keyinit._kernels.fill import triton_sround_impl
+    except Exception:  # noqa: BLE001 - any import failure means: not available
+        return None
+    return getattr(triton_sround_impl, name)
+
+
+def available() -> bool:
+    return _kernel() is not None
+
+
+def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, *, interpret_ok: bool = False) -> bool:
+    """``x`` (float32, shaped like ``region``) rounded stochastically into ``out`` (a section 17 target,
+    any strides) with the Triton kernel; ``False`` (nothing written) if it cannot. CUDA tensors, or CPU
+    tensors with ``interpret_ok`` (the tests, under ``TRITON_INTERPRET=1``)."""
+    target = TARGETS.get(out.dtype)
+    if (target is None or x.dtype != torch.float32 or x.device != out.device
+            or key.impl.words is not stream_words or (out.device.type != "cuda" and not interpret_ok)):
+        return False
+    kernel = _kernel()
+    if kernel is None:
+        return False
+    if out.numel() == 0:
+        return True
+    launch = launch_args(out, region, 1)
+    if launch is None:
+        return False
+    src = x.detach()
+    if src.is_neg() or any(n > 1 and a != b for n, a, b in zip(out.shape, out.stride(), src.stride())):
+        src = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=out.device).copy_(src)
+    if launch["index"] is not None:
+        index = launch["index"].to(out.device)
+    else:  # never read (every dim is a slice), but the kernel needs a pointer
+        index = torch.empty(1, dtype=torch.int64, device=out.device)
+    dims = launch["dims"]
+    geometry_args = [d[0] for d in dims] + [d[1] for d in dims] + [d[2] for d in dims] + [d[3] for d in dims]
+    storage = out.view(torch.int16 if target.nbits == 16 else torch.uint8)
+    k0, k1 = key.words
+    grid = (-(-out.numel() // BLOCK),)
+    args = (storage, src.view(torch.int32), index, out.numel(), launch["base"], k0, k1, *geometry_args)
+    options = dict(P=target.p, EMIN=target.emin, EMAX=target.emax, NBITS=target.nbits,
+                   HAS_INF=int(target.inf is not None), INF=target.inf or 0, NAN=target.nan,
+                   MAXF=target.max_finite, BLOCK=BLOCK)
+    if out.device.type == "cuda":
+        with torch.cuda.device(out.device):
+            kernel[grid](*args, **options)
+    else:  # the interpreter (tests)
+        kernel[grid](*args, **options)
+    torch.autograd.graph.increment_version(out)
+    return True
+
+
+#: The parameter types of the fused step's kernel (its ``PTYPE``: keyinit._kernels.fill.cpu.ADAM_TYPES's ids).
+_ADAM_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 4}
+
+
+def _f32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                key: Key, region: Region, scalars: "list[float]", has_decay: bool, *,
+                interpret_ok: bool = False) -> bool:
+    """The fused Adam/AdamW step (``docs/spec.md`` 17.6) with the Triton kernel: the arguments of
+    :func:`keyinit._draw.dispatch.sround_adam`, all four tensors contiguous, of one shape and device
+    (CUDA, or CPU with ``interpret_ok``); ``False`` (nothing written) if it cannot."""
+    ptype = _ADAM_TYPES.get(param.dtype)
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    if (ptype is None or grad.dtype != param.dtype or exp_avg.dtype != torch.float32
+            or exp_avg_sq.dtype != torch.float32 or key.impl.words is not stream_words
+            or (param.device.type != "cuda" and not interpret_ok)
+            or any(t.device != param.device or not t.is_contiguous() or t.shape != param.shape for t in tensors)):
+        return False
+    kernel = _kernel("adam_kernel")
+    if kernel is None:
+        return False
+    if param.numel() == 0:
+        return True
+    launch = launch_args(param, region, 1)
+    if launch is None:
+        return False
+    if launch["index"] is not None:
+        index = launch["index"].to(param.device)
+    else:
+        index = torch.empty(1, dtype=torch.int64, device=param.device)
+    dims = launch["dims"]
+    geometry_args = [d[0] for d in dims] + [d[1] for d in dims] + [d[2] for d in dims] + [d[3] for d in dims]
+    decay, w, beta2, s2, bc2s, eps, neg_step = (_f32(s) for s in scalars)
+    bits = (lambda t: t.view(torch.int16)) if param.dtype == torch.bfloat16 else (lambda t: t)
+    k0, k1 = key.words
+    args = (bits(param), bits(grad), exp_avg, exp_avg_sq, index, param.numel(), launch["base"], k0, k1,
+            *geometry_args, decay, w, w - 1.0, beta2, s2, bc2s, eps, neg_step, int(bool(has_decay)))
+    grid = (-(-param.numel() // BLOCK),)
+    if param.device.type == "cuda":
+        with torch.cuda.device(param.device):
+            kernel[grid](*args, PTYPE=ptype, BLOCK=BLOCK, enable_fp_fusion=False)
+    else:  # the interpreter (tests)
+        kernel[grid](*args, PTYPE=ptype, BLOCK=BLOCK, enable_fp_fusion=False)
+    for t in (param, exp_avg, exp_avg_sq):
+        torch.autograd.graph.increment_version(t)
+    return True
