@@ -5,8 +5,8 @@ unbiased, and the errors it names.
 
 ``_spec_round`` is an independent implementation in exact rational arithmetic (E2M1's values from 17.1's
 formula, ``lo`` by bisection, ``x + floor((a - lo) * 2**32 / q) >= 2**32``) on the words of section 4's
-Philox (:func:`tests.sround.test_sround_golden.word`). ``tests/golden_sround_fp4_v1.json`` was written once by
-``python -m tests.test_sround_fp4`` from ``_spec_round`` (never from the implementation).
+Philox (:func:`tests.sround.test_sround_golden.word`). ``tests/sround/golden_sround_fp4_v1.json`` was written once by
+``python -m tests.sround.test_sround_fp4`` from ``_spec_round`` (never from the implementation).
 """
 
 from __future__ import annotations
@@ -163,5 +163,5 @@ def test_errors_name_what_is_wrong():
 if __name__ == "__main__":  # writes the golden file from the spec text (run once; never to make a test pass)
     GOLDEN.write_text(json.dumps({
         "comment": "docs/spec.md 17.7 (keyed stochastic rounding to FP4 E2M1 given a scale), computed from the "
-                   "text by tests/test_sround_fp4.py's _spec_round; codes in hex, row-major",
+                   "text by tests/sround/test_sround_fp4.py's _spec_round; codes in hex, row-major",
         "cases": [_case(*c) for c in CASES]}, indent=1) + "\n")

@@ -6,7 +6,7 @@ Triton is optional and imported lazily; :func:`sround` returns ``False`` (the re
 missing, for a float64 source, or for a stream whose element words are not v1's. The source is read at
 the destination's offsets (laid out as ``out`` first when its strides differ). Under
 ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors (``interpret_ok``), which is how
-``tests/test_sround_triton.py`` checks it without a GPU. The kernel is
+``tests/gpu/test_sround_triton.py`` checks it without a GPU. The kernel is
 :mod:`keyinit._kernels.fill.triton_sround_impl`.
 """
 
