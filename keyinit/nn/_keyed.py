@@ -60,7 +60,8 @@ from keyinit.nn._forward import (
 )
 from keyinit.nn._hostrandom import HOST_RANDOM
 from keyinit.nn._keyed_dropout import DropoutForward, takes_dropout_forward
-from keyinit.nn._checkpoint import hand_recomputes, hold_guards
+from keyinit.nn._checkpoint import hand_recomputes, hold_guards, unguarded
+from keyinit.nn._unhanded import watch
 from keyinit.nn._copies import hold_getstate
 from keyinit.nn._fullgraph import refuse_full_graph, warn_if_compiled
 from keyinit.nn._unwrapped import refuse_unwrapped_chunk, surface_chunk_error
@@ -592,3 +593,5 @@ class Keyed(FrameStack):
                     held = node.metadata.setdefault("keyinit_keyed_contexts", [])
                     if not any(ctx is self for ctx in held):
                         held.append(self)
+        if unguarded(self):  # a recompute that no checkpoint hands to keyinit may come: keyinit.nn._unhanded
+            watch(self)
