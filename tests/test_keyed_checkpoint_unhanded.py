@@ -193,9 +193,7 @@ def test_a_forward_without_checkpointing_installs_no_global_hook():
     net, x = _net("plain"), _x()
     with knn.keyed(net, 3, step=1):
         loss = net(x).square().sum()
-        with torch.no_grad():  # a module run without autograd inside the forward would be watched: not here
-            pass
-    assert not _ours()
+    assert not _ours()  # (only a block whose modules ran without autograd inside its forward is watched)
     loss.backward()
 
 
@@ -212,3 +210,47 @@ def test_the_guards_on_torchs_checkpoint_are_on_only_while_a_block_is():
     assert tuc._checkpoint_without_reentrant_generator is generator
     loss.backward()  # (its recompute puts the block's hooks and the guards back for its call only)
     assert tuc.CheckpointFunction.__dict__["forward"] is forward
+
+
+class _Torch(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.block, self.reentrant = Block(), reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("inside", [True, False])
+def test_checkpoints_keyinit_knows_install_no_global_hook(reentrant, inside):
+    net, x = _Torch(reentrant).train(), _x()
+    with knn.keyed(net, 3, step=1):
+        loss = net(x).sum()
+        if inside:
+            loss.backward()
+    assert not _ours()
+    if not inside:
+        loss.backward()
+    assert not _ours()
+
+
+class _Frozen(nn.Module):
+    """A frozen submodule run under torch.no_grad() inside the forward (a target encoder): nothing recomputes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.frozen = Block(), Block()
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.frozen(x)
+        return (self.block(x) - target).square()
+
+
+def test_a_module_run_under_no_grad_inside_the_forward_installs_no_global_hook():
+    net, x = _Frozen().train(), _x()
+    with knn.keyed(net, 3, step=1):
+        loss = net(x).sum()
+    assert not _ours()
+    loss.backward()

@@ -48,6 +48,8 @@ __all__ = ["Region", "Recompute", "hand_recomputes", "unseen_recompute", "refuse
 
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _grad_enabled = torch.is_grad_enabled
+_graph_task = torch._C._current_graph_task_id
+_fw_grad_enabled = torch._C._is_fwd_grad_enabled
 # megatron-core's own activation checkpointing: CheckpointFunction (and CheckpointWithoutOutputFunction) run the
 # function in their forward and recompute it in backward, as torch's reentrant checkpoint does
 _MEGATRON = "megatron.core.tensor_parallel.random"
@@ -188,10 +190,14 @@ def hand_recomputes(ctx: Any) -> None:
     """A module of ``ctx``'s model runs under activation checkpointing's conditions: hand the recompute function
     of every checkpoint around it (torch's, reentrant or not, and megatron-core's: the :class:`_Scope` s their
     guards pushed in this thread) over as a :class:`Recompute` of ``ctx``. The innermost first; where one is
-    handed already, so are those around it. With no checkpoint around it, ``ctx`` is :func:`unguarded`."""
+    handed already, so are those around it. With no checkpoint around it in a forward, ``ctx`` is
+    :func:`unguarded`."""
     stack = getattr(_guarded, "stack", None)
     if not stack:
-        _unguarded.add(ctx)
+        # a recompute may come of a module run inside an autograd.Function's forward (which turns forward-mode AD
+        # off, as torch.no_grad() does not) or under saved-tensor hooks, in a forward (in backward: a recompute)
+        if _graph_task() == -1 and (not _fw_grad_enabled() or _saved_tensor_hooks(False) is not None):
+            _unguarded.add(ctx)
         return
     frame = _UNSET
     for scope in reversed(stack):
@@ -207,8 +213,9 @@ def hand_recomputes(ctx: Any) -> None:
 
 
 def unguarded(ctx: Any) -> bool:
-    """A module of ``ctx``'s model ran under checkpointing's conditions with no checkpoint keyinit knows around it:
-    a recompute in backward may come that no checkpoint hands to keyinit (keyinit.nn._unhanded watches for it)."""
+    """A module of ``ctx``'s model ran inside an ``autograd.Function``'s forward or under saved-tensor hooks with no
+    checkpoint keyinit knows around it: a recompute in backward may come that no checkpoint hands to keyinit
+    (keyinit.nn._unhanded watches for it). A module run under ``torch.no_grad()`` alone is never recomputed."""
     return ctx in _unguarded
 
 

@@ -4,8 +4,9 @@ execution they repeat, or their draws refused naming the module.
 torch's, transformers' and megatron's checkpoints and ``keyinit.nn.checkpoint`` hand their recompute to keyinit
 (:mod:`keyinit.nn._checkpoint`); another library's (DeepSpeed's activation checkpointing) or a hand-written
 ``torch.autograd.Function`` that reruns a module's forward in backward does not. keyinit sees its first
-execution only as a module of the model run under checkpointing's conditions (autograd off inside a forward
-that had it on, or saved-tensor hooks) with no checkpoint it knows around it
+execution only as a module of the model run inside an ``autograd.Function``'s forward (which turns autograd
+and forward-mode AD off; ``torch.no_grad()`` alone leaves forward-mode AD on, and nothing recomputes it) or
+under saved-tensor hooks, with no checkpoint it knows around it
 (:func:`keyinit.nn._checkpoint.unguarded`). Inside the block, the block's hooks find such a recompute by its
 inputs; after the block, nothing of keyinit is on the model. So while such a block lives (its forwards'
 autograd graph holds it), :func:`watch` keeps two process-wide module hooks
@@ -16,8 +17,9 @@ execution of theirs matches its inputs (the same tensors, or their memory, as to
 is matched); where none or several match, its draws (and its children's) are refused, naming the module.
 The hooks hold the blocks weakly, and are taken off once no watched block is left. While they are on, every
 module call in the process takes torch's hook path and this check (about 3 us a call on this machine's CPU,
-1.4x a ``Linear(4, 4)`` call): only for blocks whose modules ran without autograd (or under saved-tensor
-hooks such as ``save_on_cpu``) inside their forward, until their graph is freed.
+1.4x a ``Linear(4, 4)`` call): only for blocks whose modules ran inside an ``autograd.Function``'s forward
+or under saved-tensor hooks with no checkpoint keyinit knows (``save_on_cpu`` too), until their graph is
+freed.
 
 The module's keyword arguments are not passed to torch's global pre-hooks: a recompute is matched by its
 positional tensors.
