@@ -197,44 +197,6 @@ def test_a_forward_without_checkpointing_installs_no_global_hook():
     loss.backward()
 
 
-def test_the_guards_on_torchs_checkpoint_are_on_only_while_a_block_is():
-    import torch.utils.checkpoint as tuc
-
-    forward, generator = tuc.CheckpointFunction.__dict__["forward"], tuc._checkpoint_without_reentrant_generator
-    net = _net("plain")
-    with knn.keyed(net, 3, step=1):
-        assert tuc.CheckpointFunction.__dict__["forward"] is not forward
-        assert tuc._checkpoint_without_reentrant_generator is not generator
-        loss = tuc.checkpoint(net, _x(), use_reentrant=True).sum()
-    assert tuc.CheckpointFunction.__dict__["forward"] is forward
-    assert tuc._checkpoint_without_reentrant_generator is generator
-    loss.backward()  # (its recompute puts the block's hooks and the guards back for its call only)
-    assert tuc.CheckpointFunction.__dict__["forward"] is forward
-
-
-class _Torch(nn.Module):
-    def __init__(self, reentrant: bool) -> None:
-        super().__init__()
-        self.block, self.reentrant = Block(), reentrant
-
-    def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
-
-
-@pytest.mark.parametrize("reentrant", [True, False])
-@pytest.mark.parametrize("inside", [True, False])
-def test_checkpoints_keyinit_knows_install_no_global_hook(reentrant, inside):
-    net, x = _Torch(reentrant).train(), _x()
-    with knn.keyed(net, 3, step=1):
-        loss = net(x).sum()
-        if inside:
-            loss.backward()
-    assert not _ours()
-    if not inside:
-        loss.backward()
-    assert not _ours()
-
-
 class _Frozen(nn.Module):
     """A frozen submodule run under torch.no_grad() inside the forward (a target encoder): nothing recomputes it."""
 
