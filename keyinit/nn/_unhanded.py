@@ -68,6 +68,7 @@ _handles: list = []  # the two global hooks, while any is watched
 _stale = [False]  # a watched context was freed: prune at the next module call
 _running = threading.local()  # .stack: [module, leave, depth] of the recomputes these hooks opened, innermost last
 _graph_task = torch._C._current_graph_task_id
+_compiling = torch.compiler.is_compiling
 
 
 def _freed(_: Any) -> None:
@@ -106,6 +107,8 @@ def _keyinit_hooked(module: torch.nn.Module) -> bool:
 
 
 def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
+    if _compiling():
+        return  # (dynamo traces a forward: nothing to do, and nothing it cannot trace)
     if _stale[0]:
         _contexts()
     if _graph_task() == -1:
@@ -134,6 +137,8 @@ def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
 
 
 def _post_hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    if _compiling():
+        return
     stack = getattr(_running, "stack", None)
     if not stack or stack[-1][0] is not module:
         return
