@@ -216,3 +216,24 @@ def test_a_module_run_under_no_grad_inside_the_forward_installs_no_global_hook()
         loss = net(x).sum()
     assert not _ours()
     loss.backward()
+
+
+def test_a_compiled_forward_while_watching_stays_compiled():
+    """dynamo traces module calls through torch's global hooks: the watch's hooks must not break its graph (a
+    graph break makes keyinit.nn.compile run the model eagerly from then on)."""
+    import warnings
+
+    net, x = _net("module"), _x()
+    with knn.keyed(net, 3, step=1):
+        loss = net(x).square().sum()
+    assert _ours()
+    other = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2), nn.Linear(8, 8)).train()
+    keyinit.init_model(other, 0)
+    compiled = knn.compile(other, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with knn.keyed(compiled, 5, step=0):
+            compiled(torch.ones(4, 8, requires_grad=True)).sum().backward()
+    assert not [w for w in caught if "runs eagerly" in str(w.message)]
+    loss.backward()
+    _exact(_grads(net, x), _expected())
