@@ -44,9 +44,10 @@ UNHANDED = (
     "torch.utils.checkpoint, transformers' gradient checkpointing, megatron's tensor_parallel.checkpoint or "
     "keyinit.nn.checkpoint: DeepSpeed's activation checkpointing, or an autograd.Function of your own that reruns "
     "the forward in backward) recomputes this module, and keyinit cannot match the recompute to the execution it "
-    "repeats (its inputs are neither that execution's tensors nor their memory), so it cannot give it that "
-    "execution's keys. Checkpoint the module with torch.utils.checkpoint (checkpoint(module, x)) or the function "
-    "with keyinit.nn.checkpoint, whose recomputes keyinit keys as their first execution"
+    "repeats (a recompute is matched by its positional input tensors: these are neither that execution's "
+    "tensors nor their memory), so it cannot give it that execution's keys. Checkpoint the module with "
+    "torch.utils.checkpoint (checkpoint(module, x)) or the function with keyinit.nn.checkpoint, whose "
+    "recomputes keyinit keys as their first execution"
 )
 
 
