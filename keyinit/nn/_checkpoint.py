@@ -19,28 +19,40 @@ the function: its first call is the first execution; a later call (the recompute
 reentrant or not, in backward, in this thread or autograd's) runs the function again
 as that execution, in the frame of the module that called ``checkpoint``, with the
 call ordinals, host generator states and input batch records it began with.
+
+How keyinit knows a checkpoint is running: its guards (:func:`hold_guards`, on while a keyed
+block or a recompute after it has hooks on a model) wrap the first execution of every checkpoint
+it knows: ``forward`` of torch's reentrant ``CheckpointFunction`` and of megatron-core's
+``CheckpointFunction``/``CheckpointWithoutOutputFunction``, and torch's non-reentrant
+checkpoint (its ``_checkpoint_without_reentrant_generator``, whose recompute calls the function
+through a :class:`_Later` that keyinit holds). Each pushes a :class:`_Scope` on this thread's
+stack for the time the function first runs: where its recompute function is held (handed over as
+a :class:`Recompute` by :func:`hand_recomputes`), whether keyinit keys that recompute itself (a
+:class:`Region`, transformers' keyed checkpointing), and the frame that was running as it began.
+Nothing is found by file or function names.
 """
 
 from __future__ import annotations
 
-import os
 import sys
+import threading
+import weakref
 from typing import Any, Optional
 
 import torch
 
 from keyinit.nn._batch import annotate, record
 
-__all__ = ["Region", "Recompute", "hand_recomputes", "unseen_recompute", "refuse_unseen", "UNSEEN_RECOMPUTE"]
+__all__ = ["Region", "Recompute", "hand_recomputes", "unseen_recompute", "refuse_unseen", "UNSEEN_RECOMPUTE",
+           "hold_guards", "unguarded"]
 
-_TORCH_CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_grad_enabled = torch.is_grad_enabled
+_graph_task = torch._C._current_graph_task_id
+_fw_grad_enabled = torch._C._is_fwd_grad_enabled
 # megatron-core's own activation checkpointing: CheckpointFunction (and CheckpointWithoutOutputFunction) run the
 # function in their forward and recompute it in backward, as torch's reentrant checkpoint does
-_MEGATRON_CHECKPOINT = os.path.join("megatron", "core", "tensor_parallel", "random.py")
-_MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
-_THIS = __file__
-_FORWARD = os.path.join(os.path.dirname(__file__), "_forward.py")  # transformers' keyed checkpointing (its run)
-_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_MEGATRON = "megatron.core.tensor_parallel.random"
 
 #: The end of the error of a draw :func:`unseen_recompute` finds.
 UNSEEN_RECOMPUTE = (
@@ -59,30 +71,15 @@ def unseen_recompute(frame: Any) -> bool:
     where keyed() does not see it.
 
     Looked for only under checkpointing's conditions (autograd off inside a forward that had it on, or
-    saved-tensor hooks set): the Python stack, from the draw up to the nearest module call, passes through
-    ``torch/utils/checkpoint.py`` (or the ``forward`` of megatron's checkpoint functions) and through no keyed
-    recompute (:class:`Region`, transformers' wrapper).
+    saved-tensor hooks set): the innermost checkpoint this thread runs (its guard's :class:`_Scope`) is not one
+    whose recompute keyinit keys (:class:`Region`, transformers' wrapper), and no module of the model began
+    since it did (the frame running as it began is ``frame``; unset: no hooked module has run inside it yet).
     """
-    if not (frame.forward.grad and not torch.is_grad_enabled()) and _saved_tensor_hooks(False) is None:
+    stack = getattr(_guarded, "stack", None)
+    if not stack or (not (frame.forward.grad and not _grad_enabled()) and _saved_tensor_hooks(False) is None):
         return False
-    f: Optional[Any] = sys._getframe(1)
-    depth = 0
-    while f is not None and depth < 400:
-        code = f.f_code
-        filename = code.co_filename
-        if filename == _THIS and code.co_name == "__call__":
-            return False  # a keyinit.nn.checkpoint region: recomputed keyed
-        if filename == _FORWARD and code.co_name == "run":
-            return False  # transformers' checkpointing, wrapped by keyed (CheckpointingFunction)
-        if filename.endswith(_TORCH_CHECKPOINT):
-            return True
-        if filename.endswith(_MEGATRON_CHECKPOINT) and code.co_name == "forward":
-            return True  # megatron's CheckpointFunction.forward (its first execution, autograd off)
-        if filename.endswith(_MODULE_CALL):
-            return False  # the call of the module the draw is in: checkpointing above it recomputes the module
-        f = f.f_back
-        depth += 1
-    return False
+    scope = stack[-1]
+    return not scope.keyed and (scope.frame is _UNSET or scope.frame is frame)
 
 
 def refuse_unseen(frame: Any, what: str) -> None:
@@ -99,6 +96,7 @@ class Region:
     docstring): where its first execution began in the keyed forward, and the recompute keyed as it."""
 
     __slots__ = ("ctx", "function", "forward", "module", "fqn", "counts", "host", "firsts", "calls")
+    keyed_recompute = True  # (its recompute is keyed as its first execution: no draw in it is unseen)
 
     def __init__(self, ctx: Any, frame: Any, function: Any, args: tuple) -> None:
         self.ctx, self.function = ctx, function
@@ -148,36 +146,179 @@ class Recompute:
             return self.function(*args, **kwargs)
 
 
-def _holder(f: Any, megatron: bool) -> tuple[Any, str]:
-    """The object of the checkpoint running in Python frame ``f`` that holds its recompute function, and the
-    attribute's name (``(None, "")`` where ``f`` is no such frame)."""
-    name = f.f_code.co_name
-    if name == "forward":  # torch's (reentrant) and megatron's CheckpointFunction.forward
-        local = f.f_locals
-        obj = local.get("checkpoint_without_output_obj") if megatron else None  # megatron's CheckpointWithoutOutput
-        return (obj if obj is not None else local.get("ctx")), "run_function"
-    if name == "checkpoint" and not megatron:  # torch's non-reentrant checkpoint: its generator holds the frame
-        gen = f.f_locals.get("gen")
-        inner = getattr(gen, "gi_frame", None)
-        return (inner.f_locals.get("new_frame") if inner is not None else None), "recompute_fn"
-    return None, ""
+#: :attr:`_Scope.frame` before a module of the model began inside the checkpoint.
+_UNSET = object()
+_guarded = threading.local()  # .stack: the checkpoints whose first execution runs in this thread, innermost last
+#: The contexts a module of whose model ran under checkpointing's conditions with no known checkpoint around it
+#: (a hand-written or another library's checkpoint, or only torch.no_grad()/saved-tensor hooks): :func:`unguarded`
+_unguarded: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+class _Scope:
+    """One checkpoint's first execution, running in this thread (pushed by keyinit's guard on it): where its
+    recompute function is held (``getattr(holder, attr)``), whether keyinit keys its recompute itself, and the
+    keyinit frame that was running as it began (:data:`_UNSET` until a hooked module runs inside it)."""
+
+    __slots__ = ("holder", "attr", "keyed", "frame")
+
+    def __init__(self, function: Any, holder: Any, attr: str) -> None:
+        self.holder, self.attr = holder, attr
+        self.keyed = bool(getattr(function, "keyed_recompute", False))
+        self.frame: Any = _UNSET
+
+
+def _push(function: Any, holder: Any, attr: str) -> _Scope:
+    stack = getattr(_guarded, "stack", None)
+    if stack is None:
+        stack = _guarded.stack = []
+    scope = _Scope(function, holder, attr)
+    stack.append(scope)
+    return scope
+
+
+def _pop(scope: Optional[_Scope]) -> None:
+    stack = getattr(_guarded, "stack", None)
+    if scope is None or not stack:
+        return
+    if stack[-1] is scope:
+        stack.pop()
+    elif scope in stack:
+        stack.remove(scope)
 
 
 def hand_recomputes(ctx: Any) -> None:
-    """A module of ``ctx``'s model runs under activation checkpointing: hand the recompute function of every
-    checkpoint around it (torch's, reentrant or not, and megatron-core's, found on the Python stack) over as a
-    :class:`Recompute` of ``ctx``. The innermost first; where one is handed already, so are those around it."""
-    f: Optional[Any] = sys._getframe(2)
-    depth = 0
-    while f is not None and depth < 400:
-        filename = f.f_code.co_filename
-        megatron = filename.endswith(_MEGATRON_CHECKPOINT)
-        if megatron or filename.endswith(_TORCH_CHECKPOINT):
-            holder, attr = _holder(f, megatron)
-            function = getattr(holder, attr, None) if holder is not None else None
-            if isinstance(function, Recompute):
+    """A module of ``ctx``'s model runs under activation checkpointing's conditions: hand the recompute function
+    of every checkpoint around it (torch's, reentrant or not, and megatron-core's: the :class:`_Scope` s their
+    guards pushed in this thread) over as a :class:`Recompute` of ``ctx``. The innermost first; where one is
+    handed already, so are those around it. With no checkpoint around it in a forward, ``ctx`` is
+    :func:`unguarded`."""
+    stack = getattr(_guarded, "stack", None)
+    if not stack:
+        # a recompute may come of a module run inside an autograd.Function's forward (which turns forward-mode AD
+        # off, as torch.no_grad() does not) or under saved-tensor hooks, in a forward (in backward: a recompute)
+        if _graph_task() == -1 and (not _fw_grad_enabled() or _saved_tensor_hooks(False) is not None):
+            _unguarded.add(ctx)
+        return
+    frame = _UNSET
+    for scope in reversed(stack):
+        if scope.frame is _UNSET:  # no module of the model began inside it before: the frame running as it began
+            if frame is _UNSET:
+                frame = ctx._current_frame()
+            scope.frame = frame
+        function = getattr(scope.holder, scope.attr, None)
+        if isinstance(function, Recompute):
+            return
+        if function is not None:
+            setattr(scope.holder, scope.attr, Recompute(ctx, function))
+
+
+def unguarded(ctx: Any) -> bool:
+    """A module of ``ctx``'s model ran inside an ``autograd.Function``'s forward or under saved-tensor hooks with no
+    checkpoint keyinit knows around it: a recompute in backward may come that no checkpoint hands to keyinit
+    (keyinit.nn._unhanded watches for it). A module run under ``torch.no_grad()`` alone is never recomputed."""
+    return ctx in _unguarded
+
+
+class _Later:
+    """The function torch's non-reentrant checkpoint calls to recompute (in place of the checkpointed one, which
+    its first execution calls directly): ``function``, a :class:`Recompute` once :func:`hand_recomputes` hands
+    it over."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+
+def _guard_forward(original: Any, holder_at: Optional[int]) -> Any:
+    """``forward(ctx, run_function, x, *args)`` of an autograd function that checkpoints ``run_function``
+    (torch's reentrant and megatron's), guarded: its first execution runs inside a :class:`_Scope`. The
+    recompute function is held at ``ctx.run_function``, or (``holder_at``) at ``run_function`` of the argument
+    in that position (megatron's CheckpointWithoutOutput object)."""
+
+    def forward(ctx: Any, run_function: Any, *args: Any) -> Any:
+        holder = ctx if holder_at is None else args[holder_at]
+        scope = _push(run_function, holder, "run_function")
+        try:
+            return original(ctx, run_function, *args)
+        finally:
+            _pop(scope)
+
+    forward.__wrapped__ = original  # type: ignore[attr-defined]
+    return staticmethod(forward)
+
+
+def _guard_generator(original: Any) -> Any:
+    """torch's ``_checkpoint_without_reentrant_generator``, guarded: the checkpointed function's first execution
+    (between the generator's two steps, where torch's ``checkpoint`` calls it) runs inside a :class:`_Scope`,
+    and its recompute calls it through a :class:`_Later`. Without autograd, torch saves nothing to recompute:
+    no scope."""
+
+    def generator(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        later = _Later(fn)
+        inner = original(later, *args, **kwargs)
+        next(inner)
+        scope = _push(fn, later, "function") if _grad_enabled() else None
+        try:
+            yield
+        except BaseException as exc:
+            _pop(scope)
+            try:
+                inner.throw(exc)
+            except StopIteration:
                 return
-            if function is not None:
-                setattr(holder, attr, Recompute(ctx, function))
-        f = f.f_back
-        depth += 1
+            raise
+        _pop(scope)
+        try:
+            next(inner)
+        except StopIteration:
+            return
+        yield  # (torch's generator yields twice; a third step is its own error)
+
+    generator.__wrapped__ = original  # type: ignore[attr-defined]
+    return generator
+
+
+_guard_lock = threading.Lock()
+_guard_holders = [0]
+_guards: list[tuple[Any, str, Any]] = []  # (owner, attribute, what it held before): what hold_guards replaced
+
+
+def _install_guards() -> None:
+    """Guard every checkpoint keyinit knows that is imported and not guarded yet (megatron's may be imported
+    while a block holds the guards)."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    done = {(id(owner), name) for owner, name, _ in _guards}
+    targets: list[tuple[Any, str, Any]] = []
+    function = torch_checkpoint.CheckpointFunction
+    targets.append((function, "forward", lambda: _guard_forward(function.forward, None)))
+    targets.append((torch_checkpoint, "_checkpoint_without_reentrant_generator",
+                    lambda: _guard_generator(torch_checkpoint._checkpoint_without_reentrant_generator)))
+    megatron = sys.modules.get(_MEGATRON)
+    if megatron is not None:
+        for name, at in (("CheckpointFunction", None), ("CheckpointWithoutOutputFunction", 0)):
+            owner = getattr(megatron, name, None)
+            if owner is not None:
+                targets.append((owner, "forward", lambda owner=owner, at=at: _guard_forward(owner.forward, at)))
+    for owner, name, make in targets:
+        if (id(owner), name) not in done:
+            _guards.append((owner, name, owner.__dict__[name]))
+            setattr(owner, name, make())
+
+
+def hold_guards(n: int) -> None:
+    """``n`` (1 or -1) more contexts with hooks on a model: keyinit's guards are on the checkpoints it knows
+    while any (see the module docstring), and those checkpoints are torch's and megatron's own again after."""
+    with _guard_lock:
+        before = _guard_holders[0]
+        _guard_holders[0] = before + n
+        if n > 0:
+            _install_guards()
+        elif before + n == 0:
+            while _guards:
+                owner, name, held = _guards.pop()
+                setattr(owner, name, held)

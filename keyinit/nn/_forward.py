@@ -384,6 +384,7 @@ class CheckpointingFunction:
                 ctx._post_hook()(module, inputs, out)
             return out
 
+        run.keyed_recompute = True  # type: ignore[attr-defined]  # (no draw in it is unseen: keyinit._checkpoint)
         return self.original(run, *args, **kwargs)
 
 

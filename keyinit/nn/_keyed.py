@@ -60,7 +60,8 @@ from keyinit.nn._forward import (
 )
 from keyinit.nn._hostrandom import HOST_RANDOM
 from keyinit.nn._keyed_dropout import DropoutForward, takes_dropout_forward
-from keyinit.nn._checkpoint import hand_recomputes
+from keyinit.nn._checkpoint import hand_recomputes, hold_guards, unguarded
+from keyinit.nn._unhanded import watch
 from keyinit.nn._copies import hold_getstate
 from keyinit.nn._fullgraph import refuse_full_graph, warn_if_compiled
 from keyinit.nn._unwrapped import refuse_unwrapped_chunk, surface_chunk_error
@@ -410,6 +411,9 @@ class Keyed(FrameStack):
             return self  # keyed by the outer context, with this module's FQN there
         self._thread = threading.get_ident()
         self._owner = self._thread_state()
+        self._holds_getstate = True  # (and keyinit's guards on checkpoints: named blocks too)
+        hold_getstate(1)
+        hold_guards(1)
         if isinstance(self.model, Named):  # one root forward for the whole block, its inputs as given
             _active().append(self)
             with _entered_lock:
@@ -464,8 +468,6 @@ class Keyed(FrameStack):
             _active().append(self)
             with _entered_lock:
                 _entered.append(self)
-            self._holds_getstate = True
-            hold_getstate(1)
         except BaseException:
             self._teardown()
             self._state = "exited"
@@ -514,6 +516,7 @@ class Keyed(FrameStack):
         if self._holds_getstate:
             self._holds_getstate = False
             hold_getstate(-1)
+            hold_guards(-1)
         vars(self._local).clear()  # (this thread's state: its modes hold the context)
         self._shared_post_hook, self._owner, self._local = None, None, threading.local()
 
@@ -544,6 +547,7 @@ class Keyed(FrameStack):
                     self._hook(module, fqn, light)
                 self._holds_getstate = True
                 hold_getstate(1)
+                hold_guards(1)
         stack.append(self)
         try:
             yield self
@@ -589,3 +593,5 @@ class Keyed(FrameStack):
                     held = node.metadata.setdefault("keyinit_keyed_contexts", [])
                     if not any(ctx is self for ctx in held):
                         held.append(self)
+        if unguarded(self):  # a recompute that no checkpoint hands to keyinit may come: keyinit.nn._unhanded
+            watch(self)

@@ -5,18 +5,20 @@ execution's :class:`~keyinit.nn._intercept.Frame` is pushed (with the host
 generators' context and the modes it enters), the frame of a
 ``keyinit.nn.checkpoint`` region's recompute (:mod:`keyinit.nn._checkpoint`), the
 refusing frame of a module run in backward that no forward's execution matches,
+the frame of a recompute that no checkpoint handed to keyinit (:mod:`keyinit.nn._unhanded`),
 and the check of torch's sequence-first layers.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from keyinit.nn._batch import Batch, record
-from keyinit.nn._forward import Forward, input_tensors
+from keyinit.nn._forward import Forward, input_tensors, recomputed
 from keyinit.nn._hostrandom import HostRandom
 from keyinit.nn._intercept import Frame
 from keyinit.nn._keyed_calls import CompiledCalls
@@ -134,6 +136,46 @@ class FrameStack(CompiledCalls):
             host = forward.host_random(self, region.fqn, resumed=(region.host,))
         self._open(state, frame, host)
         return frame
+
+    def planned(self, module: torch.nn.Module) -> Optional[tuple[str, bool]]:
+        """``(fqn, light)`` of ``module`` where the block hooked it (and a recompute after the block puts its hooks
+        back: its plan), else None."""
+        if id(module) not in self._names:
+            return None
+        return next(((fqn, light) for m, fqn, light in self._plan if m is module), None)
+
+    def repeats(self, module: torch.nn.Module, fqn: str, args: tuple) -> bool:
+        """``module`` (FQN ``fqn``), run in backward on ``args``, repeats an execution of this context's forwards
+        (its input tensors, or their memory: :func:`keyinit.nn._forward.recomputed`)."""
+        return recomputed(self, fqn, args, {}) is not None
+
+    def recompute_unhanded(self, module: torch.nn.Module, fqn: str, light: bool, args: tuple,
+                           refuse: Optional[str]) -> Callable[[Any], None]:
+        """Run the call of ``module`` that begins now (in backward, by a checkpoint that handed keyinit nothing:
+        :mod:`keyinit.nn._unhanded`) as a recompute of this context: its hooks on the model for the call
+        (:meth:`recomputing`), and the module's frame opened as its pre-hook opens it (keyed as the execution it
+        repeats), or, with ``refuse`` (why), a frame whose draws are refused. Returns what closes it, given the
+        module's output."""
+        scope = self.recomputing()  # type: ignore[attr-defined]
+        scope.__enter__()
+        try:
+            if refuse is None:
+                self._pre_hook(fqn, light)(module, args, {})  # type: ignore[attr-defined]
+            else:
+                state = self._thread_state()
+                frame = Frame(module, fqn, refuse, self._unmatched(fqn), {})
+                self._open(state, frame, None if state.frames else self._refusing_host(frame, refuse))
+        except BaseException:
+            scope.__exit__(*sys.exc_info())
+            raise
+
+        def leave(output: Any) -> None:
+            try:
+                self._post_hook()(module, args, output)  # type: ignore[attr-defined]
+            finally:
+                scope.__exit__(None, None, None)
+
+        return leave
 
     def _refusing_host(self, frame: Frame, why: str) -> HostRandom:
         """Python's and numpy's generators for a frame whose draws are refused (``why``): a draw from them too."""

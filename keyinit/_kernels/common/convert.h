@@ -11,7 +11,7 @@
  * Branch-free (every case computed, one selected), so loops over them vectorize.
  * ki_f32_to_f16 gives the same bits whatever the flush-to-zero / denormals-are-zero
  * mode: its float operations only see values that are normal, or so small that
- * they cannot change the rounded result. tests/test_conversions.py checks both
+ * they cannot change the rounded result. tests/kernels/test_conversions.py checks both
  * directions against torch and against the bit-select formulation the dropout
  * kernel used before this header (equal for all 2**32 inputs, NaNs included).
  */

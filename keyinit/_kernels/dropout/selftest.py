@@ -4,7 +4,7 @@ The counterpart of :mod:`keyinit._kernels.fill.selftest` for ``dropout_kernels.c
 before :mod:`keyinit._kernels.dropout.cpu` uses a library, it runs the cases
 below and compares SHA-256 digests of the output bytes with :data:`GOLDEN`, the
 bytes the reference (:func:`keyinit._draw.reference_dropout.dropout`) produces;
-``tests/test_hostile_kernels.py`` recomputes them from the reference.
+``tests/kernels/test_hostile_kernels.py`` recomputes them from the reference.
 
 The cases are small (about 150k elements) and cover what could differ: each
 dtype's scaling and rounding (fp16 overflow to infinity, subnormal products),

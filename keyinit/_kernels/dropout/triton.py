@@ -91,7 +91,7 @@ class Tuning(NamedTuple):
 
 
 #: How the kernel runs unless :func:`run` is given another (benchmarks/triton_dropout_sweep.py times others).
-#: ``bf16_cvt`` stays off until a GPU run of the sweep (and ``tests/test_cuda.py``) has checked the hardware
+#: ``bf16_cvt`` stays off until a GPU run of the sweep (and ``tests/gpu/test_cuda.py``) has checked the hardware
 #: conversion's bits: the interpreter checks only the integer rounding.
 TUNING = Tuning()
 #: The kernel's runtime integers: every one int64 and none specialized on its value (Triton would otherwise

@@ -5,7 +5,7 @@ adds value-changing flags, a miscompiled SIMD path, a CPU quirk. Before
 :mod:`keyinit._kernels.fill.cpu` uses a library, it fills the cases below with it
 and compares SHA-256 digests of the output bytes with :data:`GOLDEN`, which
 are the bytes the reference implementation (:mod:`keyinit._draw.reference_fill`)
-produces for the same cases; ``tests/test_kernels_cpu.py`` recomputes them
+produces for the same cases; ``tests/kernels/test_kernels_cpu.py`` recomputes them
 from the reference, so they cannot drift from the stream.
 
 The cases are small (about 80k elements, a millisecond or two) and cover every

@@ -2,7 +2,7 @@
 
 Like :mod:`keyinit._kernels.fill.selftest`: the kernel rounds the cases below and the SHA-256 digests of
 its outputs must be :data:`GOLDEN`, the bytes the reference (:mod:`keyinit._draw.reference_sround`)
-produces; ``tests/test_sround_kernel.py`` recomputes them from the reference. The inputs are every
+produces; ``tests/kernels/test_sround_kernel.py`` recomputes them from the reference. The inputs are every
 kind of binary32 value (spread bit patterns: NaNs with payloads, infinities, subnormals, zeros of both
 signs, values near each target's largest finite value and below its smallest subnormal), rounded to
 each target: a dense run, a transposed destination, strided and listed regions, a run off a Philox

@@ -4,7 +4,7 @@ The counterpart of :mod:`keyinit._kernels.fill.selftest` for ``permutation_kerne
 before :mod:`keyinit._kernels.permutation.cpu` uses a library, it runs the
 cases below and compares SHA-256 digests of the outputs with :data:`GOLDEN`,
 the values of the reference (:mod:`keyinit._draw.reference_permutation`);
-``tests/test_kernel_libraries.py`` recomputes them from the reference.
+``tests/kernels/test_kernel_libraries.py`` recomputes them from the reference.
 
 The cases are small (about 60k positions) and cover what could differ: the
 12-round (at most 16 bits) and 6-round domains on both sides of the switch,
