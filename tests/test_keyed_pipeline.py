@@ -17,7 +17,7 @@ from torch import nn
 
 import keyinit
 import keyinit.nn as knn
-from keyinit.nn._pipeline import chunk_offsets
+from keyinit.nn._context.pipeline import chunk_offsets
 from tests._dist import requires_gloo, run_distributed
 
 SEED, STEP, BATCH, CHUNKS = 7, 3, 6, 2
