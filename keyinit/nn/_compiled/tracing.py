@@ -78,7 +78,7 @@ class TraceContext:
 
         self.trace = trace
         self.root, self.step, self.sample_offset = call.ctx.root, call.ctx.step, call.ctx.sample_offset
-        self._sequence_first: frozenset[int] = frozenset()  # read only by index="dim0"
+        self.sequence_first: frozenset[int] = frozenset()  # read only by index="dim0"
         self._local = threading.local()
         self._local.state = _State([FunctionMode(self), BatchMode(self)])
         self.frame: Optional[Frame] = None
@@ -88,10 +88,14 @@ class TraceContext:
         """keyed()'s two modes for this trace (entered around the graph's run)."""
         return self._local.state.modes
 
-    def _current_frame(self) -> Optional[Frame]:
+    @property
+    def thread_local(self) -> threading.local:
+        return self._local
+
+    def current_frame(self) -> Optional[Frame]:
         return self.frame
 
-    def _thread_state(self) -> "_State":
+    def thread_state(self) -> "_State":
         return self._local.state
 
     def __repr__(self) -> str:

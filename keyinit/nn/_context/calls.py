@@ -30,7 +30,7 @@ class CompiledCalls:
     """The calls of :mod:`keyinit.nn._compiled.compile` into a :class:`keyinit.nn._context.keyed.Keyed` (its base
     class)."""
 
-    # the context's state these read (set by Keyed; its _hook, _thread_state, _current_frame and
+    # the context's state these read (set by Keyed; its _hook, thread_state, current_frame and
     # _root_forward are called)
     model: torch.nn.Module
     calls: str
@@ -51,7 +51,7 @@ class CompiledCalls:
 
     def current_frame(self) -> Optional[Frame]:
         """The frame of the module execution running in this thread inside this context, or None."""
-        return self._current_frame()
+        return self.current_frame()
 
     def root_forward(self, module: torch.nn.Module, fqn: str, args: tuple, kwargs: dict) -> "Forward":
         """A new root forward of ``module`` (its rows, repeat count and inputs' batch records), as its
@@ -85,7 +85,7 @@ class CompiledCalls:
     def save_draws(self, forward: "Forward") -> tuple:
         """What a call that draws changes of the block's record of forwards and call ordinals (see
         :meth:`restore_draws`)."""
-        frame = self._current_frame()
+        frame = self.current_frame()
         counts = frame.counts if frame is not None and self.calls == "forward" else forward.counts
         return (list(self._forwards), forward.drew, {fqn: len(rows) for fqn, rows in self._history.items()},
                 counts, dict(counts))
@@ -123,7 +123,7 @@ class CompiledCalls:
                     for handle in found[2]:
                         handle.remove()
                     removed.append(found)
-        frames = self._thread_state().frames
+        frames = self.thread_state().frames
         if self.calls == "execution":
             counts: dict = {}
         else:
@@ -134,7 +134,7 @@ class CompiledCalls:
 
     def resume(self, suspended: list) -> None:
         left, removed, frame = suspended
-        frames = self._thread_state().frames
+        frames = self.thread_state().frames
         while frames:  # the frames of forwards that ran eagerly inside it and raised are left too
             top = frames.pop()
             for mode in reversed(top.pushed):

@@ -5,7 +5,8 @@ execution's :class:`~keyinit.nn._forward.intercept.Frame` is pushed (with the ho
 generators' context and the modes it enters), the frame of a
 ``keyinit.nn.checkpoint`` region's recompute (:mod:`keyinit.nn._recompute.checkpoint`), the
 refusing frame of a module run in backward that no forward's execution matches,
-and the check of torch's sequence-first layers.
+the check of torch's sequence-first layers, and :class:`MicroBatch` (``ctx.micro_batch(offset)``: the rows
+its root forwards hold).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from keyinit.nn._forward.intercept import Frame
 from keyinit.nn._context.calls import CompiledCalls
 from keyinit.nn._forward.modes import BatchMode, FunctionMode, mode_is_active
 
-__all__ = ["FrameStack", "UNMATCHED_RECOMPUTE", "later_block"]
+__all__ = ["FrameStack", "MicroBatch", "UNMATCHED_RECOMPUTE", "later_block"]
 
 #: Why every draw of a module run in backward that no forward's execution matches is refused (see _pre_hook).
 UNMATCHED_RECOMPUTE = (
@@ -94,7 +95,7 @@ class FrameStack(CompiledCalls):
         some of them): anything else (a batch flattened or packed to one row, a batch cut without
         ``micro_batch``) would key other samples' rows, silently."""
         rows = self.sample_rows
-        if rows is None or not count or self._probing or (self._micro and self._rows + count <= rows):
+        if rows is None or not count or self.probing or (self._micro and self._rows + count <= rows):
             return
         if count == rows and not self._micro:
             return
@@ -109,13 +110,24 @@ class FrameStack(CompiledCalls):
             "(its rows as the samples) or keep one sample per row; rows cut from the batch go in "
             "ctx.micro_batch(offset)")
 
-    def _thread_state(self) -> _ThreadState:
+    @property
+    def thread_local(self) -> threading.local:
+        """Where each thread's state is (``thread_local.state``: its frames and modes; absent in a thread that
+        has run nothing of this context): what the modes read without creating one."""
+        return self._local
+
+    def thread_state(self) -> _ThreadState:
         state = getattr(self._local, "state", None)
         if state is None:
             state = self._local.state = _ThreadState(self, foreign=threading.get_ident() != self._thread)
         return state
 
-    def _current_frame(self) -> Optional[Frame]:
+    def drew_rows(self, fqn: str, start: int, stop: int) -> None:
+        """A root forward of ``fqn`` over rows ``start .. stop - 1`` drew keyed values: a later forward of
+        those rows is a repeat."""
+        self._history.setdefault(fqn, []).append((start, stop))
+
+    def current_frame(self) -> Optional[Frame]:
         state = getattr(self._local, "state", None)
         if state is not None and state.frames:
             return state.frames[-1]
@@ -126,7 +138,7 @@ class FrameStack(CompiledCalls):
         a frame of the module that called it, in its forward, with the call ordinals, host generator states (where
         no frame is open) and modes it began with; left by the post-hook of that module. After the context was
         over (also after the block, and after another ``keyed()`` began: the region holds the context)."""
-        state = self._thread_state()
+        state = self.thread_state()
         forward = region.forward
         frame = Frame(region.module, region.fqn, False, forward, dict(region.counts))
         host = None
@@ -184,3 +196,23 @@ class FrameStack(CompiledCalls):
                 for mode in reversed(frame.pushed):
                     mode.__exit__(None, None, None)
             owner.frames.clear()
+
+
+class MicroBatch:
+    """``ctx.micro_batch(offset)``: root forwards inside hold the rows from ``offset`` (relative to the context's
+    ``sample_offset``) on."""
+
+    __slots__ = ("ctx", "offset", "saved")
+
+    def __init__(self, ctx: Any, offset: int) -> None:
+        self.ctx, self.offset, self.saved = ctx, offset, 0
+
+    def __enter__(self) -> Any:
+        self.saved = self.ctx._rows
+        self.ctx._rows = self.offset
+        self.ctx._micro += 1
+        return self.ctx
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.ctx._rows = self.saved
+        self.ctx._micro -= 1

@@ -45,7 +45,6 @@ from keyinit.nn._forward.pieces import (
     CheckpointingFunction,
     Forward,
     input_tensors,
-    MicroBatch,
     pure_leaf,
     Named,
     resolve_sample_offset,
@@ -64,9 +63,9 @@ from keyinit.nn._recompute.checkpoint import hand_recomputes
 from keyinit.nn._context.copies import hold_getstate
 from keyinit.nn._context.fullgraph import refuse_full_graph, warn_if_compiled
 from keyinit.nn._context.unwrapped import refuse_unwrapped_chunk, surface_chunk_error
-from keyinit.nn._context.frames import (FrameStack, UNMATCHED_RECOMPUTE, later_block, _ThreadState, _grad_enabled,
-                                      _saved_tensor_hooks, _saved_tensor_hooks_active, _top_dispatch_mode,
-                                      _top_function_mode)
+from keyinit.nn._context.frames import (FrameStack, MicroBatch, UNMATCHED_RECOMPUTE, later_block, _ThreadState,
+                                      _grad_enabled, _saved_tensor_hooks, _saved_tensor_hooks_active,
+                                      _top_dispatch_mode, _top_function_mode)
 
 __all__ = ["Keyed", "inside_keyed_forward", "current_forward", "running_frame", "context_of"]
 
@@ -107,7 +106,7 @@ def inside_keyed_forward() -> bool:
     """
     with _entered_lock:
         contexts = list(_entered)
-    return any(ctx._current_frame() is not None for ctx in contexts)
+    return any(ctx.current_frame() is not None for ctx in contexts)
 
 
 # ----------------------------------------------------------------------------- the context
@@ -124,7 +123,7 @@ def context_of(module: torch.nn.Module) -> Optional["Keyed"]:
 def running_frame() -> Optional[tuple["Keyed", Frame]]:
     """``(context, frame)`` of the module forward running in this thread inside an active ``keyed``, or None."""
     for ctx in reversed(_active()):
-        frame = ctx._current_frame()
+        frame = ctx.current_frame()
         if frame is not None:
             return ctx, frame
     return None
@@ -133,7 +132,7 @@ def running_frame() -> Optional[tuple["Keyed", Frame]]:
 def current_forward() -> Optional[Forward]:
     """The root forward running in this thread inside an active ``keyed``, or None."""
     for ctx in reversed(_active()):
-        frame = ctx._current_frame()
+        frame = ctx.current_frame()
         if frame is not None:
             return frame.forward
     return None
@@ -200,15 +199,15 @@ class Keyed(FrameStack):
         self._local = threading.local()
         self._owner: Optional[_ThreadState] = None
         self._covered_by: Optional["Keyed"] = None  # an outer context that keys this model already
-        self._sequence_first: frozenset[int] = frozenset()  # see _sequence_first_dropouts
+        self.sequence_first: frozenset[int] = frozenset()  # see _sequence_first_dropouts
         self._sequence_first_modules: set[int] = set()  # ids of its sequence-first torch layers (_pre_hook)
         self._state = "new"
         self._rows = 0  # the running micro-batch's first sample, relative to sample_offset (micro_batch)
-        self._probing = False  # root forwards now are shape probes (keyinit.nn.micro_batches between chunks)
+        self.probing = False  # root forwards now are shape probes (keyinit.nn.micro_batches between chunks)
         self._history: dict[str, list[tuple[int, int]]] = {}  # root module FQN -> rows of its root forwards
         self._replays: dict[tuple, tuple[Any, "Forward"]] = {}  # see _remember
         self._forwards: list[Forward] = []  # the root forwards of the block (for recomputes in backward)
-        self._constants: frozenset[int] = frozenset()
+        self.constants: frozenset[int] = frozenset()  # ids of the model's buffers (set on __enter__)
         self._shared_post_hook: Optional[Callable] = None  # see _hook
         # a forward ran under activation checkpointing (autograd off inside, or saved-tensor hooks): only
         # then may a recompute come after the block, and only then are its forwards' records kept (__exit__)
@@ -240,7 +239,7 @@ class Keyed(FrameStack):
         rows = self._history.get(fqn, [])
         repeat = sum(1 for a, b in rows if a < start + count and start < b) if count else len(rows)
         forward = Forward(self, fqn, start, count, repeat)
-        forward.probe = self._probing or any(t.device.type == "meta" for t in tensors)
+        forward.probe = self.probing or any(t.device.type == "meta" for t in tensors)
         if repeat and not forward.probe:
             refuse_unwrapped_chunk(module, fqn, count)  # a pipelining schedule's chunk without micro_batches
         self._forwards.append(forward)
@@ -275,7 +274,7 @@ class Keyed(FrameStack):
             scope = _recomputing()
             if scope is not None and scope is not self:
                 return  # the recompute of another context's forward runs here: its hooks key it
-            state = self._thread_state()
+            state = self.thread_state()
             foreign = state.foreign
             if state.frames:
                 parent = state.frames[-1]
@@ -409,7 +408,7 @@ class Keyed(FrameStack):
         if not self._check_nesting():
             return self  # keyed by the outer context, with this module's FQN there
         self._thread = threading.get_ident()
-        self._owner = self._thread_state()
+        self._owner = self.thread_state()
         if isinstance(self.model, Named):  # one root forward for the whole block, its inputs as given
             _active().append(self)
             with _entered_lock:
@@ -451,11 +450,11 @@ class Keyed(FrameStack):
                 self._plan.append((module, fqn, False))
                 if callable(module.__dict__.get("_gradient_checkpointing_func")):  # transformers' checkpointing
                     self._handles.append(CheckpointingFunction(self, module))
-            self._constants = frozenset(buffers)  # the model's buffers: replicated unless computed otherwise
-            self._sequence_first = sequence_first_dropouts(module for module, _ in self._names.values())
+            self.constants = frozenset(buffers)  # the model's buffers: replicated unless computed otherwise
+            self.sequence_first = sequence_first_dropouts(module for module, _ in self._names.values())
             for module, fqn in dropouts:  # nn.Dropout: a forward of its own for the block instead of hooks
                 self._plan.append((module, fqn, False))  # (a recompute after the block: hooks, the same keys)
-                if id(module) in self._sequence_first:
+                if id(module) in self.sequence_first:
                     self._hook(module, fqn)
                 else:
                     handle = DropoutForward(self, module, fqn, self._pre_hook(fqn), self._post_hook_of())

@@ -81,20 +81,20 @@ class micro_batches:
         self._saved = stage.__dict__.get("forward_one_chunk")
 
         def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            ctx._probing = False
+            ctx.probing = False
             try:
                 with ctx.micro_batch(self._offset(fwd_chunk_id)):
                     return original(fwd_chunk_id, *args, **kwargs)
             finally:
-                ctx._probing = True
+                ctx.probing = True
 
         stage.forward_one_chunk = forward_one_chunk
         # a forward of the stage outside a chunk is the schedule's shape inference: not a repeat of any rows
-        ctx._probing = True
+        ctx.probing = True
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.ctx._probing = False
+        self.ctx.probing = False
         if self._saved is None:
             del self.stage.forward_one_chunk
         else:

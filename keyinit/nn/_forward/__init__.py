@@ -1,7 +1,7 @@
 """A running keyed forward and what its draws become.
 
-- ``pieces.py``: the pieces of a keyed block (a root forward and the rows it holds, micro-batches, named
-  blocks, how a checkpoint's recompute finds its first execution);
+- ``pieces.py``: the pieces of a keyed block (a root forward and the rows it holds, named blocks, how a
+  checkpoint's recompute finds its first execution);
 - ``modes.py``: the two modes of a keyed forward (torch-function routing; ATen-level batch tracking and draws);
 - ``intercept.py``: what the modes do at a dropout or attention call (a frame, keyed masks, each
   activation's batch);

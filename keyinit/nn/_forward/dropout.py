@@ -52,7 +52,7 @@ def guard_alone(ctx: Any, input: Any) -> bool:
     what ``torch._C._DisableTorchDispatch`` does."""
     if type(input) is not torch.Tensor or getattr(ctx, "trace", None) is not None or _len_dispatch() != 1:
         return False
-    state = getattr(ctx._local, "state", None)
+    state = getattr(ctx.thread_local, "state", None)
     return state is not None and bool(state.modes) and _dispatch_at(0) is state.modes[-1]
 
 
@@ -137,7 +137,7 @@ class DropoutForward:
             # module.forward(x) called directly, not the module: no hooks would run, so the module has no frame
             return _DROPOUT_FORWARD(module, *args, **kwargs)
         if len(args) == 1 and not kwargs and module.training and not module.inplace:
-            state = getattr(self.ctx._local, "state", None)
+            state = getattr(self.ctx.thread_local, "state", None)
             if state is not None and state.frames:
                 # the pre-hook's common case: inside a running forward, no checkpointing, the two modes innermost
                 parent = state.frames[-1]

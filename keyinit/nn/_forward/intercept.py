@@ -39,12 +39,12 @@ class Keyed(Protocol):
     step: int
     sample_offset: int
     index: str  # "tracked" (the model of the batch) or "dim0" (stream v1's first rule)
-    _local: threading.local
-    _sequence_first: frozenset[int]  # ids of modules whose activations are (sequence, batch, ...)
+    thread_local: threading.local  # each thread's state: thread_local.state (its frames and modes)
+    sequence_first: frozenset[int]  # ids of modules whose activations are (sequence, batch, ...)
 
-    def _current_frame(self) -> Optional["Frame"]: ...
+    def current_frame(self) -> Optional["Frame"]: ...
 
-    def _thread_state(self) -> Any: ...
+    def thread_state(self) -> Any: ...
 
 
 __all__ = ["Frame", "activation_batch", "placed"]
@@ -375,7 +375,7 @@ def activation_batch(ctx: "Keyed", frame: Frame, tensor: torch.Tensor, what: str
     if ctx.index == "dim0":
         if tensor.dim() == 0:
             return None
-        dim = 1 if id(frame.module) in ctx._sequence_first and tensor.dim() >= 2 else 0
+        dim = 1 if id(frame.module) in ctx.sequence_first and tensor.dim() >= 2 else 0
         return Batch(dim, int(tensor.shape[dim]), frame.forward.start)
     return placed(frame, record(tensor, frame.forward), what, tuple(tensor.shape))
 

@@ -173,7 +173,7 @@ class FunctionMode(TorchFunctionMode):
             cached = _TABLES["modes"] = (signature, family, handlers)
         self.family, self.handlers = cached[1], cached[2]
         self.functional_dropout = torch.nn.functional.dropout  # (as it is now: see _rows_dropout)
-        self.local = ctx._local
+        self.local = ctx.thread_local
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         handler = self.handlers.get(func)
@@ -206,7 +206,7 @@ class FunctionMode(TorchFunctionMode):
 
     def _length(self, func, args, kwargs):
         out = func(*args, **kwargs)
-        frame = self.ctx._current_frame()
+        frame = self.ctx.current_frame()
         if frame is None or self.ctx.index == "dim0" or not args:
             return out
         rec = record(args[0], frame.forward)
@@ -220,7 +220,7 @@ class FunctionMode(TorchFunctionMode):
 
     def _shape(self, func, args, kwargs):
         out = func(*args, **kwargs)
-        frame = self.ctx._current_frame()
+        frame = self.ctx.current_frame()
         if frame is None or self.ctx.index == "dim0":
             return out
         if func is _SIZE and isinstance(out, int):
@@ -232,7 +232,7 @@ class FunctionMode(TorchFunctionMode):
 
     def _expand(self, func, args, kwargs):
         out = func(*args, **kwargs)
-        frame = self.ctx._current_frame()
+        frame = self.ctx.current_frame()
         if frame is not None and self.ctx.index != "dim0" and isinstance(out, torch.Tensor) and \
                 record(out, frame.forward) is None:
             rec = _expanded_record(func, args[0], out, _factory_record(func, args[1:], kwargs, frame.forward.escaped))
@@ -241,11 +241,11 @@ class FunctionMode(TorchFunctionMode):
         return out
 
     def _factory(self, func, args, kwargs):
-        frame = self.ctx._current_frame()
+        frame = self.ctx.current_frame()
         if frame is not None and self.ctx.index != "dim0":
             rec = _factory_record(func, args, kwargs, frame.forward.escaped)
             if rec is not None:
-                state = self.ctx._thread_state()
+                state = self.ctx.thread_state()
                 state.pending = rec
                 try:
                     out = func(*args, **kwargs)
@@ -256,7 +256,7 @@ class FunctionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _dropout(self, func, args, kwargs):
-        frame = self.ctx._current_frame()
+        frame = self.ctx.current_frame()
         if frame is None:
             return func(*args, **kwargs)
         if func is self.functional_dropout and len(args) == 1:
@@ -282,7 +282,7 @@ class FunctionMode(TorchFunctionMode):
 
     def _sdpa(self, func, args, kwargs):
         dropout_p = argument(args, kwargs, 4, "dropout_p", 0.0)
-        frame = self.ctx._current_frame()
+        frame = self.ctx.current_frame()
         if frame is not None and dropout_p:
             from keyinit.nn.functional import check_p
 
@@ -291,7 +291,7 @@ class FunctionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _mha(self, func, args, kwargs):
-        frame = self.ctx._current_frame()
+        frame = self.ctx.current_frame()
         if frame is not None:
             with GuardSuspended(self.ctx):
                 out = keyed_mha(self.ctx, frame, args, kwargs)
@@ -334,7 +334,7 @@ class GuardSuspended:
     __slots__ = ("guard",)
 
     def __init__(self, ctx: "Keyed") -> None:
-        state = getattr(ctx._local, "state", None)
+        state = getattr(ctx.thread_local, "state", None)
         guard = state.modes[-1] if state is not None and state.modes else None
         self.guard = guard if guard is not None and _innermost_dispatch_mode() is guard else None
 
@@ -416,7 +416,7 @@ class BatchMode(TorchDispatchMode):
         """The batch of a random op's output: the sized factory's, the input's (``*_like``, in place), or the
         inputs' broadcast (``bernoulli(p)``, ``normal(mean, std)``, ``multinomial``)."""
         name = func._schema.name
-        state = self.ctx._thread_state()
+        state = self.ctx.thread_state()
         if not records or name in _NEW:
             return state.pending
         if name.endswith("_") or name in _LIKE or name == "aten::native_dropout":
@@ -429,7 +429,7 @@ class BatchMode(TorchDispatchMode):
         from keyinit._engine.random_ops import is_random
 
         kwargs = kwargs or {}
-        frame = self.ctx._current_frame()
+        frame = self.ctx.current_frame()
         if frame is None:
             return func(*args, **kwargs)
         forward = frame.forward
@@ -454,7 +454,7 @@ class BatchMode(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
-        state = self.ctx._thread_state()
+        state = self.ctx.thread_state()
         if not tensors or func._schema.name in _NEW:
             # a factory: laid out by its sizes (a BatchSize among them: the function mode's pending batch)
             annotate(out, forward, state.pending)

@@ -1,4 +1,4 @@
-"""The pieces of a keyed block: root forwards, micro-batches, named blocks, and checkpoint recomputes.
+"""The pieces of a keyed block: root forwards, named blocks, and checkpoint recomputes.
 
 - :class:`Forward`: one root forward (an outermost module execution): the rows it
   holds (``start``, ``count``), its repeat count, its tensors' batch records
@@ -9,8 +9,7 @@
   the same input tensors; reentrant: the memory of the detached inputs);
 - :class:`CheckpointingFunction`: transformers' gradient checkpointing, whose recompute bypasses
   the module's hooks;
-- :class:`MicroBatch` (``ctx.micro_batch(offset)``) and :class:`Named`
-  (``keyed("a.name", ...)``).
+- :class:`Named` (``keyed("a.name", ...)``).
 
 The context that uses them is :mod:`keyinit.nn._context.keyed`.
 """
@@ -28,7 +27,7 @@ from keyinit.nn._batch.records import annotate, record
 from keyinit.nn._forward.hostrandom import SAMPLE_FIXES, HostRandom, fold, host_stream_folds
 from keyinit.nn._ops.keys import CallKeys
 
-__all__ = ["Forward", "MicroBatch", "Named", "CheckpointingFunction", "input_tensors", "sequence_first_module",
+__all__ = ["Forward", "Named", "CheckpointingFunction", "input_tensors", "sequence_first_module",
            "sequence_first_dropouts", "resolve_sample_offset", "remember", "remember_host", "remember_counts",
            "recompute_counts", "recomputed", "CALLS_RULES"]
 
@@ -50,7 +49,7 @@ class Forward:
 
     def __init__(self, ctx: Any, fqn: str, start: int, count: int, repeat: int) -> None:
         self.fqn, self.start, self.count, self.repeat = fqn, start, count, repeat
-        self.constants = ctx._constants  # ids of the model's buffers: replicated unless computed otherwise
+        self.constants = ctx.constants  # ids of the model's buffers: replicated unless computed otherwise
         self.owner = weakref.ref(ctx)
         self.grad = torch.is_grad_enabled()  # autograd on at the start (off inside: reentrant checkpointing)
         self.drew = False  # a keyed draw was made: later forwards of these rows are repeats
@@ -126,7 +125,7 @@ class Forward:
         a repeat."""
         if not self.drew and not self.probe:
             self.drew = True
-            ctx._history.setdefault(self.fqn, []).append((self.start, self.start + self.count))
+            ctx.drew_rows(self.fqn, self.start, self.start + self.count)
 
     def call_key(self, ctx: Any, fqn: str, ordinal: int) -> Key:
         if not self.drew:
@@ -361,7 +360,7 @@ class CheckpointingFunction:
 
     def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         ctx = self.ctx
-        frame = ctx._current_frame()
+        frame = ctx.current_frame()
         if frame is None or frame.foreign or frame.module is not self.module:
             return self.original(fn, *args, **kwargs)
         forward, module, fqn = frame.forward, frame.module, frame.fqn
@@ -396,19 +395,3 @@ class Named(torch.nn.Module):
         super().__init__()
         self.name = name
 
-
-class MicroBatch:
-    __slots__ = ("ctx", "offset", "saved")
-
-    def __init__(self, ctx: Any, offset: int) -> None:
-        self.ctx, self.offset, self.saved = ctx, offset, 0
-
-    def __enter__(self) -> Any:
-        self.saved = self.ctx._rows
-        self.ctx._rows = self.offset
-        self.ctx._micro += 1
-        return self.ctx
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.ctx._rows = self.saved
-        self.ctx._micro -= 1
