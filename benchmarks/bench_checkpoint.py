@@ -78,7 +78,7 @@ class Probe(nn.Module):
         self.calls, self.found = calls, {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from keyinit.nn import _checkpoint, _keyed
+        from keyinit.nn._recompute import checkpoint as _checkpoint, _keyed
 
         ctx, frame = _keyed.running_frame()
         for name, call in (("unseen_recompute", lambda: _checkpoint.unseen_recompute(frame)),

@@ -64,7 +64,7 @@ if str(REPO) not in sys.path:
 import keyinit  # noqa: E402
 from keyinit.nn import dropout_key  # noqa: E402
 from keyinit.nn import functional as KF  # noqa: E402
-from keyinit.nn._attention import attend  # noqa: E402
+from keyinit.nn._ops.attention import attend  # noqa: E402
 
 KEY = dropout_key(1234, step=0, fqn="layers.0.attention", ordinal=0)
 #: The same key in stream v2 (``--stream v2``).
@@ -267,7 +267,7 @@ def bench_attention(shape, dtype, repeats: int, device: str, threads: int | None
     def keyinit_fwd(q=q, k=k, v=v):
         if stream == "v1":
             return KF.scaled_dot_product_attention(q, k, v, dropout_p=P, rng_key=KEY)
-        # what a keyed forward of stream v2 runs (keyinit.nn._intercept): the probabilities named by sample
+        # what a keyed forward of stream v2 runs (keyinit.nn._forward.intercept): the probabilities named by sample
         return attend(q, k, v, None, False, None, False, KF.probs_drop(P, KEYS[stream], None, 0))[0]
 
     def both(fn):

@@ -96,9 +96,9 @@ def build_node():
 
 
 def native_eager(ext):
-    """keyinit.nn._op._eager with index-free CPU geometries (with a backward to plan for) on the C++ node."""
+    """keyinit.nn._ops.op._eager with index-free CPU geometries (with a backward to plan for) on the C++ node."""
     from keyinit._kernels.dropout import cpu as dropout_cpu
-    from keyinit.nn import _op
+    from keyinit.nn._ops import op as _op
 
     lib = dropout_cpu.library()
     if lib is None:
@@ -123,7 +123,7 @@ def check(python_eager, eager) -> None:
     from torch import nn
 
     import keyinit.nn as knn
-    from keyinit.nn import _op
+    from keyinit.nn._ops import op as _op
 
     def step(use):
         _op._eager = use
@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=301)
     args = parser.parse_args()
     import bench_dropout
-    from keyinit.nn import _op
+    from keyinit.nn._ops import op as _op
 
     ext, seconds = build_node()
     print(f"built the extension in {seconds:.1f} s")

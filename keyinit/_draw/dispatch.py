@@ -6,7 +6,7 @@ Five families, each with one call here:
   initializers, replayed init code);
 - :func:`dropout`: keyed dropout of a tensor laid out by a
   :class:`~keyinit._draw.dropout_geometry.Geometry` (the ``keyinit::dropout`` op and its
-  eager form, ``keyinit.nn._op``);
+  eager form, ``keyinit.nn._ops.op``);
 - :func:`permute`: the keyed permutation at some positions (``keyinit.data``);
 - :func:`sround`: keyed stochastic rounding of a region's values (``keyinit.random.stochastic_round``,
   ``keyinit.optim``; ``docs/spec.md`` section 17);

@@ -18,11 +18,11 @@ See ``docs/dropout.md``.
 """
 
 from keyinit.nn import functional
-from keyinit.nn._compile import KeyedCompiled, compile
-from keyinit.nn._api import batch_dim, checkpoint, keyed
-from keyinit.nn._keyed import Keyed
-from keyinit.nn._pipeline import micro_batches
-from keyinit.nn._keys import DROPOUT_DOMAIN, dropout_key
+from keyinit.nn._compiled.compile import KeyedCompiled, compile
+from keyinit.nn._context.api import batch_dim, checkpoint, keyed
+from keyinit.nn._context.keyed import Keyed
+from keyinit.nn._context.pipeline import micro_batches
+from keyinit.nn._ops.keys import DROPOUT_DOMAIN, dropout_key
 from keyinit.nn.modules import Dropout
 from keyinit.nn.policy import Randomness
 

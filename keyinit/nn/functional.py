@@ -66,10 +66,10 @@ def run_layout(local: torch.Tensor, p: float, key: Key, layout: Layout) -> torch
 
 
 def _op() -> Any:
-    """:mod:`keyinit.nn._op` (imported on first use: it registers the custom op with torch). An import
+    """:mod:`keyinit.nn._ops.op` (imported on first use: it registers the custom op with torch). An import
     statement, which dynamo runs while it traces (``importlib.import_module`` it refuses to trace, so a
     first use inside ``torch.compile(fullgraph=True)`` failed)."""
-    from keyinit.nn import _op as op
+    from keyinit.nn._ops import op
 
     return op
 
@@ -191,7 +191,7 @@ def scaled_dot_product_attention(
     rng_key = require_key(rng_key, "rng_key")
     for tensor in (query, key, value):
         check_input(tensor)
-    from keyinit.nn._attention import attend
+    from keyinit.nn._ops.attention import attend
 
     shape = (*query.shape[:-1], key.shape[-2])
     if is_dtensor(query):

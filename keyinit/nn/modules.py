@@ -43,7 +43,7 @@ class Dropout(torch.nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return input
-        from keyinit.nn._keyed import inside_keyed_forward
+        from keyinit.nn._context.keyed import inside_keyed_forward
 
         if not inside_keyed_forward():
             raise UnkeyedRandomnessError(

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 @contextlib.contextmanager
 def keys_drawn() -> Iterator[list]:
     """``[(id(root forward), FQN, key)]``, one per draw, in order, while it is open."""
-    from keyinit.nn._forward import Forward
+    from keyinit.nn._forward.pieces import Forward
 
     drawn: list = []
     original = Forward.call_key

@@ -42,7 +42,7 @@ def _package_modules() -> tuple[str, ...]:
     found = ["keyinit"]
     for info in pkgutil.walk_packages(keyinit.__path__, "keyinit.", onerror=lambda name: None):
         if any(part.startswith("_") for part in info.name.split(".")[1:]):
-            continue  # keyinit._engine, keyinit.nn._keyed, keyinit.__main__: private
+            continue  # keyinit._engine, keyinit.nn._context.keyed, keyinit.__main__: private
         found.append(info.name)
     return tuple(found)
 

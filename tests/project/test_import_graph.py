@@ -135,6 +135,36 @@ def test_every_reference_stays_on_its_floor_or_below():
     assert upward == []
 
 
+
+#: The floors inside keyinit/nn/ (docs/architecture.md, "Inside keyinit/nn/"), bottom up; keyinit/nn/__init__ is
+#: its roof.
+NN_FLOORS = (
+    ("_ops", "policy"),  # the keyinit::dropout op, keyed attention, the keys of dropout calls; keyed()'s policy value
+    ("functional", "_batch"),  # the public functions; the batch model (records, the rules table, the memo)
+    ("_recompute",),  # checkpointing's recomputes
+    ("_forward",),  # a running forward: its modes and what its draws become
+    ("_context",),  # the keyed() context: hooks, frames, entry points, pipelines
+    ("_compiled", "modules"),  # keyinit.nn.compile; keyinit.nn.Dropout
+)
+
+
+def _nn_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "nn" else None
+
+
+def test_every_reference_inside_nn_stays_on_its_floor_or_below():
+    floor = {room: level for level, rooms in enumerate(NN_FLOORS) for room in rooms}
+    rooms = {_nn_room(m) for m in MODULES} - {None}
+    assert rooms <= set(floor), f"rooms of keyinit/nn on no floor (add them to NN_FLOORS): {rooms - set(floor)}"
+    upward = sorted(
+        f"{m} -> {target}"
+        for m in MODULES if _nn_room(m) is not None
+        for target in imports_of(m)
+        if _nn_room(target) is not None and floor[_nn_room(target)] > floor[_nn_room(m)]
+    )
+    assert upward == []
+
 #: Rooms on one floor that must not reference each other: (room, the rooms it never names).
 APART = (
     ("nn", ("data",)),  # keyed forwards share with keyed data only what lies below both (_samples, _host, ...)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import keyinit
 from keyinit._bits.streams import derives_as_v1
 from keyinit.data import _fill
-from keyinit.nn import _keys
+from keyinit.nn._ops import keys as _keys
 
 ROOT = keyinit.key(0x1234_5678_9ABC, stream="v2")
 DATA = (0, 7, 2**32 - 1, 2**32, 2**64 - 1, "python.random", "layers.0", "")

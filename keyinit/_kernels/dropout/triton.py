@@ -1,6 +1,6 @@
 """Triton keyed-dropout kernel (CUDA tensors), bit-identical to the C kernel and the reference.
 
-Imported only when a CUDA tensor needs it (``keyinit.nn._op`` imports this module
+Imported only when a CUDA tensor needs it (``keyinit.nn._ops.op`` imports this module
 lazily and falls back to the reference when triton is missing). Under
 ``TRITON_INTERPRET=1`` it runs on CPU tensors, which is how the tests check it
 without a GPU (:func:`run` with ``interpret_ok=True``).

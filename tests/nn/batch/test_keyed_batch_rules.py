@@ -1,4 +1,4 @@
-"""The batch rules of keyed() on the layouts real models use (keyinit/nn/_batch_rules_*.py, issue 22).
+"""The batch rules of keyed() on the layouts real models use (keyinit/nn/_batch/rules_*.py, issue 22).
 
 Each case runs a small forward that lays the batch out one way and then drops it, on a batch of 4,
 on rows 0:2 and 2:4 (``sample_offset`` 0 and 2) and on each row alone: the masks must be bitwise the
@@ -74,7 +74,7 @@ def test_index_by_arange_over_the_batch_picks_each_samples_own_rows():
     whole, halves = _masks(own_rows, X)
     assert torch.equal(whole, halves)
 
-    # rows picked by values (keyinit.nn._routed): the dropout of the picked rows is the picked rows of the dropout
+    # rows picked by values (keyinit.nn._batch.routed): the dropout of the picked rows is the picked rows of the dropout
     def pick_then_drop(x):
         return F.dropout(x[x[:, 0, 0].argsort()], 0.5)
 

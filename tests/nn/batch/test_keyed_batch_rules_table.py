@@ -1,4 +1,4 @@
-"""The table of keyed()'s batching rules (keyinit/nn/_batch_rules.py): one rule per op, refused twice, and
+"""The table of keyed()'s batching rules (keyinit/nn/_batch/rules.py): one rule per op, refused twice, and
 every op it names a real ATen (or collective, or third-party) op overload packet that its lookup finds."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import importlib.util
 import pytest
 import torch
 
-from keyinit.nn import _batch_rules
-from keyinit.nn._batch_rules_tensor import pointwise
+from keyinit.nn._batch import rules as _batch_rules
+from keyinit.nn._batch.rules_tensor import pointwise
 
 # op namespaces some of whose ops a Python module registers when imported: that module (the ops of a library
 # that is not installed here cannot be looked up)
@@ -49,7 +49,7 @@ def test_an_op_named_twice_in_one_family_is_refused_even_for_the_same_rule():
 
 
 def test_the_families_build_one_table_without_a_refusal():
-    from keyinit.nn import _batch_rules_nn, _batch_rules_tensor
+    from keyinit.nn._batch import rules_nn as _batch_rules_nn, rules_tensor as _batch_rules_tensor
 
     table = _batch_rules.build(_batch_rules_tensor.RULES, _batch_rules_nn.RULES)
     assert frozenset(table) == _batch_rules.names()

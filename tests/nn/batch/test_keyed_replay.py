@@ -1,4 +1,4 @@
-"""keyed() replays the batch records of pure torch functions (keyinit/nn/_replay.py; issue 22, item 7).
+"""keyed() replays the batch records of pure torch functions (keyinit/nn/_batch/memo.py; issue 22, item 7).
 
 A replayed call runs with the dispatch mode off and sets the records its first call with the same
 signature got from the ATen rules. They must be exactly the records the rules give: every torch
@@ -21,9 +21,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import keyinit.nn as knn
-from keyinit.nn import _modes, _replay
-from keyinit.nn._batch import record
-from keyinit.nn._keyed import current_forward
+from keyinit.nn._forward import modes as _modes
+from keyinit.nn._batch import memo as _replay
+from keyinit.nn._batch.records import record
+from keyinit.nn._context.keyed import current_forward
 
 
 class _Recorder(TorchFunctionMode):

@@ -1,4 +1,4 @@
-"""Rows of the batch picked by values (keyinit.nn._routed): mixture-of-experts dispatch under keyed().
+"""Rows of the batch picked by values (keyinit.nn._batch.routed): mixture-of-experts dispatch under keyed().
 
 The promise, tested as a promise: element-wise dropout of rows a router picked (``x[idx]``, ``x[mask]``,
 ``index_select``) is keyed as the same dropout of the *virtual* tensor (the rows in their place in the batch,
@@ -349,7 +349,7 @@ def test_checkpointed_moe_recomputes_the_same_routed_masks(reentrant, backward_i
 
 def test_compiled_moe_equals_the_eager_keyed_forward():
     """Under keyinit.nn.compile, rows routed in one part of the forward and dropped in a graph after it: no
-    routing seen while tracing is reused (keyinit.nn._propagate.propagate_traced), each call's values are the
+    routing seen while tracing is reused (keyinit.nn._batch.propagate.propagate_traced), each call's values are the
     eager keyed forward's, for new steps, offsets and routings."""
     import warnings
 

@@ -1,5 +1,5 @@
 """A mixture of experts under FSDP2 on real gloo ranks: each rank's routed dropout masks are the single
-process's at its rows, bit for bit, and the gradients are the single process's (keyinit.nn._routed)."""
+process's at its rows, bit for bit, and the gradients are the single process's (keyinit.nn._batch.routed)."""
 
 from __future__ import annotations
 

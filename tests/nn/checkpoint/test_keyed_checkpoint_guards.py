@@ -5,7 +5,7 @@ While a keyed block (or a recompute after it) has hooks on a model, the first ex
 (reentrant or not) and of megatron-core's checkpoints runs inside a guard that keyinit set; nothing is found by
 file or function names, so the checkpointed function may be called anything, wrapped or aliased. The guards
 are on only while a block is, the checkpoints they guard install none of keyinit's process-wide watch
-(keyinit.nn._unhanded), and megatron's ``CheckpointWithoutOutput`` (which recomputes from a gradient hook) is
+(keyinit.nn._context.unhanded), and megatron's ``CheckpointWithoutOutput`` (which recomputes from a gradient hook) is
 keyed as its first execution. The reference is the same keyed model without checkpointing, bit for bit.
 """
 

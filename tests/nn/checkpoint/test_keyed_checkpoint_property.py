@@ -176,7 +176,7 @@ def test_the_property_sees_every_kind_of_checkpoint_and_backward():
 
 def test_a_recompute_with_other_keys_would_be_seen(monkeypatch):
     """The check itself: where torch's checkpoint recomputes a block with another step's keys, it fails."""
-    from keyinit.nn import _checkpoint
+    from keyinit.nn._recompute import checkpoint as _checkpoint
 
     original = _checkpoint.Recompute.__call__
 

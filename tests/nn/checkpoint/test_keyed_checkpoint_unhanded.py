@@ -95,7 +95,7 @@ def _exact(got: list, expected: list) -> None:
 
 
 def _ours() -> list:
-    """keyinit's process-wide module hooks (keyinit.nn._unhanded) now set."""
+    """keyinit's process-wide module hooks (keyinit.nn._context.unhanded) now set."""
     hooks = [*torch_module._global_forward_pre_hooks.values(), *torch_module._global_forward_hooks.values()]
     return [h for h in hooks if getattr(h, "__module__", "").startswith("keyinit")]
 

@@ -455,7 +455,7 @@ class _Picks(nn.Module):
 @pytest.mark.parametrize("routed", [False, True])
 def test_a_graph_whose_batch_rules_read_index_values_runs_eagerly(routed):
     """A traced graph is replayed for any values, so where its batch goes may not rest on the values seen
-    while tracing (keyinit.nn._propagate.propagate_traced): that graph runs eagerly under keyed()'s modes, each
+    while tracing (keyinit.nn._batch.propagate.propagate_traced): that graph runs eagerly under keyed()'s modes, each
     call reading its own values, with the eager keyed forward's values."""
     model = _Picks(routed).train()
     compiled = knn.compile(model, backend="aot_eager")

@@ -100,7 +100,7 @@ def test_routed_experts_keep_a_bounded_cache_over_200_steps():
 def test_a_graph_keeps_at_most_cache_size_traces(monkeypatch):
     """Batch sizes beyond the bound: the least recently used trace goes, and a size that comes back is
     traced again, with the eager keyed forward's values."""
-    import keyinit.nn._compile as compile_module
+    import keyinit.nn._compiled.compile as compile_module
 
     monkeypatch.setattr(compile_module, "CACHE_SIZE", 3)
     with torch.random.fork_rng():

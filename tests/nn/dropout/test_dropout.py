@@ -214,7 +214,7 @@ def test_import_keyinit_builds_and_registers_nothing():
     code = (
         "import sys, torch, keyinit, keyinit.nn\n"
         "assert keyinit.nn is sys.modules['keyinit.nn'] and 'nn' in keyinit.__all__\n"
-        "assert 'keyinit._kernels.dropout.cpu' not in sys.modules and 'keyinit.nn._op' not in sys.modules\n"
+        "assert 'keyinit._kernels.dropout.cpu' not in sys.modules and 'keyinit.nn._ops.op' not in sys.modules\n"
         "assert 'triton' not in sys.modules\n"
         "try:\n    torch.ops.keyinit.dropout\nexcept (AttributeError, RuntimeError):\n    pass\n"
         "else:\n    raise AssertionError('keyinit::dropout registered at import')\n"

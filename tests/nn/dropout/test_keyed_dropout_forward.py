@@ -1,5 +1,5 @@
 """keyed() gives each ``nn.Dropout`` of the model a forward of its own for the block instead of hooks
-(keyinit/nn/_keyed_dropout.py; issue 22, item 7): the same keys and values as the hooks give, in every
+(keyinit/nn/_forward/dropout.py; issue 22, item 7): the same keys and values as the hooks give, in every
 case, and the module as it was after the block.
 
 Each case runs a training step (forward, backward) twice under the same keys, once as keyed() does and
@@ -20,8 +20,9 @@ from torch.utils.checkpoint import checkpoint
 
 import keyinit.nn as knn
 from keyinit.errors import UnkeyedRandomnessError
-from keyinit.nn import _keyed, _keyed_dropout
-from keyinit.nn._keyed_dropout import DropoutForward
+from keyinit.nn._context import keyed as _keyed
+from keyinit.nn._forward import dropout as _keyed_dropout
+from keyinit.nn._forward.dropout import DropoutForward
 
 
 class Block(nn.Module):

@@ -246,7 +246,7 @@ def test_plain_full_graph_compile_inside_keyed_names_keyinit_nn_compile(keyed_ta
     import re
     import warnings
 
-    from keyinit.nn._fullgraph import FULL_GRAPH
+    from keyinit.nn._context.fullgraph import FULL_GRAPH
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
@@ -319,7 +319,7 @@ def test_the_repeat_of_an_unwrapped_chunk_is_refused_where_it_is_counted():
     under torch/distributed/pipelining (as the schedule's is) runs two chunks of the same rows."""
     import os
 
-    from keyinit.nn._unwrapped import UnwrappedChunkError
+    from keyinit.nn._context.unwrapped import UnwrappedChunkError
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
     source = "def forward_one_chunk(fwd_chunk_id, model, x):\n    return model(x)\n"

@@ -18,7 +18,7 @@ from torch import nn
 import keyinit
 import keyinit.nn as knn
 from keyinit.keys import fold_in, key
-from keyinit.nn._keys import keyed_module_key
+from keyinit.nn._ops.keys import keyed_module_key
 
 
 class SpecAugmentLike(nn.Module):

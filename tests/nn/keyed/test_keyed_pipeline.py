@@ -16,7 +16,7 @@ import torch
 
 import keyinit
 import keyinit.nn as knn
-from keyinit.nn._pipeline import chunk_offsets
+from keyinit.nn._context.pipeline import chunk_offsets
 from tests._support.dist import requires_gloo, run_distributed
 from tests._support.nets import BlockStack
 

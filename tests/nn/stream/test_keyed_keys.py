@@ -1,4 +1,4 @@
-"""The keys keyed() derives for each module and call (keyinit/nn/_keys.py) are dropout_key's (docs/spec.md 14).
+"""The keys keyed() derives for each module and call (keyinit/nn/_ops/keys.py) are dropout_key's (docs/spec.md 14).
 
 keyed() memoizes them and runs their Philox in C where the CPU fill library is loaded; dropout_key is
 the spec's derivation in Python. They must agree bitwise, with the kernels and without them.
@@ -10,7 +10,7 @@ import pytest
 
 from keyinit.keys import fold_in, key
 from keyinit.nn import dropout_key
-from keyinit.nn._keys import DROPOUT_DOMAIN, CallKeys, keyed_module_key
+from keyinit.nn._ops.keys import DROPOUT_DOMAIN, CallKeys, keyed_module_key
 
 CASES = [
     (0, 0, "", 0),

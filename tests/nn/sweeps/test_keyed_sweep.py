@@ -27,7 +27,7 @@ Every architecture runs by default: the whole sweep takes about 25 s on 2 cores 
 --durations``). ``KEYINIT_FULL_SWEEP=0`` runs only :data:`REPRESENTATIVE`, chosen for the ways
 they lay the batch out; those may not be skipped. :data:`KNOWN_GAPS` would list the architectures keyed()
 refuses, each with the reason (strict xfails: they fail loudly once they pass); there are none now: the
-rows a router, a segment id or a shared index picks are followed on their values (``keyinit.nn._routed``).
+rows a router, a segment id or a shared index picks are followed on their values (``keyinit.nn._batch.routed``).
 """
 
 from __future__ import annotations
