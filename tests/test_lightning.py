@@ -1,0 +1,210 @@
+"""A Lightning ``Trainer`` with ``KeyedTraining``: one process's data, masks and losses on 2 gloo ranks and across a resume.
+
+The model: an embedding, dropout 0.1 and ``nn.MultiheadAttention`` (attention dropout 0.1, a key padding
+mask), built on meta in ``configure_model`` with ``keyinit.deferred`` and materialized by the callback.
+The data: 24 token sequences of 3 to 11 tokens, padded per batch to its longest (dynamic padding), 30%
+of the real tokens masked in the collate function (an MLM collator in miniature, ``torch.rand``). The
+loss of a micro-batch is its masked tokens' summed loss over its rows, so the optimizer's gradient is
+the global batch's mean whatever the cut (Lightning divides by ``accumulate_grad_batches``, DDP averages).
+
+Layouts of the global batch of 8: one process, ``batch_size=8`` (the reference); 2 DDP ranks,
+``batch_size=2``, ``accumulate_grad_batches=2``, which saves a checkpoint after step 2 (mid-epoch: an
+epoch is 3 steps); that checkpoint resumed in one process with ``batch_size=8`` and no accumulation (the
+loop's batch counters converted). Asserted: each global sample position's real tokens and labels, and
+every dropout mask on its real tokens (read at the kernel seam, as tests/test_mlm_dynamic_padding.py
+does) bitwise the reference's; each sample's loss within 1e-5. The control: a plain Trainer (no
+callback, ``seed_everything``) gives other data and masks for ``batch_size=8`` and ``2 x 4``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import warnings
+from typing import Any, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from tests._vision import define_torchvision_schemas
+
+define_torchvision_schemas()  # lightning imports torchmetrics, which imports torchvision (also in the ranks)
+pl = pytest.importorskip("lightning.pytorch")
+
+import keyinit  # noqa: E402
+from keyinit._draw import dispatch  # noqa: E402
+from keyinit.integrations.lightning import KeyedTraining  # noqa: E402
+from tests._dist import requires_gloo, run_distributed  # noqa: E402
+
+N, B, STEPS, VOCAB, SEED = 24, 8, 4, 32, 5
+DATA = [(torch.arange(3 + (i * 5) % 9) * 7 + i) % (VOCAB - 3) + 2 for i in range(N)]   # 0 pads, 1 masks
+
+
+class TinyLM(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.drop = nn.Dropout(0.1)
+        self.attn = nn.MultiheadAttention(dim, 2, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(dim, VOCAB)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.emb(tokens))
+        x = x + self.attn(x, x, x, key_padding_mask=tokens == 0, need_weights=False)[0]
+        return self.head(x)
+
+
+def collate(samples: list) -> dict:
+    """Pad to the batch's longest sample; mask 30% of the real tokens (their labels: the tokens)."""
+    ids = nn.utils.rnn.pad_sequence(samples, batch_first=True, padding_value=0)
+    masked = (torch.rand(ids.shape) < 0.3) & (ids != 0)
+    return {"input_ids": ids.masked_fill(masked, 1), "labels": ids.masked_fill(~masked, -100),
+            "lengths": (ids != 0).sum(1)}
+
+
+class _Masks:
+    """Records the keep-mask of every keyed dropout at the kernel seam."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+        self._kernel = dispatch.dropout
+
+    def __enter__(self) -> "_Masks":
+        def recorded(x: torch.Tensor, geometry: Any) -> torch.Tensor:
+            self.seen.append(self._kernel(torch.ones_like(x), geometry) != 0)
+            return self._kernel(x, geometry)
+
+        dispatch.dropout = recorded
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dispatch.dropout = self._kernel
+
+
+class Module(pl.LightningModule):
+    def __init__(self, batch_size: int, keyed: bool = True) -> None:
+        super().__init__()
+        self.batch_size, self.keyed = batch_size, keyed
+        self.record: dict = {"data": {}, "masks": {}, "loss": {}}
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "model"):
+            self.model = keyinit.deferred(TinyLM) if self.keyed else TinyLM()
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(DATA, batch_size=self.batch_size, collate_fn=collate, shuffle=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        with _Masks() as masks:
+            logits = self.model(batch["input_ids"])
+        per_token = nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+        per_sample = per_token.sum(1)
+        callback = next((c for c in self.trainer.callbacks if isinstance(c, KeyedTraining)), None)
+        if callback is not None:  # (the control has no positions: its rows are numbered by batch_idx)
+            step, first = callback.positions.step, callback.positions.first
+        else:
+            step, first = self.trainer.global_step, batch_idx * self.batch_size
+        for r, n in enumerate(batch["lengths"].tolist()):
+            key = (step, first + r)
+            self.record["data"][key] = (batch["input_ids"][r, :n].clone(), batch["labels"][r, :n].clone())
+            self.record["loss"][key] = float(per_sample[r].detach())
+            for call, mask in enumerate(masks.seen):
+                self.record["masks"][key + (call,)] = (mask[r, :n] if mask.dim() == 3 else mask[r, :, :n, :n]).clone()
+        return per_sample.sum() / len(per_sample)
+
+
+def _trainer(callbacks: list, accumulate: int, steps: int, devices: int = 1, **kwargs: Any) -> "pl.Trainer":
+    warnings.filterwarnings("ignore", module="lightning")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
+                      max_steps=steps, accumulate_grad_batches=accumulate, callbacks=callbacks, logger=False,
+                      enable_checkpointing=bool(kwargs.pop("checkpointing", False)), enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+
+
+def _fit(batch_size: int, accumulate: int, steps: int = STEPS, keyed: bool = True, devices: int = 1,
+         save_every: Optional[int] = None, ckpt_dir: Optional[str] = None, resume: Optional[str] = None) -> dict:
+    callbacks: list = [KeyedTraining(SEED)] if keyed else []
+    if save_every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=save_every, save_top_k=-1))
+    if not keyed:
+        pl.seed_everything(SEED, verbose=False)
+    module = Module(batch_size, keyed)
+    trainer = _trainer(callbacks, accumulate, steps, devices, checkpointing=bool(save_every))
+    trainer.fit(module, ckpt_path=resume)
+    return module.record
+
+
+def _two_ranks(ckpt_dir: str) -> dict:
+    return _fit(2, 2, devices=2, save_every=2, ckpt_dir=ckpt_dir)
+
+
+def _merge(runs: list) -> dict:
+    merged: dict = {k: {} for k in runs[0]}
+    for run in runs:
+        for k in merged:
+            assert not merged[k].keys() & run[k].keys()
+            merged[k].update(run[k])
+    return merged
+
+
+def _assert_matches(got: dict, want: dict, steps: range = range(STEPS)) -> float:
+    """``got``'s data, masks and losses are ``want``'s for ``steps``; the largest loss difference."""
+    for k in ("data", "masks"):
+        expected = {key: v for key, v in want[k].items() if key[0] in steps}
+        assert got[k].keys() == expected.keys(), k
+        for key, value in expected.items():
+            assert all(map(torch.equal, got[k][key], value)) if k == "data" else torch.equal(got[k][key], value), key
+    difference = max(abs(got["loss"][key] - want["loss"][key]) for key in got["loss"])
+    assert difference <= 1e-5, difference
+    return difference
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    run = _fit(B, 1)
+    padded = sum(run["data"][key][0].numel() < max(run["data"][k][0].numel() for k in run["data"] if k[0] == key[0])
+                 for key in run["data"])
+    assert padded > 0 and len(run["data"]) == STEPS * B and len(run["masks"]) == STEPS * B * 2
+    assert len({tuple(m.flatten().tolist()) for m in run["masks"].values()}) == len(run["masks"])
+    return run
+
+
+def test_plain_trainer_differs_with_the_layout():
+    """The control: without the callback (``seed_everything``, the same init) the same global batch cut
+    2 x 4 gets other data and MLM masks, and other losses from its first step (dropout drawn unkeyed, at
+    the seam these tests cannot read)."""
+    whole, cut = _fit(B, 1, keyed=False), _fit(2, 4, keyed=False)
+    assert whole["data"].keys() == cut["data"].keys() and not whole["masks"]
+    same_data = sum(all(map(torch.equal, cut["data"][k], whole["data"][k])) for k in whole["data"])
+    first = [k for k in whole["loss"] if k[0] == 0]
+    same_loss = sum(abs(cut["loss"][k] - whole["loss"][k]) <= 1e-5 for k in first)
+    assert same_data < len(whole["data"]) // 4 and same_loss < len(first) // 4, (same_data, same_loss)
+
+
+def test_accumulation_in_one_process(reference):
+    """``batch_size=2`` x ``accumulate_grad_batches=4``: the reference's data, masks and losses."""
+    _assert_matches(_fit(2, 4), reference)
+
+
+@requires_gloo
+def test_two_ranks_then_resumed_on_one(reference, tmp_path):
+    ckpt_dir = str(tmp_path / "checkpoints")
+    two = _merge(run_distributed(_two_ranks, 2, args=(ckpt_dir,), timeout=180))
+    print("max loss difference, 2 ranks x 2 micro-batches:", _assert_matches(two, reference))
+    checkpoint, = glob.glob(os.path.join(ckpt_dir, "*step=2.ckpt"))
+    saved = torch.load(checkpoint, weights_only=False)
+    loader_state, = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert loader_state["sampler"]["step"] == 2 and loader_state["micro_batches"] == 2
+    assert all(k.startswith("model.") for k in saved["state_dict"])  # nothing of keyinit's in the weights
+    resumed = _fit(B, 1, resume=checkpoint)
+    print("max loss difference, resumed on one process:", _assert_matches(resumed, reference, range(2, STEPS)))
