@@ -34,6 +34,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 import keyinit  # noqa: E402
 from keyinit._draw import dispatch  # noqa: E402
+from keyinit.data import SamplePositions  # noqa: E402
 from keyinit.integrations.lightning import KeyedTraining  # noqa: E402
 from tests._dist import requires_gloo, run_distributed  # noqa: E402
 
@@ -112,14 +113,19 @@ class Module(pl.LightningModule):
         if callback is not None:  # (the control has no positions: its rows are numbered by batch_idx)
             step, first = callback.positions.step, callback.positions.first
         else:
-            step, first = self.trainer.global_step, batch_idx * self.batch_size
-        for r, n in enumerate(batch["lengths"].tolist()):
-            key = (step, first + r)
-            self.record["data"][key] = (batch["input_ids"][r, :n].clone(), batch["labels"][r, :n].clone())
-            self.record["loss"][key] = float(per_sample[r].detach())
-            for call, mask in enumerate(masks.seen):
-                self.record["masks"][key + (call,)] = (mask[r, :n] if mask.dim() == 3 else mask[r, :, :n, :n]).clone()
+            step, first = self.trainer.global_step, batch_idx % self.trainer.accumulate_grad_batches * self.batch_size
+        _note(self.record, batch, SamplePositions(step, first, len(per_sample), B), masks.seen, per_sample)
         return per_sample.sum() / len(per_sample)
+
+
+def _note(record: dict, batch: dict, positions: SamplePositions, masks: list, per_sample: torch.Tensor) -> None:
+    """Each row's real tokens, labels, dropout masks on real tokens and loss, under its global position."""
+    for r, n in enumerate(batch["lengths"].tolist()):
+        key = (positions.step, positions.first + r)
+        record["data"][key] = (batch["input_ids"][r, :n].clone(), batch["labels"][r, :n].clone())
+        record["loss"][key] = float(per_sample[r].detach())
+        for call, mask in enumerate(masks):
+            record["masks"][key + (call,)] = (mask[r, :n] if mask.dim() == 3 else mask[r, :, :n, :n]).clone()
 
 
 def _trainer(callbacks: list, accumulate: int, steps: int, devices: int = 1, **kwargs: Any) -> "pl.Trainer":
@@ -144,8 +150,74 @@ def _fit(batch_size: int, accumulate: int, steps: int = STEPS, keyed: bool = Tru
     return module.record
 
 
+class Sharded(Module):
+    """The model sharded by FSDP2 in ``configure_model`` (Lightning's ``ModelParallelStrategy``), still on meta."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if not hasattr(self, "model"):
+            self.model = keyinit.deferred(TinyLM)
+            mesh = self.device_mesh["data_parallel"]
+            fully_shard(self.model.attn, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+
+def _model_parallel(batch_size: int) -> dict:
+    module, world = Sharded(batch_size), torch.distributed.get_world_size()
+    strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
+                         callbacks=[KeyedTraining(SEED)], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module)
+    return module.record
+
+
+class _Holder(nn.Module):
+    """The LightningModule's tree (``model.emb``, ...): the same FQNs, so the same init and dropout keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyLM()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+
+def _fabric(batch_size: int, accumulate: int) -> dict:
+    """A Fabric loop: keyinit's init before ``fabric.setup``, ``fabric_dataloader``, ``loader.keyed(model)``."""
+    from lightning.fabric import Fabric
+
+    from keyinit.integrations.lightning import fabric_dataloader
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto")
+    fabric.launch()
+    model = keyinit.deferred(_Holder)
+    keyinit.materialize(model, SEED, device=fabric.device)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    loader = fabric_dataloader(fabric, Module(batch_size).train_dataloader(), SEED, accumulate=accumulate)
+    record = Module(batch_size).record
+    batches = (batch for _ in iter(int, 1) for batch in loader)  # epoch after epoch (each goes on from the last)
+    for _ in range(STEPS):
+        for micro in range(accumulate):
+            batch = next(batches)
+            with fabric.no_backward_sync(model, enabled=micro + 1 < accumulate), loader.keyed(model, SEED):
+                with _Masks() as masks:
+                    logits = model(batch["input_ids"])
+                loss = nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none").sum(1)
+                fabric.backward(loss.sum() / len(loss) / accumulate)
+            _note(record, batch, loader.positions, masks.seen, loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return record
+
+
 def _two_ranks(ckpt_dir: str) -> dict:
-    return _fit(2, 2, devices=2, save_every=2, ckpt_dir=ckpt_dir)
+    """On 2 ranks: DDP (batch 2 x 2 micro-batches, a checkpoint after step 2), ModelParallelStrategy (batch 4),
+    a Fabric loop (batch 2 x 2 micro-batches)."""
+    return {"ddp": _fit(2, 2, devices=2, save_every=2, ckpt_dir=ckpt_dir), "fsdp": _model_parallel(B // 2),
+            "fabric": _fabric(2, 2)}
 
 
 def _merge(runs: list) -> dict:
@@ -197,10 +269,18 @@ def test_accumulation_in_one_process(reference):
 
 
 @requires_gloo
+def test_fabric_in_one_process(reference):
+    """A Fabric loop, ``batch_size=4`` x 2 micro-batches: the reference's data, masks and losses (its model
+    has the LightningModule's FQNs)."""
+    _assert_matches(_fabric(4, 2), reference)
+
+
+@requires_gloo
 def test_two_ranks_then_resumed_on_one(reference, tmp_path):
     ckpt_dir = str(tmp_path / "checkpoints")
-    two = _merge(run_distributed(_two_ranks, 2, args=(ckpt_dir,), timeout=180))
-    print("max loss difference, 2 ranks x 2 micro-batches:", _assert_matches(two, reference))
+    runs = run_distributed(_two_ranks, 2, args=(ckpt_dir,), timeout=240)
+    for name in ("ddp", "fsdp", "fabric"):
+        print(f"max loss difference, 2 ranks, {name}:", _assert_matches(_merge([r[name] for r in runs]), reference))
     checkpoint, = glob.glob(os.path.join(ckpt_dir, "*step=2.ckpt"))
     saved = torch.load(checkpoint, weights_only=False)
     loader_state, = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]

@@ -133,10 +133,17 @@ class KeyedLoader:
 
     def keyed(self, model: torch.nn.Module, seed: Union[int, Key, None] = None, *,
               stream: Optional[str] = None) -> "knn.Keyed":
-        """``keyinit.nn.keyed`` for the batch yielded last (a loop that takes each batch as it comes: Fabric's)."""
+        """``keyinit.nn.keyed`` for the batch yielded last (a loop that takes each batch as it comes: Fabric's).
+
+        A model ``fabric.setup`` returned is keyed as the module it wraps (``model.module``: the same FQNs
+        on one process and under DDP/FSDP)."""
         if self.positions is None:
             raise RuntimeError("KeyedLoader.keyed: no batch was yielded yet")
         self._handed.clear()
+        from lightning.fabric.wrappers import _FabricModule
+
+        if isinstance(model, _FabricModule):
+            model = model.module
         return knn.keyed(model, self.seed if seed is None else seed, step=self.positions.step,
                          samples=self.positions, stream=stream)
 
