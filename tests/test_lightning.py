@@ -89,9 +89,9 @@ class _Masks:
 
 
 class Module(pl.LightningModule):
-    def __init__(self, batch_size: int, keyed: bool = True) -> None:
+    def __init__(self, batch_size: int, keyed: bool = True, workers: int = 0) -> None:
         super().__init__()
-        self.batch_size, self.keyed = batch_size, keyed
+        self.batch_size, self.keyed, self.workers = batch_size, keyed, workers
         self.record: dict = {"data": {}, "masks": {}, "loss": {}}
 
     def configure_model(self) -> None:
@@ -99,7 +99,8 @@ class Module(pl.LightningModule):
             self.model = keyinit.deferred(TinyLM) if self.keyed else TinyLM()
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(DATA, batch_size=self.batch_size, collate_fn=collate, shuffle=True)
+        return torch.utils.data.DataLoader(DATA, batch_size=self.batch_size, collate_fn=collate, shuffle=True,
+                                           num_workers=self.workers)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -137,14 +138,14 @@ def _trainer(callbacks: list, accumulate: int, steps: int, devices: int = 1, **k
                       enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
 
 
-def _fit(batch_size: int, accumulate: int, steps: int = STEPS, keyed: bool = True, devices: int = 1,
+def _fit(batch_size: int, accumulate: int, steps: int = STEPS, keyed: bool = True, devices: int = 1, workers: int = 0,
          save_every: Optional[int] = None, ckpt_dir: Optional[str] = None, resume: Optional[str] = None) -> dict:
     callbacks: list = [KeyedTraining(SEED)] if keyed else []
     if save_every:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=save_every, save_top_k=-1))
     if not keyed:
         pl.seed_everything(SEED, verbose=False)
-    module = Module(batch_size, keyed)
+    module = Module(batch_size, keyed, workers)
     trainer = _trainer(callbacks, accumulate, steps, devices, checkpointing=bool(save_every))
     trainer.fit(module, ckpt_path=resume)
     return module.record
@@ -264,8 +265,9 @@ def test_plain_trainer_differs_with_the_layout():
 
 
 def test_accumulation_in_one_process(reference):
-    """``batch_size=2`` x ``accumulate_grad_batches=4``: the reference's data, masks and losses."""
-    _assert_matches(_fit(2, 4), reference)
+    """``batch_size=2`` x ``accumulate_grad_batches=4``, collated in 2 DataLoader workers (which read ahead, and
+    whose collated dicts reach Lightning without the positions): the reference's data, masks and losses."""
+    _assert_matches(_fit(2, 4, workers=2), reference)
 
 
 @requires_gloo
@@ -275,6 +277,7 @@ def test_fabric_in_one_process(reference):
     _assert_matches(_fabric(4, 2), reference)
 
 
+@pytest.mark.slow
 @requires_gloo
 def test_two_ranks_then_resumed_on_one(reference, tmp_path):
     ckpt_dir = str(tmp_path / "checkpoints")

@@ -85,7 +85,8 @@ class KeyedLoader:
     Iterating yields its batches; :attr:`positions` is the :class:`~keyinit.data.SamplePositions` of the
     batch yielded last and :meth:`take` those of the oldest batch not taken yet (Lightning's fetcher
     reads a batch ahead). :meth:`state_dict` is the step after the last micro-batch marked trained
-    (:meth:`trained`), not the sampler's, which a DataLoader's workers run ahead of."""
+    (:meth:`trained`; :meth:`keyed` marks its batch), not the sampler's, which a DataLoader's workers run
+    ahead of; a new iteration starts there too (an iterator made before, and dropped, may have read ahead)."""
 
     def __init__(self, loader: DataLoader, sampler: KeyedSampler, micro_batch_size: int, seed: Union[int, Key],
                  noted: collections.deque) -> None:
@@ -108,6 +109,8 @@ class KeyedLoader:
     def __iter__(self) -> Iterator[Any]:
         self._noted.clear()
         self._handed.clear()
+        if self.sampler.step != self.next_step:  # an iterator before this one read ahead (workers prefetch)
+            self.sampler.load_state_dict(self.state_dict()["sampler"])
         return self._batches(iter(self.loader))
 
     def _batches(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -144,6 +147,7 @@ class KeyedLoader:
 
         if isinstance(model, _FabricModule):
             model = model.module
+        self.trained(self.positions)
         return knn.keyed(model, self.seed if seed is None else seed, step=self.positions.step,
                          samples=self.positions, stream=stream)
 
@@ -299,6 +303,10 @@ class KeyedTraining(pl.Callback):
         if self.loader is None:
             return
         self._close(None)
+        if trainer.accumulate_grad_batches != self.loader.micro_batches:
+            raise ValueError(f"KeyedTraining: accumulate_grad_batches is {trainer.accumulate_grad_batches}, the keyed "
+                             f"loader was made for {self.loader.micro_batches} micro-batches a step; a global batch "
+                             f"that changes during the run (GradientAccumulationScheduler) is not supported")
         self.positions = self.loader.take(batch)
         self._block = knn.keyed(pl_module, self.seed, step=self.positions.step, samples=self.positions,
                                 stream=self.stream)
