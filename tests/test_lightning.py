@@ -291,3 +291,90 @@ def test_two_ranks_then_resumed_on_one(reference, tmp_path):
     assert all(k.startswith("model.") for k in saved["state_dict"])  # nothing of keyinit's in the weights
     resumed = _fit(B, 1, resume=checkpoint)
     print("max loss difference, resumed on one process:", _assert_matches(resumed, reference, range(2, STEPS)))
+
+
+# ---------------------------------------------------------------------- an HF BERT masked LM
+class _Words(object):
+    """Sample ``i``: ``[CLS]``, 3 to 11 words, ``[SEP]`` (ids: 0 pad, 1 unk, 2 cls, 3 sep, 4 mask, 5.. words)."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": [2] + [5 + (i * 7 + 3 * j) % 27 for j in range(3 + (i * 5) % 9)] + [3]}
+
+
+def _tokenizer() -> Any:
+    import transformers
+
+    class Tokenizer(transformers.PreTrainedTokenizer):
+        """A word-level tokenizer with no files: what ``DataCollatorForLanguageModeling`` pads and masks with."""
+
+        def __init__(self, **kwargs: Any) -> None:
+            self._names = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(27)]
+            super().__init__(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+                             mask_token="[MASK]", **kwargs)
+
+        @property
+        def vocab_size(self) -> int:
+            return len(self._names)
+
+        def get_vocab(self) -> dict:
+            return {t: i for i, t in enumerate(self._names)}
+
+        def _tokenize(self, text: str) -> list:
+            return text.split()
+
+        def _convert_token_to_id(self, token: str) -> int:
+            return self._names.index(token) if token in self._names else 1
+
+        def _convert_id_to_token(self, index: int) -> str:
+            return self._names[index]
+
+    return Tokenizer()
+
+
+class BertModule(Module):
+    """``BertForMaskedLM`` (hidden and attention dropout 0.1), ``DataCollatorForLanguageModeling``'s dynamic
+    padding and masking; the collated ``BatchEncoding`` reaches ``training_step`` still carrying its positions."""
+
+    def configure_model(self) -> None:
+        import transformers
+
+        if not hasattr(self, "model"):
+            config = transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                             intermediate_size=32, max_position_embeddings=16,
+                                             hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+            self.model = keyinit.deferred(transformers.BertForMaskedLM, config)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        import transformers
+
+        return torch.utils.data.DataLoader(_Words(), batch_size=self.batch_size, shuffle=True, num_workers=self.workers,
+                                           collate_fn=transformers.DataCollatorForLanguageModeling(_tokenizer()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        callback, = (c for c in self.trainer.callbacks if isinstance(c, KeyedTraining))
+        assert keyinit.data.sample_positions(batch) == callback.positions  # the batch Lightning moved still says
+        with _Masks() as masks:
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        per_token = nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+        per_sample = per_token.sum(1)
+        batch = {**batch, "lengths": batch["attention_mask"].sum(1)}
+        _note(self.record, batch, callback.positions, masks.seen, per_sample)
+        return per_sample.sum() / len(per_sample)
+
+
+def _fit_bert(batch_size: int, accumulate: int, workers: int = 0) -> dict:
+    module = BertModule(batch_size, workers=workers)
+    _trainer([KeyedTraining(SEED)], accumulate, STEPS).fit(module)
+    return module.record
+
+
+def test_hf_bert_mlm_accumulation():
+    """Whole batches of 8 against 4 micro-batches of 2 collated in 2 workers: the same tokens, MLM masks, dropout
+    masks on real tokens (7 a forward) and losses."""
+    pytest.importorskip("transformers")
+    whole, cut = _fit_bert(B, 1), _fit_bert(2, 4, workers=2)
+    assert len(whole["masks"]) == STEPS * B * 7
+    print("max loss difference, BERT 2 x 4:", _assert_matches(cut, whole))
