@@ -185,18 +185,37 @@ class _Holder(nn.Module):
         return self.model(tokens)
 
 
-def _fabric(batch_size: int, accumulate: int) -> dict:
-    """A Fabric loop: keyinit's init before ``fabric.setup``, ``fabric_dataloader``, ``loader.keyed(model)``."""
-    from lightning.fabric import Fabric
+def _shard(model: nn.Module, mesh: Any) -> nn.Module:
+    """A ``parallelize_fn`` for Fabric's ``ModelParallelStrategy``: FSDP2 over the data-parallel mesh."""
+    from torch.distributed.fsdp import fully_shard
 
-    from keyinit.integrations.lightning import fabric_dataloader
+    fully_shard(model.model.attn, mesh=mesh["data_parallel"])
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
+def _fabric(batch_size: int, accumulate: int, sharded: bool = False) -> dict:
+    """A Fabric loop: keyinit's init before ``fabric.setup`` (or in ``keyed_parallelize`` when ``sharded``),
+    ``fabric_dataloader``, ``loader.keyed(model)``."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    from keyinit.integrations.lightning import fabric_dataloader, keyed_parallelize
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto")
-    fabric.launch()
-    model = keyinit.deferred(_Holder)
-    keyinit.materialize(model, SEED, device=fabric.device)
-    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if sharded:
+        strategy = ModelParallelStrategy(keyed_parallelize(_shard, SEED), data_parallel_size=world,
+                                         tensor_parallel_size=1)
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+        fabric.launch()
+        model = fabric.setup(keyinit.deferred(_Holder))  # sharded, then materialized by keyinit
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    else:
+        fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto")
+        fabric.launch()
+        model = keyinit.deferred(_Holder)
+        keyinit.materialize(model, SEED, device=fabric.device)
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     loader = fabric_dataloader(fabric, Module(batch_size).train_dataloader(), SEED, accumulate=accumulate)
     record = Module(batch_size).record
     batches = (batch for _ in iter(int, 1) for batch in loader)  # epoch after epoch (each goes on from the last)
@@ -216,9 +235,9 @@ def _fabric(batch_size: int, accumulate: int) -> dict:
 
 def _two_ranks(ckpt_dir: str) -> dict:
     """On 2 ranks: DDP (batch 2 x 2 micro-batches, a checkpoint after step 2), ModelParallelStrategy (batch 4),
-    a Fabric loop (batch 2 x 2 micro-batches)."""
+    a Fabric loop (batch 2 x 2 micro-batches) under DDP and under Fabric's ModelParallelStrategy."""
     return {"ddp": _fit(2, 2, devices=2, save_every=2, ckpt_dir=ckpt_dir), "fsdp": _model_parallel(B // 2),
-            "fabric": _fabric(2, 2)}
+            "fabric": _fabric(2, 2), "fabric_fsdp": _fabric(2, 2, sharded=True)}
 
 
 def _merge(runs: list) -> dict:
@@ -282,7 +301,7 @@ def test_fabric_in_one_process(reference):
 def test_two_ranks_then_resumed_on_one(reference, tmp_path):
     ckpt_dir = str(tmp_path / "checkpoints")
     runs = run_distributed(_two_ranks, 2, args=(ckpt_dir,), timeout=240)
-    for name in ("ddp", "fsdp", "fabric"):
+    for name in ("ddp", "fsdp", "fabric", "fabric_fsdp"):
         print(f"max loss difference, 2 ranks, {name}:", _assert_matches(_merge([r[name] for r in runs]), reference))
     checkpoint, = glob.glob(os.path.join(ckpt_dir, "*step=2.ckpt"))
     saved = torch.load(checkpoint, weights_only=False)
