@@ -286,7 +286,34 @@ def test_plain_trainer_differs_with_the_layout():
 def test_accumulation_in_one_process(reference):
     """``batch_size=2`` x ``accumulate_grad_batches=4``, collated in 2 DataLoader workers (which read ahead, and
     whose collated dicts reach Lightning without the positions): the reference's data, masks and losses."""
-    _assert_matches(_fit(2, 4, workers=2), reference)
+    module = Module(2, workers=2)
+    _trainer([KeyedTraining(SEED)], 4, STEPS).fit(module)
+    _assert_matches(module.record, reference)
+    # nothing of keyinit's left on the module: no hook, no wrapper of configure_model
+    assert "configure_model" not in vars(module)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def test_loaders_keyinit_cannot_order_are_refused():
+    from keyinit.integrations.lightning import keyed_dataloader
+
+    DataLoader = torch.utils.data.DataLoader
+    batches = torch.utils.data.BatchSampler(range(N), 4, drop_last=False)
+    with pytest.raises(ValueError, match="the DataLoader has a batch_sampler of its own and no batch_size"):
+        keyed_dataloader(DataLoader(DATA, batch_sampler=batches), SEED)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(DATA)
+
+    with pytest.raises(TypeError, match="an IterableDataset has no sample indices to order"):
+        keyed_dataloader(DataLoader(Stream(), batch_size=2), SEED)
+    with pytest.raises(TypeError, match="expected a torch.utils.data.DataLoader, got list"):
+        keyed_dataloader(DATA, SEED)
+    loader = keyed_dataloader(DataLoader(DATA, batch_size=2, collate_fn=collate), SEED, accumulate=2)
+    other = keyed_dataloader(DataLoader(DATA, batch_size=2, collate_fn=collate), SEED + 1, accumulate=2)
+    with pytest.raises(ValueError, match="KeyedSampler state_dict does not match this sampler"):
+        other.load_state_dict(loader.state_dict())  # another data seed: another order
 
 
 @requires_gloo

@@ -258,16 +258,20 @@ class KeyedTraining(pl.Callback):
             try:
                 own()
             finally:
-                vars(pl_module).pop("configure_model", None)  # once: nothing of keyinit stays on the module
+                self._unwrap(pl_module)  # once: nothing of keyinit stays on the module
             if any(t.is_meta for t in pl_module.parameters()) or any(t.is_meta for t in pl_module.buffers()):
                 keyinit.materialize(pl_module, seed, device=trainer.strategy.root_device)
 
-        configure_model.__wrapped__ = own  # type: ignore[attr-defined]
-        vars(pl_module)["configure_model"] = configure_model
+        vars(pl_module)["configure_model"] = self._configure = configure_model
+
+    def _unwrap(self, pl_module: "pl.LightningModule") -> None:
+        if self._configure is not None and vars(pl_module).get("configure_model") is self._configure:
+            del vars(pl_module)["configure_model"]
+        self._configure = None
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._close(None)
-        vars(pl_module).pop("configure_model", None)
+        self._unwrap(pl_module)
         if self._source is not None and isinstance(trainer.fit_loop._data_source, _KeyedSource):
             trainer.fit_loop._data_source = self._source
             self._source = None
