@@ -233,11 +233,13 @@ def _fabric(batch_size: int, accumulate: int, sharded: bool = False) -> dict:
     return record
 
 
-def _two_ranks(ckpt_dir: str) -> dict:
+def _two_ranks(ckpt_dir: str, one_process_checkpoint: str) -> dict:
     """On 2 ranks: DDP (batch 2 x 2 micro-batches, a checkpoint after step 2), ModelParallelStrategy (batch 4),
-    a Fabric loop (batch 2 x 2 micro-batches) under DDP and under Fabric's ModelParallelStrategy."""
+    a Fabric loop (batch 2 x 2 micro-batches) under DDP and under Fabric's ModelParallelStrategy; the one-process
+    run's checkpoint after step 2 resumed under DDP with batch 2 x 2 micro-batches."""
     return {"ddp": _fit(2, 2, devices=2, save_every=2, ckpt_dir=ckpt_dir), "fsdp": _model_parallel(B // 2),
-            "fabric": _fabric(2, 2), "fabric_fsdp": _fabric(2, 2, sharded=True)}
+            "fabric": _fabric(2, 2), "fabric_fsdp": _fabric(2, 2, sharded=True),
+            "resumed": _fit(2, 2, devices=2, resume=one_process_checkpoint)}
 
 
 def _merge(runs: list) -> dict:
@@ -262,12 +264,15 @@ def _assert_matches(got: dict, want: dict, steps: range = range(STEPS)) -> float
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    run = _fit(B, 1)
+def reference(tmp_path_factory) -> dict:
+    """One process, whole global batches; its checkpoints after steps 2 and 4 in ``run["checkpoints"]``."""
+    ckpt_dir = str(tmp_path_factory.mktemp("reference"))
+    run = _fit(B, 1, save_every=2, ckpt_dir=ckpt_dir)
     padded = sum(run["data"][key][0].numel() < max(run["data"][k][0].numel() for k in run["data"] if k[0] == key[0])
                  for key in run["data"])
     assert padded > 0 and len(run["data"]) == STEPS * B and len(run["masks"]) == STEPS * B * 2
     assert len({tuple(m.flatten().tolist()) for m in run["masks"].values()}) == len(run["masks"])
+    run["checkpoint"], = glob.glob(os.path.join(ckpt_dir, "*step=2.ckpt"))
     return run
 
 
@@ -325,11 +330,15 @@ def test_fabric_in_one_process(reference):
 
 @pytest.mark.slow
 @requires_gloo
-def test_two_ranks_then_resumed_on_one(reference, tmp_path):
+def test_two_ranks_and_resumes_across_world_sizes(reference, tmp_path):
+    """2 ranks under DDP, ModelParallelStrategy and Fabric; a one-process checkpoint resumed on 2 ranks and a
+    2-rank checkpoint resumed on one process (``accumulate_grad_batches`` 1 -> 2 and 2 -> 1)."""
     ckpt_dir = str(tmp_path / "checkpoints")
-    runs = run_distributed(_two_ranks, 2, args=(ckpt_dir,), timeout=240)
+    runs = run_distributed(_two_ranks, 2, args=(ckpt_dir, reference["checkpoint"]), timeout=240)
     for name in ("ddp", "fsdp", "fabric", "fabric_fsdp"):
         print(f"max loss difference, 2 ranks, {name}:", _assert_matches(_merge([r[name] for r in runs]), reference))
+    print("max loss difference, one process's checkpoint resumed on 2 ranks:",
+          _assert_matches(_merge([r["resumed"] for r in runs]), reference, range(2, STEPS)))
     checkpoint, = glob.glob(os.path.join(ckpt_dir, "*step=2.ckpt"))
     saved = torch.load(checkpoint, weights_only=False)
     loader_state, = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
