@@ -292,7 +292,9 @@ def test_accumulation_in_one_process(reference):
     """``batch_size=2`` x ``accumulate_grad_batches=4``, collated in 2 DataLoader workers (which read ahead, and
     whose collated dicts reach Lightning without the positions): the reference's data, masks and losses."""
     module = Module(2, workers=2)
+    before = torch.get_rng_state()
     _trainer([KeyedTraining(SEED)], 4, STEPS).fit(module)
+    assert torch.equal(torch.get_rng_state(), before)  # the run does not advance the global RNG
     _assert_matches(module.record, reference)
     # nothing of keyinit's left on the module: no hook, no wrapper of configure_model
     assert "configure_model" not in vars(module)

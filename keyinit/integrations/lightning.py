@@ -191,6 +191,8 @@ def keyed_dataloader(loader: DataLoader, seed: Union[int, Key], *, rank: int = 0
                            rank=rank, world_size=world_size, start_step=start_step)
     noted: collections.deque = collections.deque()
     kwargs = {name: getattr(loader, name) for name in _CARRIED if hasattr(loader, name)}
+    if kwargs.get("generator") is None:  # (a DataLoader iterator draws its workers' base seed from it: not the global RNG)
+        kwargs["generator"] = torch.Generator()
     if not kwargs.get("num_workers"):
         kwargs.pop("prefetch_factor", None)
         kwargs.pop("persistent_workers", None)
