@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests._vision import define_torchvision_schemas  # noqa: E402
+from tests._support.vision import define_torchvision_schemas  # noqa: E402
 
 define_torchvision_schemas()  # lightning imports torchmetrics, which imports torchvision
 import lightning.pytorch as pl  # noqa: E402

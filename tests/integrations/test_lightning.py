@@ -11,7 +11,7 @@ Layouts of the global batch of 8: one process, ``batch_size=8`` (the reference);
 ``batch_size=2``, ``accumulate_grad_batches=2``, which saves a checkpoint after step 2 (mid-epoch: an
 epoch is 3 steps); that checkpoint resumed in one process with ``batch_size=8`` and no accumulation (the
 loop's batch counters converted). Asserted: each global sample position's real tokens and labels, and
-every dropout mask on its real tokens (read at the kernel seam, as tests/test_mlm_dynamic_padding.py
+every dropout mask on its real tokens (read at the kernel seam, as tests/data/test_mlm_dynamic_padding.py
 does) bitwise the reference's; each sample's loss within 1e-5. The control: a plain Trainer (no
 callback, ``seed_everything``) gives other data and masks for ``batch_size=8`` and ``2 x 4``.
 """
@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests._vision import define_torchvision_schemas
+from tests._support.vision import define_torchvision_schemas
 
 define_torchvision_schemas()  # lightning imports torchmetrics, which imports torchvision (also in the ranks)
 pl = pytest.importorskip("lightning.pytorch")
@@ -36,7 +36,7 @@ import keyinit  # noqa: E402
 from keyinit._draw import dispatch  # noqa: E402
 from keyinit.data import SamplePositions  # noqa: E402
 from keyinit.integrations.lightning import KeyedTraining  # noqa: E402
-from tests._dist import requires_gloo, run_distributed  # noqa: E402
+from tests._support.dist import requires_gloo, run_distributed  # noqa: E402
 
 N, B, STEPS, VOCAB, SEED = 24, 8, 4, 32, 5
 DATA = [(torch.arange(3 + (i * 5) % 9) * 7 + i) % (VOCAB - 3) + 2 for i in range(N)]   # 0 pads, 1 masks

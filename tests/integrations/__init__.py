@@ -1,0 +1,1 @@
+"""Tests of keyinit.integrations: HF Trainer and Lightning keyed with one call."""
