@@ -6,7 +6,8 @@
 Layouts, each with the global batch of ``B`` samples a step: one process, ``per_device_train_batch_size=B``
 (the reference); 2 gloo ranks (DDP through accelerate) with ``per_device_train_batch_size=B/4`` and
 ``gradient_accumulation_steps=2``, saving a Trainer checkpoint at step 2; that checkpoint resumed on one
-process with micro-batches of ``B/2`` and a DataLoader worker.
+process with micro-batches of ``B/2`` and a DataLoader worker. The same for a tiny ``GPT2LMHeadModel``
+(its own loss, a plain-dict collate function) on one process and on 2 ranks.
 
 Asserted, per global sample ``(step, position)``: the real tokens and MLM labels, and every dropout mask
 cut to the sample's real tokens (read at the kernel seam, ``keyinit._draw.dispatch.dropout``), bitwise the
@@ -80,13 +81,28 @@ class _Sentences(Dataset):
         return {"input_ids": [2] + [5 + (i * 7 + 3 * j) % 27 for j in range(words)] + [3]}
 
 
-def _model() -> torch.nn.Module:
-    config = transformers.BertConfig(vocab_size=len(SPECIAL) + len(WORDS), hidden_size=16, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=32, max_position_embeddings=16,
-                                     hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
-    model = keyinit.deferred(transformers.BertForMaskedLM, config)
-    keyinit.materialize(model, INIT_SEED, device="cpu")  # the same weights on every rank, keyed
+def _model(kind: str = "mlm") -> torch.nn.Module:
+    """A tiny BERT masked LM or GPT-2 causal LM, every dropout 0.1, built keyed (the same weights on every rank)."""
+    vocab = len(SPECIAL) + len(WORDS)
+    if kind == "mlm":
+        config = transformers.BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.1,
+                                         attention_probs_dropout_prob=0.1)
+        model = keyinit.deferred(transformers.BertForMaskedLM, config)
+    else:
+        config = transformers.GPT2Config(vocab_size=vocab, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=2, eos_token_id=3)
+        model = keyinit.deferred(transformers.GPT2LMHeadModel, config)
+    keyinit.materialize(model, INIT_SEED, device="cpu")
     return model
+
+
+def _pad_for_causal_lm(features: list) -> dict:
+    """A plain-dict collate function: pad on the right to the batch's longest, labels -100 on the padding."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.tensor([f["input_ids"] + [0] * (width - len(f["input_ids"])) for f in features])
+    mask = torch.tensor([[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features])
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def _mlm_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -132,7 +148,7 @@ class _Recording(transformers.Trainer):
 
 
 def _train(output_dir: str, micro: int, accumulate: int, keyed: bool = True, save_steps: Optional[int] = None,
-           resume: Optional[str] = None, workers: int = 0) -> dict:
+           resume: Optional[str] = None, workers: int = 0, kind: str = "mlm") -> dict:
     """A Trainer run of STEPS steps (to its end, also when resumed); its records, losses and final parameters."""
     args = transformers.TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulate,
@@ -141,9 +157,13 @@ def _train(output_dir: str, micro: int, accumulate: int, keyed: bool = True, sav
         dataloader_num_workers=workers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = _Recording(model=_model(), args=args, train_dataset=_Sentences(),
-                             data_collator=transformers.DataCollatorForLanguageModeling(_Tokenizer()),
-                             compute_loss_func=_mlm_loss)
+        if kind == "mlm":
+            trainer = _Recording(model=_model(kind), args=args, train_dataset=_Sentences(),
+                                 data_collator=transformers.DataCollatorForLanguageModeling(_Tokenizer()),
+                                 compute_loss_func=_mlm_loss)
+        else:  # GPT-2's own loss divides by the Trainer's num_items_in_batch
+            trainer = _Recording(model=_model(kind), args=args, train_dataset=_Sentences(),
+                                 data_collator=_pad_for_causal_lm)
     trainer.records = {"data": {}, "masks": {}}
     if keyed:
         keyed_trainer(trainer)
@@ -155,8 +175,9 @@ def _train(output_dir: str, micro: int, accumulate: int, keyed: bool = True, sav
 
 
 def _two_ranks(output_dir: str) -> list:
-    """On each of 2 ranks: the keyed run (saving at step 2), then the plain control."""
-    return [_train(output_dir, B // 4, 2, save_steps=2), _train(output_dir + "-plain", B // 4, 2, keyed=False)]
+    """On each of 2 ranks: the keyed run (saving at step 2), the plain control, the keyed causal LM."""
+    return [_train(output_dir, B // 4, 2, save_steps=2), _train(output_dir + "-plain", B // 4, 2, keyed=False),
+            _train(output_dir + "-clm", B // 2, 1, kind="clm")]
 
 
 def _merge(runs: list) -> dict:
@@ -188,9 +209,7 @@ def _params_differ(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    run = _train(str(tmp_path_factory.mktemp("one")), B, 1)
+def _checked(run: dict) -> dict:
     # a real reference: every global sample seen, padded batches, 7 keyed dropouts a forward, all masks different
     assert len(run["data"]) == STEPS * B and len(run["masks"]) == STEPS * B * 7
     assert len({tuple(m.flatten().tolist()) for m in run["masks"].values()}) == len(run["masks"])
@@ -198,14 +217,26 @@ def reference(tmp_path_factory) -> dict:
     return run
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    return _checked(_train(str(tmp_path_factory.mktemp("one")), B, 1))
+
+
+@pytest.fixture(scope="module")
+def causal_reference(tmp_path_factory) -> dict:
+    return _checked(_train(str(tmp_path_factory.mktemp("one-clm")), B, 1, kind="clm"))
+
+
 @pytest.mark.slow
 @requires_gloo
-def test_two_ranks_with_accumulation_then_resumed_on_one(reference, tmp_path):
+def test_two_ranks_with_accumulation_then_resumed_on_one(reference, causal_reference, tmp_path):
     output = str(tmp_path / "two")
-    keyed, plain = (_merge(list(run)) for run in zip(*run_distributed(_two_ranks, 2, args=(output,), timeout=240,
+    keyed, plain, causal = (_merge(list(run)) for run in zip(*run_distributed(_two_ranks, 2, args=(output,), timeout=240,
                                                                          env=_ACCELERATE_ENV)))
     print("max loss difference, 2 ranks x 2 micro-batches:", _assert_matches(keyed, reference, range(STEPS)))
     assert _params_differ(keyed["params"], reference["params"]) < 1e-4
+    print("max loss difference, causal LM on 2 ranks:", _assert_matches(causal, causal_reference, range(STEPS)))
+    assert _params_differ(causal["params"], causal_reference["params"]) < 1e-4
 
     checkpoint = os.path.join(output, "checkpoint-2")
     state = saved_sampler_state(checkpoint)  # keyinit's data position, in the Trainer's trainer_state.json

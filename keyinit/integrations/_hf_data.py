@@ -6,7 +6,8 @@ world size`` (the Trainer's ``get_total_train_batch_size``); rank ``r`` takes it
 cuts it into micro-batches of ``per_device_train_batch_size`` rows, one per forward. Each collated batch
 carries its step and its rows' places in the global batch (``keyinit.data.sample_positions``).
 
-accelerate's ``prepare`` is kept (device placement, its epoch and gradient-state bookkeeping), but the
+accelerate's ``prepare`` is kept (its epoch and gradient-state bookkeeping), but not its device placement
+(``training_step`` moves the batch, once it has read the batch's positions), and the
 ``BatchSamplerShard`` it puts round a batch sampler on several processes is made a pass-through, as the
 Trainer does for its own rank-aware ``BatchRebalanceSampler``: the keyed batch sampler already yields this
 rank's batches only.
@@ -87,4 +88,8 @@ def keyed_train_dataloader(trainer: Any, data_seed: int) -> tuple[DataLoader, Ke
         shard.num_processes, shard.process_index = 1, 0  # already this rank's batches: pass them through
     elif shard is not batches:
         _refuse(f"accelerate wrapped the keyed batch sampler in an unexpected {type(shard).__name__}")
+    # accelerate moves a batch to the device by rebuilding a dict (type(batch)({...})), which drops the positions
+    # a collated dict carries: the Trainer's training_step moves it (_prepare_inputs) after they are read
+    if getattr(loader, "device", None) is not None:
+        loader.device = None
     return loader, sampler
