@@ -148,21 +148,23 @@ class _Recording(transformers.Trainer):
 
 
 def _train(output_dir: str, micro: int, accumulate: int, keyed: bool = True, save_steps: Optional[int] = None,
-           resume: Optional[str] = None, workers: int = 0, kind: str = "mlm") -> dict:
+           resume: Optional[str] = None, workers: int = 0, kind: str = "mlm", dataset: Any = None,
+           **more: Any) -> dict:
     """A Trainer run of STEPS steps (to its end, also when resumed); its records, losses and final parameters."""
     args = transformers.TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulate,
         max_steps=STEPS, learning_rate=1e-2, logging_steps=1, seed=SEED, use_cpu=True, report_to="none",
         disable_tqdm=True, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        dataloader_num_workers=workers)
+        dataloader_num_workers=workers, **more)
+    dataset = _Sentences() if dataset is None else dataset
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if kind == "mlm":
-            trainer = _Recording(model=_model(kind), args=args, train_dataset=_Sentences(),
+            trainer = _Recording(model=_model(kind), args=args, train_dataset=dataset,
                                  data_collator=transformers.DataCollatorForLanguageModeling(_Tokenizer()),
                                  compute_loss_func=_mlm_loss)
         else:  # GPT-2's own loss divides by the Trainer's num_items_in_batch
-            trainer = _Recording(model=_model(kind), args=args, train_dataset=_Sentences(),
+            trainer = _Recording(model=_model(kind), args=args, train_dataset=dataset,
                                  data_collator=_pad_for_causal_lm)
     trainer.records = {"data": {}, "masks": {}}
     if keyed:
@@ -284,3 +286,22 @@ def test_bad_setups_are_refused(tmp_path):
         keyed_trainer(trainer)
     with pytest.raises(TypeError, match="keyed_trainer: expected a transformers.Trainer, got Module"):
         keyed_trainer(torch.nn.Module())
+
+
+def test_a_resume_with_another_global_batch_or_without_the_skip_is_refused(tmp_path):
+    """The checkpoint's data position is checked: another global batch means other samples at every step."""
+    _train(str(tmp_path / "run"), B, 1, save_steps=1)
+    checkpoint = str(tmp_path / "run" / "checkpoint-1")
+    assert saved_sampler_state(checkpoint)["step"] == 1
+    with pytest.raises(ValueError, match=f"global_batch_size: saved {B}, this sampler {B // 2}"):
+        _train(str(tmp_path / "other"), B // 2, 1, resume=checkpoint)
+    with pytest.raises(ValueError, match="inside a pass over the data, with ignore_data_skip=True"):
+        _train(str(tmp_path / "other"), B, 1, resume=checkpoint, ignore_data_skip=True)
+
+
+def test_a_datasets_dataset_gets_the_same_data(reference, tmp_path):
+    """An HF ``datasets.Dataset`` train set (its unused columns removed by the Trainer) gives the torch Dataset's."""
+    datasets = pytest.importorskip("datasets")
+    table = datasets.Dataset.from_list([{**_Sentences()[i], "text": f"sample {i}"} for i in range(N)])
+    run = _train(str(tmp_path / "table"), B, 1, dataset=table)
+    assert _assert_matches(run, reference, range(STEPS)) == 0.0

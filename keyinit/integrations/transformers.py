@@ -110,7 +110,7 @@ def _keyed_class(cls: type) -> type:
     found = _CLASSES.get(cls)
     if found is None:
         found = _CLASSES[cls] = type(f"Keyed{cls.__name__}", (KeyedTrainerMixin, cls),
-                                     {"__module__": cls.__module__, "__doc__": cls.__doc__})
+                                     {"__module__": __name__, "__doc__": cls.__doc__})
     return found
 
 
