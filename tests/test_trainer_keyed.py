@@ -305,3 +305,13 @@ def test_a_datasets_dataset_gets_the_same_data(reference, tmp_path):
     table = datasets.Dataset.from_list([{**_Sentences()[i], "text": f"sample {i}"} for i in range(N)])
     run = _train(str(tmp_path / "table"), B, 1, dataset=table)
     assert _assert_matches(run, reference, range(STEPS)) == 0.0
+
+
+def test_the_integrations_package_imports_no_framework():
+    import subprocess
+    import sys
+
+    code = "import sys, keyinit.integrations; print(sorted({'transformers', 'accelerate', 'lightning'} & set(sys.modules)))"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert found.stdout.strip() == "[]"

@@ -16,7 +16,7 @@ Evaluation and prediction are the Trainer's own (no sampler, collate or forward 
 nothing is added to the model: ``save_model`` writes what it would without keyinit.
 
 :func:`keyed_trainer` gives the trainer object the class ``Keyed<its class>``, a subclass of its own with
-:class:`KeyedTrainerMixin` first, so any ``Trainer`` subclass (TRL's included) keeps its behaviour.
+:class:`KeyedTrainerMixin` first, so a ``Trainer`` subclass keeps its own overrides.
 Subclassing ``KeyedTrainerMixin`` and a Trainer class by hand does the same
 (``class MyTrainer(KeyedTrainerMixin, Trainer)``, then ``keyed_trainer(MyTrainer(...))`` to set the seeds).
 """
