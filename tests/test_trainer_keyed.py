@@ -287,6 +287,14 @@ def test_bad_setups_are_refused(tmp_path):
     with pytest.raises(TypeError, match="keyed_trainer: expected a transformers.Trainer, got Module"):
         keyed_trainer(torch.nn.Module())
 
+    class OwnLoader(transformers.Trainer):
+        def get_train_dataloader(self) -> Any:
+            return super().get_train_dataloader()
+
+    own = OwnLoader(model=_model(), args=args, train_dataset=_Sentences())
+    with pytest.raises(ValueError, match="keyed_trainer: OwnLoader overrides get_train_dataloader; keyinit builds"):
+        keyed_trainer(own)
+
 
 def test_a_resume_with_another_global_batch_or_without_the_skip_is_refused(tmp_path):
     """The checkpoint's data position is checked: another global batch means other samples at every step."""

@@ -130,6 +130,13 @@ def keyed_trainer(trainer: Any, seed: Optional[int] = None, *, data_seed: Option
         raise TypeError(f"keyed_trainer: expected a transformers.Trainer, got {type(trainer).__name__}")
     if getattr(trainer, "keyinit_seed", None) is not None:
         raise ValueError("keyed_trainer: this trainer is keyed already")
+    overridden = [name for name in ("get_train_dataloader", "_get_train_sampler")
+                  if getattr(type(trainer), name) is not getattr(Trainer, name)
+                  and not isinstance(trainer, KeyedTrainerMixin)]
+    if overridden:
+        raise ValueError(f"keyed_trainer: {type(trainer).__name__} overrides {' and '.join(overridden)}; keyinit builds "
+                         f"the train DataLoader itself (KeyedSampler, keyed_collate), so that override would be "
+                         f"bypassed. Keep the override's data in train_dataset and data_collator instead")
     if stream not in ("v1", "v2"):
         raise ValueError(f"keyed_trainer: stream must be 'v1' or 'v2', got {stream!r}")
     args = trainer.args
