@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="cpu: the process's CPU time a step (a loaded machine; DataLoader workers are not counted)")
+                        help="cpu: the process's CPU time a step (a loaded machine; DataLoader workers not counted)")
     args = parser.parse_args()
     vocab = 1000
     config = transformers.BertConfig(vocab_size=vocab, hidden_size=args.dim, num_hidden_layers=args.layers,

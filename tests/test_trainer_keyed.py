@@ -91,7 +91,8 @@ def _model(kind: str = "mlm") -> torch.nn.Module:
         model = keyinit.deferred(transformers.BertForMaskedLM, config)
     else:
         config = transformers.GPT2Config(vocab_size=vocab, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=2, eos_token_id=3)
+                                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=2,
+                                         eos_token_id=3)
         model = keyinit.deferred(transformers.GPT2LMHeadModel, config)
     keyinit.materialize(model, INIT_SEED, device="cpu")
     return model
@@ -233,8 +234,8 @@ def causal_reference(tmp_path_factory) -> dict:
 @requires_gloo
 def test_two_ranks_with_accumulation_then_resumed_on_one(reference, causal_reference, tmp_path):
     output = str(tmp_path / "two")
-    keyed, plain, causal = (_merge(list(run)) for run in zip(*run_distributed(_two_ranks, 2, args=(output,), timeout=240,
-                                                                         env=_ACCELERATE_ENV)))
+    ranks = run_distributed(_two_ranks, 2, args=(output,), timeout=240, env=_ACCELERATE_ENV)
+    keyed, plain, causal = (_merge(list(run)) for run in zip(*ranks))
     print("max loss difference, 2 ranks x 2 micro-batches:", _assert_matches(keyed, reference, range(STEPS)))
     assert _params_differ(keyed["params"], reference["params"]) < 1e-4
     print("max loss difference, causal LM on 2 ranks:", _assert_matches(causal, causal_reference, range(STEPS)))
@@ -278,8 +279,9 @@ def test_evaluation_and_the_saved_model_are_the_trainers_own(reference, tmp_path
 def test_bad_setups_are_refused(tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
                                           train_sampling_strategy="group_by_length")
+    collator = transformers.DataCollatorForLanguageModeling(_Tokenizer())
     trainer = keyed_trainer(transformers.Trainer(model=_model(), args=args, train_dataset=_Sentences(),
-                                                 data_collator=transformers.DataCollatorForLanguageModeling(_Tokenizer())))
+                                                 data_collator=collator))
     with pytest.raises(ValueError, match="train_sampling_strategy='group_by_length': keyinit's KeyedSampler"):
         trainer.get_train_dataloader()
     with pytest.raises(ValueError, match="keyed_trainer: this trainer is keyed already"):
@@ -319,7 +321,8 @@ def test_the_integrations_package_imports_no_framework():
     import subprocess
     import sys
 
-    code = "import sys, keyinit.integrations; print(sorted({'transformers', 'accelerate', 'lightning'} & set(sys.modules)))"
+    code = ("import sys, keyinit.integrations; "
+            "print(sorted({'transformers', 'accelerate', 'lightning'} & set(sys.modules)))")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert found.stdout.strip() == "[]"

@@ -134,8 +134,8 @@ def keyed_trainer(trainer: Any, seed: Optional[int] = None, *, data_seed: Option
                   if getattr(type(trainer), name) is not getattr(Trainer, name)
                   and not isinstance(trainer, KeyedTrainerMixin)]
     if overridden:
-        raise ValueError(f"keyed_trainer: {type(trainer).__name__} overrides {' and '.join(overridden)}; keyinit builds "
-                         f"the train DataLoader itself (KeyedSampler, keyed_collate), so that override would be "
+        raise ValueError(f"keyed_trainer: {type(trainer).__name__} overrides {' and '.join(overridden)}; keyinit "
+                         f"builds the train DataLoader itself (KeyedSampler, keyed_collate), so that override would be "
                          f"bypassed. Keep the override's data in train_dataset and data_collator instead")
     if stream not in ("v1", "v2"):
         raise ValueError(f"keyed_trainer: stream must be 'v1' or 'v2', got {stream!r}")
