@@ -1,7 +1,10 @@
-"""keyinit where people train: one call each for the trainers that own the training loop.
+"""keyinit where people train: frameworks' own training loops keyed with one call each.
 
+- :mod:`keyinit.integrations.transformers`: Hugging Face ``Trainer`` (and its subclasses) keyed by
+  ``keyed_trainer(trainer)``: data order, collate randomness and every training forward's randomness
+  (``docs/trainer.md``).
 - :mod:`keyinit.integrations.lightning`: a ``Callback`` for ``lightning.Trainer`` and the same pieces
   for ``Fabric`` (``docs/lightning.md``).
 
-Each submodule imports its framework itself, when it is imported: ``import keyinit`` never does.
+Importing this package imports no framework: each submodule imports its own when it is imported.
 """

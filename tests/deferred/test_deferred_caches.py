@@ -127,7 +127,7 @@ def test_a_cached_draw_kept_as_a_buffer_is_an_error_naming_it_and_the_cache_and_
     state = torch.get_rng_state()
     with pytest.raises(UnkeyedRandomnessError,
                        match=r"NoisyBuffer\(\.\.\.\): noise \(shape \(3,\)\) holds random draws and is also held by "
-                             r"the functools\.lru_cache of tests\.test_deferred_caches\.cached_noise; .*draw the "
+                             r"the functools\.lru_cache of tests\.deferred\.test_deferred_caches\.cached_noise; .*draw the "
                              r"tensor in the constructor without caching it"):
         keyinit.deferred(NoisyBuffer)
     assert torch.equal(torch.get_rng_state(), state)

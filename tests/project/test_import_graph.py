@@ -108,7 +108,7 @@ FLOORS = (
     ("rules", "nn_defaults"),
     ("_engine",),
     ("data", "model", "nn", "optim"),
-    ("cli", "__main__", "integrations"),  # the command line; the trainers' integrations (keyinit.integrations)
+    ("cli", "__main__", "integrations"),  # the command line; frameworks' training loops keyed
 )
 
 
