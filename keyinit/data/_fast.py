@@ -2,9 +2,9 @@
 
 :func:`plan` recognizes ``uniform_``, ``normal_``, ``rand``, ``randn``, ``rand_like``, ``randn_like``,
 ``randint``, ``random_``, ``bernoulli``/``bernoulli_`` (scalar or tensor ``p``) and ``randperm`` with
-arguments the table of :mod:`keyinit._engine.random_ops` maps to plain samplers, and returns a
+arguments the table of :mod:`keyinit._engine.programs.random_ops` maps to plain samplers, and returns a
 :class:`Recipe`: the draws the keyed equivalent makes (sampler, dtype, shape, in the order
-:func:`keyinit._engine.keyed_op.keyed_op` numbers them) and how the result is made from them. The
+:func:`keyinit._engine.keyed.keyed_op.keyed_op` numbers them) and how the result is made from them. The
 values are those of the table, bit for bit: the same samplers, the same arithmetic; only the
 meta run, the program nodes and the evaluator are skipped. Anything else (other ops, other
 overloads, ``out=``, arguments the table refuses) is None, and callers take the general path.
@@ -337,7 +337,7 @@ def plan(func: Any, args: tuple, kwargs: dict, *, randperm: bool = True) -> Opti
     """The :class:`Recipe` of ``func(*args, **kwargs)``, or None where the general path must run.
 
     Arguments are bound by the op's schema (positional names, read once per op overload), then
-    the op's planner applies the rules of :mod:`keyinit._engine.random_ops`'s table to them."""
+    the op's planner applies the rules of :mod:`keyinit._engine.programs.random_ops`'s table to them."""
     try:
         entry = _OPS[func]
     except KeyError:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keyinit._engine.keyed_op import Rows, keyed_op
+from keyinit._engine.keyed.keyed_op import Rows, keyed_op
 from keyinit.keys import Key
 from keyinit.nn._batch import Batch, canonical
 

@@ -426,7 +426,7 @@ class BatchMode(TorchDispatchMode):
                       for t, r in records], out_ndim, func)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from keyinit._engine.random_ops import is_random
+        from keyinit._engine.programs.random_ops import is_random
 
         kwargs = kwargs or {}
         frame = self.ctx._current_frame()

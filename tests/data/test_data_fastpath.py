@@ -1,6 +1,6 @@
 """keyed_samples' fast path (random ops intercepted by dispatch key, common draws keyed without a
 program) gives exactly the values of the general path (a dispatch mode seeing every op, every draw
-through the program of keyinit._engine.random_ops): the stream of existing keyed values is unchanged."""
+through the program of keyinit._engine.programs.random_ops): the stream of existing keyed values is unchanged."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from keyinit._engine import intercept as _intercept
+from keyinit._engine.keyed import intercept as _intercept
 from keyinit.data import _fast, _fill, keyed_samples
 
 

@@ -1,4 +1,4 @@
-r"""Keyed equivalents of torch's random ops, for init code captured by :mod:`keyinit._engine.capture`.
+r"""Keyed equivalents of torch's random ops, for init code captured by :mod:`keyinit._engine.capture.capture`.
 
 Every aten op torch tags ``nondeterministic_seeded`` (plus ``random_``) that init
 code calls on a captured tensor becomes program nodes whose randomness is a
@@ -40,7 +40,7 @@ import torch
 from keyinit import random as keyed
 from keyinit.distributions import FLOAT_DTYPES, INT_DTYPES
 from keyinit.keys import Key
-from keyinit._engine.program import Const, Node, Pointwise, Random, Whole
+from keyinit._engine.programs.program import Const, Node, Pointwise, Random, Whole
 
 __all__ = ["is_random", "keyed_effects", "Effects", "bind_arguments"]
 
@@ -213,7 +213,7 @@ def _multinomial(b: _Builder, probs: Any, num_samples: int, replacement: bool) -
     shape = b.shape
     width = num_samples if replacement else categories
     # the words of row r are row r's of a (rows, width) tensor; where the output is laid out per sample
-    # (keyinit._engine.keyed_op: (count, *sample_shape), a sample's rows in order), of a tensor laid out as
+    # (keyinit._engine.keyed.keyed_op: (count, *sample_shape), a sample's rows in order), of a tensor laid out as
     # the output with width in place of num_samples: (count, ..., width), each sample's rows its own words
     draws = b.sample("bits", torch.int64, tuple(shape[:-1]) + (width,) if len(shape) >= 2 else (rows, width))
 
