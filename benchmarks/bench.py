@@ -560,7 +560,7 @@ def bench_init_code(rounds: int) -> None:
             model = transformers.LlamaForCausalLM(config)
         keyinit.materialize(model, 0, device="cpu", init_method=model._init_weights)
 
-    from keyinit._engine.plan import plan_model
+    from keyinit._engine.planning.plan import plan_model
 
     with torch.device("meta"):
         meta = transformers.LlamaForCausalLM(config)

@@ -263,7 +263,7 @@ def _mlm_collator():
 def section5(args) -> dict:
     """Issue 25's targets: keyed __getitem__ <= 1.2x, keyed_collate <= 1.5x, measured side by side."""
     from keyinit.data import KeyedBatch, keyed_collate, keyed_samples
-    from keyinit._engine import intercept as _intercept
+    from keyinit._engine.keyed import intercept as _intercept
     from keyinit.data import _fast
 
     threads = torch.get_num_threads()

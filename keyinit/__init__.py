@@ -7,8 +7,8 @@ keys. See ``docs/spec.md`` for the stream contract and ``docs/`` for the guide.
 
 from keyinit import init, layouts, random
 from keyinit.keys import DEFAULT_STREAM, Key, fold_in, key, key_for, split
-from keyinit._engine.deferred import deferred
-from keyinit._engine.init_code import call_once, per_module
+from keyinit._engine.deferred.deferred import deferred
+from keyinit._engine.planning.init_code import call_once, per_module
 from keyinit.model import InitReport, Plan, TensorRecord, init_model, materialize, plan_init
 from keyinit.rules import REGISTRY, Registry, RuleContext, register, register_pattern
 from keyinit.errors import InitError, LeftPaddingWarning, PlanError, SharedDrawWarning, UnkeyedRandomnessError

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from keyinit._megatron import expert_child_names
+from keyinit._sharding.megatron import expert_child_names
 
 __all__ = ["WRAPPER_ATTRIBUTES", "canonical_modules", "FqnMap"]
 

@@ -42,7 +42,7 @@ RNG.
 One module: it is the catalogue, one initializer per ``torch.nn.init`` function
 (and the ``jax.nn.initializers`` presets), kept in one file so it reads like
 ``torch/nn/init.py``; what they share (the base class, parameter checks, fans,
-gains and the keyed fills) is :mod:`keyinit._initializer`.
+gains and the keyed fills) is :mod:`keyinit._initializers.base`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import attrs
 import torch
 
 from keyinit import random
-from keyinit._initializer import (
+from keyinit._initializers.base import (
     Axes,
     Initializer,
     fan_axes,

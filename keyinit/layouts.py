@@ -20,7 +20,7 @@ user-registered adapters):
 2. DTensor (``torch.distributed.tensor.DTensor``, including FSDP2, TP,
    FSDP+TP and HSDP parameters): the region follows from the device mesh, this
    rank's mesh coordinate and the placements, see :func:`dtensor_region`
-   (:mod:`keyinit._placements`);
+   (:mod:`keyinit._sharding.placements`);
 3. tensors megatron-core marks as tensor-parallel (``tensor_model_parallel``,
    ``partition_dim``, ``partition_stride``): see :class:`MegatronLayout`;
 4. plain tensors: the whole of their global parameter. A plain local shard
@@ -39,8 +39,8 @@ from typing import Any, Optional, Protocol, Union, runtime_checkable
 import attrs
 import torch
 
-from keyinit import _megatron
-from keyinit._placements import partial_error, placement_classes, placement_str, chunk_bounds, dtensor_region
+from keyinit._sharding import megatron as _megatron
+from keyinit._sharding.placements import partial_error, placement_classes, placement_str, chunk_bounds, dtensor_region
 from keyinit.errors import PlanError
 from keyinit.regions import Region, RegionEntry, make_region, normalize_shape
 

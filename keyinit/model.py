@@ -8,12 +8,12 @@ init code covers) the values
 for each global element ``i`` this process holds, so any layout reproduces the
 single-process values bit for bit, with no communication.
 
-It works in two phases. *Plan* (:mod:`keyinit._engine.plan`): find every tensor, its
+It works in two phases. *Plan* (:mod:`keyinit._engine.planning.plan`): find every tensor, its
 canonical FQN, ties and global shape; resolve rules; capture the model's own
 init code on global-shape stand-ins; fail with a list of FQNs if anything is
 uncovered, unkeyable or cannot be filled. Nothing is allocated or written
-while planning. *Write* (:mod:`keyinit._engine.writer`): replay each tensor's
-program for the region this process holds (:mod:`keyinit._engine.replay`),
+while planning. *Write* (:mod:`keyinit._engine.writing.writer`): replay each tensor's
+program for the region this process holds (:mod:`keyinit._engine.programs.replay`),
 lowest precedence first (built-in defaults, init code, module rules, FQN
 patterns), so a failure part-way leaves an exact record of what was written.
 """
@@ -30,11 +30,11 @@ import torch
 from keyinit.errors import InitError, PlanError
 from keyinit.fqn import FqnMap
 from keyinit.keys import DEFAULT_STREAM, Key
-from keyinit._engine.options import InitMethod, InitOptions, Rules
-from keyinit._engine.plan import plan_model
-from keyinit._engine.planned import ModelPlan, PlannedTensor
-from keyinit._engine.kept import Loaded, keep_allocated, loaded_names, refuse_allocated
-from keyinit._engine.writer import InitReport, TensorRecord, materialize_plan, write_plan
+from keyinit._engine.planning.options import InitMethod, InitOptions, Rules
+from keyinit._engine.planning.plan import plan_model
+from keyinit._engine.planning.planned import ModelPlan, PlannedTensor
+from keyinit._engine.writing.kept import Loaded, keep_allocated, loaded_names, refuse_allocated
+from keyinit._engine.writing.writer import InitReport, TensorRecord, materialize_plan, write_plan
 from keyinit.rules import REGISTRY, Registry
 
 __all__ = ["init_model", "materialize", "plan_init", "Plan", "PlanEntry", "InitReport", "TensorRecord", "InitError", "PlanError"]
@@ -173,8 +173,8 @@ class PlanEntry:
 
 
 def _entry(engine: ModelPlan, t: PlannedTensor) -> PlanEntry:
-    from keyinit._engine.deferred import record_of
-    from keyinit._engine.program import Read, writes_of
+    from keyinit._engine.deferred.deferred import record_of
+    from keyinit._engine.programs.program import Read, writes_of
 
     program = t.program
     writes = () if program is None else (

@@ -15,7 +15,7 @@ module rules passed to ``init_model(rules=...)`` (the module's exact type, then
 its base classes in MRO order), registered module rules (likewise; a passed
 rule for a base class beats a registered one for the exact type), then init code (the ``init_method``, then the
 module's own ``reset_parameters``: captured and replayed keyed, see
-:mod:`keyinit._engine.plan`), then the built-in torch.nn defaults, which init code
+:mod:`keyinit._engine.planning.plan`), then the built-in torch.nn defaults, which init code
 writes on top of.
 """
 

@@ -3,7 +3,7 @@
 :func:`tensors` lists every distinct parameter and buffer of a model once, in module order,
 named by its first canonical FQN (:func:`keyinit.fqn.canonical_modules`: wrappers stripped,
 megatron experts by global index) with every other location it is reachable under (tied
-weights). Planning (:mod:`keyinit._engine.plan`), ``keyinit verify``, ``slice`` and ``demo`` all walk
+weights). Planning (:mod:`keyinit._engine.planning.plan`), ``keyinit verify``, ``slice`` and ``demo`` all walk
 a model through it.
 
 :func:`stage_blocks` is the one rule that splits ``n`` blocks into ``stages`` contiguous

@@ -166,7 +166,7 @@ def dtensor_layout(tensor: Any, row_offset: int = 0, stream: Optional[str] = Non
     ``stream="v2"``: the keyed forward's extent-free names (docs/spec.md 14.8) of the global tensor whose
     dimension 0 is the batch, in place of its row-major indices.
     """
-    from keyinit._placements import dtensor_region
+    from keyinit._sharding.placements import dtensor_region
 
     spec = tensor._spec
     mesh = spec.mesh

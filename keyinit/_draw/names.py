@@ -159,7 +159,7 @@ _NAMING = threading.local()
 def naming(sample_shape: Sequence[int]) -> Iterator[None]:
     """While open, a fill of a v2 key on this thread draws the canonical tensor ``(rows, *sample_shape)``
     (a region of row-major positions of it) by the elements' extent-free names: what a keyed forward's
-    random op on samples does (:mod:`keyinit._engine.keyed_op`)."""
+    random op on samples does (:mod:`keyinit._engine.keyed.keyed_op`)."""
     previous = getattr(_NAMING, "shape", None)
     _NAMING.shape = tuple(int(n) for n in sample_shape)
     try:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit._engine.options import InitOptions
+from keyinit._engine.planning.options import InitOptions
 
 __all__ = [
     "CLIError",

@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit._engine.progress import Progress
+from keyinit._engine.writing.progress import Progress
 from keyinit.cli._common import CLIError, add_subcommand, bitwise_equal, build_model, format_table, load_factory, take_region
 from keyinit.cli._layout_specs import ROWWISE_NAMES, LayoutSpec, parse_layout
 from keyinit.walk import StageError, aliases, cut_stage, stage_assignment, tensors

@@ -5,7 +5,7 @@ Inside the wrapped ``__getitem__``:
 - every random aten op (``torch.rand``, ``randn``, ``randint``, ``randperm``, ``bernoulli``,
   ``multinomial``, ``normal``, ``Tensor.uniform_``/``normal_``/``random_``/``bernoulli_``/
   ``exponential_``, ..., with or without ``generator=``) is replaced by its keyed equivalent
-  (the table of :mod:`keyinit._engine.random_ops`, shared with captured init code) under the key
+  (the table of :mod:`keyinit._engine.programs.random_ops`, shared with captured init code) under the key
   ``fold_in(sample_key(seed, epoch, index), c)``, ``c`` the op's ordinal in this call;
   the op's generator (and the global one) is neither read nor advanced;
 - Python's ``random`` and ``numpy.random`` global state are seeded from the sample key
@@ -13,7 +13,7 @@ Inside the wrapped ``__getitem__``:
 - an op with no keyed equivalent (``poisson``, gamma, fused dropout kernels) raises
   :class:`keyinit.UnkeyedRandomnessError`.
 
-Only the random ops reach Python (:mod:`keyinit._engine.intercept`: kernels under a dispatch key
+Only the random ops reach Python (:mod:`keyinit._engine.keyed.intercept`: kernels under a dispatch key
 turned on for the calling thread; a dispatch mode where a torch build lacks the hooks), and the
 common ones are keyed without a program (:mod:`keyinit.data._fast`, the same values).
 
@@ -27,8 +27,8 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from keyinit._engine import intercept as _intercept
-from keyinit._engine.outside import ThreadDrawsRefused
+from keyinit._engine.keyed import intercept as _intercept
+from keyinit._engine.capture.outside import ThreadDrawsRefused
 from keyinit._host.lock import global_state_lock
 from keyinit._host.states import global_states
 from keyinit.data import _fast, _fill
@@ -64,7 +64,7 @@ def _epoch_key(root: Key, epoch: int) -> Key:
 
 def _keyed_call(func: Any, args: tuple, kwargs: dict, call_key: Key, site: str) -> Any:
     """A random op in a keyed ``__getitem__`` (or collate): the engine's keyed values for ``call_key``."""
-    from keyinit._engine.keyed_op import keyed_op
+    from keyinit._engine.keyed.keyed_op import keyed_op
 
     return keyed_op(func, args, kwargs, call_key, site, "the dataset's __getitem__")
 
@@ -90,14 +90,14 @@ class _Keyer:
 
 
 class _KeyedMode(TorchDispatchMode):
-    """The keyer as a dispatch mode (every op through Python): where :mod:`keyinit._engine.intercept` is unavailable."""
+    """The keyer as a dispatch mode (every op through Python): where :mod:`keyinit._engine.keyed.intercept` is unavailable."""
 
     def __init__(self, keyer: Any) -> None:
         super().__init__()
         self.keyer = keyer
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        from keyinit._engine.random_ops import is_random
+        from keyinit._engine.programs.random_ops import is_random
 
         kwargs = kwargs or {}
         if not is_random(func):
@@ -106,7 +106,7 @@ class _KeyedMode(TorchDispatchMode):
 
 
 class Interception:
-    """Random ops to ``keyer`` while active: the dispatch-key kernels of :mod:`keyinit._engine.intercept`
+    """Random ops to ``keyer`` while active: the dispatch-key kernels of :mod:`keyinit._engine.keyed.intercept`
     where this torch has them (only the random ops reach Python), else a dispatch mode (the same values)."""
 
     def __init__(self, keyer: Any) -> None:

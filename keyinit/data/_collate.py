@@ -3,7 +3,7 @@
 A DataLoader over ``keyed_samples(dataset, seed)`` hands its ``collate_fn`` a :class:`KeyedBatch`,
 which says each item's ``(epoch, index)``. Inside the wrapped collate function, the ``c``-th random
 aten op of the call (counted once per call, from 0) must return one row per sample: a result whose
-first dimension is the batch's rows. Its ``j``-th draw (the table of :mod:`keyinit._engine.random_ops`: one
+first dimension is the batch's rows. Its ``j``-th draw (the table of :mod:`keyinit._engine.programs.random_ops`: one
 for most ops) is drawn under
 
     collate_key(seed, epoch, c, j) = fold_in(fold_in(fold_in(fold_in(key(seed), COLLATE_DOMAIN), epoch), c), j)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import keyinit
-from keyinit._engine.capture import CaptureError
+from keyinit._engine.capture.capture import CaptureError
 
 
 class BitViews(nn.Module):

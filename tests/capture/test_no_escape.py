@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import keyinit
-from keyinit._engine.capture import LazyTensor
+from keyinit._engine.capture.capture import LazyTensor
 
 
 class BufferCache(dict):

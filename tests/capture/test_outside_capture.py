@@ -136,7 +136,7 @@ def test_a_refused_draw_in_a_keyed_samples_thread_reaches_the_reader_even_if_the
 
 
 def test_a_stand_in_used_in_a_pool_started_before_the_constructor_is_an_error_naming_threads(warm_pool):
-    from keyinit._engine.capture import CaptureError
+    from keyinit._engine.capture.capture import CaptureError
 
     class ZeroedInPool(nn.Module):
         def __init__(self) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import keyinit
-from keyinit._engine.random_ops import is_random, keyed_effects
+from keyinit._engine.programs.random_ops import is_random, keyed_effects
 
 SHAPE = (4, 6)
 

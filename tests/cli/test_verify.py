@@ -16,7 +16,7 @@ from torch import nn
 
 import keyinit
 from keyinit.cli.verify import DEFAULT_LAYOUTS, verify
-from keyinit._engine.planned import ModelPlan
+from keyinit._engine.planning.planned import ModelPlan
 from tests._support import hf_zoo as _zoo
 
 

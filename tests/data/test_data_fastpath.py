@@ -1,6 +1,6 @@
 """keyed_samples' fast path (random ops intercepted by dispatch key, common draws keyed without a
 program) gives exactly the values of the general path (a dispatch mode seeing every op, every draw
-through the program of keyinit._engine.random_ops): the stream of existing keyed values is unchanged."""
+through the program of keyinit._engine.programs.random_ops): the stream of existing keyed values is unchanged."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from keyinit._engine import intercept as _intercept
+from keyinit._engine.keyed import intercept as _intercept
+from keyinit._engine.programs import fast_recipes
 from keyinit.data import _fast, _fill, keyed_samples
 
 
@@ -180,7 +181,7 @@ def test_small_randperm_sorts_like_the_two_stable_argsorts():
             order = torch.argsort(lo, stable=True)
             want = order[torch.argsort(hi[order], stable=True)]
             for dtype in (torch.int64, torch.int32):
-                got = _fast._randperm(n, dtype)[1]([hi, lo])
+                got = fast_recipes._randperm(n, dtype)[1]([hi, lo])
                 assert got.dtype == dtype and torch.equal(got, want.to(dtype))
 
 

@@ -412,8 +412,9 @@ def test_parametrization_registered_after_deferred_starts_from_the_record():
 
 def test_planning_pieces_of_a_huge_tensor_costs_the_program_not_the_tensor(monkeypatch):
     """2**31 elements written in pieces: coverage is decided on the pieces' grid, never with a per-element mask."""
-    from keyinit._engine import plan_checks, program, replay
-    from keyinit._engine.plan import plan_model
+    from keyinit._engine.planning import plan_checks
+    from keyinit._engine.programs import program, replay
+    from keyinit._engine.planning.plan import plan_model
 
     real_mask = program.written_mask
 

@@ -136,7 +136,7 @@ def test_a_cached_draw_kept_as_a_buffer_is_an_error_naming_it_and_the_cache_and_
 
 
 def test_only_model_tensors_something_else_holds_are_given_values(monkeypatch):
-    from keyinit._engine import escape
+    from keyinit._engine.capture import escape
 
     found = []
     real = escape._shared_model_tensors

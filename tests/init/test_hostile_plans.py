@@ -200,7 +200,7 @@ class Recreating(nn.Module):
 
 
 def _fail_writing(monkeypatch, fqn, error=RuntimeError):
-    from keyinit._engine.planned import ModelPlan
+    from keyinit._engine.planning.planned import ModelPlan
 
     original = ModelPlan.write
 

@@ -98,12 +98,12 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 #: The floors of docs/architecture.md, bottom up: each room references only rooms on its floor or below.
 FLOORS = (
-    ("_bits", "errors", "_megatron"),  # the stream's math and registry; errors; megatron facts (duck-typed)
-    ("keys", "regions", "distributions", "_placements", "fqn"),
+    ("_bits", "errors"),  # the stream's math and registry; errors
+    ("keys", "regions", "distributions", "_sharding", "fqn"),  # _sharding: DTensor placements, megatron facts
     ("layouts", "walk", "_samples"),  # local -> global elements; the model walk; a batch's global samples
     ("_draw",),  # dispatch (the kernel table), geometries, references
     ("_kernels", "random", "_host"),  # kernels register into _draw's table; samplers; host generators' states
-    ("_initializer",),
+    ("_initializers",),
     ("init",),
     ("rules", "nn_defaults"),
     ("_engine",),
@@ -205,11 +205,11 @@ def test_the_checker_sees_cycles_through_lazy_and_type_checking_imports():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
     # imports_of reads function-local and TYPE_CHECKING imports of a real module of the package
-    planned = imports_of("keyinit._engine.init_code")
-    assert "keyinit._engine.planned" in planned  # a TYPE_CHECKING import
+    planned = imports_of("keyinit._engine.planning.init_code")
+    assert "keyinit._engine.planning.planned" in planned  # a TYPE_CHECKING import
     assert "keyinit.fqn" in planned  # an import inside a function
     layouts = imports_of("keyinit.layouts")
-    assert "keyinit._megatron" in layouts
+    assert "keyinit._sharding.megatron" in layouts
     # a string naming a module is a reference: the kernel table's references, the kernels' registrations
     assert "keyinit._draw.reference_fill" in imports_of("keyinit._draw.dispatch")
     assert "keyinit._kernels.fill.cpu" in imports_of("keyinit._kernels")

@@ -211,7 +211,7 @@ def test_ngpt_matrices_are_normalized_as_olmo_core_does():
 def test_caches_hold_real_tensors_equal_to_eagers(name):
     """``init_weights(max_seq_len=...)`` warms the RoPE (and MoE) tables in the BufferCache: real
     tensors, bit-identical to eager's, and the first forward uses them."""
-    from keyinit._engine.capture import LazyTensor
+    from keyinit._engine.capture.capture import LazyTensor
 
     model, _ = _keyed(name)
     ours, eager = _caches(model), _caches(_eager(name, 0))

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 import keyinit
-from keyinit._engine.capture import CaptureError
+from keyinit._engine.capture.capture import CaptureError
 from keyinit.cli._fidelity import compare
 from tests._support.dist import requires_gloo, run_distributed
 from tests._support.vision import define_torchvision_schemas

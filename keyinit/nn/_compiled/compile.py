@@ -308,7 +308,7 @@ class _RefuseDraws:
     def __init__(self, refuse: Callable[[Any], None]) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from keyinit._engine.random_ops import is_random
+        from keyinit._engine.programs.random_ops import is_random
         from keyinit.nn._forward.modes import draws_nothing
 
         class Refuse(TorchDispatchMode):
@@ -332,7 +332,7 @@ class _RefuseDraws:
 
 class _Trap:
     """While compiled code runs, a random ATen op that reaches torch's kernels ran eagerly (outside the
-    compiled graphs): it is refused before it draws (:mod:`keyinit._engine.intercept`)."""
+    compiled graphs): it is refused before it draws (:mod:`keyinit._engine.keyed.intercept`)."""
 
     def __init__(self, owner: "KeyedCompiled") -> None:
         self.owner = owner
@@ -352,13 +352,13 @@ class _Trap:
         )
 
     def __enter__(self) -> None:
-        from keyinit._engine import intercept as _intercept
+        from keyinit._engine.keyed import intercept as _intercept
 
         if _intercept.available():
             self.saved = _intercept.enter(self.handler)
 
     def __exit__(self, *exc: Any) -> None:
-        from keyinit._engine import intercept as _intercept
+        from keyinit._engine.keyed import intercept as _intercept
 
         if self.saved is not None:
             _intercept.leave(self.saved)

@@ -1,6 +1,6 @@
 """Keyed values of a random ATen op run inside a keyed forward: per sample, or replicated.
 
-The op's values are the engine's (:func:`keyinit._engine.keyed_op.keyed_op`: the op's keyed
+The op's values are the engine's (:func:`keyinit._engine.keyed.keyed_op.keyed_op`: the op's keyed
 equivalent of ``docs/spec.md`` section 15); only the stream positions are the forward's
 (``docs/spec.md`` section 14.7):
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keyinit._engine.keyed_op import Rows, keyed_op
+from keyinit._engine.keyed.keyed_op import Rows, keyed_op
 from keyinit.keys import Key
 from keyinit.nn._batch.records import Batch, canonical
 
@@ -30,7 +30,7 @@ __all__ = ["keyed_draw"]
 
 
 def sample_rows(shape: tuple[int, ...], batch: Batch) -> Rows:
-    """The :class:`keyinit._engine.keyed_op.Rows` of a tensor of ``shape`` whose batch is ``batch``."""
+    """The :class:`keyinit._engine.keyed.keyed_op.Rows` of a tensor of ``shape`` whose batch is ``batch``."""
     split, order, sample_shape = canonical(shape, batch)
     local = (batch.count,) + sample_shape
     inverse = [order.index(i) for i in range(len(order))]

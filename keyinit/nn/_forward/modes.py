@@ -377,12 +377,7 @@ def draws_nothing(func, args: tuple, kwargs: dict) -> bool:
 
 
 _AS_STRIDED_ = torch.ops.aten.as_strided_.default
-# ops that draw nothing at p = 0 but whose torch kernels still advance the generator: answered by keyinit
-# (ops such as fused attention with dropout_p = 0 touch no generator and run as they are)
-_ANSWERED = {"aten::bernoulli", "aten::bernoulli_", "aten::native_dropout"}
 _NEW = {"aten::new_empty", "aten::new_zeros", "aten::new_ones", "aten::new_full", "aten::new_empty_strided"}
-_LIKE = {"aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::empty_like", "aten::zeros_like",
-         "aten::ones_like", "aten::full_like"}
 
 
 def _tensor_inputs(args: tuple, kwargs: dict) -> list:
@@ -414,19 +409,22 @@ class BatchMode(TorchDispatchMode):
 
     def _output_record(self, func: Any, frame: Frame, args: tuple, kwargs: dict, records: list) -> Any:
         """The batch of a random op's output: the sized factory's, the input's (``*_like``, in place), or the
-        inputs' broadcast (``bernoulli(p)``, ``normal(mean, std)``, ``multinomial``)."""
+        inputs' broadcast (``bernoulli(p)``, ``normal(mean, std)``, ``multinomial``): the op's ``batch`` in the
+        random-op table."""
+        from keyinit._engine.programs.random_ops import INPUT, random_op
+
         name = func._schema.name
         state = self.ctx.thread_state()
         if not records or name in _NEW:
             return state.pending
-        if name.endswith("_") or name in _LIKE or name == "aten::native_dropout":
+        if random_op(name).batch == INPUT:
             return records[0][1]
         out_ndim = max(t.dim() for t, _ in records)
         return merge([(r, t.dim(), int(t.shape[r.dim]) if isinstance(r, Batch) and r.dim is not None else None)
                       for t, r in records], out_ndim, func)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from keyinit._engine.random_ops import is_random
+        from keyinit._engine.programs.random_ops import is_random, random_op
 
         kwargs = kwargs or {}
         frame = self.ctx.current_frame()
@@ -437,7 +435,9 @@ class BatchMode(TorchDispatchMode):
         records = [(t, record(t, forward)) for t in tensors]
         if is_random(func):
             nothing = draws_nothing(func, args, kwargs)
-            if not nothing or func._schema.name in _ANSWERED:
+            # at p = 0 an op whose torch kernel still advances the generator is answered by keyinit (ops such
+            # as fused attention with dropout_p = 0 touch no generator and run as they are)
+            if not nothing or random_op(func._schema.name).advances_at_p0:
                 return self._draw(func, frame, args, kwargs, records, nothing)
         if func is _AS_STRIDED_ and records and records[0][1] is not None:
             self.events += 1

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from keyinit._engine.capture import capturing
+from keyinit._engine.capture.capture import capturing
 
 __all__ = ["available", "enter", "leave", "Handler"]
 
@@ -50,7 +50,7 @@ def _handler() -> Optional[Handler]:
 
 
 def _random_op_names() -> list[str]:
-    from keyinit._engine.random_ops import is_random
+    from keyinit._engine.programs.random_ops import is_random
 
     names = []
     for qualified in torch._C._dispatch_get_all_op_names():

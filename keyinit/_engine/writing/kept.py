@@ -19,9 +19,9 @@ from typing import Optional, Union
 
 import torch
 
-from keyinit._engine.deferred import record_of
-from keyinit._engine.escape import derived_attributes
-from keyinit._engine.planned import ModelPlan, PlannedTensor
+from keyinit._engine.deferred.deferred import record_of
+from keyinit._engine.capture.escape import derived_attributes
+from keyinit._engine.planning.planned import ModelPlan, PlannedTensor
 from keyinit.errors import PlanError
 
 __all__ = ["on_meta", "refuse_allocated", "loaded_names", "keep_allocated", "to_empty_except", "recompute_derived"]

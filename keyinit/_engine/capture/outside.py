@@ -1,6 +1,6 @@
 """What a capture cannot record: Python's and numpy's global generators, and threads.
 
-A :class:`~keyinit._engine.capture.Capture` records the torch ops of the thread that runs the code.
+A :class:`~keyinit._engine.capture.capture.Capture` records the torch ops of the thread that runs the code.
 Two things escape it:
 
 - ``random.random()`` and ``numpy.random.permutation(...)`` draw from one global generator per
@@ -135,8 +135,8 @@ class _RefuseInThread(TorchDispatchMode):
         self.watch = watch
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        from keyinit._engine.random_ops import is_random
-        from keyinit._engine.standin import LazyTensor, tensor_leaves
+        from keyinit._engine.programs.random_ops import is_random
+        from keyinit._engine.capture.standin import LazyTensor, tensor_leaves
 
         kwargs = kwargs or {}
         stand_in = any(isinstance(x, LazyTensor) for x in tensor_leaves((args, kwargs)))
@@ -226,7 +226,7 @@ class _RefuseDrawsInThread(TorchDispatchMode):
         self.watch = watch
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        from keyinit._engine.random_ops import is_random
+        from keyinit._engine.programs.random_ops import is_random
 
         if self.watch.open and is_random(func):
             name = threading.current_thread().name

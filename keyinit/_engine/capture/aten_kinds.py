@@ -1,4 +1,4 @@
-"""What each aten op is to a capture (:mod:`keyinit._engine.capture`): the op tables and schema facts.
+"""What each aten op is to a capture (:mod:`keyinit._engine.capture.capture`): the op tables and schema facts.
 
 Which ops fill, zero, copy, allocate or make constants; which are identities, concatenations, value
 reads or data-dependent; which write which arguments; which views reinterpret memory; which code loads
@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from keyinit import init as _init
-from keyinit._engine.program import Const, Node, Pointwise
+from keyinit._engine.programs.program import Const, Node, Pointwise
 
 __all__ = ['recognised', 'FILL_VALUE', 'ZERO', 'COPY', 'ALLOC', 'CONST_FACTORIES', 'FULL', 'IDENTITY', 'CAT', 'VALUE_OPS', 'DATA_DEPENDENT', 'mutated_args', 'op_name', 'INDEXING', 'REINTERPRETING', 'reinterprets', 'SET_STORAGE', 'LOADERS', 'LAZY_NEW', 'returns_self', 'is_kwarg_only', 'fit', 'convert', "aten"]
 
@@ -97,7 +97,7 @@ SET_STORAGE = {aten.set_.source_Storage, aten.set_.source_Storage_storage_offset
 #: from a local file loads a state dict in the constructor).
 LOADERS = {torch.serialization.load.__code__, torch.serialization._load.__code__}
 #: The constructors of a lazy module's shapeless tensors (``nn.LazyLinear``): their empty tensor is made for
-#: real, so the built model is refused naming the module (:func:`keyinit._engine.plan_checks.check_lazy`).
+#: real, so the built model is refused naming the module (:func:`keyinit._engine.planning.plan_checks.check_lazy`).
 LAZY_NEW = {torch.nn.parameter.UninitializedParameter.__new__.__code__,
             torch.nn.parameter.UninitializedBuffer.__new__.__code__}
 

@@ -2,9 +2,9 @@
 
 :class:`PlannedTensor` is one tensor of the model (a tied tensor is one entry with several names),
 where it lives, what covers it and the program that gives its values. :class:`ModelPlan` holds
-them with the keys :func:`keyinit._engine.program.assign_keys` gave their draws, and writes any region of
-any tensor (:meth:`ModelPlan.write`). :mod:`keyinit._engine.plan` makes them; the init code runner
-(:mod:`keyinit._engine.init_code`), the writer (:mod:`keyinit.model`) and the CLI read them. This module
+them with the keys :func:`keyinit._engine.programs.program.assign_keys` gave their draws, and writes any region of
+any tensor (:meth:`ModelPlan.write`). :mod:`keyinit._engine.planning.plan` makes them; the init code runner
+(:mod:`keyinit._engine.planning.init_code`), the writer (:mod:`keyinit.model`) and the CLI read them. This module
 sits below all of them, so none imports another to name these types.
 """
 
@@ -18,8 +18,8 @@ import torch
 
 from keyinit import layouts
 from keyinit.keys import Key
-from keyinit._engine.program import Node, SlotProgram, assign_keys
-from keyinit._engine.replay import Evaluator, element_local, write_target
+from keyinit._engine.programs.program import Node, SlotProgram, assign_keys
+from keyinit._engine.programs.replay import Evaluator, element_local, write_target
 
 __all__ = ["ModelPlan", "PlannedTensor"]
 
@@ -66,7 +66,7 @@ class PlannedTensor:
 
 
 class ModelPlan:
-    """What :func:`keyinit._engine.plan.plan_model` decided. ``tensors`` in model order; :meth:`write` writes one."""
+    """What :func:`keyinit._engine.planning.plan.plan_model` decided. ``tensors`` in model order; :meth:`write` writes one."""
 
     def __init__(self, model: torch.nn.Module, root_key: Key, seed: int, tensors: list[PlannedTensor],
                  shards: Mapping[str, Any], notes: Sequence[str]) -> None:
@@ -76,7 +76,7 @@ class ModelPlan:
         self.tensors = tensors
         self.shards = dict(shards)
         self.notes = tuple(notes)
-        self.kept: list[PlannedTensor] = []  # what materialize keeps as it is (keyinit._engine.kept.keep_allocated)
+        self.kept: list[PlannedTensor] = []  # what materialize keeps as it is (keyinit._engine.writing.kept.keep_allocated)
         programs = [(t.program, t.key_fqn) for t in tensors if t.program is not None]
         self.keys = assign_keys(programs, root_key)
         self.evaluator = Evaluator(self.keys)

@@ -17,9 +17,9 @@ from typing import Any, Optional
 import torch
 
 from keyinit import layouts
-from keyinit._engine.guard import run_fill
-from keyinit._engine.planned import PlannedTensor
-from keyinit._engine.program import Random, Read, iter_nodes, root_of, writes_of, written_mask
+from keyinit._engine.programs.guard import run_fill
+from keyinit._engine.planning.planned import PlannedTensor
+from keyinit._engine.programs.program import Random, Read, iter_nodes, root_of, writes_of, written_mask
 from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.init import Initializer
 from keyinit.keys import Key
@@ -77,7 +77,7 @@ def _check_added_after_construction(model: torch.nn.Module, tensors: Sequence[Pl
     replaced afterwards (HF's ``resize_token_embeddings`` on the meta model, which runs ``_init_weights`` on
     them: nothing on meta) would get torch.nn's defaults (N(0, 1) embeddings) instead: a :class:`PlanError`
     naming them."""
-    from keyinit._engine.deferred import record_of
+    from keyinit._engine.deferred.deferred import record_of
 
     if init_method is not None or not any(record_of(m) is not None for m in model.modules()):
         return
@@ -200,7 +200,7 @@ def _missing_advice(model: torch.nn.Module, tensors: Sequence[PlannedTensor], in
 def _dry_run(t: PlannedTensor, stream: str) -> None:
     """Run every :class:`Initializer` of the program on an empty region: dtype, shape and bound
     errors surface now, naming the tensor, instead of part-way through writing; so does a draw
-    from torch's RNG in an Initializer of the user's own (:func:`keyinit._engine.guard.run_fill`)."""
+    from torch's RNG in an Initializer of the user's own (:func:`keyinit._engine.programs.guard.run_fill`)."""
     for node in iter_nodes(t.program.roots()):
         if not isinstance(node, Random) or node.by_index or not isinstance(node.fill, Initializer):
             continue  # a plain fn(key, target) may keep state: it runs once, when writing

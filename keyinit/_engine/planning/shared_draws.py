@@ -35,7 +35,7 @@ def shared_draws(tensors: Sequence[Any]) -> list[tuple[str, list[str]]]:
 
     ``tensors`` are planned tensors (``fqn``, ``key_fqn``, ``module_fqn``, ``program``) in model order.
     """
-    from keyinit._engine.program import random_nodes
+    from keyinit._engine.programs.program import random_nodes
 
     landing: dict[int, list[Any]] = {}
     for t in tensors:

@@ -1,5 +1,5 @@
 """Stand-ins: :class:`LazyTensor`, a tensor with a GLOBAL shape, strides and dtype and no data, that a
-:class:`~keyinit._engine.capture.Capture` hands to init code in place of each model tensor.
+:class:`~keyinit._engine.capture.capture.Capture` hands to init code in place of each model tensor.
 
 A stand-in reports device ``cpu`` and holds no memory; every aten op on it reaches the running
 capture's dispatch mode and is recorded. Python that needs values (``.tolist()``, ``.numpy()``,
@@ -27,7 +27,7 @@ class LazyTensor(torch.Tensor):
     """A tensor of a captured program: shape, strides and dtype, no data (see :class:`Capture`)."""
 
     _meta: torch.Tensor
-    _capture: Any  # the keyinit._engine.capture.Capture that made it (not imported: it imports this module)
+    _capture: Any  # the keyinit._engine.capture.capture.Capture that made it (not imported: it imports this module)
 
     @staticmethod
     def __new__(cls, meta: torch.Tensor, capture: Any, requires_grad: bool = False) -> "LazyTensor":

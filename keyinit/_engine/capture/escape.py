@@ -4,11 +4,11 @@ their real values.
 Init code and constructors keep computed tensors in plain attributes, lists, dicts and cache
 objects (OLMo-core's RoPE ``BufferCache``, nn.LSTM's ``_flat_weights``). After a capture,
 :func:`concretize_attributes` walks a module's attributes and replaces every
-:class:`~keyinit._engine.capture.LazyTensor` found there by the value eager torch would hold,
+:class:`~keyinit._engine.capture.capture.LazyTensor` found there by the value eager torch would hold,
 so nothing fails at the first forward with a stand-in in hand. The tensor torch's hook-based
 ``weight_norm``, ``spectral_norm`` and pruning keep in a plain attribute (``weight``, computed from
 ``weight_g``/``weight_v`` or ``weight_orig``/``weight_mask``) is a meta tensor until the model's
-tensors hold values; then :func:`keyinit._engine.kept.recompute_derived` computes it, as the hook does.
+tensors hold values; then :func:`keyinit._engine.writing.kept.recompute_derived` computes it, as the hook does.
 
 Stand-ins kept where no walk of the model reaches them (a ``functools.lru_cache`` helper's table, a
 closure cell of a hook, a ``functools.partial`` forward hook, a class attribute cache) are found by
@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from keyinit._engine.capture import Capture, CaptureError, LazyTensor
+from keyinit._engine.capture.capture import Capture, CaptureError, LazyTensor
 from keyinit.errors import UnkeyedRandomnessError
 
 __all__ = ["concretize_attributes", "derived_attributes", "sweep_escaped", "escaped_values", "swap_in",

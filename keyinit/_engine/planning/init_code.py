@@ -1,7 +1,7 @@
 """Running existing init code on stand-ins: the calls to capture, and the model while they run.
 
 :class:`Installed` swaps every parameter and buffer of a model for its
-:class:`keyinit._engine.capture.LazyTensor` stand-in and restores every module exactly
+:class:`keyinit._engine.capture.capture.LazyTensor` stand-in and restores every module exactly
 afterwards (parameters, buffers, attributes, the non-persistent set), reporting
 tensors the code re-assigned or created. While they are installed, the memory-management
 calls init code makes on the model (``to_empty``, ``.to(device)`` and everything else that goes
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from keyinit._engine.capture import Capture, CaptureError, LazyTensor
+from keyinit._engine.capture.capture import Capture, CaptureError, LazyTensor
 from keyinit.errors import PlanError
-from keyinit._engine.deferred import seed_storage
-from keyinit._engine.escape import concretize_attributes
-from keyinit._engine.program import Alloc, StridedView, Node, Random
+from keyinit._engine.deferred.deferred import seed_storage
+from keyinit._engine.capture.escape import concretize_attributes
+from keyinit._engine.programs.program import Alloc, StridedView, Node, Random
 
 if TYPE_CHECKING:
-    from keyinit._engine.planned import PlannedTensor
+    from keyinit._engine.planning.planned import PlannedTensor
 
 __all__ = ["Installed", "PerModuleCall", "bind_call", "takes_module", "per_module", "call_once", "child_fqn",
            "parametrized_names",
@@ -93,7 +93,7 @@ def parametrized_names(module: torch.nn.Module) -> list[str]:
 def through_right_inverse(module: torch.nn.Module, module_fqn: str, name: str, shape: tuple[int, ...],
                            dtype: torch.dtype, initializer: Any) -> Callable[[], Any]:
     """Init code for a rule on a parametrized tensor: draw the tensor as the rule says (or start it
-    from its constructor record, a :class:`keyinit._engine.program.Node`), then set the originals from it through the parametrizations' ``right_inverse`` (what assigning
+    from its constructor record, a :class:`keyinit._engine.programs.program.Node`), then set the originals from it through the parametrizations' ``right_inverse`` (what assigning
     ``module.<name> = value`` does in torch)."""
 
     def call() -> None:

@@ -1,6 +1,6 @@
 """Programs: what captured init code does to a tensor, as a small graph over global indices.
 
-Capture (:mod:`keyinit._engine.capture`) runs existing init code on stand-ins and records,
+Capture (:mod:`keyinit._engine.capture.capture`) runs existing init code on stand-ins and records,
 for every tensor, a *program*: a chain of writes into a flat buffer (a
 :class:`Storage`), each write putting the values of a *node* into the elements
 a strided *geometry* selects. Nodes are immutable values:
@@ -15,7 +15,7 @@ a strided *geometry* selects. Nodes are immutable values:
   which is evaluated on whole inputs; :class:`Item` picks one of its outputs.
 
 Every node denotes a dense tensor of ``shape`` and ``dtype``; element ``i`` (row-major)
-is what the init code would have put there on one device. :mod:`keyinit._engine.replay`
+is what the init code would have put there on one device. :mod:`keyinit._engine.programs.replay`
 evaluates any set of elements of any node. Fills, views, element-wise ops and
 ``cat`` are *element-local*: producing a region costs that region. The rest is
 evaluated whole, still keyed, so it is still layout-invariant.
@@ -276,7 +276,7 @@ class Pointwise(Node):
 
     ``exact`` marks data movement and dtype conversion, whose bits never depend on how the
     elements are batched; other element-wise math is evaluated in aligned blocks (see
-    :mod:`keyinit._engine.replay`) so vectorized and scalar code paths cannot differ by layout.
+    :mod:`keyinit._engine.programs.replay`) so vectorized and scalar code paths cannot differ by layout.
     """
 
     shape: tuple[int, ...]

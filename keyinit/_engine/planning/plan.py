@@ -2,8 +2,8 @@
 
 :func:`plan_model` finds every parameter and buffer (canonical FQN, ties, global shape),
 resolves which declarative rule covers each (FQN patterns, module rules, the built-in
-torch.nn defaults), runs the model's own init code under :class:`keyinit._engine.capture.Capture`
-on global-shape stand-ins, and gives every tensor a :class:`keyinit._engine.program.SlotProgram`:
+torch.nn defaults), runs the model's own init code under :class:`keyinit._engine.capture.capture.Capture`
+on global-shape stand-ins, and gives every tensor a :class:`keyinit._engine.programs.program.SlotProgram`:
 
 1. the built-in default of its module (``keyinit.nn_defaults``), if any;
 2. then what ``reset_parameters()`` (modules no declarative rule fully covers) and the
@@ -11,16 +11,16 @@ on global-shape stand-ins, and gives every tensor a :class:`keyinit._engine.prog
 3. unless a module-type rule or, above it, an FQN pattern covers the tensor: then the
    rule's initializer alone, and whatever init code did to it is discarded.
 
-Draws are keyed by where they land (:func:`keyinit._engine.program.assign_keys`). Every error a
+Draws are keyed by where they land (:func:`keyinit._engine.programs.program.assign_keys`). Every error a
 plan can see is raised before any memory is allocated (the checks of the finished plan are
-:mod:`keyinit._engine.plan_checks`): uncovered tensors
+:mod:`keyinit._engine.planning.plan_checks`): uncovered tensors
 (:class:`PlanError` with ``.fqns``), randomness that cannot be keyed
 (:class:`UnkeyedRandomnessError`), initializers that cannot fill their tensor.
 
 One module: the planner's steps (collect, resolve rules, build the init calls, capture) run in one
 order over one shared state (the tensors by FQN, their records, the rules that cover them), and
 each step's result is the next one's input; the checks that read only the finished plan are
-:mod:`keyinit._engine.plan_checks`.
+:mod:`keyinit._engine.planning.plan_checks`.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from keyinit import layouts
-from keyinit._engine.guard import model_kept, no_writes, storages_of
-from keyinit._engine.shared_draws import warn_shared_draws
-from keyinit._engine.capture import Capture, CaptureError, LazyTensor
-from keyinit._engine.init_code import (
+from keyinit._engine.programs.guard import model_kept, no_writes, storages_of
+from keyinit._engine.planning.shared_draws import warn_shared_draws
+from keyinit._engine.capture.capture import Capture, CaptureError, LazyTensor
+from keyinit._engine.planning.init_code import (
     Installed,
     PerModuleCall,
     bind_call,
@@ -49,14 +49,14 @@ from keyinit._engine.init_code import (
 from keyinit.errors import PlanError, UnkeyedRandomnessError
 from keyinit.fqn import apply_fqn_mapping, canonical_modules
 from keyinit.keys import Key, key
-from keyinit._engine.lazy import check_lazy
-from keyinit._engine.plan_checks import (check_plan, check_renumbered_keys, check_scripted, check_shared_memory,
+from keyinit._engine.deferred.lazy import check_lazy
+from keyinit._engine.planning.plan_checks import (check_plan, check_renumbered_keys, check_scripted, check_shared_memory,
                                          shared_records_note, unused_init_code_note)
-from keyinit._engine.options import InitOptions
-from keyinit._engine.planned import ModelPlan, PlannedTensor
-from keyinit._engine.deferred import origin_of, record_of, renumbered_as, seed_storage
-from keyinit._engine.escape import derived_attributes, forget_escaped, sweep_escaped
-from keyinit._engine.program import Alloc, Node, Random, Read, SlotProgram, Storage, StridedView
+from keyinit._engine.planning.options import InitOptions
+from keyinit._engine.planning.planned import ModelPlan, PlannedTensor
+from keyinit._engine.deferred.deferred import origin_of, record_of, renumbered_as, seed_storage
+from keyinit._engine.capture.escape import derived_attributes, forget_escaped, sweep_escaped
+from keyinit._engine.programs.program import Alloc, Node, Random, Read, SlotProgram, Storage, StridedView
 from keyinit.rules import ModuleRule, RuleContext, initializer_problem
 from keyinit.walk import tensors as model_tensors
 

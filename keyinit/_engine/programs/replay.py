@@ -1,6 +1,6 @@
 """Replay: evaluate any region of a captured program, on the CPU, bit-identically under any layout.
 
-:class:`Evaluator` computes the values of :mod:`keyinit._engine.program` nodes at any set
+:class:`Evaluator` computes the values of :mod:`keyinit._engine.programs.program` nodes at any set
 of elements (``at``: row-major flat positions) or whole (``full``). Every way of
 evaluating a node gives the same bits:
 
@@ -32,9 +32,9 @@ import torch
 
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.keys import Key
-from keyinit._engine.guard import run_fill
+from keyinit._engine.programs.guard import run_fill
 from keyinit.layouts import Target
-from keyinit._engine.program import (
+from keyinit._engine.programs.program import (
     Alloc, Cat, Const, StridedView, Item, Literal, Node, Pointwise, Random, Read, SlotProgram, Suppressed,
     Version, Whole, Write, iter_nodes, ravel, unravel, root_of, written_mask,
 )

@@ -5,9 +5,9 @@ over its convs, timm calls ``init_weights`` from the constructor, open_clip buil
 parameters as ``scale * torch.randn(...)``, HF ends in ``post_init()``). Built on the
 meta device that code computes nothing, and nothing is left to replay.
 
-:func:`deferred` calls the builder under a :class:`keyinit._engine.capture.Capture`: every
+:func:`deferred` calls the builder under a :class:`keyinit._engine.capture.capture.Capture`: every
 factory makes a global-shape stand-in (no memory), and every op the constructor
-applies to it is recorded in a :mod:`keyinit._engine.program` (the same programs and keying
+applies to it is recorded in a :mod:`keyinit._engine.programs.program` (the same programs and keying
 rules as captured init code). When the builder returns, every parameter and buffer
 is replaced by a meta tensor of the same shape, dtype and ``requires_grad`` (ties
 kept), and the module keeps the constructor's record of it in ``_keyinit_record``
@@ -31,12 +31,12 @@ from typing import Any, Callable, Optional, TypeVar
 import attrs
 import torch
 
-from keyinit._engine.megatron_records import whole_node
-from keyinit._engine.capture import Capture, LazyTensor
-from keyinit._engine.escape import concretize_attributes, escaped_values, forget_escaped, swap_in
-from keyinit._engine.guard import ModelState
-from keyinit._engine.lazy import check_lazy
-from keyinit._engine.program import StridedView, Literal, Node, Read, Storage, Write
+from keyinit._engine.deferred.megatron_records import whole_node
+from keyinit._engine.capture.capture import Capture, LazyTensor
+from keyinit._engine.capture.escape import concretize_attributes, escaped_values, forget_escaped, swap_in
+from keyinit._engine.programs.guard import ModelState
+from keyinit._engine.deferred.lazy import check_lazy
+from keyinit._engine.programs.program import StridedView, Literal, Node, Read, Storage, Write
 
 __all__ = ["deferred", "ConstructorRecord", "record_of", "origin_of", "renumbered_as", "seed_storage", "RECORD_ATTRIBUTE"]
 
@@ -55,8 +55,8 @@ class ConstructorRecord:
     """What a module's constructor left in each of its parameters and buffers.
 
     ``values`` maps an attribute name to the node of its value when construction ended
-    (a :class:`keyinit._engine.program.Read` of the constructor's buffer, or a
-    :class:`keyinit._engine.program.Literal` for a real tensor the builder was given).
+    (a :class:`keyinit._engine.programs.program.Read` of the constructor's buffer, or a
+    :class:`keyinit._engine.programs.program.Literal` for a real tensor the builder was given).
     ``builder`` names the builder that ran the constructor (for reports and errors).
     """
 
@@ -127,7 +127,7 @@ def deferred(fn: Callable[..., M], /, *args: Any, **kwargs: Any) -> M:
         UnkeyedRandomnessError: the constructor stored a tensor computed from random draws
             in a plain attribute (not a parameter or buffer), where no key can reach it; drew from
             Python's or numpy's global generator (put back); or ran torch ops in threads it started
-            (:mod:`keyinit._engine.outside`). On any error the modules ``fn`` was given keep their tensors.
+            (:mod:`keyinit._engine.capture.outside`). On any error the modules ``fn`` was given keep their tensors.
     """
     if not callable(fn):
         raise TypeError(f"keyinit.deferred expects a callable that builds an nn.Module, got {type(fn).__name__}")
@@ -197,7 +197,7 @@ def _finish(model: torch.nn.Module, capture: Capture, builder: str) -> None:
                     continue
                 fqn = f"{module_fqn}.{name}" if module_fqn else name
                 if id(tensor) not in replaced:
-                    # megatron-core hook: a tensor-parallel split's record is its WHOLE value (keyinit._engine.megatron_records)
+                    # megatron-core hook: a tensor-parallel split's record is its WHOLE value (keyinit._engine.deferred.megatron_records)
                     whole = whole_node(module, name, tensor, fqn,
                                                  lambda t, fqn=fqn: _value_node(t, capture, fqn))
                     values[id(tensor)] = whole if whole is not None else _value_node(tensor, capture, fqn)
@@ -259,7 +259,7 @@ def seed_storage(storage: Storage, node: Node, label: str) -> None:
 
     When the record reads a whole contiguous buffer of the same size and dtype, the buffer
     continues the constructor's own writes, so a draw that filled the whole tensor stays its
-    own fill (keyed ``key_for(seed, fqn)``, see :func:`keyinit._engine.program.assign_keys`).
+    own fill (keyed ``key_for(seed, fqn)``, see :func:`keyinit._engine.programs.program.assign_keys`).
     Otherwise the record is written as one value (``label``). ``storage`` has the record's
     dtype: a model cast after construction (``model.to(torch.bfloat16)``) is replayed in the
     constructor's dtype and rounded as it is written, as eager torch casts the built values."""

@@ -1,7 +1,7 @@
 """megatron-core's layout facts, read from its modules by duck typing (megatron is never imported here).
 
 Two questions, both answered without communicating (what a :func:`keyinit.deferred` constructor
-gave the whole of a split parameter is :mod:`keyinit._engine.megatron_records`):
+gave the whole of a split parameter is :mod:`keyinit._engine.deferred.megatron_records`):
 
 - which tensor-parallel rank and size a marked parameter (``tensor_model_parallel``) is split
   over: the group of the LAYER that owns it (megatron's ``self.tp_group``, which for expert

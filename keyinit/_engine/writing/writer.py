@@ -1,7 +1,7 @@
 """Writing a plan into the model: the writer (lowest precedence first), its undo, its progress and its report.
 
 :class:`Writer` replays each planned tensor's program for the region this process holds
-(:mod:`keyinit._engine.replay` through :meth:`~keyinit._engine.planned.ModelPlan.write`), lowest
+(:mod:`keyinit._engine.programs.replay` through :meth:`~keyinit._engine.planning.planned.ModelPlan.write`), lowest
 precedence first (constructor records, built-in defaults, init code, module rules, FQN patterns),
 so a failure part-way leaves an exact record of what was written: :class:`Undo` puts the failing
 tensor back as it was. :func:`materialize_plan` allocates a meta model first and returns it to the
@@ -20,10 +20,10 @@ import torch
 
 from keyinit.errors import InitError
 from keyinit.init import Initializer
-from keyinit._engine.kept import recompute_derived, to_empty_except
-from keyinit._engine.planned import ModelPlan, PlannedTensor
-from keyinit._engine.program import Const, Random, iter_nodes
-from keyinit._engine.progress import Progress
+from keyinit._engine.writing.kept import recompute_derived, to_empty_except
+from keyinit._engine.planning.planned import ModelPlan, PlannedTensor
+from keyinit._engine.programs.program import Const, Random, iter_nodes
+from keyinit._engine.writing.progress import Progress
 
 __all__ = ["TensorRecord", "InitReport", "Writer", "Undo", "write_plan", "materialize_plan"]
 
@@ -269,7 +269,7 @@ def materialize_plan(plan: ModelPlan, progress: Optional[bool], device: Union[to
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = plan.model
-    kept = plan.kept  # loaded into the meta model: not written (decided while planning, keyinit._engine.kept)
+    kept = plan.kept  # loaded into the meta model: not written (decided while planning, keyinit._engine.writing.kept)
     writer = Writer(plan, progress, device)
     marks = [(t, dict(vars(t.tensor))) for t in plan.tensors if not t.new]
     undo_created = [Undo(t, plan, keep_values=False) for t in plan.tensors if t.new or t.recreated]

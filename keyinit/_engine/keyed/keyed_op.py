@@ -1,8 +1,8 @@
 """One random ATen op answered with keyed values: what keyed samples, keyed collates and keyed forwards run.
 
-:func:`keyed_op` computes ``func(*args, **kwargs)`` (an op :func:`keyinit._engine.random_ops.is_random`
+:func:`keyed_op` computes ``func(*args, **kwargs)`` (an op :func:`keyinit._engine.programs.random_ops.is_random`
 says draws) with keyinit's values instead of torch's generator: the op's keyed equivalent
-(:func:`keyinit._engine.random_ops.keyed_effects`, ``docs/spec.md`` section 15), its ``j``-th draw keyed
+(:func:`keyinit._engine.programs.random_ops.keyed_effects`, ``docs/spec.md`` section 15), its ``j``-th draw keyed
 by ``fold_in(key, j)``, evaluated by the replay engine, written into the op's mutated arguments and
 returned. Nothing reads or advances torch's generator.
 
@@ -52,8 +52,8 @@ def _to_meta(x: Any) -> Any:
 
 def _evaluator(keys: dict, rows: Optional[Rows]) -> Any:
     from keyinit._draw.names import naming
-    from keyinit._engine.program import Random
-    from keyinit._engine.replay import Evaluator, run_fill
+    from keyinit._engine.programs.program import Random
+    from keyinit._engine.programs.replay import Evaluator, run_fill
     from keyinit.layouts import Target
     from keyinit.regions import make_region
 
@@ -101,8 +101,8 @@ def keyed_op(func: Any, args: tuple, kwargs: dict, key: Key, site: str, caller: 
     """``func(*args, **kwargs)`` with keyinit's values for ``key`` (see the module docstring); ``site`` and
     ``caller`` name the code in errors; ``rows_of(shape)`` gives the :class:`Rows` of the op's output shape
     (None: replicated). In-place ops write their argument and return it."""
-    from keyinit._engine.program import Literal, Node, Random
-    from keyinit._engine.random_ops import bind_arguments, keyed_effects
+    from keyinit._engine.programs.program import Literal, Node, Random
+    from keyinit._engine.programs.random_ops import bind_arguments, keyed_effects
 
     names = {arg.name for arg in func._schema.arguments}
     margs = tuple(_to_meta(a) for a in args)

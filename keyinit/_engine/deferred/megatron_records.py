@@ -4,7 +4,7 @@ megatron's CPU initialization (``use_cpu_initialization``) draws a master weight
 shape and keeps this rank's chunks of it; its split biases are one constant. :func:`whole_node`
 recognizes both in a constructor record and returns the program node of the whole tensor, so that
 replaying it keyed gives every tensor-parallel layout the single-process values. Which rank holds
-which chunk is :mod:`keyinit._megatron` (read through :func:`keyinit.layouts.target_for`).
+which chunk is :mod:`keyinit._sharding.megatron` (read through :func:`keyinit.layouts.target_for`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from keyinit.layouts import target_for
-from keyinit._engine.program import Alloc, Cat, Const, Read, StridedView, Write
+from keyinit._engine.programs.program import Alloc, Cat, Const, Read, StridedView, Write
 from keyinit.regions import row_major_strides
 
 

@@ -5,13 +5,13 @@ tensor's GLOBAL shape and dtype, reporting device ``cpu``, holding no memory. In
 (``reset_parameters``, ``init_weights(**kwargs)``, HF's ``_init_weights``) runs on the
 stand-ins unchanged, so it never sees a DTensor, a shard or a meta tensor. Under the
 capture's ``TorchDispatchMode`` every aten op the code issues is recorded into
-:mod:`keyinit._engine.program` nodes instead of being computed:
+:mod:`keyinit._engine.programs.program` nodes instead of being computed:
 
 - views (slicing, ``select``, ``.T``, ``.data``, ``view``, ``chunk``, ...) share the
   buffer of their base; in-place ops, ``copy_`` and ``out=`` become writes into it;
 - factories (``empty``, ``zeros``, ``arange``, ``torch.tensor``) become new buffers;
 - element-wise ops, ``cat``/``stack`` and everything else become nodes over their inputs;
-- random ops become keyed draws (:mod:`keyinit._engine.random_ops`). ``nn.init.trunc_normal_``
+- random ops become keyed draws (:mod:`keyinit._engine.programs.random_ops`). ``nn.init.trunc_normal_``
   and ``nn.init.orthogonal_``, whose torch algorithms draw in loops, are recognised by
   their frames and recorded as the :mod:`keyinit.init` initializer of the same
   distribution (the draw keyinit gives every rule); the rest of their body is suppressed;
@@ -23,9 +23,9 @@ list of 0-d tensors) gets it computed on the spot when it depends on no random d
 depending on one is an :class:`keyinit.UnkeyedRandomnessError`, because a draw is keyed
 by where it lands. The global torch RNG is never read or advanced.
 
-The stand-in tensor itself is :mod:`keyinit._engine.standin`; what each aten op is to a capture (the
-op tables, schema facts) is :mod:`keyinit._engine.aten_kinds`; giving real values to stand-ins that
-code stored outside parameters and buffers is :mod:`keyinit._engine.escape`.
+The stand-in tensor itself is :mod:`keyinit._engine.capture.standin`; what each aten op is to a capture (the
+op tables, schema facts) is :mod:`keyinit._engine.capture.aten_kinds`; giving real values to stand-ins that
+code stored outside parameters and buffers is :mod:`keyinit._engine.capture.escape`.
 """
 
 from __future__ import annotations
@@ -42,18 +42,18 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from keyinit._engine.random_ops import Effects, bind_arguments, is_random, keyed_effects
+from keyinit._engine.programs.random_ops import Effects, bind_arguments, is_random, keyed_effects
 from keyinit.errors import UnkeyedRandomnessError
-from keyinit._engine.program import Alloc, Cat, Const, StridedView, Item, Literal, Node, Pointwise, Random, Read
-from keyinit._engine.program import Storage, Suppressed, Whole
-from keyinit._engine.aten_kinds import (
+from keyinit._engine.programs.program import Alloc, Cat, Const, StridedView, Item, Literal, Node, Pointwise, Random, Read
+from keyinit._engine.programs.program import Storage, Suppressed, Whole
+from keyinit._engine.capture.aten_kinds import (
     ALLOC, CAT, CONST_FACTORIES, COPY, DATA_DEPENDENT, FILL_VALUE, FULL, IDENTITY, INDEXING, LAZY_NEW, LOADERS,
     REINTERPRETING, SET_STORAGE, VALUE_OPS, ZERO, aten, convert, fit, is_kwarg_only, mutated_args, op_name, recognised, reinterprets,
     returns_self,
 )
-from keyinit._engine.outside import watched
-from keyinit._engine.replay import Evaluator
-from keyinit._engine.standin import CaptureError, LazyTensor, tensor_leaves, tree_map
+from keyinit._engine.capture.outside import watched
+from keyinit._engine.programs.replay import Evaluator
+from keyinit._engine.capture.standin import CaptureError, LazyTensor, tensor_leaves, tree_map
 
 __all__ = ["LazyTensor", "Capture", "CaptureError", "capturing"]
 
@@ -62,7 +62,7 @@ _THREAD = threading.local()  # .depth: how many captures run on this thread now 
 
 def capturing() -> bool:
     """Whether code on this thread runs under a capture now: a random op there is the capture's to key
-    (one thread-local read; keyed samples' op kernels pass such an op on, see keyinit._engine.intercept)."""
+    (one thread-local read; keyed samples' op kernels pass such an op on, see keyinit._engine.keyed.intercept)."""
     return getattr(_THREAD, "depth", 0) > 0
 
 

@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from keyinit._engine.random_ops import is_random
+from keyinit._engine.programs.random_ops import is_random
 from keyinit.errors import PlanError, UnkeyedRandomnessError
 
 __all__ = ["ModelState", "model_kept", "no_writes", "run_fill", "storages_of"]
