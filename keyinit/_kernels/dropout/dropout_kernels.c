@@ -67,65 +67,44 @@ static inline int64_t kd_index(const kd_plan_t *P, int d, int64_t p)
     return P->index[d] != NULL ? P->index[d][p] : p;
 }
 
+/* y[k] = kept ? (EXPR) : 0 for the m elements from q, of type T (EXPR: x[k] scaled, in T). */
+#define KD_APPLY_LOOP(T, EXPR)                                                   \
+    do {                                                                         \
+        const T *restrict x = (const T *)P->in + q;                              \
+        T *restrict y = (T *)P->out + q;                                         \
+        if (P->drop_all) {                                                       \
+            for (int64_t k = 0; k < m; k++) y[k] = (T)0;                         \
+        } else {                                                                 \
+            for (int64_t k = 0; k < m; k++) {                                    \
+                T v = (EXPR);                                                    \
+                y[k] = w[k] <= thm1 ? v : (T)0;                                  \
+            }                                                                    \
+        }                                                                        \
+    } while (0)
+
 /* Elements q .. q+m-1 with stream words w[0..m-1]. */
 static void kd_apply(const kd_plan_t *P, const uint32_t *restrict w, int64_t q, int64_t m)
 {
     const uint32_t thm1 = P->thm1;
     switch (P->dtype) {
     case KI_DTYPE_FLOAT32: {
-        const float *restrict x = (const float *)P->in + q;
-        float *restrict y = (float *)P->out + q;
         const float s = P->s32;
-        if (P->drop_all) {
-            for (int64_t k = 0; k < m; k++) y[k] = 0.0f;
-        } else {
-            for (int64_t k = 0; k < m; k++) {
-                float v = x[k] * s;
-                y[k] = w[k] <= thm1 ? v : 0.0f;
-            }
-        }
+        KD_APPLY_LOOP(float, x[k] * s);
         break;
     }
     case KI_DTYPE_FLOAT64: {
-        const double *restrict x = (const double *)P->in + q;
-        double *restrict y = (double *)P->out + q;
         const double s = P->s64;
-        if (P->drop_all) {
-            for (int64_t k = 0; k < m; k++) y[k] = 0.0;
-        } else {
-            for (int64_t k = 0; k < m; k++) {
-                double v = x[k] * s;
-                y[k] = w[k] <= thm1 ? v : 0.0;
-            }
-        }
+        KD_APPLY_LOOP(double, x[k] * s);
         break;
     }
     case KI_DTYPE_BFLOAT16: {
-        const uint16_t *restrict x = (const uint16_t *)P->in + q;
-        uint16_t *restrict y = (uint16_t *)P->out + q;
         const float s = P->s32;
-        if (P->drop_all) {
-            for (int64_t k = 0; k < m; k++) y[k] = 0;
-        } else {
-            for (int64_t k = 0; k < m; k++) {
-                uint16_t v = ki_f32_to_bf16(ki_bf16_to_f32(x[k]) * s);
-                y[k] = w[k] <= thm1 ? v : (uint16_t)0;
-            }
-        }
+        KD_APPLY_LOOP(uint16_t, ki_f32_to_bf16(ki_bf16_to_f32(x[k]) * s));
         break;
     }
     case KI_DTYPE_FLOAT16: {
-        const uint16_t *restrict x = (const uint16_t *)P->in + q;
-        uint16_t *restrict y = (uint16_t *)P->out + q;
         const float s = P->s32;
-        if (P->drop_all) {
-            for (int64_t k = 0; k < m; k++) y[k] = 0;
-        } else {
-            for (int64_t k = 0; k < m; k++) {
-                uint16_t v = ki_f32_to_f16(ki_f16_to_f32(x[k]) * s);
-                y[k] = w[k] <= thm1 ? v : (uint16_t)0;
-            }
-        }
+        KD_APPLY_LOOP(uint16_t, ki_f32_to_f16(ki_f16_to_f32(x[k]) * s));
         break;
     }
     }
