@@ -64,13 +64,7 @@ static void *ki_pool_worker(void *arg)
 static void ki_parallel_for(int64_t nchunks, int nthreads, int clear_fp, ki_chunk_fn body, void *ctx)
 {
     if (nchunks <= 0) return;
-    static ki_pool_t zero_pool;
-    ki_pool_t pool = zero_pool;
-    pool.body = body;
-    pool.ctx = ctx;
-    pool.nchunks = nchunks;
-    pool.clear_fp = clear_fp;
-    pool.next = 0;
+    ki_pool_t pool = {.body = body, .ctx = ctx, .nchunks = nchunks, .clear_fp = clear_fp, .next = 0};
     if (nthreads > nchunks) nthreads = (int)nchunks;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > KI_MAX_THREADS) nthreads = KI_MAX_THREADS;
