@@ -170,23 +170,33 @@ def _takes(out: torch.Tensor, dist: Distribution) -> bool:
             and out.dim() <= MAX_DIMS)
 
 
+def _threads(numel: int, threads: Optional[int]) -> int:
+    """``threads``, by default ``torch.get_num_threads()`` (one thread below :data:`MIN_PARALLEL_ELEMENTS`)."""
+    if threads is not None:
+        return threads
+    return 1 if numel < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
+
+
+def _dim_arrays(dims: list) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array, ctypes.Array]:
+    """A geometry's dims as the kernels' four per-dimension arguments: sizes, output strides, global strides
+    and index vectors' pointers (NULL where a dim has none; the caller keeps the vectors alive)."""
+    nd = len(dims)
+    return ((ctypes.c_int64 * nd)(*(d[0] for d in dims)), (ctypes.c_int64 * nd)(*(d[1] for d in dims)),
+            (ctypes.c_int64 * nd)(*(d[2] for d in dims)),
+            (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims)))
+
+
 def _launch(out: torch.Tensor, dist: Distribution, key: Key, base: int, dims: list, threads: Optional[int],
             lib: ctypes.CDLL, high: Optional[tuple[int, list[int], Optional[torch.Tensor]]] = None) -> bool:
     """``keyinit_fill`` (``high``: ``keyinit_fill_high`` with ``(high_base, high_strides, high_index)``)."""
     nd = len(dims)
-    sizes = (ctypes.c_int64 * nd)(*(d[0] for d in dims))
-    ostrides = (ctypes.c_int64 * nd)(*(d[1] for d in dims))
-    gstrides = (ctypes.c_int64 * nd)(*(d[2] for d in dims))
-    indices = (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims))
     f, i = kernel_params(dist)
     fparams = (ctypes.c_double * 6)(*f)  # binary32 values, exact as doubles; the kernel converts
     iparams = (ctypes.c_int64 * 4)(*i)
     k0, k1 = key.words
-    if threads is None:
-        threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
     keep_alive = [d[3] for d in dims]  # noqa: F841 - index vectors must outlive the call
-    args = (dist_id := DIST_IDS[type(dist)], DTYPE_IDS[out.dtype], k0, k1, fparams, iparams, nd, base, sizes,
-            ostrides, gstrides, indices, out.data_ptr(), threads)
+    args = (dist_id := DIST_IDS[type(dist)], DTYPE_IDS[out.dtype], k0, k1, fparams, iparams, nd, base,
+            *_dim_arrays(dims), out.data_ptr(), _threads(out.numel(), threads))
     if high is None:
         rc = lib.keyinit_fill(*args)
     else:
@@ -215,10 +225,8 @@ def fill_folded(out: torch.Tensor, dist: Distribution, key: Key, fold0: int, fol
     if lib is None:
         return False
     f, i = kernel_params(dist)
-    if threads is None:
-        threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
     rc = lib.keyinit_fill_folded(dist_id, dtype_id, key.k0, key.k1, fold0, fold1, (ctypes.c_double * 6)(*f),
-                                 (ctypes.c_int64 * 4)(*i), out.numel(), out.data_ptr(), threads)
+                                 (ctypes.c_int64 * 4)(*i), out.numel(), out.data_ptr(), _threads(out.numel(), threads))
     if rc != 0:  # pragma: no cover - arguments are validated above
         raise RuntimeError(f"keyinit_fill_folded failed with code {rc}")
     torch.autograd.graph.increment_version(out)
@@ -249,14 +257,9 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, threads
     if src.is_neg() or any(n > 1 and a != b for n, a, b in zip(out.shape, out.stride(), src.stride())):
         # the kernel reads the source at the destination's offsets: the values laid out as out is
         src = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device="cpu").copy_(src)
-    nd = len(dims)
-    if threads is None:
-        threads = 1 if out.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
     keep_alive = [d[3] for d in dims]  # noqa: F841 - index vectors must outlive the call
-    rc = lib.keyinit_sround(target, key.k0, key.k1, nd, base, (ctypes.c_int64 * nd)(*(d[0] for d in dims)),
-                            (ctypes.c_int64 * nd)(*(d[1] for d in dims)), (ctypes.c_int64 * nd)(*(d[2] for d in dims)),
-                            (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims)),
-                            src.data_ptr(), out.data_ptr(), threads)
+    rc = lib.keyinit_sround(target, key.k0, key.k1, len(dims), base, *_dim_arrays(dims), src.data_ptr(),
+                            out.data_ptr(), _threads(out.numel(), threads))
     if rc != 0:  # pragma: no cover - arguments are validated above
         raise RuntimeError(f"keyinit_sround failed with code {rc}")
     torch.autograd.graph.increment_version(out)
@@ -287,16 +290,10 @@ def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     if param.numel() == 0:
         return True
     base, dims = geometry(param, region)
-    nd = len(dims)
-    if threads is None:
-        threads = 1 if param.numel() < MIN_PARALLEL_ELEMENTS else max(1, torch.get_num_threads())
     keep_alive = [d[3] for d in dims]  # noqa: F841 - index vectors must outlive the call
-    rc = lib.keyinit_sround_adam(ptype, key.k0, key.k1, nd, base, (ctypes.c_int64 * nd)(*(d[0] for d in dims)),
-                                 (ctypes.c_int64 * nd)(*(d[1] for d in dims)),
-                                 (ctypes.c_int64 * nd)(*(d[2] for d in dims)),
-                                 (ctypes.c_void_p * nd)(*(None if d[3] is None else d[3].data_ptr() for d in dims)),
-                                 param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-                                 (ctypes.c_float * 7)(*scalars), int(has_decay), threads)
+    rc = lib.keyinit_sround_adam(ptype, key.k0, key.k1, len(dims), base, *_dim_arrays(dims), param.data_ptr(),
+                                 grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                                 (ctypes.c_float * 7)(*scalars), int(has_decay), _threads(param.numel(), threads))
     if rc != 0:  # pragma: no cover - arguments are validated above
         raise RuntimeError(f"keyinit_sround_adam failed with code {rc}")
     for t in (param, exp_avg, exp_avg_sq):
