@@ -153,26 +153,25 @@ class Kernels:
         reference(*args, **kwargs)
 
 
+def _references(fill: KernelRef) -> dict[str, Kernels]:
+    """Stream v1's references of every family, ``fill`` the fill's (a new table: each version has its own)."""
+    return {
+        "fill": Kernels(fill),
+        "dropout": Kernels(KernelRef("keyinit._draw.reference_dropout", "dropout")),
+        "permutation": Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into")),
+        "sround": Kernels(KernelRef("keyinit._draw.reference_sround", "round_into")),
+        "sround_adam": Kernels(KernelRef("keyinit._draw.reference_sround", "adam_into")),
+    }
+
+
 #: The kernel table: stream version name -> family -> :class:`Kernels`. The documented registry that
 #: :func:`register_family` (a new version's references) and :func:`register_kernel` (a device's kernel) fill.
 KERNELS: dict[str, dict[str, Kernels]] = {
-    "v1": {
-        "fill": Kernels(KernelRef("keyinit._draw.reference_fill", "fill")),
-        "dropout": Kernels(KernelRef("keyinit._draw.reference_dropout", "dropout")),
-        "permutation": Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into")),
-        "sround": Kernels(KernelRef("keyinit._draw.reference_sround", "round_into")),
-        "sround_adam": Kernels(KernelRef("keyinit._draw.reference_sround", "adam_into")),
-    },
+    "v1": _references(KernelRef("keyinit._draw.reference_fill", "fill")),
     # v2 is v1 with keyed forwards' extent-free names (docs/spec.md 14.8), which reach the same families
     # through a geometry's high counter words: the same references (and kernels, keyinit._kernels), but for
     # the fills, whose reference also draws a keyed forward's random ops by those names (names.naming)
-    "v2": {
-        "fill": Kernels(KernelRef("keyinit._draw.names", "fill")),
-        "dropout": Kernels(KernelRef("keyinit._draw.reference_dropout", "dropout")),
-        "permutation": Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into")),
-        "sround": Kernels(KernelRef("keyinit._draw.reference_sround", "round_into")),
-        "sround_adam": Kernels(KernelRef("keyinit._draw.reference_sround", "adam_into")),
-    },
+    "v2": _references(KernelRef("keyinit._draw.names", "fill")),
 }
 
 
