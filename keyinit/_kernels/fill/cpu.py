@@ -128,10 +128,7 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, thread
     ``threads`` defaults to ``torch.get_num_threads()`` (one thread for small fills);
     ``lib`` to the library built for this machine (tests pass other builds).
     """
-    if not _takes(out, dist):
-        return False
-    lib = lib if lib is not None else KERNEL.usable(library)
-    if lib is None:
+    if not _takes(out, dist) or (lib := _library(lib)) is None:
         return False
     base, dims = geometry(out, region)
     return _launch(out, dist, key, base, dims, threads, lib)
@@ -141,10 +138,7 @@ def fill_named(out: torch.Tensor, dist: Distribution, key: Key, region: Region, 
                threads: Optional[int] = None, lib: Optional[ctypes.CDLL] = None) -> bool:
     """:func:`keyinit._draw.names.fill_named`'s values for ``region`` (positions of the canonical tensor of
     ``sample_shape`` samples) with the kernel; ``False`` (nothing written) if the kernel cannot do it."""
-    if not _takes(out, dist):
-        return False
-    lib = lib if lib is not None else KERNEL.usable(library)
-    if lib is None:
+    if not _takes(out, dist) or (lib := _library(lib)) is None:
         return False
     if out.numel() == 0:
         return True
@@ -163,6 +157,11 @@ def fill_v2(out: torch.Tensor, dist: Distribution, key: Key, region: Region, thr
     if sample_shape is None:
         return fill(out, dist, key, region, threads, lib)
     return fill_named(out, dist, key, region, sample_shape, threads, lib)
+
+
+def _library(lib: Optional[ctypes.CDLL]) -> Optional[ctypes.CDLL]:
+    """``lib``, else the library built for this machine (``None``: it cannot be built or failed its self-test)."""
+    return lib if lib is not None else KERNEL.usable(library)
 
 
 def _takes(out: torch.Tensor, dist: Distribution) -> bool:
@@ -218,11 +217,8 @@ def fill_folded(out: torch.Tensor, dist: Distribution, key: Key, fold0: int, fol
     (ints in ``[0, 2**64)``), the folds in C; ``False`` (nothing written) if the kernel cannot do it."""
     dist_id = DIST_IDS.get(type(dist))
     dtype_id = DTYPE_IDS.get(out.dtype)
-    if dist_id is None or dtype_id is None or out.device.type != "cpu" or not out.is_contiguous() or \
-            key.stream != "v1":
-        return False
-    lib = lib if lib is not None else KERNEL.usable(library)
-    if lib is None:
+    if (dist_id is None or dtype_id is None or out.device.type != "cpu" or not out.is_contiguous()
+            or key.stream != "v1" or (lib := _library(lib)) is None):
         return False
     f, i = kernel_params(dist)
     rc = lib.keyinit_fill_folded(dist_id, dtype_id, key.k0, key.k1, fold0, fold1, (ctypes.c_double * 6)(*f),
@@ -245,10 +241,7 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, threads
     source, a device other than the CPU, a stream whose element words are not v1's)."""
     target = SROUND_TARGETS.get(out.dtype)
     if (target is None or x.dtype != torch.float32 or out.device.type != "cpu" or x.device.type != "cpu"
-            or out.dim() > MAX_DIMS or key.impl.words is not stream_words):
-        return False
-    lib = lib if lib is not None else KERNEL.usable(library)
-    if lib is None:
+            or out.dim() > MAX_DIMS or key.impl.words is not stream_words or (lib := _library(lib)) is None):
         return False
     if out.numel() == 0:
         return True
@@ -282,10 +275,8 @@ def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     tensors = (param, grad, exp_avg, exp_avg_sq)
     if (ptype is None or grad.dtype != param.dtype or exp_avg.dtype != torch.float32
             or exp_avg_sq.dtype != torch.float32 or param.dim() > MAX_DIMS or key.impl.words is not stream_words
-            or any(t.device.type != "cpu" or not t.is_contiguous() or t.shape != param.shape for t in tensors)):
-        return False
-    lib = lib if lib is not None else KERNEL.usable(library)
-    if lib is None:
+            or any(t.device.type != "cpu" or not t.is_contiguous() or t.shape != param.shape for t in tensors)
+            or (lib := _library(lib)) is None):
         return False
     if param.numel() == 0:
         return True
