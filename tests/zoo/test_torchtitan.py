@@ -12,6 +12,7 @@ buffer_device=None)`` under ``torch.no_grad()``, the Trainer's calls in the Trai
   ratio against two eager inits under different global seeds, :func:`keyinit.cli._fidelity.compare`;
   keyinit replaces the RNG, so not bitwise), the deterministic ones (norms, the RoPE caches)
   bit for bit, and the global RNG neither read nor advanced;
+- two pipeline stages cut by torchtitan's own split: each equal to the full model;
 - 2 gloo ranks through torchtitan's ``parallelize_llama`` (FSDP2, ``Shard(0)``): every parameter
   bit-identical to the one-process values, with 0 collectives during ``init_weights``;
 - data: ``KeyedDataLoader``, built through torchtitan's ``Config.build`` as the Trainer builds its
@@ -131,6 +132,29 @@ def test_fused_qkv_draws_distinct_blocks_and_seeds_differ():
     theirs = _state(other)
     drawn = [k for k in ours if not torch.equal(_eager(0)[k], _eager(1)[k])]
     assert len(drawn) == 32 and all(not torch.equal(ours[k], theirs[k]) for k in drawn)
+
+
+@pytest.mark.slow
+def test_two_pipeline_stages_equal_the_full_model():
+    """torchtitan's own split (what ``pipeline_llm`` runs before ``parallelize_fn`` on each stage):
+    stages keep the full model's FQNs, so each keyed stage holds the full model's values."""
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part, _split_module
+
+    expected, _, _ = _keyed()
+    with torch.device("meta"):
+        whole = _model_config().build()
+    covered: set[str] = set()
+    for names in _generate_llm_fqn_per_model_part(2, 6):
+        stage = keyed_init_weights(_split_module(whole, names), SEED)
+        _as_trainer_allocates(stage)
+        with torch.no_grad():
+            stage.init_weights(buffer_device=None)
+        state = _state(stage)
+        assert set(state) <= set(expected), sorted(set(state) - set(expected))
+        assert all(torch.equal(v, expected[k]) for k, v in state.items()), names
+        assert not covered & set(state)
+        covered |= set(state)
+    assert covered == set(expected), sorted(set(expected) - covered)
 
 
 # ----------------------------------------------------------------------------- init, 2 gloo ranks
