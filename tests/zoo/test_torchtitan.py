@@ -13,8 +13,9 @@ buffer_device=None)`` under ``torch.no_grad()``, the Trainer's calls in the Trai
   keyinit replaces the RNG, so not bitwise), the deterministic ones (norms, the RoPE caches)
   bit for bit, and the global RNG neither read nor advanced;
 - two pipeline stages cut by torchtitan's own split: each equal to the full model;
-- 2 gloo ranks through torchtitan's ``parallelize_llama`` (FSDP2, ``Shard(0)``): every parameter
-  bit-identical to the one-process values, with 0 collectives during ``init_weights``;
+- torchtitan's ``parallelize_llama`` (selective AC) on 2 gloo ranks (FSDP2, ``Shard(0)``) and on
+  4 (FSDP2 x TP 2x2, the TP plan torchtitan's ``set_llama3_sharding_config`` sets): every parameter
+  and buffer bit-identical to the one-process values, with 0 collectives during ``init_weights``;
 - data: ``KeyedDataLoader``, built through torchtitan's ``Config.build`` as the Trainer builds its
   dataloader, gives each optimizer step the same samples in the same order on 1 and 2 dp ranks
   (with and without gradient accumulation), and resumes from its state at another dp degree.
@@ -157,20 +158,27 @@ def test_two_pipeline_stages_equal_the_full_model():
     assert covered == set(expected), sorted(set(expected) - covered)
 
 
-# ----------------------------------------------------------------------------- init, 2 gloo ranks
-def _fsdp2_rank() -> dict[str, Any]:
+# ----------------------------------------------------------------------------- init, gloo ranks
+def _titan_rank(tp: int) -> dict[str, Any]:
+    """torchtitan's parallelize_llama over all ranks: FSDP2 (``tp == 1``) or FSDP2 x TP, with selective AC."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     # torchtitan picks "cuda" when no accelerator is found; its meshes are built on this device type
     parallel_dims_module.device_type = "cpu"
     spec = keyed_model_spec(titan_llama3.model_registry("debugmodel"), SEED)
-    parallelism = ParallelismConfig(data_parallel_shard_degree=dist.get_world_size(), spmd_backend="partial_dtensor")
-    dims = parallel_dims_module.ParallelDims.from_config(parallelism, dist.get_world_size())
+    world = dist.get_world_size()
+    parallelism = ParallelismConfig(data_parallel_shard_degree=world // tp, tensor_parallel_degree=tp,
+                                    spmd_backend="partial_dtensor")
+    dims = parallel_dims_module.ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
+    config = _model_config()
+    # the TP plan that the Trainer's update_from_config sets (that method imports torchtitan.trainer)
+    set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
     with torch.device("meta"):
-        model = _model_config().build()
+        model = config.build()
     model = spec.parallelize_fn(model, parallel_dims=dims, parallelism=parallelism, compile_config=CompileConfig(),
                                 training=TrainingConfig(seq_len=SEQ_LEN, mixed_precision_param="float32"),
                                 ac_config=SelectiveAC.Config(), dump_folder="")
@@ -184,11 +192,14 @@ def _fsdp2_rank() -> dict[str, Any]:
 
 @requires_gloo
 @pytest.mark.slow
-def test_fsdp2_two_ranks_bit_identical_without_collectives():
+@pytest.mark.parametrize("world,tp,placement", [(2, 1, "(Shard(dim=0),)"), (4, 2, "_StridedShard")],
+                         ids=["fsdp2", "fsdp2xtp2"])
+def test_parallelize_llama_bit_identical_without_collectives(world, tp, placement):
     expected, _, _ = _keyed()
-    per_rank = run_distributed(_fsdp2_rank, 2, timeout=300, env={"CUDA_VISIBLE_DEVICES": ""})
+    per_rank = run_distributed(_titan_rank, world, args=(tp,), timeout=400, env={"CUDA_VISIBLE_DEVICES": ""})
     for rank, result in enumerate(per_rank):
-        assert result["class"] == "FSDPLlama3Model" and result["placements"] == ["(Shard(dim=0),)"], result
+        assert result["class"] == "FSDPLlama3Model", result["class"]
+        assert any(placement in p for p in result["placements"]), result["placements"]
         assert result["wrapped"], "selective activation checkpointing did not wrap the blocks"
         assert result["counts"] == {"c10d": 0, "comm_debug": 0}, f"rank {rank}: collectives {result['counts']}"
         state = result["state"]
