@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from keyinit.nn._batch.records import Batch, record
+from keyinit.nn._forward.drawer import EAGER
 from keyinit.nn._forward.pieces import Forward, input_tensors, recomputed
 from keyinit.nn._forward.hostrandom import HostRandom
 from keyinit.nn._forward.intercept import Frame
@@ -90,6 +91,7 @@ class FrameStack(CompiledCalls):
 
     #: keyed(samples=batch): the batch's rows (its SamplePositions), which each root forward must hold
     sample_rows: Optional[int] = None
+    drawer = EAGER  # what its draws become (keyinit.nn._forward.drawer): computed now
     _micro = 0  # micro_batch() blocks open (their root forwards hold part of the rows)
 
     def _check_sample_rows(self, fqn: str, count: int, tensors: Any, dims: list) -> None:
