@@ -41,6 +41,9 @@ import attrs
 import torch
 
 from keyinit.keys import Key
+from keyinit.nn._batch.propagate import propagate_traced
+from keyinit.nn._batch.routed import needs_values
+from keyinit.nn._forward.drawer import Drawer
 
 __all__ = ["Trace", "SlotKey", "keyed_dropout", "keyed_values"]
 
@@ -227,8 +230,9 @@ keyed_values.register_autograd(_values_backward, setup_context=_values_setup)
 # ----------------------------------------------------------------------------- the trace
 
 
-class Trace:
-    """The sites of one graph being traced, and its control tensor.
+class Trace(Drawer):
+    """The sites of one graph being traced, and its control tensor: the drawer of its trace
+    (:mod:`keyinit.nn._forward.drawer`), each draw a site op.
 
     ``start`` is the traced forward's first global sample. ``key_of(fqn, ordinal)`` gives
     the real key of a call (the trace runs for real); each slot is remembered as
@@ -293,7 +297,22 @@ class Trace:
 
         return drop
 
-    def draw(self, func: Any, args: tuple, kwargs: dict, key: Any, batch: Any, site: str) -> Any:
+    eager = False  # (no fast path: every draw goes to a site)
+
+    def propagate(self, func: Any, args: tuple, kwargs: dict, out: Any, records: list) -> list:
+        """The batch records of an op's outputs, from its metadata only: the graph is replayed for any values
+        (:func:`keyinit.nn._batch.propagate.propagate_traced`)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return propagate_traced(func, args, kwargs, out, records)
+
+    def on_values(self, frame: Any, what: str) -> None:
+        """A draw on rows picked by values: refused, with the error that makes :mod:`keyinit.nn._compiled.compile`
+        run the graph eagerly under keyed()'s modes."""
+        raise needs_values(f"{frame.describe()}: {what}")
+
+    def values(self, func: Any, args: tuple, kwargs: dict, key: Any, batch: Any, site: str) -> Any:
         """A random ATen op's site (what :func:`keyinit.nn._forward.draws.keyed_draw` computes)."""
         from torch.utils._python_dispatch import _disable_current_modes
 

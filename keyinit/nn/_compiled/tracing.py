@@ -20,6 +20,7 @@ import torch
 
 from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch.records import Batch, BatchSize, DerivedSize, annotate, record
+from keyinit.nn._forward.drawer import EAGER
 from keyinit.nn._forward.pieces import Forward
 from keyinit.nn._forward.intercept import Frame
 from keyinit.nn._compiled.sites import Trace
@@ -76,7 +77,7 @@ class TraceContext:
     def __init__(self, call: Call, trace: Trace) -> None:
         from keyinit.nn._forward.modes import BatchMode, FunctionMode
 
-        self.trace = trace
+        self.drawer = EAGER if trace is None else trace  # (run eagerly: the eager forward's draws)
         self.root, self.step, self.sample_offset = call.ctx.root, call.ctx.step, call.ctx.sample_offset
         self.sequence_first: frozenset[int] = frozenset()  # read only by index="dim0"
         self._local = threading.local()

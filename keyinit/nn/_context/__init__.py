@@ -10,7 +10,10 @@
   ``unwrapped.py``: a schedule that drives a keyed stage without it, refused.
 
 What other modules read of a running context is public: the modes use ``current_frame()``,
-``thread_state()``, ``thread_local`` and ``sequence_first`` (typed as :class:`keyinit.nn._forward.intercept.Keyed`;
-a compiled forward's ``TraceContext`` gives the same), a root forward ``constants`` and ``drew_rows()``, and
-``micro_batches`` sets ``probing``. (The recompute code still reaches into its hooks and memories of forwards.)
+``thread_state()``, ``thread_local``, ``sequence_first`` and ``drawer`` (what its draws become:
+:mod:`keyinit.nn._forward.drawer`) (typed as :class:`keyinit.nn._forward.intercept.Keyed`; a compiled
+forward's ``TraceContext`` gives the same), a root forward ``constants`` and ``drew_rows()``, and
+``micro_batches`` sets ``probing``. The recompute code uses ``forwards``, ``remember_replay()``,
+``replayed()``, ``resume_region()``, ``enter_execution()``, ``leave_execution()`` and ``mark_recomputable()``
+(:class:`~keyinit.nn._context.frames.FrameStack`).
 """

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
 from keyinit.nn._batch.records import Batch, record
+from keyinit.nn._forward.drawer import EAGER
 from keyinit.nn._forward.pieces import Forward, input_tensors, recomputed
 from keyinit.nn._forward.hostrandom import HostRandom
 from keyinit.nn._forward.intercept import Frame
@@ -90,6 +92,7 @@ class FrameStack(CompiledCalls):
 
     #: keyed(samples=batch): the batch's rows (its SamplePositions), which each root forward must hold
     sample_rows: Optional[int] = None
+    drawer = EAGER  # what its draws become (keyinit.nn._forward.drawer): computed now
     _micro = 0  # micro_batch() blocks open (their root forwards hold part of the rows)
 
     def _check_sample_rows(self, fqn: str, count: int, tensors: Any, dims: list) -> None:
@@ -135,7 +138,7 @@ class FrameStack(CompiledCalls):
             return state.frames[-1]
         return None
 
-    def _resume(self, region: Any) -> Frame:
+    def resume_region(self, region: Any) -> Frame:
         """The recompute of a ``keyinit.nn.checkpoint`` region (:class:`keyinit.nn._recompute.checkpoint.Region`):
         a frame of the module that called it, in its forward, with the call ordinals, host generator states (where
         no frame is open) and modes it began with; left by the post-hook of that module. After the context was
@@ -148,6 +151,39 @@ class FrameStack(CompiledCalls):
             host = forward.host_random(self, region.fqn, resumed=(region.host,))
         self._open(state, frame, host)
         return frame
+
+    # What the recompute code (keyinit.nn._recompute, keyinit.nn._forward.pieces) asks of the context.
+
+    def mark_recomputable(self) -> None:
+        """A forward ran under activation checkpointing: the context's hooks and records stay after the block
+        while its tensors live (:meth:`keyinit.nn._context.keyed.Keyed.__exit__`)."""
+        self._recomputable = True
+
+    @property
+    def forwards(self) -> list:
+        """The root forwards of the block, oldest first (where a recompute in backward finds its own); not to
+        be changed by the reader."""
+        return self._forwards  # type: ignore[attr-defined]
+
+    def remember_replay(self, replay: tuple, tensor: torch.Tensor, forward: Forward) -> None:
+        """Input ``tensor`` of a module run with autograd off in ``forward`` (reentrant checkpointing), found
+        again by ``replay`` (its module and memory: :func:`keyinit.nn._forward.pieces.remember`); held weakly."""
+        self._replays[replay] = (weakref.ref(tensor), forward)  # type: ignore[attr-defined]
+
+    def replayed(self, replay: tuple) -> Optional[tuple[Optional[torch.Tensor], Forward]]:
+        """``(tensor, forward)`` remembered for ``replay`` (the tensor None where it is gone), or None."""
+        found = self._replays.get(replay)  # type: ignore[attr-defined]
+        return None if found is None else (found[0](), found[1])
+
+    def enter_execution(self, module: torch.nn.Module, fqn: str, args: tuple) -> None:
+        """Open the frame of an execution of ``module`` (canonical FQN ``fqn``) on ``args``, as its pre-hook does
+        (a recompute: :class:`keyinit.nn._forward.pieces.CheckpointingFunction`)."""
+        self._pre_hook(fqn)(module, args, {})  # type: ignore[attr-defined]
+
+    def leave_execution(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        """Close the frame of ``module``'s execution on ``args`` as its post-hook does (``output`` None: it
+        raised)."""
+        self._post_hook()(module, args, output)  # type: ignore[attr-defined]
 
     def planned(self, module: torch.nn.Module) -> Optional[tuple[str, bool]]:
         """``(fqn, light)`` of ``module`` where the block hooked it (and a recompute after the block puts its hooks

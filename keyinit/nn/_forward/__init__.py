@@ -7,6 +7,8 @@
   activation's batch);
 - ``dropout.py``: dropout of an activation whose batch is its dimension 0, without hooks;
 - ``draws.py``: the keyed values of every other random ATen op, per sample or replicated;
+- ``drawer.py``: what the draws become, one drawer per context (the eager one here; a compiled trace's is
+  :class:`keyinit.nn._compiled.sites.Trace`), so no draw site asks which kind of forward runs;
 - ``hostrandom.py``: Python's ``random`` and ``numpy.random`` inside a keyed forward.
 
 The ``keyed()`` context that opens these (hooks, frames, enter and exit) is :mod:`keyinit.nn._context`.

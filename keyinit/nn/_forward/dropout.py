@@ -50,7 +50,7 @@ def guard_alone(ctx: Any, input: Any) -> bool:
     """``input`` is a plain tensor, nothing is being traced, and this thread's seeded-op guard (the dispatch
     mode of ``ctx``) is the only dispatch mode: what :class:`keyinit.nn._forward.modes.GuardSuspended` does is then
     what ``torch._C._DisableTorchDispatch`` does."""
-    if type(input) is not torch.Tensor or getattr(ctx, "trace", None) is not None or _len_dispatch() != 1:
+    if type(input) is not torch.Tensor or not ctx.drawer.eager or _len_dispatch() != 1:
         return False
     state = getattr(ctx.thread_local, "state", None)
     return state is not None and bool(state.modes) and _dispatch_at(0) is state.modes[-1]
@@ -62,7 +62,7 @@ def rows_dropout(ctx: Any, forward: Any, foreign: Any, input: Any, p: Any, fqn: 
     taken from ``counts``) in root forward ``forward``, where it applies (see the module docstring), else
     None (nothing taken). ``where()`` names the module in an error."""
     if type(input) is not torch.Tensor or type(p) is not float or not 0.0 < p < 1.0 or foreign \
-            or ctx.index != "tracked" or getattr(ctx, "trace", None) is not None or input.dtype not in _FLOATS:
+            or ctx.index != "tracked" or not ctx.drawer.eager or input.dtype not in _FLOATS:
         return None
     entry = forward.records.get(id(input))
     if entry is None or entry[0]() is not input:

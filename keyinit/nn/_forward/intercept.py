@@ -26,7 +26,7 @@ from keyinit.nn import functional as KF
 from keyinit.nn._batch.records import Batch, Foreign, Unknown, annotate, canonical, record
 from keyinit.nn._recompute.checkpoint import refuse_unseen
 from keyinit.nn._batch.functorch import unwrapped, wrapped as _wrapped
-from keyinit.nn._batch.routed import Routed, needs_values, routed_draw, routed_layout
+from keyinit.nn._batch.routed import Routed, routed_draw, routed_layout
 from keyinit.regions import row_major_strides
 
 
@@ -41,6 +41,9 @@ class Keyed(Protocol):
     index: str  # "tracked" (the model of the batch) or "dim0" (stream v1's first rule)
     thread_local: threading.local  # each thread's state: thread_local.state (its frames and modes)
     sequence_first: frozenset[int]  # ids of modules whose activations are (sequence, batch, ...)
+    #: what its draws become (a :class:`keyinit.nn._forward.drawer.Drawer`, chosen when the context is built:
+    #: typed Any here, as that module imports this one)
+    drawer: Any
 
     def current_frame(self) -> Optional["Frame"]: ...
 
@@ -272,11 +275,7 @@ def handle_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace_op:
         return out
     rec = activation_batch(ctx, frame, input, kind)
     try:
-        trace = getattr(ctx, "trace", None)
-        if trace is not None:  # tracing a compiled keyed forward (keyinit.nn._compiled.compile): a site op
-            out = trace.masked(kind, mask, input, p, key, rec)
-        else:
-            out = keyed_masked(kind, mask, input, p, key, rec)
+        out = ctx.drawer.masked(kind, mask, input, p, key, rec)
     except (ValueError, TypeError, RuntimeError) as exc:
         if type(exc) not in (ValueError, TypeError, RuntimeError):
             raise
@@ -298,7 +297,7 @@ def _vmapped_dropout(ctx: "Keyed", frame: Frame, kind: str, mask: str, inplace: 
 
     physical, levels = vmap_levels(input)
     what = f"{kind}(p={p})"
-    if mask != "element" or len(levels) != 1 or getattr(ctx, "trace", None) is not None:
+    if mask != "element" or len(levels) != 1 or not ctx.drawer.eager:
         raise UnkeyedRandomnessError(
             f"{frame.describe()}: {what} on {describe(input)}: under torch.func.vmap keyinit keys element-wise "
             "dropout (one vmap level over the samples, not compiled), not channel-wise or alpha dropout; call the "
@@ -334,8 +333,7 @@ def _routed_dropout(ctx: "Keyed", frame: Frame, kind: str, input: torch.Tensor, 
                     rec: Routed) -> torch.Tensor:
     """Element-wise keyed dropout of rows picked from the batch by values: each element keyed as the same
     element of the virtual tensor, the rows in their place in the batch (keyinit.nn._batch.routed)."""
-    if getattr(ctx, "trace", None) is not None:  # (keyinit.nn.compile: that graph runs eagerly instead)
-        raise needs_values(f"{frame.describe()}: {kind} of rows picked by values")
+    ctx.drawer.on_values(frame, f"{kind} of rows picked by values")  # (traced: refused, the graph runs eagerly)
     if KF.is_dtensor(input):
         raise UnkeyedRandomnessError(
             f"{frame.describe()}: {kind} on a DTensor of rows picked from the batch by index values: keyinit keys "
@@ -420,8 +418,7 @@ def _probs_start(ctx: "Keyed", frame: Frame, query: torch.Tensor, batch_dim: int
 
 def _probs_drop(ctx: "Keyed", p: float, key: Any, start: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """The dropout of attention probabilities whose row 0 is sample ``start`` (a site op when tracing)."""
-    trace = getattr(ctx, "trace", None)
-    return KF.probs_drop(p, key, None, start) if trace is None else trace.rows_drop(p, key, start)
+    return ctx.drawer.rows_drop(p, key, start)
 
 
 def keyed_sdpa(ctx: "Keyed", frame: Frame, p: float, args: tuple, kwargs: dict) -> torch.Tensor:

@@ -24,8 +24,8 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit.nn._batch.records import Batch, BatchSize, DerivedSize, Foreign, Unknown, annotate, merge, record
 from keyinit.nn._batch.rules_nn import restride_keeps_elements
 from keyinit.nn._recompute.checkpoint import refuse_unseen
-from keyinit.nn._batch.propagate import decomposed, propagate, propagate_traced
-from keyinit.nn._batch.routed import Routed, needs_values, routed_draw
+from keyinit.nn._batch.propagate import decomposed
+from keyinit.nn._batch.routed import Routed, routed_draw
 from keyinit.nn._forward.dropout import guard_alone, rows_dropout
 from keyinit.nn._batch.memo import REMEMBERED, eligible, learn, replay, replayable, signature
 from keyinit.nn._forward.intercept import (
@@ -464,19 +464,12 @@ class BatchMode(TorchDispatchMode):
             for leaf in leaves:  # computed in this forward from replicated tensors: replicated
                 annotate(leaf, forward, None)
             return out
-        if getattr(self.ctx, "trace", None) is not None:  # tracing (keyinit.nn.compile): the rules on metadata
-            from torch.utils._python_dispatch import _disable_current_modes
-
-            with _disable_current_modes():
-                found = propagate_traced(func, args, kwargs, out, records)
-        else:
-            found = propagate(func, args, kwargs, out, records)
+        found = self.ctx.drawer.propagate(func, args, kwargs, out, records)  # (traced: on metadata only)
         for leaf, rec in zip(leaves, found):
             annotate(leaf, forward, rec)
         return out
 
     def _draw(self, func: Any, frame: Frame, args: tuple, kwargs: dict, records: list, nothing: bool) -> Any:
-        from keyinit.nn._forward.draws import keyed_draw
         from keyinit.nn._ops.keys import DROPOUT_DOMAIN
         from keyinit.keys import key as make_key
 
@@ -493,19 +486,14 @@ class BatchMode(TorchDispatchMode):
         shape = tuple(records[0][0].shape) if records else ()
         found = self._output_record(func, frame, args, kwargs, records)
         if type(found) is Routed:  # rows picked by values (keyinit.nn._batch.routed)
-            if getattr(ctx, "trace", None) is not None:  # (keyinit.nn.compile: that graph runs eagerly instead)
-                raise needs_values(f"{frame.describe()}: {func} on rows picked by values")
+            ctx.drawer.on_values(frame, f"{func} on rows picked by values")  # (traced: refused, run eagerly)
             found = routed_draw(frame, found, str(func), shape)
         rec = found if type(found) is Routed else placed(frame, found, str(func), shape)
         # a draw of p = 0 (no randomness) takes no call ordinal: any key gives its values
         key = make_key(DROPOUT_DOMAIN) if nothing else frame.key(ctx)
         site = f"{frame.describe()}: {func}"
         batch = rec if isinstance(rec, (Batch, Routed)) else None
-        trace = getattr(ctx, "trace", None)
-        if trace is not None:  # tracing a compiled keyed forward (keyinit.nn._compiled.compile): a site op
-            out = trace.draw(func, args, kwargs, key, batch, site)
-        else:
-            out = keyed_draw(func, args, kwargs, key, batch, site)
+        out = ctx.drawer.values(func, args, kwargs, key, batch, site)  # (traced: a site op of the graph)
         leaves = list(out) if isinstance(out, (tuple, list)) else [out]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.dim():

@@ -258,7 +258,7 @@ def remember(ctx: Any, fqn: str, forward: "Forward", args: tuple, kwargs: dict) 
     checkpointing): its input tensors are remembered, for the recompute in backward to find this
     forward and their batch records (and the host generators' states, :func:`remember_host`)."""
     for t in input_tensors(args, kwargs):
-        ctx._replays[_replay_key(fqn, t)] = (weakref.ref(t), forward)
+        ctx.remember_replay(_replay_key(fqn, t), t, forward)
     remember_host(fqn, forward, args, kwargs)
 
 
@@ -323,14 +323,14 @@ def recomputed(ctx: Any, fqn: str, args: tuple, kwargs: dict) -> Optional["Forwa
     """The forward whose execution of module ``fqn`` a forward run in backward recomputes, or None."""
     tensors = input_tensors(args, kwargs)
     for t in tensors:  # non-reentrant checkpointing: the very input tensors of the first execution
-        holders = [forward for forward in ctx._forwards
+        holders = [forward for forward in ctx.forwards
                    if (entry := forward.records.get(id(t))) is not None and entry[0]() is t]
         if holders:  # the root forward of this module itself, else the one it ran inside
             return next((f for f in holders if f.fqn == fqn), holders[0])
     found_forward = None
     for t in tensors:  # reentrant checkpointing: detached copies of the inputs, the same memory
-        found = ctx._replays.get(_replay_key(fqn, t))
-        original = None if found is None else found[0]()
+        found = ctx.replayed(_replay_key(fqn, t))
+        original = None if found is None else found[0]
         if original is not None:
             found_forward = found[1]
             annotate(t, found_forward, record(original, found_forward))
@@ -374,13 +374,13 @@ class CheckpointingFunction:
                 if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and new is not old:
                     annotate(new, forward, record(old, forward))
             with ctx.recomputing():  # (after the block: the context's hooks on the model for the recompute only)
-                ctx._pre_hook(fqn)(module, inputs, {})
+                ctx.enter_execution(module, fqn, inputs)
                 try:
                     out = fn(*inputs)
                 except BaseException:
-                    ctx._post_hook()(module, inputs, None)  # (an early stop of non-reentrant checkpointing)
+                    ctx.leave_execution(module, inputs, None)  # (an early stop of non-reentrant checkpointing)
                     raise
-                ctx._post_hook()(module, inputs, out)
+                ctx.leave_execution(module, inputs, out)
             return out
 
         run.keyed_recompute = True  # type: ignore[attr-defined]  # (no draw in it is unseen: keyinit._checkpoint)

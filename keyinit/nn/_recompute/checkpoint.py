@@ -106,7 +106,7 @@ class Region:
         self.host = host.state() if host is not None and host.moved() else None
         self.firsts = args
         self.calls = 0
-        ctx._recomputable = True  # a forward ran under checkpointing: the context's hooks and records stay after
+        ctx.mark_recomputable()  # a forward ran under checkpointing: the context's hooks and records stay after
         # the block while its tensors live (keyinit.nn._context.keyed.Keyed.__exit__)
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -118,14 +118,14 @@ class Region:
             if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and new is not old:
                 annotate(new, forward, record(old, forward))
         with self.ctx.recomputing():
-            frame = self.ctx._resume(self)
+            frame = self.ctx.resume_region(self)
             try:
                 out = self.function(*inputs, **kwargs)
             except BaseException:
-                self.ctx._post_hook()(self.module, inputs, None)
+                self.ctx.leave_execution(self.module, inputs, None)
                 raise
             if frame is not None:
-                self.ctx._post_hook()(self.module, inputs, out)
+                self.ctx.leave_execution(self.module, inputs, out)
         return out
 
 
