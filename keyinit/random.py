@@ -23,7 +23,7 @@ probability of its distance from its lower neighbour, decided by word ``i`` of t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -254,6 +254,12 @@ def stochastic_round(key: Key, x: torch.Tensor, dtype: torch.dtype, *, global_sh
     if local.numel() and local.device.type != "meta":
         with torch.no_grad():
             dispatch.sround(out_local, local, key, normalized)
+    return _rounded(out, out_local, dtensor)
+
+
+def _rounded(out: Optional[torch.Tensor], out_local: torch.Tensor, dtensor: Any) -> torch.Tensor:
+    """What a rounding returns: the caller's ``out``; else ``out_local``, as a DTensor of ``dtensor``'s
+    placements when the input was one (no communication)."""
     if out is not None:
         return out
     if dtensor is not None:
@@ -331,10 +337,4 @@ def stochastic_round_fp4(key: Key, x: torch.Tensor, scale: Union[torch.Tensor, f
                              "E2M1 has no NaN")
         with torch.no_grad():
             round_fp4_into(out_local, v, key, normalized)
-    if out is not None:
-        return out
-    if dtensor is not None:
-        spec = dtensor._spec
-        return type(dtensor).from_local(out_local, spec.mesh, spec.placements, run_check=False,
-                                        shape=dtensor.shape, stride=dtensor.stride())
-    return out_local
+    return _rounded(out, out_local, dtensor)
