@@ -55,7 +55,7 @@ from keyinit._draw import dispatch
 from keyinit.fqn import canonical_modules
 from keyinit.keys import Key, fold_in, key, key_for, require_key
 from keyinit.layouts import target_for
-from keyinit.random import ROUND_TARGETS, stochastic_round
+from keyinit.random import ROUND_TARGETS, key_words, stochastic_round
 
 __all__ = ["stochastic_rounding", "StochasticRounding", "STEP_KEY", "TAG"]
 
@@ -134,6 +134,11 @@ class StochasticRounding:
     def key(self, step: int, fqn: str) -> Key:
         """The key that rounds parameter ``fqn`` at step ``step`` (``docs/spec.md`` 17.5)."""
         return key_for(fold_in(self._base, step), fqn)
+
+    def key_words(self, step: int, fqn: str, *, device: Any = None) -> torch.Tensor:
+        """:meth:`key` as an int64 tensor of shape ``(2,)`` (:func:`keyinit.random.key_words`): a compiled step's
+        tensor input for :func:`keyinit.random.stochastic_round_words`."""
+        return key_words(self.key(step, fqn), device=device)
 
     # -------------------------------------------------------------------------------------- the step
 
