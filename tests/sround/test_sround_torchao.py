@@ -1,7 +1,7 @@
 """torchao's Adam/AdamW keyed by one call: ``stochastic_rounding(torchao_optimizer, seed, names=model)`` rounds
 torchao's own float32 update with keyinit's key (bitwise ``stochastic_round(key(t, fqn), update)``), keeps
-torchao's state format, never touches the global RNG, and gives bitwise the same parameters on 2 FSDP2
-gloo ranks as on 1 process."""
+torchao's state format (bfloat16, or the 8-bit, 4-bit and FP8 quantized states of its low-bit optimizers),
+never touches the global RNG, and gives bitwise the same parameters on 2 FSDP2 gloo ranks as on 1 process."""
 
 from __future__ import annotations
 
@@ -136,3 +136,30 @@ def test_torchao_adamw_on_two_fsdp2_ranks_rounds_as_one_process():
         assert params.keys() == single.keys()
         for fqn in single:
             assert torch.equal(params[fqn], single[fqn]), f"rank {rank}: {fqn}"
+
+
+@pytest.mark.slow  # torchao compiles each optimizer's step: ~5-20 s on 2 cores
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+def test_torchao_low_bit_optimizers_keep_their_state_format_and_round_with_the_key(name):
+    cls = getattr(torchao_optim, name)
+    model = torch.nn.Linear(128, 64, bias=False)  # 8192 elements: torchao quantizes its state (>= 4096)
+    keyinit.init_model(model, seed=1)
+    model.to(torch.bfloat16)
+    opt = cls(model.parameters(), lr=0.01, bf16_stochastic_round=True)
+    handle = stochastic_rounding(opt, SEED, names=model)
+    ref_param = torch.nn.Parameter(model.weight.detach().float())
+    ref = cls([ref_param], lr=0.01)
+    rng = torch.get_rng_state()
+    # the first step from both optimizers' zero state (torchao's quantized state has no deepcopy/clone: later
+    # steps are compared across layouts above, for _AdamW)
+    _keyed_grads(model, 0)
+    ref_param.grad = model.weight.grad.float()
+    ref.step()
+    opt.step()
+    want = keyinit.random.stochastic_round(handle.key(0, "weight"), ref_param.detach(), torch.bfloat16)
+    assert torch.equal(model.weight.detach(), want), name
+    assert bool((want != ref_param.detach().to(torch.bfloat16)).any())  # the key decided some roundings
+    _keyed_grads(model, 1)
+    opt.step()  # from torchao's state
+    assert type(opt.state[model.weight]["exp_avg"]).__name__.startswith("OptimState")  # torchao's quantized state
+    assert torch.equal(torch.get_rng_state(), rng)
