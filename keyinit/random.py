@@ -364,7 +364,8 @@ def stochastic_round_words(words: torch.Tensor, x: torch.Tensor, dtype: torch.dt
     float32/float64 tensor holding ``full[region]`` of ``global_shape`` (a DTensor: pass its local tensor,
     its global shape and its region, :func:`keyinit.layouts.target_for`; under ``torch.compile`` a region's
     indices are computed outside the graph: a graph break, so ``fullgraph=True`` takes whole tensors only).
-    Returns a new tensor of ``x``'s shape and ``dtype``. Its temporaries are int64 tensors of ``x``'s size (the compiled kernels fuse them).
+    Returns a new tensor of ``x``'s shape and ``dtype``. Its temporaries are int64 tensors of ``x``'s size
+    (the compiled kernels fuse them).
     """
     if not isinstance(words, torch.Tensor) or words.dtype != torch.int64 or tuple(words.shape) != (2,):
         raise TypeError("stochastic_round_words: words must be an int64 tensor of shape (2,) (key_words(key)), got "
