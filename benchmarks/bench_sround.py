@@ -2,7 +2,7 @@
 
     python benchmarks/bench_sround.py            # 1M and 16M elements, 1 and 2 threads; the AdamW step
     python benchmarks/bench_sround.py --quick    # fewer repeats
-    python benchmarks/bench_sround.py --only ops # (or --only adamw) one section
+    python benchmarks/bench_sround.py --only ops # (or --only adamw, --only torchao) one section
 
 Sections (every ratio is peer time / keyinit time, so >= 1 means keyinit is at least as fast):
 
@@ -21,7 +21,10 @@ Sections (every ratio is peer time / keyinit time, so >= 1 means keyinit is at l
    loop): the target, <= 1.1. Also ``fused=False`` (float32 step, keyed SR into the bf16 parameters) vs
    (a) the same float32 step with the new values rounded to nearest (the same hooks, the rounding
    replaced by ``out.copy_(x)``: the cost of SR itself) and (b) torch's AdamW on the bf16 parameters
-   as they are (bf16 state, round to nearest).
+   as they are (bf16 state, round to nearest);
+3. (torchao installed) one step of torchao's ``_AdamW(bf16_stochastic_round=True)`` on the same MLP:
+   keyed by ``keyinit.optim.stochastic_rounding`` (torchao's compiled step on float32 stand-ins, then
+   keyed SR) vs torchao's own step (its compiled step on the bf16 parameters, ``torch.randint`` SR).
 
 Timings alternate peer and keyinit call by call (round ``r`` starts with a different one) after a warm-up
 and report the MEDIAN of the repeats. This is not a test.
@@ -152,10 +155,25 @@ def bench_adamw(threads_list, repeats: int) -> list[dict]:
     return rows
 
 
+def bench_torchao(threads_list, repeats: int) -> list[dict]:
+    import torchao.optim
+
+    keyed, own = _mlp(), _mlp()
+    opt_keyed = torchao.optim._AdamW(keyed.parameters(), lr=1e-4, bf16_stochastic_round=True)
+    keyinit.optim.stochastic_rounding(opt_keyed, 5, names=keyed)
+    opt_own = torchao.optim._AdamW(own.parameters(), lr=1e-4, bf16_stochastic_round=True)
+    rows = []
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        t_keyed, t_own = median_all((opt_keyed.step, opt_own.step), repeats)  # (the warm-up compiles)
+        rows.append({"threads": threads, "keyed_ms": 1e3 * t_keyed, "own_ms": 1e3 * t_own, "ratio": t_keyed / t_own})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=("ops", "adamw"))
+    parser.add_argument("--only", choices=("ops", "adamw", "torchao"))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
     repeats = 7 if args.quick else 21
@@ -176,6 +194,16 @@ def main() -> None:
                   f"float32 step + round to nearest {r['f32_nearest_ms']:.2f} ms "
                   f"(ratio {r['keyed/f32_nearest']:.3f}), torch AdamW on bf16 {r['bf16_torch_ms']:.2f} ms "
                   f"(ratio {r['keyed/bf16_torch']:.3f})")
+    if args.only in (None, "torchao"):
+        try:
+            import torchao.optim  # noqa: F401
+        except ImportError:
+            print("\n3. torchao is not installed: skipped")
+            return
+        print("\n3. one torchao _AdamW(bf16_stochastic_round=True) step, bf16 MLP (ratio: keyed / torchao's own)")
+        for r in bench_torchao(args.threads, repeats):
+            print(f"threads {r['threads']}: keyed {r['keyed_ms']:.2f} ms, torchao's own SR {r['own_ms']:.2f} ms: "
+                  f"ratio {r['ratio']:.3f}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,13 @@ float32 unit before the rounding) and rounded into the parameter. No float32 cop
 gradient is made: the step needs no memory beyond the state. The state is torch's (``step``,
 ``exp_avg``, ``exp_avg_sq``, float32), so a run can switch between the two paths at a step boundary.
 
+torchao's low-bit optimizers (``torchao.optim._AdamW``, ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8`` and their
+Adam forms, whose ``bf16_stochastic_round=True`` draws ``torch.randint`` from the global RNG) take the
+float32 path unchanged: their step sees float32 parameters, so their own rounding never runs (whatever
+``bf16_stochastic_round`` says) and their compiled step writes the float32 update, which is rounded as
+above. Their state is made by their own ``_new_buffer`` for the original parameter (so it has the dtype
+or quantized format torchao gives it) and loads as torchao loads it.
+
 The step counter ``t`` (0 for the first step) lives in every parameter group as
 :data:`STEP_KEY`, so ``optimizer.state_dict()`` saves it and ``load_state_dict`` restores it: a
 resumed run continues the same keys. Loading also keeps the float32 optimizer state float32
@@ -48,7 +55,7 @@ from keyinit._draw import dispatch
 from keyinit.fqn import canonical_modules
 from keyinit.keys import Key, fold_in, key, key_for, require_key
 from keyinit.layouts import target_for
-from keyinit.random import ROUND_TARGETS, stochastic_round
+from keyinit.random import ROUND_TARGETS, key_words, stochastic_round
 
 __all__ = ["stochastic_rounding", "StochasticRounding", "STEP_KEY", "TAG"]
 
@@ -91,6 +98,7 @@ class StochasticRounding:
             raise TypeError(f"stochastic_rounding: fused=True takes torch.optim.Adam or torch.optim.AdamW, got "
                             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
         self.optimizer = optimizer
+        self.torchao = _is_torchao(optimizer)
         self.fused = bool(fused)
         self._held: list[tuple[torch.Tensor, torch.Tensor, dict]] = []  # fused: (param, its gradient, its group)
         self.root = root
@@ -126,6 +134,11 @@ class StochasticRounding:
     def key(self, step: int, fqn: str) -> Key:
         """The key that rounds parameter ``fqn`` at step ``step`` (``docs/spec.md`` 17.5)."""
         return key_for(fold_in(self._base, step), fqn)
+
+    def key_words(self, step: int, fqn: str, *, device: Any = None) -> torch.Tensor:
+        """:meth:`key` as an int64 tensor of shape ``(2,)`` (:func:`keyinit.random.key_words`): a compiled step's
+        tensor input for :func:`keyinit.random.stochastic_round_words`."""
+        return key_words(self.key(step, fqn), device=device)
 
     # -------------------------------------------------------------------------------------- the step
 
@@ -206,6 +219,8 @@ class StochasticRounding:
             group[STEP_KEY] = t  # groups added since (add_param_group) join at the current step
         if self.fused:
             self._hold()
+        if self.torchao:
+            self._torchao_state()
         self._swapped = self._swap_in(self._float32_copy)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -273,11 +288,28 @@ class StochasticRounding:
                                      _local(exp_avg_sq, local, fqn, "exp_avg_sq"), key_for(base, fqn), target.region,
                                      scalars, decay != 0)
 
+    def _torchao_state(self) -> None:
+        """A torchao optimizer's state for each low-precision parameter about to step for the first time, made
+        as its step makes it but for the parameter itself (its stand-in is float32): torchao's format."""
+        optimizer, state = self.optimizer, self.optimizer.state
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.dtype in ROUND_TARGETS and param.grad is not None and not state[param]:
+                    found = state[param]
+                    found["step"] = torch.tensor(0.0)
+                    found["exp_avg"] = optimizer._new_buffer(param, True)
+                    found["exp_avg_sq"] = optimizer._new_buffer(param, False)
+                    if group.get("amsgrad"):
+                        found["max_exp_avg_sq"] = optimizer._new_buffer(param, False)
+
     # -------------------------------------------------------------------------------------- loading
 
     def _before_load(self, optimizer: Any, state_dict: Any) -> None:
         """``load_state_dict`` casts floating state to its parameter's dtype: float32 stand-ins take the
-        low-precision parameters' places while it runs, so the float32 state stays float32."""
+        low-precision parameters' places while it runs, so the float32 state stays float32 (a torchao
+        optimizer's state is in torchao's format: it loads as torchao loads it)."""
+        if self.torchao:
+            return
         self._loading = self._swap_in(lambda param: torch.empty_like(param.detach(), dtype=torch.float32))
 
     def _after_load(self, optimizer: Any) -> None:
@@ -291,6 +323,18 @@ class StochasticRounding:
             handle.remove()
         self._handles.clear()
         self._unwrap_step()
+
+
+def _is_torchao(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torchao's Adam/AdamW optimizers (``torchao.optim.adam._AdamBase``),
+    recognised without importing torchao."""
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ == "_AdamBase" and cls.__module__.startswith("torchao."):
+            if not callable(getattr(optimizer, "_new_buffer", None)):
+                raise TypeError(f"stochastic_rounding: {type(optimizer).__qualname__} is a torchao optimizer without "
+                                "_new_buffer (a torchao version keyinit does not know); its state cannot be made")
+            return True
+    return False
 
 
 def _local(tensor: torch.Tensor, param_local: torch.Tensor, fqn: str, what: str) -> torch.Tensor:
@@ -334,7 +378,9 @@ def stochastic_rounding(optimizer: torch.optim.Optimizer, seed: Union[int, Key],
     ``seed``: an int or a :class:`~keyinit.Key`. ``names``: the model (canonical FQNs, wrappers
     stripped, as for initialization) or a mapping of FQNs to the optimizer's parameters. Parameters of
     other dtypes step as usual. ``fused=True`` (``torch.optim.Adam``/``AdamW``): the bfloat16/float16
-    parameters step in one pass with no float32 copies (``docs/spec.md`` 17.6). Call it after the optimizer is made (and after ``fully_shard``); save
+    parameters step in one pass with no float32 copies (``docs/spec.md`` 17.6). A torchao Adam/AdamW
+    optimizer (``bf16_stochastic_round`` or not) is keyed the same way: its step computes the float32
+    update and this rounds it. Call it after the optimizer is made (and after ``fully_shard``); save
     and load ``optimizer.state_dict()`` as usual. Returns the hooks' handle (``.step``, ``.key(t, fqn)``,
     ``.remove()``).
     """

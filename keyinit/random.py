@@ -18,16 +18,19 @@ No sampler reads or changes the global torch RNG.
 :func:`stochastic_round` is not a sampler but uses the same words: it rounds a float32/float64
 tensor that holds ``full[region]`` to a narrower float dtype, element ``i`` rounded up with the
 probability of its distance from its lower neighbour, decided by word ``i`` of the key's stream.
+:func:`stochastic_round_words` is its form for ``torch.compile``: the key as a tensor input
+(:func:`key_words`), plain torch integer operations.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
-from keyinit._bits.sround import TARGETS
+from keyinit._bits.philox import stream_words
+from keyinit._bits.sround import TARGETS, round_bits, to_dtype
 from keyinit._draw import dispatch
 from keyinit._draw.reference_sround import round_fp4_into
 from keyinit.distributions import (
@@ -44,7 +47,7 @@ from keyinit.layouts import dtensor_class, target_for
 from keyinit.regions import RegionEntry, make_region, normalize_shape
 
 __all__ = ["bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint", "sample", "stochastic_round",
-           "stochastic_round_fp4", "ROUND_SOURCES", "ROUND_TARGETS"]
+           "stochastic_round_fp4", "stochastic_round_words", "key_words", "ROUND_SOURCES", "ROUND_TARGETS"]
 
 ShapeLike = Union[Sequence[int], torch.Size, int]
 DeviceLike = Union[torch.device, str, None]
@@ -254,6 +257,12 @@ def stochastic_round(key: Key, x: torch.Tensor, dtype: torch.dtype, *, global_sh
     if local.numel() and local.device.type != "meta":
         with torch.no_grad():
             dispatch.sround(out_local, local, key, normalized)
+    return _rounded(out, out_local, dtensor)
+
+
+def _rounded(out: Optional[torch.Tensor], out_local: torch.Tensor, dtensor: Any) -> torch.Tensor:
+    """What a rounding returns: the caller's ``out``; else ``out_local``, as a DTensor of ``dtensor``'s
+    placements when the input was one (no communication)."""
     if out is not None:
         return out
     if dtensor is not None:
@@ -331,10 +340,57 @@ def stochastic_round_fp4(key: Key, x: torch.Tensor, scale: Union[torch.Tensor, f
                              "E2M1 has no NaN")
         with torch.no_grad():
             round_fp4_into(out_local, v, key, normalized)
-    if out is not None:
-        return out
-    if dtensor is not None:
-        spec = dtensor._spec
-        return type(dtensor).from_local(out_local, spec.mesh, spec.placements, run_check=False,
-                                        shape=dtensor.shape, stride=dtensor.stride())
-    return out_local
+    return _rounded(out, out_local, dtensor)
+
+
+def key_words(key: Key, *, device: DeviceLike = None) -> torch.Tensor:
+    """``key``'s two 32-bit words as an int64 tensor of shape ``(2,)``: the key of
+    :func:`stochastic_round_words`, passed to a compiled function as a tensor input (a new key is a new
+    value, not a recompile)."""
+    key = require_key(key)
+    if key.impl.words is not stream_words:
+        raise ValueError(f"key_words: the key's stream {key.impl.name!r} does not draw its element words with "
+                         "Philox4x32-10 (docs/spec.md section 4); stochastic_round_words cannot stand in for it")
+    return torch.tensor(key.words, dtype=torch.int64, device=device)
+
+
+def stochastic_round_words(words: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, *,
+                           global_shape: Optional[ShapeLike] = None, region: RegionLike = None) -> torch.Tensor:
+    """:func:`stochastic_round` with the key given as ``key_words(key)``: bitwise its values, computed with
+    plain torch integer operations, so ``torch.compile`` traces it into the graph (no graph break) and the
+    key is a tensor input (one compiled graph for every step's key).
+
+    ``words``: an int64 tensor of shape ``(2,)`` on ``x``'s device (:func:`key_words`). ``x``: a plain
+    float32/float64 tensor holding ``full[region]`` of ``global_shape`` (a DTensor: pass its local tensor,
+    its global shape and its region, :func:`keyinit.layouts.target_for`; under ``torch.compile`` a region's
+    indices are computed outside the graph: a graph break, so ``fullgraph=True`` takes whole tensors only).
+    Returns a new tensor of ``x``'s shape and ``dtype``. Its temporaries are int64 tensors of ``x``'s size
+    (the compiled kernels fuse them).
+    """
+    if not isinstance(words, torch.Tensor) or words.dtype != torch.int64 or tuple(words.shape) != (2,):
+        raise TypeError("stochastic_round_words: words must be an int64 tensor of shape (2,) (key_words(key)), got "
+                        + (f"{words.dtype} of shape {tuple(words.shape)}" if isinstance(words, torch.Tensor)
+                           else type(words).__name__))
+    if not isinstance(x, torch.Tensor) or type(x) not in (torch.Tensor, torch.nn.Parameter):
+        raise TypeError(f"stochastic_round_words: x must be a plain torch.Tensor (a DTensor's local tensor with its "
+                        f"global_shape and region), got {type(x).__name__}")
+    if x.dtype not in ROUND_SOURCES:
+        raise TypeError(f"stochastic_round_words: x must be float32 or float64, got {x.dtype}")
+    if dtype not in ROUND_TARGETS:
+        names = ", ".join(str(d) for d in ROUND_TARGETS)
+        raise TypeError(f"stochastic_round_words: dtype must be one of {names}, got {dtype}")
+    if words.device != x.device:
+        raise ValueError(f"stochastic_round_words: words are on {words.device}, x on {x.device}")
+    if global_shape is None and region is None:
+        index = torch.arange(x.numel(), dtype=torch.int64, device=x.device)
+    else:
+        index = _region_index(x, global_shape, region)
+    (word,) = stream_words((words[0], words[1]), index, 1)
+    return to_dtype(round_bits(x.detach().reshape(-1), word, TARGETS[dtype]), dtype).reshape(x.shape)
+
+
+@torch.compiler.disable
+def _region_index(x: torch.Tensor, global_shape: Optional[ShapeLike], region: RegionLike) -> torch.Tensor:
+    """The global flat indices of ``x``'s elements, ``full[region]`` of ``global_shape`` (outside any graph)."""
+    _, normalized, _ = _round_target(x, global_shape, region)
+    return normalized.flat_indices(0, normalized.numel).to(x.device)

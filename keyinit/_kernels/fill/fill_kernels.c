@@ -109,38 +109,7 @@ KI_API void keyinit_ndtri_tail(const float *tail, int64_t n, float *mag);
 
 /* ------------------------------------------------------------------ plan */
 
-typedef struct {
-    int dist;
-    int dtype;
-    int w;
-    uint32_t k0, k1;
-    /* distribution parameters */
-    float a, b;             /* uniform: low, span; normal/trunc: mean, std */
-    float p_low, p_span;    /* trunc */
-    float lower, upper;     /* trunc */
-    int flip;               /* trunc */
-    uint64_t threshold;     /* bernoulli (<= 2**32) */
-    int64_t low;            /* randint */
-    uint64_t span;          /* randint (<= 2**32) */
-    /* geometry */
-    int ndim;
-    int64_t base;
-    const int64_t *size;
-    const int64_t *ostride;
-    const int64_t *gstride;
-    const int64_t *const *index; /* per dim: an index vector, or NULL for idx(p) = p */
-    /* high counter words (docs/spec.md 14.8): h = hbase + sum_k high_k(p_k), high_k(p) = hindex[k][p]
-     * where that vector is given, else idx_k(p) * hstride[k]; hstride == NULL: h = 0 */
-    uint64_t hbase;
-    const int64_t *hstride;
-    const int64_t *const *hindex; /* NULL, or per dim a vector or NULL */
-    char *out;
-    int elsize;
-    int64_t numel;
-    const char *src; /* stochastic rounding (sround.h): the binary32 values, out's strides; else NULL */
-    int target;      /* its target format (KI_SR_*) */
-    const struct ki_adam_s *adam; /* a fused Adam step (sround_adam.h): the parameter at out; else NULL */
-} plan_t;
+#include "plan.h"
 
 static int elsize_of(int dtype)
 {
@@ -525,22 +494,10 @@ KI_API int keyinit_fill_high(int dist, int dtype, uint32_t k0, uint32_t k1,
 {
     if (ndim < 1 || ndim > KI_MAX_DIMS) return -1;
     if (dist < 0 || dist >= KI_DIST_COUNT || dtype < 0 || dtype >= KI_DTYPE_COUNT) return -2;
-    static plan_t zero_plan;
-    plan_t P = zero_plan;
-    P.dist = dist;
-    P.dtype = dtype;
-    P.k0 = k0;
-    P.k1 = k1;
-    P.ndim = ndim;
-    P.base = base;
-    P.size = size;
-    P.ostride = ostride;
-    P.gstride = gstride;
-    P.index = index;
+    plan_t P = plan_of(dist, dtype, k0, k1, ndim, base, size, ostride, gstride, index, out);
     P.hbase = hstride != NULL ? hbase : 0u;
     P.hstride = hstride;
     P.hindex = hstride != NULL ? hindex : NULL;
-    P.out = (char *)out;
     ki_fpstate_t saved = ki_fp_enter(); /* before the conversions below: exact, subnormals kept */
     int rc = fill_planned(&P, fparams, iparams, nthreads);
     ki_fp_leave(saved);

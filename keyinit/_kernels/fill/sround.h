@@ -126,19 +126,9 @@ KI_API int keyinit_sround(int target, uint32_t k0, uint32_t k1, int ndim, int64_
 {
     if (ndim < 1 || ndim > KI_MAX_DIMS) return -1;
     if (target < KI_SR_BFLOAT16 || target > KI_SR_FLOAT8_E4M3FN) return -2;
-    static plan_t zero_plan;
-    plan_t P = zero_plan;
-    P.dist = KI_DIST_BITS; /* one word per element, as bits draws them */
-    P.dtype = target <= KI_SR_FLOAT16 ? KI_DTYPE_INT16 : KI_DTYPE_UINT8;
-    P.k0 = k0;
-    P.k1 = k1;
-    P.ndim = ndim;
-    P.base = base;
-    P.size = size;
-    P.ostride = ostride;
-    P.gstride = gstride;
-    P.index = index;
-    P.out = (char *)out;
+    /* one word per element, as bits draws them */
+    plan_t P = plan_of(KI_DIST_BITS, target <= KI_SR_FLOAT16 ? KI_DTYPE_INT16 : KI_DTYPE_UINT8, k0, k1, ndim, base,
+                       size, ostride, gstride, index, out);
     P.src = (const char *)src;
     P.target = target;
     static const double fzero[6];

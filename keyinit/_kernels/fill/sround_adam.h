@@ -114,19 +114,9 @@ KI_API int keyinit_sround_adam(int ptype, uint32_t k0, uint32_t k1, int ndim, in
     A.neg_step = scalars[6];
     A.has_decay = has_decay;
     A.ptype = ptype;
-    static plan_t zero_plan;
-    plan_t P = zero_plan;
-    P.dist = KI_DIST_BITS; /* one word per element, as bits draws them */
-    P.dtype = ptype == KI_SRA_FLOAT32 ? KI_DTYPE_FLOAT32 : KI_DTYPE_INT16;
-    P.k0 = k0;
-    P.k1 = k1;
-    P.ndim = ndim;
-    P.base = base;
-    P.size = size;
-    P.ostride = ostride;
-    P.gstride = gstride;
-    P.index = index;
-    P.out = (char *)param;
+    /* one word per element, as bits draws them */
+    plan_t P = plan_of(KI_DIST_BITS, ptype == KI_SRA_FLOAT32 ? KI_DTYPE_FLOAT32 : KI_DTYPE_INT16, k0, k1, ndim, base,
+                       size, ostride, gstride, index, param);
     P.adam = &A;
     static const double fzero[6];
     static const int64_t izero[4];

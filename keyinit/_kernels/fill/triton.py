@@ -39,7 +39,7 @@ semantics, IEEE binary32), which is how the tests check it without a GPU.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -51,7 +51,8 @@ from keyinit._draw.geometry import geometry
 from keyinit._draw.names import naming_shape
 from keyinit._kernels.fill.launch import BLOCK, LOOP, MAX_DIMS, MIN_PROGRAMS, NB
 
-__all__ = ["available", "fill", "fill_v2", "MAX_DIMS", "RUN_MIN", "launch_args"]
+__all__ = ["available", "fill", "fill_v2", "MAX_DIMS", "RUN_MIN", "launch_args", "launch_for", "device_geometry",
+           "run_kernel"]
 
 #: Shortest row of a multi-row region that takes the RUN path (shorter rows waste most of a RUN program).
 RUN_MIN = 256
@@ -133,6 +134,39 @@ def launch_args(out: torch.Tensor, region: Region, words_per_element: int) -> Op
             "index": torch.cat(pieces) if pieces else None}
 
 
+def launch_for(kernel: Any, out: torch.Tensor, region: Region, words_per_element: int) -> "Union[dict, bool]":
+    """:func:`launch_args` for a launch of ``kernel`` into ``out``; ``True`` when there is nothing to do (an
+    empty ``out``), ``False`` when the kernel cannot run (no triton: ``kernel`` is ``None``; a geometry it
+    cannot take)."""
+    if kernel is None:
+        return False
+    if out.numel() == 0:
+        return True
+    launch = launch_args(out, region, words_per_element)
+    return False if launch is None else launch
+
+
+def device_geometry(launch: dict, device: torch.device) -> "tuple[torch.Tensor, list[int]]":
+    """``launch``'s index lists on ``device`` (a one-element placeholder, never read, when every dim is a
+    slice: the kernel needs a pointer) and its 16 geometry arguments (4 sizes, 4 out strides, 4 global
+    strides, 4 index offsets, innermost last)."""
+    if launch["index"] is not None:
+        index = launch["index"].to(device)
+    else:
+        index = torch.empty(1, dtype=torch.int64, device=device)
+    dims = launch["dims"]
+    return index, [d[0] for d in dims] + [d[1] for d in dims] + [d[2] for d in dims] + [d[3] for d in dims]
+
+
+def run_kernel(kernel: Any, grid: tuple, device: torch.device, args: tuple, options: dict) -> None:
+    """Launch ``kernel`` on ``device``'s CUDA context, or as is on the CPU (the interpreter: the tests)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            kernel[grid](*args, **options)
+    else:
+        kernel[grid](*args, **options)
+
+
 def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, interpret_ok: bool = False) -> bool:
     """Fill ``out`` with the Triton kernel; ``False`` (nothing written) if it cannot.
 
@@ -146,13 +180,9 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, int
     if out.device.type != "cuda" and not interpret_ok:
         return False
     kernel = _kernel()
-    if kernel is None:
-        return False
-    if out.numel() == 0:
-        return True
-    launch = launch_args(out, region, dist.words_per_element)
-    if launch is None:
-        return False
+    launch = launch_for(kernel, out, region, dist.words_per_element)
+    if not isinstance(launch, dict):
+        return launch
     fa = fb = p_low = p_span = lower = upper = 0.0
     flip = threshold = ilow = ispan = 0
     if isinstance(dist, Uniform):
@@ -166,25 +196,15 @@ def fill(out: torch.Tensor, dist: Distribution, key: Key, region: Region, *, int
         threshold = dist.threshold
     elif isinstance(dist, Randint):
         ilow, ispan = dist.low, dist.span
-    if launch["index"] is not None:
-        index = launch["index"].to(out.device)
-    else:  # never read (every dim is a slice), but the kernel needs a pointer
-        index = torch.empty(1, dtype=torch.int64, device=out.device)
+    index, geometry_args = device_geometry(launch, out.device)
     k0, k1 = key.words
-    dims = launch["dims"]
-    geometry_args = [d[0] for d in dims] + [d[1] for d in dims] + [d[2] for d in dims] + [d[3] for d in dims]
     args = (_storage_view(out), index, out.numel(), launch["base"], k0, k1, dist_id,
             float(fa), float(fb), float(p_low), float(p_span), float(lower), float(upper),
             flip, threshold, ilow, ispan, launch["run_len"], launch["tiles"], launch["loops"],
             *geometry_args)
     options = dict(FAMILY=_FAMILY[type(dist)], W=dist.words_per_element, OUT=out_kind, NB=NB, BLOCK=BLOCK,
                    RUN=launch["run"], ALIGNED=launch["aligned"], enable_fp_fusion=False)
-    grid = (launch["grid"],)
-    if out.device.type == "cuda":
-        with torch.cuda.device(out.device):
-            kernel[grid](*args, **options)
-    else:  # the interpreter (tests)
-        kernel[grid](*args, **options)
+    run_kernel(kernel, (launch["grid"],), out.device, args, options)
     # The write bypassed torch's in-place ops, so bump the version counter as they would.
     torch.autograd.graph.increment_version(out)
     return True

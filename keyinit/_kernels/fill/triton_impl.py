@@ -267,11 +267,10 @@ def _run_tile(out_ptr, block, g_row, o_row, run_len, os3, k0, k1, dist, fa, fb, 
 
 
 @triton.jit
-def _general_path(out_ptr, index_ptr, pid, numel, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper,
-                  flip, threshold, ilow, ispan, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
-                  ix0, ix1, ix2, ix3, FAMILY: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """GENERAL: program ``pid`` owns BLOCK consecutive region elements; each decodes its own position."""
+def _locate(index_ptr, pid, numel, base, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3, ix0, ix1, ix2, ix3,
+            BLOCK: tl.constexpr):
+    """The GENERAL path's positions: program ``pid``'s BLOCK consecutive region elements as ``(mask, g, o)``
+    (in the region, global flat index, element offset in ``out``), each decoded through the dims."""
     position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = position < numel
     rest, g3, o = _digit(tl.where(mask, position, 0), n3, index_ptr, ix3, gs3, os3)
@@ -286,6 +285,17 @@ def _general_path(out_ptr, index_ptr, pid, numel, base, k0, k1, dist, fa, fb, p_
         o += o1
     g += _index(index_ptr, ix0, rest) * gs0
     o += rest * os0
+    return mask, g, o
+
+
+@triton.jit
+def _general_path(out_ptr, index_ptr, pid, numel, base, k0, k1, dist, fa, fb, p_low, p_span, lower, upper,
+                  flip, threshold, ilow, ispan, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
+                  ix0, ix1, ix2, ix3, FAMILY: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """GENERAL: program ``pid`` owns BLOCK consecutive region elements; each decodes its own position."""
+    mask, g, o = _locate(index_ptr, pid, numel, base, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
+                         ix0, ix1, ix2, ix3, BLOCK)
     word = g * W
     r0, r1, r2, r3 = _philox_blocks(word >> 2, k0, k1)
     lane = (word & 3).to(tl.int32)

@@ -19,7 +19,7 @@ import torch
 from keyinit._bits.sround import TARGETS
 from keyinit._bits.streams import stream_words
 from keyinit._kernels.fill.launch import BLOCK
-from keyinit._kernels.fill.triton import launch_args
+from keyinit._kernels.fill.triton import device_geometry, launch_for, run_kernel
 from keyinit.keys import Key
 from keyinit.regions import Region
 
@@ -48,22 +48,13 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, *, inte
             or key.impl.words is not stream_words or (out.device.type != "cuda" and not interpret_ok)):
         return False
     kernel = _kernel()
-    if kernel is None:
-        return False
-    if out.numel() == 0:
-        return True
-    launch = launch_args(out, region, 1)
-    if launch is None:
-        return False
+    launch = launch_for(kernel, out, region, 1)
+    if not isinstance(launch, dict):
+        return launch
     src = x.detach()
     if src.is_neg() or any(n > 1 and a != b for n, a, b in zip(out.shape, out.stride(), src.stride())):
         src = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=out.device).copy_(src)
-    if launch["index"] is not None:
-        index = launch["index"].to(out.device)
-    else:  # never read (every dim is a slice), but the kernel needs a pointer
-        index = torch.empty(1, dtype=torch.int64, device=out.device)
-    dims = launch["dims"]
-    geometry_args = [d[0] for d in dims] + [d[1] for d in dims] + [d[2] for d in dims] + [d[3] for d in dims]
+    index, geometry_args = device_geometry(launch, out.device)
     storage = out.view(torch.int16 if target.nbits == 16 else torch.uint8)
     k0, k1 = key.words
     grid = (-(-out.numel() // BLOCK),)
@@ -71,11 +62,7 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, *, inte
     options = dict(P=target.p, EMIN=target.emin, EMAX=target.emax, NBITS=target.nbits,
                    HAS_INF=int(target.inf is not None), INF=target.inf or 0, NAN=target.nan,
                    MAXF=target.max_finite, BLOCK=BLOCK)
-    if out.device.type == "cuda":
-        with torch.cuda.device(out.device):
-            kernel[grid](*args, **options)
-    else:  # the interpreter (tests)
-        kernel[grid](*args, **options)
+    run_kernel(kernel, grid, out.device, args, options)
     torch.autograd.graph.increment_version(out)
     return True
 
@@ -102,30 +89,17 @@ def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
             or any(t.device != param.device or not t.is_contiguous() or t.shape != param.shape for t in tensors)):
         return False
     kernel = _kernel("adam_kernel")
-    if kernel is None:
-        return False
-    if param.numel() == 0:
-        return True
-    launch = launch_args(param, region, 1)
-    if launch is None:
-        return False
-    if launch["index"] is not None:
-        index = launch["index"].to(param.device)
-    else:
-        index = torch.empty(1, dtype=torch.int64, device=param.device)
-    dims = launch["dims"]
-    geometry_args = [d[0] for d in dims] + [d[1] for d in dims] + [d[2] for d in dims] + [d[3] for d in dims]
+    launch = launch_for(kernel, param, region, 1)
+    if not isinstance(launch, dict):
+        return launch
+    index, geometry_args = device_geometry(launch, param.device)
     decay, w, beta2, s2, bc2s, eps, neg_step = (_f32(s) for s in scalars)
     bits = (lambda t: t.view(torch.int16)) if param.dtype == torch.bfloat16 else (lambda t: t)
     k0, k1 = key.words
     args = (bits(param), bits(grad), exp_avg, exp_avg_sq, index, param.numel(), launch["base"], k0, k1,
             *geometry_args, decay, w, w - 1.0, beta2, s2, bc2s, eps, neg_step, int(bool(has_decay)))
     grid = (-(-param.numel() // BLOCK),)
-    if param.device.type == "cuda":
-        with torch.cuda.device(param.device):
-            kernel[grid](*args, PTYPE=ptype, BLOCK=BLOCK, enable_fp_fusion=False)
-    else:  # the interpreter (tests)
-        kernel[grid](*args, PTYPE=ptype, BLOCK=BLOCK, enable_fp_fusion=False)
+    run_kernel(kernel, grid, param.device, args, dict(PTYPE=ptype, BLOCK=BLOCK, enable_fp_fusion=False))
     for t in (param, exp_avg, exp_avg_sq):
         torch.autograd.graph.increment_version(t)
     return True

@@ -2,7 +2,7 @@
 
 See :mod:`keyinit._kernels.fill.triton_sround` for the host side. Each program owns ``BLOCK``
 consecutive region elements; each element decodes its position through the (at most 4) dims (the fill
-kernel's GENERAL path: :func:`~keyinit._kernels.fill.triton_impl._digit`), takes stream word ``g`` of
+kernel's GENERAL path: :func:`~keyinit._kernels.fill.triton_impl._locate`), takes stream word ``g`` of
 its global index ``g`` (Philox block ``g // 4``, lane ``g % 4``: as ``bits`` draws it) and rounds its
 binary32 value by ``docs/spec.md`` 17.2's integer rule (int64 operations on the bit pattern, so the
 interpreter and every GPU give the reference's bits). The target format is constexpr (one compiled
@@ -12,7 +12,7 @@ variant per target); geometry and key are runtime arguments.
 import triton
 import triton.language as tl
 
-from keyinit._kernels.fill.triton_impl import _digit, _index, _philox_blocks
+from keyinit._kernels.fill.triton_impl import _locate, _philox_blocks
 
 __all__ = ["sround_kernel", "adam_kernel"]
 
@@ -57,20 +57,8 @@ def _sround_kernel(out_ptr, src_ptr, index_ptr, numel: I64, base: I64, k0: I64, 
                    HAS_INF: tl.constexpr, INF: tl.constexpr, NAN: tl.constexpr, MAXF: tl.constexpr,
                    BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = position < numel
-    rest, g3, o = _digit(tl.where(mask, position, 0), n3, index_ptr, ix3, gs3, os3)
-    g = base + g3
-    if n2 != 1:
-        rest, g2, o2 = _digit(rest, n2, index_ptr, ix2, gs2, os2)
-        g += g2
-        o += o2
-    if n1 != 1:
-        rest, g1, o1 = _digit(rest, n1, index_ptr, ix1, gs1, os1)
-        g += g1
-        o += o1
-    g += _index(index_ptr, ix0, rest) * gs0
-    o += rest * os0
+    mask, g, o = _locate(index_ptr, pid, numel, base, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
+                         ix0, ix1, ix2, ix3, BLOCK)
     r0, r1, r2, r3 = _philox_blocks(g >> 2, k0, k1)
     lane = (g & 3).to(tl.int32)
     word = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
@@ -100,20 +88,8 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, index_ptr, numel: I64, base: I64, k
     operation rounded once: explicit ``fma``, ``div_rn``, ``sqrt_rn``, no other contraction); parameter
     and gradient bfloat16 (``PTYPE`` 0, as int16 bits), float16 (1) or float32 (4, written unrounded)."""
     pid = tl.program_id(0).to(tl.int64)
-    position = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = position < numel
-    rest, g3, o = _digit(tl.where(mask, position, 0), n3, index_ptr, ix3, gs3, os3)
-    g = base + g3
-    if n2 != 1:
-        rest, g2, o2 = _digit(rest, n2, index_ptr, ix2, gs2, os2)
-        g += g2
-        o += o2
-    if n1 != 1:
-        rest, g1, o1 = _digit(rest, n1, index_ptr, ix1, gs1, os1)
-        g += g1
-        o += o1
-    g += _index(index_ptr, ix0, rest) * gs0
-    o += rest * os0
+    mask, g, o = _locate(index_ptr, pid, numel, base, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
+                         ix0, ix1, ix2, ix3, BLOCK)
     if PTYPE == 0:
         p = ((tl.load(p_ptr + o, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
         grad = ((tl.load(g_ptr + o, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
