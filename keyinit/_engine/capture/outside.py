@@ -15,17 +15,21 @@ every random torch op, or op on a stand-in, in a thread the block's code starts 
 runs (nothing of torch's RNG is read); deterministic work on real tensors there (Hugging Face loads a
 checkpoint's tensors in a pool) runs. A thread that was running before the block (a pool a library
 keeps) cannot be given the refusal; what it draws is seen on torch's global CPU generator, which the
-block's own thread never draws from: put back and refused too. A reseed the code itself makes
-(``torch.manual_seed`` in a constructor) is left, as eager torch leaves it.
+block's own thread never draws from. Such draws reach the model only as tensors made outside the capture
+(real modules built in the pool, a pool's tensor copied into a weight): the capture notes each
+(:func:`came_from_outside`), and a draw seen on the global generator while the block's result holds
+one is refused and put back. Without one the draw was another thread's own (a model built eagerly
+there, beside the capture): it is left as it is, and the block runs as alone. With one, keyinit cannot
+tell the two apart and refuses, naming both (values that reach the record only through Python numbers
+are not seen). A reseed the code itself makes (``torch.manual_seed`` in a constructor) is left, as
+eager torch leaves it.
 
 Only the threads the block's own thread starts are watched: while a block is open anywhere,
 ``threading.Thread.start`` is wrapped (put back when the last block closes), and a ``start`` called
 from a thread with an open block runs the new thread under that block's refusal. A thread other code
 starts meanwhile (a data loader, another ``init_model`` in its own thread) is not touched, so
 concurrent captures in two threads each watch their own. (A process-global ``threading.setprofile``
-reached every thread started anywhere while the block was open.) Torch's global CPU generator is one
-per process, though: another thread that draws from it while a capture is open (a model built eagerly
-there) is taken for such a pool, refused and put back; build concurrent models on meta or beforehand.
+reached every thread started anywhere while the block was open.)
 
 Not seen: a generator object seeded from the operating system (``numpy.random.default_rng()``,
 ``random.Random()`` without a seed). Its values become constants of the record that differ in every
@@ -47,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit.errors import UnkeyedRandomnessError
 
-__all__ = ["watched", "ThreadDrawsRefused"]
+__all__ = ["watched", "came_from_outside", "ThreadDrawsRefused"]
 
 
 class _Watch:
@@ -55,6 +59,7 @@ class _Watch:
         self.site = site
         self.open = True
         self.refused: list[str] = []
+        self.outside: list[str] = []  # tensors made outside the capture that its record or result holds
 
 
 _starts_lock = threading.Lock()
@@ -108,6 +113,15 @@ def _close_for_threads() -> None:
         if not _open_blocks and threading.Thread.start is _watched_start:
             threading.Thread.start = _plain_start  # type: ignore[method-assign]
             _in_chain = False
+
+
+def came_from_outside(tensor: torch.Tensor, what: str = "") -> torch.Tensor:
+    """Note that a real ``tensor`` made outside the capture running on this thread enters its record or
+    result (it may hold a draw another thread made for it); returns ``tensor``."""
+    blocks = _open_blocks.get(threading.get_ident())
+    if blocks:
+        blocks[-1][0].outside.append(what or f"a tensor of shape {tuple(tensor.shape)}")
+    return tensor
 
 
 def _torch_rng() -> tuple[int, torch.Tensor]:
@@ -200,7 +214,8 @@ def watched(site: str) -> Iterator[None]:
         advanced = [name for name, state in before.items() if not _same(_generator_states().get(name), state)]
         for name in advanced:
             _restore(name, before[name])
-        drawn_elsewhere = _torch_rng_moved(torch_before)
+        # a draw while nothing made outside entered: another thread's own (an eager model built beside)
+        drawn_elsewhere = bool(watch.outside) and _torch_rng_moved(torch_before)
         if drawn_elsewhere:
             torch.default_generator.set_state(torch_before[1])
     if advanced:
@@ -210,9 +225,12 @@ def watched(site: str) -> Iterator[None]:
             f"by the tensor it lands in) or keyinit.random; the generator's state was put back")
     if drawn_elsewhere:
         raise UnkeyedRandomnessError(
-            f"{site}: torch's global RNG was drawn from while the code ran, by a thread the capture does not record "
-            f"(one running before it started: a pool a library keeps); those values would be kept as constants, "
-            f"different on two ranks: build the modules and draw in the calling thread; torch's RNG was put back")
+            f"{site}: torch's global RNG was drawn from while the code ran, by a thread the capture does not record, "
+            f"and the code's result holds tensors made outside the capture ({', '.join(watch.outside[:3])}): keyinit "
+            f"cannot tell whether they hold those draws (a thread running before the capture, such as a pool a "
+            f"library keeps, would have them kept as constants, different on two ranks) or another thread drew for "
+            f"its own use (a model built eagerly there); build the modules and draw in the calling thread, and build "
+            f"other models before or after, or on meta; torch's RNG was put back")
     if watch.refused:
         raise UnkeyedRandomnessError(_thread_message(site, watch.refused[0]))
 
