@@ -244,3 +244,34 @@ def test_when_keyinit_cannot_tell_whose_draw_it_was_the_capture_is_refused_namin
     message = str(errors[0])
     assert "HoldsGiven(...): torch's global RNG was drawn from" in message
     assert "another thread" in message and "made outside the capture" in message
+
+
+class Reads:
+    """A dataset whose ``__getitem__`` draws (keyed) and waits while it is read."""
+
+    def __init__(self, inside: threading.Event, go_on: threading.Event) -> None:
+        self.inside, self.go_on = inside, go_on
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        first = torch.rand(3)
+        self.inside.set()
+        assert self.go_on.wait(WAIT)
+        return torch.cat([first, torch.randn(2)])
+
+
+@pytest.mark.parametrize("how", list(EAGER))
+def test_an_eager_model_built_in_another_thread_while_a_keyed_sample_is_read_is_untouched(how):
+    from keyinit.data import keyed_samples
+
+    torch.manual_seed(77)
+    expected = EAGER[how]()
+    rng_after = torch.get_rng_state()
+    torch.manual_seed(77)
+    out, rng, errors = _beside(lambda inside, go_on: keyed_samples(Reads(inside, go_on), 4, epoch=1)[2], EAGER[how])
+    assert not errors, errors
+    _same(out["eager"], expected)
+    assert torch.equal(rng, rng_after)
+    assert torch.equal(out["captured"], keyed_samples(Reads(threading.Event(), _set()), 4, epoch=1)[2])
