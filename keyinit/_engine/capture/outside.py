@@ -49,6 +49,8 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from keyinit._engine.programs.random_ops import is_random
+from keyinit._engine.programs.refusal import RefuseDraws
 from keyinit.errors import UnkeyedRandomnessError
 
 __all__ = ["watched", "came_from_outside", "ThreadDrawsRefused"]
@@ -139,26 +141,22 @@ def _torch_rng_moved(before: tuple[int, torch.Tensor]) -> bool:
     return True
 
 
-class _RefuseInThread(TorchDispatchMode):
+def _refuse_in_thread(watch: _Watch) -> RefuseDraws:
     """Pushed in a thread started inside a capture: while the capture runs, every random torch op there, and
     every op on a stand-in, is refused; deterministic work on real tensors (loading a checkpoint's tensors,
     as Hugging Face's loader does in a pool) runs."""
+    from keyinit._engine.capture.standin import LazyTensor, tensor_leaves
 
-    def __init__(self, watch: _Watch) -> None:
-        super().__init__()
-        self.watch = watch
+    def refused(func: Any, args: tuple, kwargs: dict) -> bool:
+        return watch.open and (any(isinstance(x, LazyTensor) for x in tensor_leaves((args, kwargs)))
+                               or is_random(func))
 
-    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        from keyinit._engine.programs.random_ops import is_random
-        from keyinit._engine.capture.standin import LazyTensor, tensor_leaves
+    def refuse(func: Any) -> None:
+        name = threading.current_thread().name
+        watch.refused.append(name)
+        raise UnkeyedRandomnessError(_thread_message(watch.site, name, func))
 
-        kwargs = kwargs or {}
-        stand_in = any(isinstance(x, LazyTensor) for x in tensor_leaves((args, kwargs)))
-        if self.watch.open and (stand_in or is_random(func)):
-            name = threading.current_thread().name
-            self.watch.refused.append(name)
-            raise UnkeyedRandomnessError(_thread_message(self.watch.site, name, func))
-        return func(*args, **kwargs)
+    return RefuseDraws(refuse, refused)
 
 
 def _thread_message(site: str, thread: str, func: Any = None) -> str:
@@ -205,7 +203,7 @@ def watched(site: str) -> Iterator[None]:
     watch = _Watch(site)
     before = _generator_states()
     torch_before = _torch_rng()
-    _open_for_threads(watch, _RefuseInThread)  # the threads this thread starts in the block
+    _open_for_threads(watch, _refuse_in_thread)  # the threads this thread starts in the block
     try:
         yield
     finally:
@@ -235,25 +233,19 @@ def watched(site: str) -> Iterator[None]:
         raise UnkeyedRandomnessError(_thread_message(site, watch.refused[0]))
 
 
-class _RefuseDrawsInThread(TorchDispatchMode):
+def _refuse_draws_in_thread(watch: _Watch) -> RefuseDraws:
     """Pushed in a thread started inside a keyed sample: while the sample runs, every random op there is
     refused (deterministic ops, such as decoding, run)."""
 
-    def __init__(self, watch: _Watch) -> None:
-        super().__init__()
-        self.watch = watch
+    def refuse(func: Any) -> None:
+        name = threading.current_thread().name
+        watch.refused.append(name)
+        raise UnkeyedRandomnessError(
+            f"{watch.site}: a random op ({func}) in a thread started while the sample was read ({name}); "
+            "keyinit keys the randomness of the thread that reads the sample, so this draw would come from "
+            "torch's global RNG and differ on every read: augment in the calling thread")
 
-    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        from keyinit._engine.programs.random_ops import is_random
-
-        if self.watch.open and is_random(func):
-            name = threading.current_thread().name
-            self.watch.refused.append(name)
-            raise UnkeyedRandomnessError(
-                f"{self.watch.site}: a random op ({func}) in a thread started while the sample was read ({name}); "
-                "keyinit keys the randomness of the thread that reads the sample, so this draw would come from "
-                "torch's global RNG and differ on every read: augment in the calling thread")
-        return func(*args, **(kwargs or {}))
+    return RefuseDraws(refuse, lambda func, args, kwargs: watch.open and is_random(func))
 
 
 class ThreadDrawsRefused:
@@ -268,7 +260,7 @@ class ThreadDrawsRefused:
 
     def __enter__(self) -> "ThreadDrawsRefused":
         watch = self.watch
-        _open_for_threads(watch, _RefuseDrawsInThread)
+        _open_for_threads(watch, _refuse_draws_in_thread)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
