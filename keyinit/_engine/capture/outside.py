@@ -41,7 +41,6 @@ patching numpy (docs/api.md says to seed them).
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -51,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from keyinit._engine.programs.random_ops import is_random
 from keyinit._engine.programs.refusal import RefuseDraws
+from keyinit._host.draws import HostDrawsPutBack
 from keyinit.errors import UnkeyedRandomnessError
 
 __all__ = ["watched", "came_from_outside", "ThreadDrawsRefused"]
@@ -167,32 +167,7 @@ def _thread_message(site: str, thread: str, func: Any = None) -> str:
             f"checkpoint, may use threads)")
 
 
-def _generator_states() -> dict[str, Any]:
-    states: dict[str, Any] = {}
-    python_random = sys.modules.get("random")
-    if python_random is not None:
-        states["Python's random"] = python_random.getstate()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        states["numpy.random"] = numpy.random.get_state(legacy=False)
-    return states
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if type(a).__module__ == "numpy":
-        import numpy
-
-        return bool(numpy.array_equal(a, b))
-    return a == b
-
-
-def _restore(name: str, state: Any) -> None:
-    if name == "Python's random":
-        sys.modules["random"].setstate(state)
-    else:
-        sys.modules["numpy"].random.set_state(state)
+_HOST_NAMES = {"random": "Python's random", "numpy.random": "numpy.random"}  # as the errors name them
 
 
 @contextlib.contextmanager
@@ -201,21 +176,22 @@ def watched(site: str) -> Iterator[None]:
     stand-in in a thread the block's code starts, is an :class:`UnkeyedRandomnessError` naming ``site`` (the
     generators put back)."""
     watch = _Watch(site)
-    before = _generator_states()
+    host = HostDrawsPutBack(hold=False)  # (the lock only to read and put back: the code may wait on keyed samples)
     torch_before = _torch_rng()
-    _open_for_threads(watch, _refuse_in_thread)  # the threads this thread starts in the block
     try:
-        yield
+        with host:
+            _open_for_threads(watch, _refuse_in_thread)  # the threads this thread starts in the block
+            try:
+                yield
+            finally:
+                _close_for_threads()
+                watch.open = False
     finally:
-        _close_for_threads()
-        watch.open = False
-        advanced = [name for name, state in before.items() if not _same(_generator_states().get(name), state)]
-        for name in advanced:
-            _restore(name, before[name])
         # a draw while nothing made outside entered: another thread's own (an eager model built beside)
         drawn_elsewhere = bool(watch.outside) and _torch_rng_moved(torch_before)
         if drawn_elsewhere:
             torch.default_generator.set_state(torch_before[1])
+    advanced = [_HOST_NAMES[name] for name in host.drew]
     if advanced:
         raise UnkeyedRandomnessError(
             f"{site}: init code drew from the global generator of {' and '.join(advanced)}: its values would depend on "
