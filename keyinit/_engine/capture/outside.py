@@ -61,7 +61,7 @@ class _Watch:
         self.site = site
         self.open = True
         self.refused: list[str] = []
-        self.outside: list[str] = []  # tensors made outside the capture that its record or result holds
+        self.outside: list[str] = []  # (the first) tensors made outside the capture that its record or result holds
 
 
 _starts_lock = threading.Lock()
@@ -121,7 +121,7 @@ def came_from_outside(tensor: torch.Tensor, what: str = "") -> torch.Tensor:
     """Note that a real ``tensor`` made outside the capture running on this thread enters its record or
     result (it may hold a draw another thread made for it); returns ``tensor``."""
     blocks = _open_blocks.get(threading.get_ident())
-    if blocks:
+    if blocks and len(blocks[-1][0].outside) < 3:  # (the first three: what an error names)
         blocks[-1][0].outside.append(what or f"a tensor of shape {tuple(tensor.shape)}")
     return tensor
 
@@ -200,9 +200,9 @@ def watched(site: str) -> Iterator[None]:
     if drawn_elsewhere:
         raise UnkeyedRandomnessError(
             f"{site}: torch's global RNG was drawn from while the code ran, by a thread the capture does not record, "
-            f"and the code's result holds tensors made outside the capture ({', '.join(watch.outside[:3])}): keyinit "
-            f"cannot tell whether they hold those draws (a thread running before the capture, such as a pool a "
-            f"library keeps, would have them kept as constants, different on two ranks) or another thread drew for "
+            f"and the code's result holds tensors made outside the capture (such as {', '.join(watch.outside)}): "
+            f"keyinit cannot tell whether they hold those draws (a thread running before the capture, such as a pool "
+            f"a library keeps, would have them kept as constants, different on two ranks) or another thread drew for "
             f"its own use (a model built eagerly there); build the modules and draw in the calling thread, and build "
             f"other models before or after, or on meta; torch's RNG was put back")
     if watch.refused:
