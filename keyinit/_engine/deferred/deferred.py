@@ -143,7 +143,7 @@ def deferred(fn: Callable[..., M], /, *args: Any, **kwargs: Any) -> M:
         with capture.active(f"{builder}(...)", "constructor"):
             with torch.enable_grad():  # constructors run with grad mode as usual (Parameter flags)
                 model = fn(*args, **kwargs)
-            _note_real(model)  # real tensors it holds may hold a pool thread's draws (keyinit._engine.outside)
+            _note_real(model)  # real tensors it holds may hold a pool thread's draws (keyinit._engine.capture.outside)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"keyinit.deferred: {builder} returned {type(model).__name__}, not an nn.Module")
         check_lazy(model, f"keyinit.deferred({builder})")
