@@ -6,7 +6,7 @@ Its sub-packages, bottom up (each imports only those above it in this list, neve
   writes through strided views, element-wise and whole nodes, keyed draws, ``assign_keys``), the
   random-op table (``random_ops``: torch's random ops as keyed program nodes, their fast recipes in
   ``fast_recipes``, their batch in a keyed forward), the guards on user code keyinit runs (``guard``:
-  no writes while planning, no unkeyed draws in a fill) and the evaluation of any region of a program
+  no writes while planning, no unkeyed draws in a fill; ``refusal``: the one mode that refuses draws) and the evaluation of any region of a program
   (``replay``, keyed draws through ``keyinit._draw.dispatch``);
 - ``capture``: running code on global-shape stand-ins and recording programs: the dispatch mode
   (``capture``), the stand-ins (``standin``), what each aten op is to it (``aten_kinds``), what it

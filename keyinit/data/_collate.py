@@ -32,8 +32,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from keyinit._host.lock import global_state_lock
-from keyinit._host.states import global_states
+from keyinit._host.draws import HostDrawsPutBack
 from keyinit._samples.padding import check_collated
 from keyinit.data import _fast, _fill
 from keyinit.data._augment import Interception
@@ -178,16 +177,10 @@ class KeyedCollate:
 def _call_refusing_global_draws(fn: Callable[[Any], Any], batch: Any, keyer: _RowKeyer, site: str) -> Any:
     """``fn(batch)`` with torch's random ops sent to ``keyer``; a draw from ``random``/``numpy.random``
     is refused (detected by comparing their states before and after; the states are restored)."""
-    with global_state_lock():
-        states = global_states()
-        before = states.save()
-        try:
-            with Interception(keyer):
-                result = fn(batch)
-        finally:
-            drew = states.drew(before)
-            if drew:
-                states.restore(before)
+    with HostDrawsPutBack(hold=True) as host:
+        with Interception(keyer):
+            result = fn(batch)
+    drew = host.drew
     if drew:
         from keyinit.errors import UnkeyedRandomnessError
 

@@ -51,6 +51,8 @@ CONST_FACTORIES = {
 FULL = {aten.full.default, aten.full_like.default, aten.new_full.default, aten.scalar_tensor.default}
 IDENTITY = {aten.clone.default, aten._to_copy.default, aten.copy.default, aten.lift_fresh_copy.default,
              aten.lift_fresh.default, aten.alias_copy.default, aten.detach_copy.default, aten.to.dtype}
+#: ``torch.tensor(data)``'s lift of a tensor made this moment from Python data (not a tensor from outside)
+LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 CAT = {aten.cat.default: False, aten.stack.default: True}
 #: Ops whose results are Python values (no tensors): computed on real values.
 VALUE_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}

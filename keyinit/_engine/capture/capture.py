@@ -47,11 +47,11 @@ from keyinit.errors import UnkeyedRandomnessError
 from keyinit._engine.programs.program import Alloc, Cat, Const, StridedView, Item, Literal, Node, Pointwise, Random, Read
 from keyinit._engine.programs.program import Storage, Suppressed, Whole
 from keyinit._engine.capture.aten_kinds import (
-    ALLOC, CAT, CONST_FACTORIES, COPY, DATA_DEPENDENT, FILL_VALUE, FULL, IDENTITY, INDEXING, LAZY_NEW, LOADERS,
+    ALLOC, CAT, CONST_FACTORIES, COPY, DATA_DEPENDENT, FILL_VALUE, FULL, IDENTITY, INDEXING, LAZY_NEW, LIFTS, LOADERS,
     REINTERPRETING, SET_STORAGE, VALUE_OPS, ZERO, aten, convert, fit, is_kwarg_only, mutated_args, op_name, recognised, reinterprets,
     returns_self,
 )
-from keyinit._engine.capture.outside import watched
+from keyinit._engine.capture.outside import came_from_outside, watched
 from keyinit._engine.programs.replay import Evaluator
 from keyinit._engine.capture.standin import CaptureError, LazyTensor, tensor_leaves, tree_map
 
@@ -149,8 +149,8 @@ class Capture:
             self._claimed.clear()
 
     # ------------------------------------------------------------------ reading values
-    def node(self, value: Any) -> Node:
-        """The node of a tensor argument at this moment."""
+    def node(self, value: Any, fresh: bool = False) -> Node:
+        """The node of a tensor argument at this moment (``fresh``: made now from Python data, not from outside)."""
         if isinstance(value, LazyTensor):
             storage = self.storage_of(value)
             taken = self._copied_views.get(id(storage))
@@ -163,7 +163,7 @@ class Capture:
             if value.device.type == "meta":
                 raise CaptureError(f"{self.site}: init code used a meta tensor of shape {tuple(value.shape)} that keyinit "
                                    "did not create; it holds no values")
-            return Literal(value.detach().to("cpu").contiguous())
+            return Literal((value if fresh else came_from_outside(value)).detach().to("cpu").contiguous())
         raise TypeError(f"internal: not a tensor: {type(value).__name__}")
 
     def concrete(self, value: LazyTensor, why: str) -> torch.Tensor:
@@ -283,7 +283,7 @@ class Capture:
             meta = base.as_strided(real.size(), real.stride(), real.storage_offset())
         with no_dispatch():  # the wrapper's own sizes and strides, which Python code sees
             func(*args, **kwargs)
-        self._register(base, label).write(StridedView.of(base), Literal(whole), self.label)
+        self._register(base, label).write(StridedView.of(base), Literal(came_from_outside(whole)), self.label)
         target._meta = meta
         return target
 
@@ -507,7 +507,7 @@ class Capture:
         if func in COPY:
             return result(convert(self.node(bound["src"]), tuple(first.shape), first.dtype, name))
         if func in IDENTITY:
-            return result(convert(self.node(flat[positions[0]]), tuple(first.shape), first.dtype, name))
+            return result(convert(self.node(flat[positions[0]], func in LIFTS), tuple(first.shape), first.dtype, name))
         if func in CAT:
             nodes = [self.node(t) for t in bound["tensors"]]
             d = int(bound.get("dim", 0)) % len(first.shape)

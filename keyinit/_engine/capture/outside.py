@@ -15,17 +15,21 @@ every random torch op, or op on a stand-in, in a thread the block's code starts 
 runs (nothing of torch's RNG is read); deterministic work on real tensors there (Hugging Face loads a
 checkpoint's tensors in a pool) runs. A thread that was running before the block (a pool a library
 keeps) cannot be given the refusal; what it draws is seen on torch's global CPU generator, which the
-block's own thread never draws from: put back and refused too. A reseed the code itself makes
-(``torch.manual_seed`` in a constructor) is left, as eager torch leaves it.
+block's own thread never draws from. Such draws reach the model only as tensors made outside the capture
+(real modules built in the pool, a pool's tensor copied into a weight): the capture notes each
+(:func:`came_from_outside`), and a draw seen on the global generator while the block's result holds
+one is refused and put back. Without one the draw was another thread's own (a model built eagerly
+there, beside the capture): it is left as it is, and the block runs as alone. With one, keyinit cannot
+tell the two apart and refuses, naming both (values that reach the record only through Python numbers
+are not seen). A reseed the code itself makes (``torch.manual_seed`` in a constructor) is left, as
+eager torch leaves it.
 
 Only the threads the block's own thread starts are watched: while a block is open anywhere,
 ``threading.Thread.start`` is wrapped (put back when the last block closes), and a ``start`` called
 from a thread with an open block runs the new thread under that block's refusal. A thread other code
 starts meanwhile (a data loader, another ``init_model`` in its own thread) is not touched, so
 concurrent captures in two threads each watch their own. (A process-global ``threading.setprofile``
-reached every thread started anywhere while the block was open.) Torch's global CPU generator is one
-per process, though: another thread that draws from it while a capture is open (a model built eagerly
-there) is taken for such a pool, refused and put back; build concurrent models on meta or beforehand.
+reached every thread started anywhere while the block was open.)
 
 Not seen: a generator object seeded from the operating system (``numpy.random.default_rng()``,
 ``random.Random()`` without a seed). Its values become constants of the record that differ in every
@@ -37,7 +41,6 @@ patching numpy (docs/api.md says to seed them).
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -45,9 +48,12 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from keyinit._engine.programs.random_ops import is_random
+from keyinit._engine.programs.refusal import RefuseDraws
+from keyinit._host.draws import HostDrawsPutBack
 from keyinit.errors import UnkeyedRandomnessError
 
-__all__ = ["watched", "ThreadDrawsRefused"]
+__all__ = ["watched", "came_from_outside", "ThreadDrawsRefused"]
 
 
 class _Watch:
@@ -55,6 +61,7 @@ class _Watch:
         self.site = site
         self.open = True
         self.refused: list[str] = []
+        self.outside: list[str] = []  # (the first) tensors made outside the capture that its record or result holds
 
 
 _starts_lock = threading.Lock()
@@ -110,6 +117,15 @@ def _close_for_threads() -> None:
             _in_chain = False
 
 
+def came_from_outside(tensor: torch.Tensor, what: str = "") -> torch.Tensor:
+    """Note that a real ``tensor`` made outside the capture running on this thread enters its record or
+    result (it may hold a draw another thread made for it); returns ``tensor``."""
+    blocks = _open_blocks.get(threading.get_ident())
+    if blocks and len(blocks[-1][0].outside) < 3:  # (the first three: what an error names)
+        blocks[-1][0].outside.append(what or f"a tensor of shape {tuple(tensor.shape)}")
+    return tensor
+
+
 def _torch_rng() -> tuple[int, torch.Tensor]:
     return torch.initial_seed(), torch.default_generator.get_state()
 
@@ -125,26 +141,22 @@ def _torch_rng_moved(before: tuple[int, torch.Tensor]) -> bool:
     return True
 
 
-class _RefuseInThread(TorchDispatchMode):
+def _refuse_in_thread(watch: _Watch) -> RefuseDraws:
     """Pushed in a thread started inside a capture: while the capture runs, every random torch op there, and
     every op on a stand-in, is refused; deterministic work on real tensors (loading a checkpoint's tensors,
     as Hugging Face's loader does in a pool) runs."""
+    from keyinit._engine.capture.standin import LazyTensor, tensor_leaves
 
-    def __init__(self, watch: _Watch) -> None:
-        super().__init__()
-        self.watch = watch
+    def refused(func: Any, args: tuple, kwargs: dict) -> bool:
+        return watch.open and (any(isinstance(x, LazyTensor) for x in tensor_leaves((args, kwargs)))
+                               or is_random(func))
 
-    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        from keyinit._engine.programs.random_ops import is_random
-        from keyinit._engine.capture.standin import LazyTensor, tensor_leaves
+    def refuse(func: Any) -> None:
+        name = threading.current_thread().name
+        watch.refused.append(name)
+        raise UnkeyedRandomnessError(_thread_message(watch.site, name, func))
 
-        kwargs = kwargs or {}
-        stand_in = any(isinstance(x, LazyTensor) for x in tensor_leaves((args, kwargs)))
-        if self.watch.open and (stand_in or is_random(func)):
-            name = threading.current_thread().name
-            self.watch.refused.append(name)
-            raise UnkeyedRandomnessError(_thread_message(self.watch.site, name, func))
-        return func(*args, **kwargs)
+    return RefuseDraws(refuse, refused)
 
 
 def _thread_message(site: str, thread: str, func: Any = None) -> str:
@@ -155,32 +167,7 @@ def _thread_message(site: str, thread: str, func: Any = None) -> str:
             f"checkpoint, may use threads)")
 
 
-def _generator_states() -> dict[str, Any]:
-    states: dict[str, Any] = {}
-    python_random = sys.modules.get("random")
-    if python_random is not None:
-        states["Python's random"] = python_random.getstate()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        states["numpy.random"] = numpy.random.get_state(legacy=False)
-    return states
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if type(a).__module__ == "numpy":
-        import numpy
-
-        return bool(numpy.array_equal(a, b))
-    return a == b
-
-
-def _restore(name: str, state: Any) -> None:
-    if name == "Python's random":
-        sys.modules["random"].setstate(state)
-    else:
-        sys.modules["numpy"].random.set_state(state)
+_HOST_NAMES = {"random": "Python's random", "numpy.random": "numpy.random"}  # as the errors name them
 
 
 @contextlib.contextmanager
@@ -189,20 +176,22 @@ def watched(site: str) -> Iterator[None]:
     stand-in in a thread the block's code starts, is an :class:`UnkeyedRandomnessError` naming ``site`` (the
     generators put back)."""
     watch = _Watch(site)
-    before = _generator_states()
+    host = HostDrawsPutBack(hold=False)  # (the lock only to read and put back: the code may wait on keyed samples)
     torch_before = _torch_rng()
-    _open_for_threads(watch, _RefuseInThread)  # the threads this thread starts in the block
     try:
-        yield
+        with host:
+            _open_for_threads(watch, _refuse_in_thread)  # the threads this thread starts in the block
+            try:
+                yield
+            finally:
+                _close_for_threads()
+                watch.open = False
     finally:
-        _close_for_threads()
-        watch.open = False
-        advanced = [name for name, state in before.items() if not _same(_generator_states().get(name), state)]
-        for name in advanced:
-            _restore(name, before[name])
-        drawn_elsewhere = _torch_rng_moved(torch_before)
+        # a draw while nothing made outside entered: another thread's own (an eager model built beside)
+        drawn_elsewhere = bool(watch.outside) and _torch_rng_moved(torch_before)
         if drawn_elsewhere:
             torch.default_generator.set_state(torch_before[1])
+    advanced = [_HOST_NAMES[name] for name in host.drew]
     if advanced:
         raise UnkeyedRandomnessError(
             f"{site}: init code drew from the global generator of {' and '.join(advanced)}: its values would depend on "
@@ -210,32 +199,29 @@ def watched(site: str) -> Iterator[None]:
             f"by the tensor it lands in) or keyinit.random; the generator's state was put back")
     if drawn_elsewhere:
         raise UnkeyedRandomnessError(
-            f"{site}: torch's global RNG was drawn from while the code ran, by a thread the capture does not record "
-            f"(one running before it started: a pool a library keeps); those values would be kept as constants, "
-            f"different on two ranks: build the modules and draw in the calling thread; torch's RNG was put back")
+            f"{site}: torch's global RNG was drawn from while the code ran, by a thread the capture does not record, "
+            f"and the code's result holds tensors made outside the capture (such as {', '.join(watch.outside)}): "
+            f"keyinit cannot tell whether they hold those draws (a thread running before the capture, such as a pool "
+            f"a library keeps, would have them kept as constants, different on two ranks) or another thread drew for "
+            f"its own use (a model built eagerly there); build the modules and draw in the calling thread, and build "
+            f"other models before or after, or on meta; torch's RNG was put back")
     if watch.refused:
         raise UnkeyedRandomnessError(_thread_message(site, watch.refused[0]))
 
 
-class _RefuseDrawsInThread(TorchDispatchMode):
+def _refuse_draws_in_thread(watch: _Watch) -> RefuseDraws:
     """Pushed in a thread started inside a keyed sample: while the sample runs, every random op there is
     refused (deterministic ops, such as decoding, run)."""
 
-    def __init__(self, watch: _Watch) -> None:
-        super().__init__()
-        self.watch = watch
+    def refuse(func: Any) -> None:
+        name = threading.current_thread().name
+        watch.refused.append(name)
+        raise UnkeyedRandomnessError(
+            f"{watch.site}: a random op ({func}) in a thread started while the sample was read ({name}); "
+            "keyinit keys the randomness of the thread that reads the sample, so this draw would come from "
+            "torch's global RNG and differ on every read: augment in the calling thread")
 
-    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
-        from keyinit._engine.programs.random_ops import is_random
-
-        if self.watch.open and is_random(func):
-            name = threading.current_thread().name
-            self.watch.refused.append(name)
-            raise UnkeyedRandomnessError(
-                f"{self.watch.site}: a random op ({func}) in a thread started while the sample was read ({name}); "
-                "keyinit keys the randomness of the thread that reads the sample, so this draw would come from "
-                "torch's global RNG and differ on every read: augment in the calling thread")
-        return func(*args, **(kwargs or {}))
+    return RefuseDraws(refuse, lambda func, args, kwargs: watch.open and is_random(func))
 
 
 class ThreadDrawsRefused:
@@ -250,7 +236,7 @@ class ThreadDrawsRefused:
 
     def __enter__(self) -> "ThreadDrawsRefused":
         watch = self.watch
-        _open_for_threads(watch, _RefuseDrawsInThread)
+        _open_for_threads(watch, _refuse_draws_in_thread)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -36,6 +36,7 @@ from keyinit._engine.capture.capture import Capture, LazyTensor
 from keyinit._engine.capture.escape import concretize_attributes, escaped_values, forget_escaped, swap_in
 from keyinit._engine.programs.guard import ModelState
 from keyinit._engine.deferred.lazy import check_lazy
+from keyinit._engine.capture.outside import came_from_outside
 from keyinit._engine.programs.program import StridedView, Literal, Node, Read, Storage, Write
 
 __all__ = ["deferred", "ConstructorRecord", "record_of", "origin_of", "renumbered_as", "seed_storage", "RECORD_ATTRIBUTE"]
@@ -142,6 +143,7 @@ def deferred(fn: Callable[..., M], /, *args: Any, **kwargs: Any) -> M:
         with capture.active(f"{builder}(...)", "constructor"):
             with torch.enable_grad():  # constructors run with grad mode as usual (Parameter flags)
                 model = fn(*args, **kwargs)
+            _note_real(model)  # real tensors it holds may hold a pool thread's draws (keyinit._engine.capture.outside)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"keyinit.deferred: {builder} returned {type(model).__name__}, not an nn.Module")
         check_lazy(model, f"keyinit.deferred({builder})")
@@ -152,6 +154,14 @@ def deferred(fn: Callable[..., M], /, *args: Any, **kwargs: Any) -> M:
         forget_escaped(capture)  # no stand-in left in an lru_cache for later eager code
         raise
     return model
+
+
+def _note_real(model: Any) -> None:
+    """Tell the open capture which of ``model``'s tensors were made outside it (real, not stand-ins)."""
+    if isinstance(model, torch.nn.Module):
+        for fqn, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if not isinstance(tensor, LazyTensor) and tensor.device.type != "meta":
+                came_from_outside(tensor, fqn)
 
 
 def _given(args: tuple, kwargs: dict) -> tuple[list[torch.nn.Module], list[tuple[str, torch.Tensor]]]:

@@ -17,14 +17,14 @@ between layouts and would advance the global RNG. The refusal is an
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from keyinit._engine.programs.random_ops import is_random
+from keyinit._engine.programs.refusal import RefuseDraws
 from keyinit.errors import PlanError, UnkeyedRandomnessError
 
 __all__ = ["ModelState", "model_kept", "no_writes", "run_fill", "storages_of"]
@@ -183,19 +183,17 @@ def model_kept(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]
         yield
 
 
-class _RefuseDraws(TorchDispatchMode):
-    def __init__(self, what: str, fill: Any) -> None:
-        super().__init__()
-        self.what, self.fill = what, fill
+def _refuse_draw(what: str, fill: Any) -> Callable[[Any], None]:
+    """How :func:`run_fill` refuses a draw of ``fill``, the initializer of ``what``."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if is_random(func):
-            raise UnkeyedRandomnessError(
-                f"{self.what}: the initializer {self.fill!r} called {func}, which draws from torch's random number "
-                "generator: its values would not be keyed (they would depend on the RNG state and on the layout). "
-                "Draw with keyinit.random.* and the key the initializer is given (key, target.global_shape, "
-                "region=target.region, out=target.out)")
-        return func(*args, **(kwargs or {}))
+    def refuse(func: Any) -> None:
+        raise UnkeyedRandomnessError(
+            f"{what}: the initializer {fill!r} called {func}, which draws from torch's random number "
+            "generator: its values would not be keyed (they would depend on the RNG state and on the layout). "
+            "Draw with keyinit.random.* and the key the initializer is given (key, target.global_shape, "
+            "region=target.region, out=target.out)")
+
+    return refuse
 
 
 def run_fill(fill: Any, key: Any, target: Any) -> None:
@@ -203,5 +201,5 @@ def run_fill(fill: Any, key: Any, target: Any) -> None:
     if type(fill).__module__.startswith("keyinit."):
         fill(key, target)
         return
-    with _RefuseDraws(target.fqn, fill):
+    with RefuseDraws(_refuse_draw(target.fqn, fill)):
         fill(key, target)

@@ -173,7 +173,7 @@ class _Graph:
 
         if call is None:  # outside keyed: fine if the graph draws nothing
             probe = _probe(self.owner)
-            with torch.no_grad(), _Untrapped(), Restoring(args), _RefuseDraws(probe):
+            with torch.no_grad(), _Untrapped(), Restoring(args), _refuse_draws(probe):
                 traced = make_fx(lambda *a: self.gm(*a), tracing_mode="real")(*args)
             return _Entry(self.owner.inner(traced, list(args)), False, [], [])
         capacity = _CAPACITY
@@ -302,29 +302,13 @@ def _probe(owner: "KeyedCompiled") -> Callable[[Any], None]:
     return refuse
 
 
-class _RefuseDraws:
-    """A dispatch mode that refuses every random op that draws (outside keyed)."""
+def _refuse_draws(refuse: Callable[[Any], None]) -> Any:
+    """keyinit's mode that refuses draws (:mod:`keyinit._engine.programs.refusal`): every random op that draws (outside keyed)."""
+    from keyinit._engine.programs.random_ops import is_random
+    from keyinit._engine.programs.refusal import RefuseDraws
+    from keyinit.nn._forward.modes import draws_nothing
 
-    def __init__(self, refuse: Callable[[Any], None]) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        from keyinit._engine.programs.random_ops import is_random
-        from keyinit.nn._forward.modes import draws_nothing
-
-        class Refuse(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if is_random(func) and not draws_nothing(func, args, kwargs):
-                    refuse(func)
-                return func(*args, **kwargs)
-
-        self.mode = Refuse()
-
-    def __enter__(self) -> None:
-        self.mode.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.mode.__exit__(*exc)
+    return RefuseDraws(refuse, lambda func, args, kwargs: is_random(func) and not draws_nothing(func, args, kwargs))
 
 
 # ----------------------------------------------------------------------------- eager random ops: refused

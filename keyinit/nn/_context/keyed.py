@@ -63,7 +63,7 @@ from keyinit.nn._recompute.checkpoint import hand_recomputes, hold_guards, ungua
 from keyinit.nn._context.unhanded import watch
 from keyinit.nn._context.copies import hold_getstate
 from keyinit.nn._context.fullgraph import refuse_full_graph, warn_if_compiled
-from keyinit.nn._context.unwrapped import refuse_unwrapped_chunk, surface_chunk_error
+from keyinit.nn._context.unwrapped import hold_chunk_marks, refuse_unwrapped_chunk, surface_chunk_error
 from keyinit.nn._context.frames import (FrameStack, MicroBatch, UNMATCHED_RECOMPUTE, later_block, _ThreadState,
                                       _grad_enabled, _saved_tensor_hooks, _saved_tensor_hooks_active,
                                       _top_dispatch_mode, _top_function_mode)
@@ -413,6 +413,7 @@ class Keyed(FrameStack):
         self._holds_getstate = True  # (and keyinit's guards on checkpoints: named blocks too)
         hold_getstate(1)
         hold_guards(1)
+        hold_chunk_marks(1)
         if isinstance(self.model, Named):  # one root forward for the whole block, its inputs as given
             _active().append(self)
             with _entered_lock:
@@ -516,6 +517,7 @@ class Keyed(FrameStack):
             self._holds_getstate = False
             hold_getstate(-1)
             hold_guards(-1)
+            hold_chunk_marks(-1)
         vars(self._local).clear()  # (this thread's state: its modes hold the context)
         self._shared_post_hook, self._owner, self._local = None, None, threading.local()
 
@@ -547,6 +549,7 @@ class Keyed(FrameStack):
                 self._holds_getstate = True
                 hold_getstate(1)
                 hold_guards(1)
+                hold_chunk_marks(1)
         stack.append(self)
         try:
             yield self

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from keyinit.keys import as_int
+from keyinit.nn._context.unwrapped import wrapped_chunk
 
 __all__ = ["micro_batches", "chunk_offsets"]
 
@@ -83,7 +84,7 @@ class micro_batches:
         def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             ctx.probing = False
             try:
-                with ctx.micro_batch(self._offset(fwd_chunk_id)):
+                with wrapped_chunk(), ctx.micro_batch(self._offset(fwd_chunk_id)):  # (keyinit.nn._context.unwrapped)
                     return original(fwd_chunk_id, *args, **kwargs)
             finally:
                 ctx.probing = True
