@@ -389,7 +389,9 @@ def stochastic_round_words(words: torch.Tensor, x: torch.Tensor, dtype: torch.dt
     return to_dtype(round_bits(x.detach().reshape(-1), word, TARGETS[dtype]), dtype).reshape(x.shape)
 
 
-@torch.compiler.disable
+# torch._disable_dynamo, not torch.compiler.disable: the same graph break, but torch._dynamo (and with it
+# triton, ~0.3 s) is imported at the first call, not when keyinit is imported.
+@torch._disable_dynamo
 def _region_index(x: torch.Tensor, global_shape: Optional[ShapeLike], region: RegionLike) -> torch.Tensor:
     """The global flat indices of ``x``'s elements, ``full[region]`` of ``global_shape`` (outside any graph)."""
     _, normalized, _ = _round_target(x, global_shape, region)
