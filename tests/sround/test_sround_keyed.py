@@ -167,3 +167,19 @@ def test_global_rng_untouched():
     with keyinit.nn.keyed(grad_model, SEED, step=0):
         grad_model(xs).sum().backward()
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_under_keyinit_nn_compile_the_values_are_the_eager_forwards():
+    """keyinit.nn.compile cannot keep the refusal's check in its graph: the module runs eagerly (with
+    compile's warning) and rounds as the eager forward does."""
+    model, x = Act(torch.bfloat16), _data(6)
+    with keyinit.nn.keyed(model, SEED, step=1):
+        eager = model(x)
+    compiled = keyinit.nn.compile(model, backend="eager")
+    with pytest.warns(UserWarning, match="runs eagerly under keyinit.nn.keyed"):
+        with keyinit.nn.keyed(compiled, SEED, step=1):
+            whole = compiled(x)
+    with keyinit.nn.keyed(compiled, SEED, step=1, sample_offset=2):
+        rows = compiled(x[2:])
+    assert torch.equal(whole.view(torch.int16), eager.view(torch.int16))
+    assert torch.equal(rows.view(torch.int16), eager[2:].view(torch.int16))
