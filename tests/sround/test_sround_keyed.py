@@ -183,3 +183,27 @@ def test_under_keyinit_nn_compile_the_values_are_the_eager_forwards():
         rows = compiled(x[2:])
     assert torch.equal(whole.view(torch.int16), eager.view(torch.int16))
     assert torch.equal(rows.view(torch.int16), eager[2:].view(torch.int16))
+
+
+def test_backward_values_are_17_8s_per_row_keys():
+    """Row ``s``'s gradient is keyinit.random.stochastic_round under the key of the two words the forward's
+    keyed ``randint_like`` of a ``(rows, 2)`` tensor gives row ``s`` (docs/spec.md 17.8)."""
+
+    class Keys(torch.nn.Module):
+        def forward(self, x):
+            return torch.randint_like(x.reshape(x.shape[0], -1)[:, :1].expand(-1, 2), 0, 1 << 32,
+                                      dtype=torch.int64)
+
+    model, x = Grad(torch.float16, 8), _data(4)
+    c = _data(4, seed=2)
+    xs = x.clone().requires_grad_(True)
+    with keyinit.nn.keyed(model, SEED, step=5, sample_offset=3):
+        (model(xs) * c).sum().backward()
+    probe = Keys()
+    with keyinit.nn.keyed(probe, SEED, step=5, sample_offset=3):
+        keys = probe(x)
+    incoming = (c * model.scale).detach()
+    for s in range(4):
+        key = keyinit.Key(int(keys[s, 0]), int(keys[s, 1]))
+        want = keyinit.random.stochastic_round(key, incoming[s], torch.float16).float()
+        assert torch.equal(xs.grad[s], want)
