@@ -12,7 +12,8 @@ global index):
 - :func:`compile`: ``torch.compile`` for keyed forwards (keys and offsets are graph inputs);
 - :func:`checkpoint`: ``torch.utils.checkpoint.checkpoint`` whose recompute is keyed as its first execution;
 - :func:`dropout_key`: the key ``keyed`` gives a call (``docs/spec.md`` section 14);
-- :class:`Randomness`: ``keyed(randomness=)``, how a keyed forward indexes, numbers and seeds its draws.
+- :class:`Randomness`: ``keyed(randomness=)``, how a keyed forward indexes, numbers and seeds its draws;
+- :func:`stochastic_round`, :func:`stochastic_round_grad`: keyed stochastic rounding of activations and gradients.
 
 See ``docs/dropout.md``.
 """
@@ -25,6 +26,7 @@ from keyinit.nn._context.pipeline import micro_batches
 from keyinit.nn._ops.keys import DROPOUT_DOMAIN, dropout_key
 from keyinit.nn.modules import Dropout
 from keyinit.nn.policy import Randomness
+from keyinit.nn.sround import stochastic_round, stochastic_round_grad
 
 __all__ = ["functional", "Dropout", "keyed", "Keyed", "batch_dim", "checkpoint", "micro_batches", "compile", "KeyedCompiled",
-           "dropout_key", "DROPOUT_DOMAIN", "Randomness"]
+           "dropout_key", "DROPOUT_DOMAIN", "Randomness", "stochastic_round", "stochastic_round_grad"]

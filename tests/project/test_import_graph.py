@@ -144,7 +144,7 @@ NN_FLOORS = (
     ("_recompute",),  # checkpointing's recomputes
     ("_forward",),  # a running forward: its modes and what its draws become
     ("_context",),  # the keyed() context: hooks, frames, entry points, pipelines
-    ("_compiled", "modules"),  # keyinit.nn.compile; keyinit.nn.Dropout
+    ("_compiled", "modules", "sround"),  # keyinit.nn.compile; keyinit.nn.Dropout; keyed SR of activations/gradients
 )
 
 
