@@ -270,9 +270,13 @@ def test_a_direct_call_of_a_submodule_inside_keyed_is_keyed_as_under_the_plain_m
 class Random(nn.Module):
     """A small model drawn from ``rng``: some of dropout, BatchNorm, an in-place counter, a reassigned one."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, checkpointed: bool = False) -> None:
         super().__init__()
         self.parts = [p for p in ("drop", "bn", "written", "reassigned", "fdrop") if rng.random() < 0.6]
+        if checkpointed:  # a checkpointed block (linear, dropout) somewhere among the parts
+            self.parts.insert(rng.randrange(len(self.parts) + 1), "ckpt")
+            self.reentrant = rng.random() < 0.5
+            self.block = nn.Sequential(nn.Linear(4, 4), nn.Dropout(rng.choice([0.2, 0.5])))
         if "drop" not in self.parts and "fdrop" not in self.parts:
             self.parts.append("drop")
         rng.shuffle(self.parts)
@@ -295,6 +299,8 @@ class Random(nn.Module):
             elif part == "reassigned":
                 self.reassigned = self.reassigned + 1
                 x = x * self.reassigned
+            elif part == "ckpt":
+                x = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
             else:
                 x = F.dropout(x, 0.25, self.training)
         return x
@@ -318,3 +324,66 @@ def test_property_compiled_keyed_steps_equal_eager_keyed(seed):
         torch.testing.assert_close(yc, ye, rtol=1e-5, atol=1e-5)
     _buffers_equal(plain, eager)
     del state
+
+
+def _grads(model: nn.Module) -> dict:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _checkpointed_steps(seed: int, backend: str) -> None:
+    """A random model with a checkpointed block, trained 3 keyed steps eagerly and under keyinit.nn.compile
+    (backward inside the block: the recompute's draws repeat the first execution's): equal masks, outputs,
+    gradients and buffers, and torch's generator untouched."""
+    eager, plain = _twins(lambda: Random(random.Random(seed), checkpointed=True))
+    assert eager.parts == plain.parts and "ckpt" in eager.parts
+    compiled = knn.compile(plain, backend=backend)
+    x = _x(random.Random(seed).choice([3, 6]))
+    state = torch.get_rng_state()
+    for step in range(3):
+        for model in (eager, plain):
+            model.zero_grad(set_to_none=True)
+        # (masks recorded in the forwards: the backward's kernel calls mask the gradient, whose zeros are
+        # elsewhere; the recompute's draws show in the gradients)
+        with knn.keyed(eager, seed, step=step):
+            with kernel_masks() as eager_masks:
+                ye = eager(x.clone().requires_grad_())
+            ye.square().sum().backward()
+        with knn.keyed(compiled, seed, step=step):
+            with kernel_masks() as compiled_masks:
+                yc = compiled(x.clone().requires_grad_())
+            yc.square().sum().backward()
+        assert eager_masks == compiled_masks and eager_masks, (eager.parts, step)
+        torch.testing.assert_close(yc, ye, rtol=1e-5, atol=1e-5)
+        ge, gc = _grads(eager), _grads(plain)
+        assert ge.keys() == gc.keys() and ge
+        for name in ge:
+            torch.testing.assert_close(gc[name], ge[name], rtol=1e-4, atol=1e-5, msg=name)
+    _buffers_equal(plain, eager)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in plain.modules())  # nothing of keyinit left
+
+
+@pytest.mark.parametrize("seed", range(4, 8))
+def test_property_compiled_checkpointed_keyed_steps_equal_eager_keyed(seed):
+    _checkpointed_steps(seed, "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed,checkpointed", [(8, False), (9, True)])
+def test_property_inductor_keyed_steps_equal_eager_keyed(seed, checkpointed):
+    """The same property under inductor (its decompositions and fused kernels: outputs with a tolerance, masks
+    bitwise), one random model with and one without a checkpointed block."""
+    if checkpointed:
+        _checkpointed_steps(seed, "inductor")
+        return
+    eager, plain = _twins(lambda: Random(random.Random(seed)))
+    compiled = knn.compile(plain, backend="inductor")
+    x = _x(random.Random(seed).choice([3, 6]))
+    for step in range(3):
+        with kernel_masks() as eager_masks, knn.keyed(eager, seed, step=step):
+            ye = eager(x)
+        with kernel_masks() as compiled_masks, knn.keyed(compiled, seed, step=step):
+            yc = compiled(x)
+        assert eager_masks == compiled_masks and eager_masks, (eager.parts, step)
+        torch.testing.assert_close(yc, ye, rtol=1e-5, atol=1e-5)
+    _buffers_equal(plain, eager)
