@@ -67,6 +67,17 @@ def _run_start(pos: torch.Tensor) -> Optional[int]:
     return first if n == 1 or bool((pos[1:] - pos[:-1] == 1).all()) else None
 
 
+def _unique_inverse(coord: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(coord, sorted=True, return_inverse=True)`` for coordinates below ``size``:
+    by a mask of ``size`` entries (linear time) where that is not much more than ``coord``."""
+    if size > 4 * int(coord.numel()) + 4096:
+        return torch.unique(coord, sorted=True, return_inverse=True)
+    seen = torch.zeros(size, dtype=torch.bool, device=_CPU)
+    seen[coord] = True
+    rank = torch.cumsum(seen, 0) - 1
+    return seen.nonzero().reshape(-1), rank[coord]
+
+
 def _arange(n: int) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int64, device=_CPU)
 
@@ -140,11 +151,21 @@ class Evaluator:
             return out
         if not node.element_local or not node.shape:
             return self.full(node).reshape(-1)[pos]
-        # Fans depend on the shape: draw the smallest box of the shape that holds the positions.
+        # Fans depend on the shape: draw a box of the shape that holds the positions (an element's
+        # value depends only on the key, the shape and its index, not on the box it is drawn in).
+        first = _run_start(pos)
+        if first is not None:  # a run (a whole tensor, a row shard, a part of a cat): whole rows
+            row = math.prod(node.shape[1:])
+            low, high = first // row, (first + n - 1) // row + 1
+            if (high - low) * row <= 4 * n + 4096:
+                region = make_region(node.shape, (range(low, high),) + tuple(range(s) for s in node.shape[1:]))
+                out = torch.empty(region.region_shape, dtype=node.dtype, device=_CPU)
+                run_fill(node.fill, key, Target(node.what, region, out))
+                return out.reshape(-1)[first - low * row:first - low * row + n]
         coords = unravel(pos, node.shape)
         uniques, inverses = [], []
-        for coord in coords:
-            unique, inverse = torch.unique(coord, sorted=True, return_inverse=True)
+        for coord, size in zip(coords, node.shape):
+            unique, inverse = _unique_inverse(coord, size)
             uniques.append(unique)
             inverses.append(inverse)
         if math.prod(int(u.numel()) for u in uniques) > 4 * n + 4096:
@@ -201,6 +222,9 @@ class Evaluator:
         return result.expand(int(pos.numel())) if result.numel() == 1 else result
 
     def _cat_at(self, node: Cat, pos: torch.Tensor) -> torch.Tensor:
+        first = _run_start(pos)
+        if first is not None:
+            return self._cat_run(node, first, int(pos.numel()))
         coords = unravel(pos, node.shape)
         along = coords[node.dim]
         sizes = [1 if node.stack else arg.shape[node.dim] for arg in node.args]
@@ -218,6 +242,31 @@ class Evaluator:
                 local[node.dim] = local[node.dim] - int(starts[i])
             flat = ravel(local, arg.shape) if arg.shape else torch.zeros_like(hit)
             out[hit] = self.at(arg, flat).to(node.dtype)
+        return out
+
+    def _cat_run(self, node: Cat, first: int, n: int) -> torch.Tensor:
+        """``node`` at the run ``[first, first + n)``: each part's elements in it are a run of
+        the part's own flat indices (a cat keeps each part's row-major order), evaluated as one."""
+        inner = math.prod(node.shape[node.dim + 1:])
+        span = node.shape[node.dim] * inner  # elements of one index of the dims before ``dim``
+        out = torch.empty(n, dtype=node.dtype, device=_CPU)
+        start = 0
+        for arg in node.args:
+            size = 1 if node.stack else arg.shape[node.dim]
+            block, offset = size * inner, start * inner  # the part's elements per outer index, where
+            start += size
+            if not block:
+                continue
+
+            def before(p: int) -> int:  # the part's elements at output positions below p
+                return (p // span) * block + min(max(p % span - offset, 0), block)
+
+            low, high = before(first), before(first + n)
+            if low == high:
+                continue
+            flat = torch.arange(low, high, dtype=torch.int64, device=_CPU)
+            where = torch.div(flat, block, rounding_mode="floor") * span + (flat % block) + (offset - first)
+            out[where] = self.at(arg, flat).to(node.dtype)
         return out
 
     def storage_at(self, version: Version, spos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
