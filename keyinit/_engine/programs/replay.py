@@ -265,8 +265,11 @@ class Evaluator:
             if low == high:
                 continue
             flat = torch.arange(low, high, dtype=torch.int64, device=_CPU)
-            where = torch.div(flat, block, rounding_mode="floor") * span + (flat % block) + (offset - first)
-            out[where] = self.at(arg, flat).to(node.dtype)
+            values = self.at(arg, flat).to(node.dtype)
+            if first % span == 0 and n % span == 0:  # whole outer indices: the part is a column block
+                out.view(-1, span)[:, offset:offset + block] = values.view(-1, block)
+                continue
+            out[torch.div(flat, block, rounding_mode="floor") * span + (flat % block) + (offset - first)] = values
         return out
 
     def storage_at(self, version: Version, spos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -368,12 +371,30 @@ def _write_chunks(evaluator: Evaluator, node: Node, target: Target) -> None:
     region = target.region
     out = target.out
     flat_out = out.reshape(-1) if out.is_contiguous() else None
+    base = _region_run_start(region)
     for start, stop in region.chunks(CHUNK):
-        values = evaluator.at(node, region.flat_indices(start, stop))
+        values = evaluator.at(node, region.flat_indices(start, stop) if base is None else
+                              torch.arange(base + start, base + stop, dtype=torch.int64, device=_CPU))
         if flat_out is not None:
             flat_out[start:stop].copy_(values)
         else:
             _scatter(out, start, stop, values)
+
+
+def _region_run_start(region) -> Optional[int]:
+    """The global flat index of the region's first element if its elements are consecutive
+    global positions in row-major order (leading single indices, one range, whole trailing
+    dims: a whole tensor or a row shard), else ``None``."""
+    base, whole_tail = 0, True
+    for entry, size, stride in zip(reversed(region.entries), reversed(region.shape), reversed(region.strides)):
+        if not isinstance(entry, range) or (entry.step != 1 and len(entry) > 1):
+            return None
+        if not whole_tail and len(entry) > 1:
+            return None
+        if len(entry):
+            base += entry.start * stride
+        whole_tail = whole_tail and len(entry) == size
+    return base
 
 
 def _scatter(out: torch.Tensor, start: int, stop: int, values: torch.Tensor) -> None:
