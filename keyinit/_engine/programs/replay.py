@@ -154,14 +154,10 @@ class Evaluator:
         # Fans depend on the shape: draw a box of the shape that holds the positions (an element's
         # value depends only on the key, the shape and its index, not on the box it is drawn in).
         first = _run_start(pos)
-        if first is not None:  # a run (a whole tensor, a row shard, a part of a cat): whole rows
-            row = math.prod(node.shape[1:])
-            low, high = first // row, (first + n - 1) // row + 1
-            if (high - low) * row <= 4 * n + 4096:
-                region = make_region(node.shape, (range(low, high),) + tuple(range(s) for s in node.shape[1:]))
-                out = torch.empty(region.region_shape, dtype=node.dtype, device=_CPU)
-                run_fill(node.fill, key, Target(node.what, region, out))
-                return out.reshape(-1)[first - low * row:first - low * row + n]
+        if first is not None:
+            values = self._random_run(node, first, n)
+            if values is not None:
+                return values
         coords = unravel(pos, node.shape)
         uniques, inverses = [], []
         for coord, size in zip(coords, node.shape):
@@ -174,6 +170,37 @@ class Evaluator:
         out = torch.empty(region.region_shape, dtype=node.dtype, device=_CPU)
         run_fill(node.fill, key, Target(node.what, region, out))
         return out.reshape(-1)[ravel(inverses, region.region_shape)]
+
+    def _random_run(self, node: Random, first: int, n: int) -> Optional[torch.Tensor]:
+        """A shaped, element-local draw at the run ``[first, first + n)`` (a whole tensor, a row
+        shard, a part of a cat), drawn as the whole rows that hold it; ``None`` when those rows are
+        much more than the run."""
+        row = math.prod(node.shape[1:])
+        low, high = first // row, (first + n - 1) // row + 1
+        if (high - low) * row > 4 * n + 4096:
+            return None
+        region = make_region(node.shape, (range(low, high),) + tuple(range(s) for s in node.shape[1:]))
+        out = torch.empty(region.region_shape, dtype=node.dtype, device=_CPU)
+        run_fill(node.fill, self.key(node), Target(node.what, region, out))
+        return out.reshape(-1)[first - low * row:first - low * row + n]
+
+    def run(self, node: Node, first: int, n: int) -> torch.Tensor:
+        """``at(node, positions first .. first + n - 1)``, without building the positions where a
+        run of the node is a run of its input (a cat's parts, a read of a whole buffer, a draw)."""
+        if n > 0:
+            if isinstance(node, Cat):
+                return self._cat_run(node, first, n)
+            if isinstance(node, Read) and node.geometry.is_identity(root_of(node.version).storage.numel):
+                version = node.version  # as storage_at: a latest write that covers the buffer in order
+                if isinstance(version, Write) and version.geometry.is_identity(root_of(version).storage.numel):
+                    return self.run(version.value, first, n)
+            # (an evaluator that draws its own way, overriding _random_at, keeps its way)
+            if isinstance(node, Random) and node.element_local and node.shape and not node.by_index and \
+                    type(self)._random_at is Evaluator._random_at:
+                values = self._random_run(node, first, n)
+                if values is not None:
+                    return values
+        return self.at(node, torch.arange(first, first + n, dtype=torch.int64, device=_CPU))
 
     def _pointwise_at(self, node: Pointwise, pos: torch.Tensor) -> torch.Tensor:
         if node.exact:
@@ -264,11 +291,11 @@ class Evaluator:
             low, high = before(first), before(first + n)
             if low == high:
                 continue
-            flat = torch.arange(low, high, dtype=torch.int64, device=_CPU)
-            values = self.at(arg, flat).to(node.dtype)
+            values = self.run(arg, low, high - low).to(node.dtype)
             if first % span == 0 and n % span == 0:  # whole outer indices: the part is a column block
                 out.view(-1, span)[:, offset:offset + block] = values.view(-1, block)
                 continue
+            flat = torch.arange(low, high, dtype=torch.int64, device=_CPU)
             out[torch.div(flat, block, rounding_mode="floor") * span + (flat % block) + (offset - first)] = values
         return out
 
@@ -373,8 +400,8 @@ def _write_chunks(evaluator: Evaluator, node: Node, target: Target) -> None:
     flat_out = out.reshape(-1) if out.is_contiguous() else None
     base = _region_run_start(region)
     for start, stop in region.chunks(CHUNK):
-        values = evaluator.at(node, region.flat_indices(start, stop) if base is None else
-                              torch.arange(base + start, base + stop, dtype=torch.int64, device=_CPU))
+        values = evaluator.at(node, region.flat_indices(start, stop)) if base is None else \
+            evaluator.run(node, base + start, stop - start)
         if flat_out is not None:
             flat_out[start:stop].copy_(values)
         else:
