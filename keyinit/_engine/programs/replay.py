@@ -472,17 +472,26 @@ def _partial_write(evaluator: Evaluator, write: Write, program: SlotProgram, tar
         view_coord.append(torch.div(rel[where], step, rounding_mode="floor") if step else torch.zeros_like(where))
     view_strides = row_major_strides(write.geometry.size)
     shape = tuple(int(w.numel()) for w in local)
-    vpos = torch.zeros(shape, dtype=torch.int64, device=_CPU)
-    for d, (_start, _step, _count, view_dim) in enumerate(structure):
-        if view_dim is None:
-            continue
-        index_shape = [1] * len(shape)
-        index_shape[d] = shape[d]
-        vpos = vpos + view_coord[d].reshape(index_shape) * view_strides[view_dim]
-    values = evaluator.at(write.value, vpos.reshape(-1)).reshape(shape)
+    vfirst = _view_run(structure, view_coord, write.geometry.size) if shape else None
+    if vfirst is not None:  # the elements written here are consecutive elements of the view
+        values = evaluator.run(write.value, vfirst, math.prod(shape)).reshape(shape)
+    else:
+        vpos = torch.zeros(shape, dtype=torch.int64, device=_CPU)
+        for d, (_start, _step, _count, view_dim) in enumerate(structure):
+            if view_dim is None:
+                continue
+            index_shape = [1] * len(shape)
+            index_shape[d] = shape[d]
+            vpos = vpos + view_coord[d].reshape(index_shape) * view_strides[view_dim]
+        values = evaluator.at(write.value, vpos.reshape(-1)).reshape(shape)
     out = target.out
     if not shape:
         out.copy_(values.reshape(()))
+        return
+    starts = [_run_start(where) for where in local]
+    if all(start is not None for start in starts):  # a box of the target: slices, not index tensors
+        box = tuple(slice(start, start + size) for start, size in zip(starts, shape))
+        out[box] = values.to(device=out.device, dtype=out.dtype)
         return
     index = []
     for d, where in enumerate(local):
@@ -490,6 +499,31 @@ def _partial_write(evaluator: Evaluator, write: Write, program: SlotProgram, tar
         index_shape[d] = shape[d]
         index.append(where.reshape(index_shape).to(out.device))
     out[tuple(index)] = values.to(device=out.device, dtype=out.dtype)
+
+
+def _view_run(structure: list, view_coord: list, size: tuple[int, ...]) -> Optional[int]:
+    """The row-major index in the view of size ``size`` of the first element a partial write
+    touches, if the touched elements (buffer dims in order) are consecutive elements of the view,
+    else ``None``: each view dim's coordinates a run, the view dims in buffer-dim order, and
+    every view dim after the first one touched more than once whole."""
+    runs = {}
+    order = []
+    for d, (_start, _step, _count, view_dim) in enumerate(structure):
+        if view_dim is None:
+            continue
+        first = _run_start(view_coord[d])
+        if first is None or (order and view_dim < order[-1]):
+            return None
+        runs[view_dim] = (first, int(view_coord[d].numel()))
+        order.append(view_dim)
+    vfirst, whole_tail = 0, True
+    for k in reversed(range(len(size))):
+        first, count = runs.get(k, (0, 1))
+        if count > 1 and not whole_tail:
+            return None
+        vfirst += first * row_major_strides(size)[k]
+        whole_tail = whole_tail and count == size[k]
+    return vfirst
 
 
 def _partial_write_general(evaluator: Evaluator, write: Write, target: Target) -> None:
