@@ -12,7 +12,12 @@ evaluating a node gives the same bits:
   node's own flat indices, at most :data:`CALL` elements per torch call, so every
   element takes the same vectorized code path whatever region was asked for
   (torch's CPU kernels switch between SIMD bodies and scalar tails by position);
-- data movement (views, copies, ``cat``, dtype conversion) is exact.
+- data movement (views, copies, ``cat``, dtype conversion) is exact;
+- a run of consecutive positions (a whole tensor, a row shard, a chunk of one) is evaluated
+  without listing them where the node allows (:meth:`Evaluator.run`): a draw as the whole rows
+  that hold the run, each part of a ``cat`` as the one run of its own elements the run holds
+  (torchtitan's fused q/k/v weights), a read of a whole buffer as its latest whole write. Only
+  the work changes, never a value: an element's draw depends on its index, not on the box.
 
 :func:`write_target` writes one model tensor's program into a
 :class:`keyinit.layouts.Target` (this process's region): a whole-tensor draw or
@@ -284,11 +289,7 @@ class Evaluator:
             start += size
             if not block:
                 continue
-
-            def before(p: int) -> int:  # the part's elements at output positions below p
-                return (p // span) * block + min(max(p % span - offset, 0), block)
-
-            low, high = before(first), before(first + n)
+            low, high = _part_below(first, span, block, offset), _part_below(first + n, span, block, offset)
             if low == high:
                 continue
             values = self.run(arg, low, high - low).to(node.dtype)
@@ -374,6 +375,12 @@ class Evaluator:
             buffer.as_strided(g.size, g.stride, g.offset).copy_(self.full(write.value))
         written = written_mask(chain, storage.numel)
         return buffer, (None if bool(written.all()) else written)
+
+
+def _part_below(p: int, span: int, block: int, offset: int) -> int:
+    """How many elements of a cat's part (``block`` elements at ``offset`` in every ``span``
+    of the output) lie at output positions below ``p``."""
+    return (p // span) * block + min(max(p % span - offset, 0), block)
 
 
 def _label(version: Version) -> str:
