@@ -281,7 +281,9 @@ class Evaluator:
         the part's own flat indices (a cat keeps each part's row-major order), evaluated as one."""
         inner = math.prod(node.shape[node.dim + 1:])
         span = node.shape[node.dim] * inner  # elements of one index of the dims before ``dim``
-        out = torch.empty(n, dtype=node.dtype, device=_CPU)
+        aligned = first % span == 0 and n % span == 0  # whole outer indices: each part a column block
+        out = None if aligned else torch.empty(n, dtype=node.dtype, device=_CPU)
+        columns = []
         start = 0
         for arg in node.args:
             size = 1 if node.stack else arg.shape[node.dim]
@@ -293,12 +295,12 @@ class Evaluator:
             if low == high:
                 continue
             values = self.run(arg, low, high - low).to(node.dtype)
-            if first % span == 0 and n % span == 0:  # whole outer indices: the part is a column block
-                out.view(-1, span)[:, offset:offset + block] = values.view(-1, block)
+            if out is None:
+                columns.append(values.view(-1, block))
                 continue
             flat = torch.arange(low, high, dtype=torch.int64, device=_CPU)
             out[torch.div(flat, block, rounding_mode="floor") * span + (flat % block) + (offset - first)] = values
-        return out
+        return torch.cat(columns, dim=1).reshape(-1) if out is None else out
 
     def storage_at(self, version: Version, spos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The buffer's values at positions ``spos`` as of ``version``."""
