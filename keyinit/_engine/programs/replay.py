@@ -12,7 +12,12 @@ evaluating a node gives the same bits:
   node's own flat indices, at most :data:`CALL` elements per torch call, so every
   element takes the same vectorized code path whatever region was asked for
   (torch's CPU kernels switch between SIMD bodies and scalar tails by position);
-- data movement (views, copies, ``cat``, dtype conversion) is exact.
+- data movement (views, copies, ``cat``, dtype conversion) is exact;
+- a run of consecutive positions (a whole tensor, a row shard, a chunk of one) is evaluated
+  without listing them where the node allows (:meth:`Evaluator.run`): a draw as the whole rows
+  that hold the run, each part of a ``cat`` as the one run of its own elements the run holds
+  (torchtitan's fused q/k/v weights), a read of a whole buffer as its latest whole write. Only
+  the work changes, never a value: an element's draw depends on its index, not on the box.
 
 :func:`write_target` writes one model tensor's program into a
 :class:`keyinit.layouts.Target` (this process's region): a whole-tensor draw or
@@ -65,6 +70,17 @@ def _run_start(pos: torch.Tensor) -> Optional[int]:
     if int(pos[-1]) - first != n - 1:
         return None
     return first if n == 1 or bool((pos[1:] - pos[:-1] == 1).all()) else None
+
+
+def _unique_inverse(coord: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(coord, sorted=True, return_inverse=True)`` for coordinates below ``size``:
+    by a mask of ``size`` entries (linear time) where that is not much more than ``coord``."""
+    if size > 4 * int(coord.numel()) + 4096:
+        return torch.unique(coord, sorted=True, return_inverse=True)
+    seen = torch.zeros(size, dtype=torch.bool, device=_CPU)
+    seen[coord] = True
+    rank = torch.cumsum(seen, 0) - 1
+    return seen.nonzero().reshape(-1), rank[coord]
 
 
 def _arange(n: int) -> torch.Tensor:
@@ -140,11 +156,17 @@ class Evaluator:
             return out
         if not node.element_local or not node.shape:
             return self.full(node).reshape(-1)[pos]
-        # Fans depend on the shape: draw the smallest box of the shape that holds the positions.
+        # Fans depend on the shape: draw a box of the shape that holds the positions (an element's
+        # value depends only on the key, the shape and its index, not on the box it is drawn in).
+        first = _run_start(pos)
+        if first is not None:
+            values = self._random_run(node, first, n)
+            if values is not None:
+                return values
         coords = unravel(pos, node.shape)
         uniques, inverses = [], []
-        for coord in coords:
-            unique, inverse = torch.unique(coord, sorted=True, return_inverse=True)
+        for coord, size in zip(coords, node.shape):
+            unique, inverse = _unique_inverse(coord, size)
             uniques.append(unique)
             inverses.append(inverse)
         if math.prod(int(u.numel()) for u in uniques) > 4 * n + 4096:
@@ -153,6 +175,37 @@ class Evaluator:
         out = torch.empty(region.region_shape, dtype=node.dtype, device=_CPU)
         run_fill(node.fill, key, Target(node.what, region, out))
         return out.reshape(-1)[ravel(inverses, region.region_shape)]
+
+    def _random_run(self, node: Random, first: int, n: int) -> Optional[torch.Tensor]:
+        """A shaped, element-local draw at the run ``[first, first + n)`` (a whole tensor, a row
+        shard, a part of a cat), drawn as the whole rows that hold it; ``None`` when those rows are
+        much more than the run."""
+        row = math.prod(node.shape[1:])
+        low, high = first // row, (first + n - 1) // row + 1
+        if (high - low) * row > 4 * n + 4096:
+            return None
+        region = make_region(node.shape, (range(low, high),) + tuple(range(s) for s in node.shape[1:]))
+        out = torch.empty(region.region_shape, dtype=node.dtype, device=_CPU)
+        run_fill(node.fill, self.key(node), Target(node.what, region, out))
+        return out.reshape(-1)[first - low * row:first - low * row + n]
+
+    def run(self, node: Node, first: int, n: int) -> torch.Tensor:
+        """``at(node, positions first .. first + n - 1)``, without building the positions where a
+        run of the node is a run of its input (a cat's parts, a read of a whole buffer, a draw)."""
+        if n > 0:
+            if isinstance(node, Cat):
+                return self._cat_run(node, first, n)
+            if isinstance(node, Read) and node.geometry.is_identity(root_of(node.version).storage.numel):
+                version = node.version  # as storage_at: a latest write that covers the buffer in order
+                if isinstance(version, Write) and version.geometry.is_identity(root_of(version).storage.numel):
+                    return self.run(version.value, first, n)
+            # (an evaluator that draws its own way, overriding _random_at, keeps its way)
+            if isinstance(node, Random) and node.element_local and node.shape and not node.by_index and \
+                    type(self)._random_at is Evaluator._random_at:
+                values = self._random_run(node, first, n)
+                if values is not None:
+                    return values
+        return self.at(node, torch.arange(first, first + n, dtype=torch.int64, device=_CPU))
 
     def _pointwise_at(self, node: Pointwise, pos: torch.Tensor) -> torch.Tensor:
         if node.exact:
@@ -201,6 +254,9 @@ class Evaluator:
         return result.expand(int(pos.numel())) if result.numel() == 1 else result
 
     def _cat_at(self, node: Cat, pos: torch.Tensor) -> torch.Tensor:
+        first = _run_start(pos)
+        if first is not None:
+            return self._cat_run(node, first, int(pos.numel()))
         coords = unravel(pos, node.shape)
         along = coords[node.dim]
         sizes = [1 if node.stack else arg.shape[node.dim] for arg in node.args]
@@ -219,6 +275,32 @@ class Evaluator:
             flat = ravel(local, arg.shape) if arg.shape else torch.zeros_like(hit)
             out[hit] = self.at(arg, flat).to(node.dtype)
         return out
+
+    def _cat_run(self, node: Cat, first: int, n: int) -> torch.Tensor:
+        """``node`` at the run ``[first, first + n)``: each part's elements in it are a run of
+        the part's own flat indices (a cat keeps each part's row-major order), evaluated as one."""
+        inner = math.prod(node.shape[node.dim + 1:])
+        span = node.shape[node.dim] * inner  # elements of one index of the dims before ``dim``
+        aligned = first % span == 0 and n % span == 0  # whole outer indices: each part a column block
+        out = None if aligned else torch.empty(n, dtype=node.dtype, device=_CPU)
+        columns = []
+        start = 0
+        for arg in node.args:
+            size = 1 if node.stack else arg.shape[node.dim]
+            block, offset = size * inner, start * inner  # the part's elements per outer index, where
+            start += size
+            if not block:
+                continue
+            low, high = _part_below(first, span, block, offset), _part_below(first + n, span, block, offset)
+            if low == high:
+                continue
+            values = self.run(arg, low, high - low).to(node.dtype)
+            if out is None:
+                columns.append(values.view(-1, block))
+                continue
+            flat = torch.arange(low, high, dtype=torch.int64, device=_CPU)
+            out[torch.div(flat, block, rounding_mode="floor") * span + (flat % block) + (offset - first)] = values
+        return torch.cat(columns, dim=1).reshape(-1) if out is None else out
 
     def storage_at(self, version: Version, spos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The buffer's values at positions ``spos`` as of ``version``."""
@@ -297,6 +379,12 @@ class Evaluator:
         return buffer, (None if bool(written.all()) else written)
 
 
+def _part_below(p: int, span: int, block: int, offset: int) -> int:
+    """How many elements of a cat's part (``block`` elements at ``offset`` in every ``span``
+    of the output) lie at output positions below ``p``."""
+    return (p // span) * block + min(max(p % span - offset, 0), block)
+
+
 def _label(version: Version) -> str:
     while isinstance(version, Write):
         version = version.prev
@@ -319,12 +407,30 @@ def _write_chunks(evaluator: Evaluator, node: Node, target: Target) -> None:
     region = target.region
     out = target.out
     flat_out = out.reshape(-1) if out.is_contiguous() else None
+    base = _region_run_start(region)
     for start, stop in region.chunks(CHUNK):
-        values = evaluator.at(node, region.flat_indices(start, stop))
+        values = evaluator.at(node, region.flat_indices(start, stop)) if base is None else \
+            evaluator.run(node, base + start, stop - start)
         if flat_out is not None:
             flat_out[start:stop].copy_(values)
         else:
             _scatter(out, start, stop, values)
+
+
+def _region_run_start(region) -> Optional[int]:
+    """The global flat index of the region's first element if its elements are consecutive
+    global positions in row-major order (leading single indices, one range, whole trailing
+    dims: a whole tensor or a row shard), else ``None``."""
+    base, whole_tail = 0, True
+    for entry, size, stride in zip(reversed(region.entries), reversed(region.shape), reversed(region.strides)):
+        if not isinstance(entry, range) or (entry.step != 1 and len(entry) > 1):
+            return None
+        if not whole_tail and len(entry) > 1:
+            return None
+        if len(entry):
+            base += entry.start * stride
+        whole_tail = whole_tail and len(entry) == size
+    return base
 
 
 def _scatter(out: torch.Tensor, start: int, stop: int, values: torch.Tensor) -> None:
@@ -375,17 +481,26 @@ def _partial_write(evaluator: Evaluator, write: Write, program: SlotProgram, tar
         view_coord.append(torch.div(rel[where], step, rounding_mode="floor") if step else torch.zeros_like(where))
     view_strides = row_major_strides(write.geometry.size)
     shape = tuple(int(w.numel()) for w in local)
-    vpos = torch.zeros(shape, dtype=torch.int64, device=_CPU)
-    for d, (_start, _step, _count, view_dim) in enumerate(structure):
-        if view_dim is None:
-            continue
-        index_shape = [1] * len(shape)
-        index_shape[d] = shape[d]
-        vpos = vpos + view_coord[d].reshape(index_shape) * view_strides[view_dim]
-    values = evaluator.at(write.value, vpos.reshape(-1)).reshape(shape)
+    vfirst = _view_run(structure, view_coord, write.geometry.size) if shape else None
+    if vfirst is not None:  # the elements written here are consecutive elements of the view
+        values = evaluator.run(write.value, vfirst, math.prod(shape)).reshape(shape)
+    else:
+        vpos = torch.zeros(shape, dtype=torch.int64, device=_CPU)
+        for d, (_start, _step, _count, view_dim) in enumerate(structure):
+            if view_dim is None:
+                continue
+            index_shape = [1] * len(shape)
+            index_shape[d] = shape[d]
+            vpos = vpos + view_coord[d].reshape(index_shape) * view_strides[view_dim]
+        values = evaluator.at(write.value, vpos.reshape(-1)).reshape(shape)
     out = target.out
     if not shape:
         out.copy_(values.reshape(()))
+        return
+    starts = [_run_start(where) for where in local]
+    if all(start is not None for start in starts):  # a box of the target: slices, not index tensors
+        box = tuple(slice(start, start + size) for start, size in zip(starts, shape))
+        out[box] = values.to(device=out.device, dtype=out.dtype)
         return
     index = []
     for d, where in enumerate(local):
@@ -393,6 +508,31 @@ def _partial_write(evaluator: Evaluator, write: Write, program: SlotProgram, tar
         index_shape[d] = shape[d]
         index.append(where.reshape(index_shape).to(out.device))
     out[tuple(index)] = values.to(device=out.device, dtype=out.dtype)
+
+
+def _view_run(structure: list, view_coord: list, size: tuple[int, ...]) -> Optional[int]:
+    """The row-major index in the view of size ``size`` of the first element a partial write
+    touches, if the touched elements (buffer dims in order) are consecutive elements of the view,
+    else ``None``: each view dim's coordinates a run, the view dims in buffer-dim order, and
+    every view dim after the first one touched more than once whole."""
+    runs = {}
+    order = []
+    for d, (_start, _step, _count, view_dim) in enumerate(structure):
+        if view_dim is None:
+            continue
+        first = _run_start(view_coord[d])
+        if first is None or (order and view_dim < order[-1]):
+            return None
+        runs[view_dim] = (first, int(view_coord[d].numel()))
+        order.append(view_dim)
+    vfirst, whole_tail = 0, True
+    for k in reversed(range(len(size))):
+        first, count = runs.get(k, (0, 1))
+        if count > 1 and not whole_tail:
+            return None
+        vfirst += first * row_major_strides(size)[k]
+        whole_tail = whole_tail and count == size[k]
+    return vfirst
 
 
 def _partial_write_general(evaluator: Evaluator, write: Write, target: Target) -> None:
