@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 import torch
 
 from keyinit._bits.philox import stream_words
-from keyinit._bits.sround import TARGETS, round_bits, to_dtype
+from keyinit._bits.sround import TARGETS, check_round_input, round_bits, to_dtype
 from keyinit._draw import dispatch
 from keyinit._draw.reference_sround import round_fp4_into
 from keyinit.distributions import (
@@ -235,13 +235,7 @@ def stochastic_round(key: Key, x: torch.Tensor, dtype: torch.dtype, *, global_sh
     only: the same bits on every device. Never reads the global RNG.
     """
     key = require_key(key)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"stochastic_round: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in ROUND_SOURCES:
-        raise TypeError(f"stochastic_round: x must be float32 or float64, got {x.dtype}")
-    if dtype not in ROUND_TARGETS:
-        names = ", ".join(str(d) for d in ROUND_TARGETS)
-        raise TypeError(f"stochastic_round: dtype must be one of {names}, got {dtype}")
+    check_round_input("stochastic_round", x, dtype)
     local, normalized, dtensor = _round_target(x, global_shape, region)
     if out is None:
         out_local = torch.empty(local.shape, dtype=dtype, device=local.device)

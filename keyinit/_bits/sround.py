@@ -19,7 +19,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-__all__ = ["TargetFormat", "TARGETS", "SOURCES", "E2M1", "round_bits", "to_dtype"]
+__all__ = ["TargetFormat", "TARGETS", "SOURCES", "E2M1", "round_bits", "to_dtype", "check_round_input"]
 
 
 @attrs.frozen
@@ -59,6 +59,17 @@ SOURCES: dict[torch.dtype, tuple[int, int]] = {
 }
 
 _MAX_SHIFT = 62
+
+
+def check_round_input(where: str, x: object, dtype: object) -> None:
+    """A ``TypeError`` naming ``where`` unless ``x`` is a float32 or float64 tensor and ``dtype`` a target format."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SOURCES:
+        raise TypeError(f"{where}: x must be float32 or float64, got {x.dtype}")
+    if dtype not in TARGETS:
+        names = ", ".join(str(d) for d in TARGETS)
+        raise TypeError(f"{where}: dtype must be one of {names}, got {dtype}")
 
 
 def _shr(value: torch.Tensor, amount: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from keyinit._bits.philox import stream_words
-from keyinit._bits.sround import TARGETS, round_bits, to_dtype
+from keyinit._bits.sround import TARGETS, check_round_input, round_bits, to_dtype
 from keyinit.errors import UnkeyedRandomnessError
 
 __all__ = ["stochastic_round", "stochastic_round_grad"]
@@ -24,13 +24,7 @@ _SOURCES = (torch.float32, torch.float64)
 
 
 def _check(name: str, x: Any, dtype: Any) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"keyinit.nn.{name}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _SOURCES:
-        raise TypeError(f"keyinit.nn.{name}: x must be float32 or float64, got {x.dtype}")
-    if dtype not in TARGETS:
-        names = ", ".join(str(d) for d in TARGETS)
-        raise TypeError(f"keyinit.nn.{name}: dtype must be one of {names}, got {dtype}")
+    check_round_input(f"keyinit.nn.{name}", x, dtype)
     from keyinit.nn._context.keyed import inside_keyed_forward
 
     if not inside_keyed_forward():
