@@ -115,8 +115,9 @@ def _mlm_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None
     return loss / num_items_in_batch
 
 
-class _Recording(transformers.Trainer):
-    """A user's Trainer subclass that records, per global sample, its data and its dropout masks on real tokens."""
+class _RecordingMixin:
+    """A user's Trainer override that records, per global sample, its data and its dropout masks on real tokens
+    (in ``self.records``; also mixed into TRL's ``SFTTrainer`` by tests/integrations/test_trainer_trl.py)."""
 
     def training_step(self, model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         positions = sample_positions(inputs)
@@ -146,6 +147,10 @@ class _Recording(transformers.Trainer):
                 for call, mask in enumerate(seen):
                     self.records["masks"][key + (call,)] = mask[r, :n] if mask.dim() == 3 else mask[r, :, :n, :n]
         return loss
+
+
+class _Recording(_RecordingMixin, transformers.Trainer):
+    pass
 
 
 def _train(output_dir: str, micro: int, accumulate: int, keyed: bool = True, save_steps: Optional[int] = None,
