@@ -1,15 +1,15 @@
-"""TRL's ``SFTTrainer`` (a ``transformers.Trainer`` subclass) keyed with the same one call gives the same data,
-dropout masks and losses for any split of its global batch into micro-batches.
+"""TRL's ``SFTTrainer`` (a ``transformers.Trainer`` subclass) keyed with the same one call gives the same data, dropout
+masks and losses for any split of its global batch into micro-batches.
 
-``keyed_trainer(SFTTrainer(...))`` fine-tuning a tiny ``GPT2LMHeadModel`` (every dropout 0.1, built keyed from
-a config, no hub) on a pre-tokenized ``datasets.Dataset`` of varying lengths, with SFTTrainer's own collator
-(``trl``'s ``DataCollatorForLanguageModeling``: each micro-batch padded to its own longest sample), its own
-loss (summed over the step's tokens, divided by the Trainer's ``num_items_in_batch``) and a word-level
-tokenizer built locally. One process: ``per_device_train_batch_size=B`` (the reference) against ``B/2`` with
-``gradient_accumulation_steps=2``. Asserted per global sample ``(step, position)``: the real tokens and labels
-and every dropout mask on them bitwise the reference's, each step's logged loss within 1e-5, the final
-parameters within 1e-4. The control: the plain ``SFTTrainer`` on the same two layouts gives other losses.
-The recording and the model are tests/integrations/test_trainer_keyed.py's.
+``keyed_trainer(SFTTrainer(...))`` fine-tuning a tiny ``GPT2LMHeadModel`` (every dropout 0.1, built keyed from a config,
+no hub) on a pre-tokenized ``datasets.Dataset`` of varying lengths, with SFTTrainer's own collator (``trl``'s
+``DataCollatorForLanguageModeling``: each micro-batch padded to its own longest sample), its own loss (summed over the
+step's tokens, divided by the Trainer's ``num_items_in_batch``) and a word-level tokenizer built locally. One process:
+``per_device_train_batch_size=B`` (the reference) against ``B/2`` with ``gradient_accumulation_steps=2``, SFTConfig's
+default gradient checkpointing on. Asserted per global sample ``(step, position)``: the real tokens and labels and every
+dropout mask on them bitwise the reference's, each step's logged loss within 1e-5, the final parameters within 1e-4. The
+control: the plain ``SFTTrainer`` on the same two layouts gives other losses. The recording and the model are
+tests/integrations/test_trainer_keyed.py's.
 """
 
 from __future__ import annotations
@@ -37,10 +37,13 @@ class _RecordingSFT(_RecordingMixin, trl.SFTTrainer):
 
 def _sft(output_dir: str, micro: int, accumulate: int, keyed: bool = True) -> dict:
     """An SFTTrainer run of STEPS steps; its records, logged losses and final parameters."""
+    # SFTConfig's own defaults otherwise, gradient_checkpointing=True among them (each layer's forward run again
+    # in the backward: its keyed masks drawn again, the same). bf16=False: SFTConfig turns bf16 on by default,
+    # and keyed attention dropout's backward under CPU bf16 autocast is not supported yet (docs/trainer.md)
     args = trl.SFTConfig(
         output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulate,
         max_steps=STEPS, learning_rate=1e-2, logging_steps=1, seed=SEED, use_cpu=True, report_to="none",
-        disable_tqdm=True, save_strategy="no", max_length=None, dataset_num_proc=None, bf16=False)
+        disable_tqdm=True, save_strategy="no", max_length=None, bf16=False)
     table = datasets.Dataset.from_list([_Sentences()[i] for i in range(N)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -51,11 +54,13 @@ def _sft(output_dir: str, micro: int, accumulate: int, keyed: bool = True) -> di
     trainer.train()
     losses = {e["step"] - 1: e["loss"] for e in trainer.state.log_history if "loss" in e}
     params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    return {**trainer.records, "losses": losses, "params": params}
+    return {**trainer.records, "losses": losses, "params": params,
+            "checkpointing": trainer.model.is_gradient_checkpointing}
 
 
 def test_sft_trainer_micro_batches_and_accumulation_give_the_whole_batchs_run(tmp_path):
     reference = _checked(_sft(str(tmp_path / "one"), B, 1))
+    assert reference["checkpointing"]  # SFTConfig's default: the layers' forwards run again in the backward
     split = _sft(str(tmp_path / "split"), B // 2, 2)
     print("max loss difference, SFTTrainer 2 micro-batches:", _assert_matches(split, reference, range(STEPS)))
     assert _params_differ(split["params"], reference["params"]) < 1e-4
