@@ -198,7 +198,7 @@ def _merge(runs: list) -> dict:
     return merged
 
 
-def _assert_matches(got: dict, want: dict, steps: range) -> float:
+def _assert_matches(got: dict, want: dict, steps: range, loss_tolerance: float = 1e-5) -> float:
     """Same data, MLM masks and dropout masks on real tokens as ``want`` in ``steps``; the max loss difference."""
     data = {k: v for k, v in want["data"].items() if k[0] in steps}
     assert got["data"].keys() == data.keys()
@@ -209,7 +209,7 @@ def _assert_matches(got: dict, want: dict, steps: range) -> float:
     assert sum(not torch.equal(got["masks"][k], m) for k, m in masks.items()) == 0
     assert got["losses"].keys() == set(steps)
     difference = max(abs(got["losses"][s] - want["losses"][s]) for s in steps)
-    assert difference <= 1e-5, (got["losses"], want["losses"])
+    assert difference <= loss_tolerance, (got["losses"], want["losses"])
     return difference
 
 

@@ -35,15 +35,15 @@ class _RecordingSFT(_RecordingMixin, trl.SFTTrainer):
     pass
 
 
-def _sft(output_dir: str, micro: int, accumulate: int, keyed: bool = True) -> dict:
+def _sft(output_dir: str, micro: int, accumulate: int, keyed: bool = True, bf16: bool = False) -> dict:
     """An SFTTrainer run of STEPS steps; its records, logged losses and final parameters."""
     # SFTConfig's own defaults otherwise, gradient_checkpointing=True among them (each layer's forward run again
-    # in the backward: its keyed masks drawn again, the same). bf16=False: SFTConfig turns bf16 on by default,
-    # and keyed attention dropout's backward under CPU bf16 autocast is not supported yet (docs/trainer.md)
+    # in the backward: its keyed masks drawn again, the same). bf16: SFTConfig's default is True; float32 here
+    # so that losses compare to 1e-5 (test_sft_trainer_with_its_default_bf16 runs bf16)
     args = trl.SFTConfig(
         output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulate,
         max_steps=STEPS, learning_rate=1e-2, logging_steps=1, seed=SEED, use_cpu=True, report_to="none",
-        disable_tqdm=True, save_strategy="no", max_length=None, bf16=False)
+        disable_tqdm=True, save_strategy="no", max_length=None, bf16=bf16)
     table = datasets.Dataset.from_list([_Sentences()[i] for i in range(N)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -69,3 +69,11 @@ def test_sft_trainer_micro_batches_and_accumulation_give_the_whole_batchs_run(tm
     one, two = _sft(str(tmp_path / "plain-one"), B, 1, keyed=False), _sft(str(tmp_path / "plain-two"), B // 2, 2,
                                                                          keyed=False)
     assert max(abs(one["losses"][s] - two["losses"][s]) for s in range(STEPS)) > 1e-3
+
+
+def test_sft_trainer_with_its_default_bf16(tmp_path):
+    """SFTConfig's default bf16=True (CPU autocast around each forward; keyed attention dropout's backward then
+    computes in bfloat16): the same data and dropout masks bitwise; losses to bfloat16's rounding."""
+    reference = _checked(_sft(str(tmp_path / "one"), B, 1, bf16=True))
+    split = _sft(str(tmp_path / "split"), B // 2, 2, bf16=True)
+    print("max loss difference, bf16:", _assert_matches(split, reference, range(STEPS), loss_tolerance=1e-3))

@@ -62,10 +62,12 @@ class _DropThenMatmul(torch.autograd.Function):
         probs, value = ctx.saved_tensors
         drop = ctx.drop
         grad_probs = grad_value = None
+        # Under autocast the forward's matmul ran in the autocast dtype (the output's, so grad's): the backward's
+        # matmuls do too, and each gradient is returned in its input's dtype (no-ops when the dtypes agree).
         if ctx.needs_input_grad[0]:
-            grad_probs = drop(torch.matmul(grad, value.transpose(-2, -1)))
+            grad_probs = drop(torch.matmul(grad, value.to(grad.dtype).transpose(-2, -1)).to(probs.dtype))
         if ctx.needs_input_grad[1]:
-            grad_value = torch.matmul(drop(probs).transpose(-2, -1), grad)
+            grad_value = torch.matmul(drop(probs).to(grad.dtype).transpose(-2, -1), grad).to(value.dtype)
             if grad_value.shape != value.shape:  # value broadcast over leading dimensions
                 grad_value = grad_value.sum_to_size(value.shape)
         return grad_probs, grad_value, None

@@ -316,3 +316,31 @@ def test_a_fully_masked_query_row_gives_zeros_and_finite_gradients_as_in_torch(b
     torch.testing.assert_close(out[:, :, 1], F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[:, :, 1])
     out.sum().backward()
     assert all(bool(t.grad.isfinite().all()) for t in inputs)
+
+
+def test_keyed_sdpa_backward_under_bf16_autocast():
+    """Under CPU autocast (an HF/TRL Trainer with ``bf16=True``) the keyed attention's matmul runs in bfloat16
+    while the saved probabilities are float32: the backward computes in the autocast dtype and returns each
+    gradient in its input's dtype (it raised "expected scalar type Float but found BFloat16"). Gradients are
+    those of the same keyed forward in float32, to bfloat16's precision; the masks are the keyed ones."""
+    q, k = _qk(3)
+    v = torch.randn(B, H, S, E, generator=torch.Generator().manual_seed(4))
+    model = _Wrap(0.5)
+
+    def grads(autocast: bool, step: int = 3):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with knn.keyed(model, 7, step=step):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # the forward only, as a Trainer
+                out = model(*leaves)
+            out.float().square().sum().backward()
+        return out, [t.grad for t in leaves]
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    out16, g16 = grads(True)
+    out32, g32 = grads(False)
+    assert all(g.dtype == torch.float32 for g in g16)
+    assert max(rel(a, b) for a, b in zip(g16, g32)) < 0.03 and rel(out16, out32) < 0.03
+    _, other = grads(True, step=4)  # another step's masks: other gradients
+    assert rel(other[2], g16[2]) > 0.3
