@@ -42,35 +42,7 @@ import transformers  # noqa: E402
 
 import keyinit  # noqa: E402
 from keyinit.integrations.transformers import keyed_trainer  # noqa: E402
-
-SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-
-class _Tokenizer(transformers.PreTrainedTokenizer):
-    """Word-level, no hub: ids ``5..vocab-1`` are words ``w0, w1, ...``."""
-
-    def __init__(self, vocab: int = 1000, **kwargs: Any) -> None:
-        self._words = SPECIAL + [f"w{i}" for i in range(vocab - len(SPECIAL))]
-        self._vocab = {t: i for i, t in enumerate(self._words)}
-        super().__init__(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
-                         mask_token="[MASK]", **kwargs)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    def get_vocab(self) -> dict:
-        return dict(self._vocab)
-
-    def _tokenize(self, text: str) -> list:
-        return text.split()
-
-    def _convert_token_to_id(self, token: str) -> int:
-        return self._vocab.get(token, 1)
-
-    def _convert_id_to_token(self, index: int) -> str:
-        return self._words[index]
-
+from tests._support.words import SPECIAL, WordTokenizer  # noqa: E402
 
 class _Texts(torch.utils.data.Dataset):
     """``n`` samples of 16 to ``length`` tokens: [CLS], words, [SEP]."""
@@ -123,7 +95,7 @@ def main() -> None:
     model = keyinit.deferred(transformers.BertForMaskedLM, config)
     keyinit.materialize(model, 0, device="cpu")
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    tokenizer = _Tokenizer(vocab)
+    tokenizer = WordTokenizer(words=vocab - len(SPECIAL))
     data = _Texts(args.batch * (args.warmup + args.steps), args.length, vocab)
     out = tempfile.mkdtemp()
     times: dict = {"plain": [], "keyed": []}

@@ -21,13 +21,14 @@ longest, gives other masks on real tokens.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Any, Optional
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from tests._support.vision import define_torchvision_schemas
 
@@ -39,46 +40,12 @@ import keyinit.nn as knn  # noqa: E402
 from keyinit._draw import dispatch  # noqa: E402
 from keyinit.data import KeyedSampler, keyed_collate, keyed_samples, sample_positions  # noqa: E402
 from tests._support.dist import requires_gloo, run_distributed  # noqa: E402
+from tests._support.words import SPECIAL, WORDS, Sentences, WordTokenizer  # noqa: E402
 
 N, B, STEPS, SEED, DATA_SEED, INIT_SEED = 32, 8, 4, 7, 11, 3
-WORDS = [f"w{i}" for i in range(27)]
-SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-
-class _Tokenizer(transformers.PreTrainedTokenizer):
-    """A word-level tokenizer that needs no hub: what ``DataCollatorForLanguageModeling`` pads and masks with."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        self._vocab = {t: i for i, t in enumerate(SPECIAL + WORDS)}
-        super().__init__(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
-                         mask_token="[MASK]", **kwargs)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    def get_vocab(self) -> dict:
-        return dict(self._vocab)
-
-    def _tokenize(self, text: str) -> list:
-        return text.split()
-
-    def _convert_token_to_id(self, token: str) -> int:
-        return self._vocab.get(token, 1)
-
-    def _convert_id_to_token(self, index: int) -> str:
-        return (SPECIAL + WORDS)[index]
-
-
-class _Sentences(Dataset):
-    """Sample ``i``: ``[CLS]``, 3 to 11 words, ``[SEP]`` (a length that varies from sample to sample)."""
-
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> dict:
-        words = 3 + (i * 5) % 9
-        return {"input_ids": [2] + [5 + (i * 7 + 3 * j) % 27 for j in range(words)] + [3]}
+#: the tokenizer and the samples (tests/_support/words.py)
+_Tokenizer = WordTokenizer
+_Sentences = functools.partial(Sentences, N)
 
 
 def _build() -> torch.nn.Module:
