@@ -3,13 +3,14 @@
     python benchmarks/bench_sround.py            # 1M and 16M elements, 1 and 2 threads; the AdamW step
     python benchmarks/bench_sround.py --quick    # fewer repeats
     python benchmarks/bench_sround.py --only ops # (or --only adamw, --only torchao) one section
+    python benchmarks/bench_sround.py --device cuda  # on the GPU: the Triton kernels against the same peers
 
 Sections (every ratio is peer time / keyinit time, so >= 1 means keyinit is at least as fast):
 
 1. per element, float32 -> bfloat16 and -> float16, into a preallocated tensor:
    ``keyinit.random.stochastic_round(key, x, dtype, out=out)`` (the compiled CPU kernel, ``docs/spec.md``
    section 17) vs the randint-and-mask SR of OneTrainer and torchao's bf16 optimizers,
-   ``(x.view(torch.int32) + torch.randint(0, 1 << 16, x.shape, dtype=torch.int32)) & -65536``, in its
+   ``(x.view(torch.int32) + torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device)) & -65536``, in its
    fastest form (in place, the truncated float32 converted exactly into ``out``; the form read as
    bfloat16 through its upper half, ``.view(torch.bfloat16)[..., 1::2]``, is measured too); for float16
    the same with 13 random bits (``& -8192``, then converted to float16, exact in float16's normal
@@ -25,6 +26,11 @@ Sections (every ratio is peer time / keyinit time, so >= 1 means keyinit is at l
 3. (torchao installed) one step of torchao's ``_AdamW(bf16_stochastic_round=True)`` on the same MLP:
    keyed by ``keyinit.optim.stochastic_rounding`` (torchao's compiled step on float32 stand-ins, then
    keyed SR) vs torchao's own step (its compiled step on the bf16 parameters, ``torch.randint`` SR).
+
+With ``--device cuda`` the same sections run on the GPU (the Triton kernels; section 1 at 16M and 64M
+elements; section 2 on a larger MLP, 4 blocks of 1024 -> 4096 -> 1024, 33.6M parameters, with torch's
+AdamW in its CUDA default (``foreach``) and ``fused=True`` forms as peers; each timed call ends with
+``torch.cuda.synchronize()``).
 
 Timings alternate peer and keyinit call by call (round ``r`` starts with a different one) after a warm-up
 and report the MEDIAN of the repeats. This is not a test.
@@ -50,18 +56,26 @@ import keyinit.optim  # noqa: E402
 from keyinit.random import stochastic_round  # noqa: E402
 
 KEY = keyinit.key(1234)
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def median_all(fns, repeats: int) -> list[float]:
     """Median wall times of each of ``fns``, called in turn (round ``r`` starting at ``fns[r % len]``)."""
     for fn in fns:
         fn()
+    _sync()
     times: list[list[float]] = [[] for _ in fns]
     for r in range(repeats):
         first = r % len(fns)
         for i in (*range(first, len(fns)), *range(first)):
             start = time.perf_counter()
             fns[i]()
+            _sync()
             times[i].append(time.perf_counter() - start)
     return [statistics.median(t) for t in times]
 
@@ -69,21 +83,21 @@ def median_all(fns, repeats: int) -> list[float]:
 def peer_bf16_upper_half(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """OneTrainer / torchao, as written: 16 random low bits added to the float32 pattern, truncated; the
     upper half read as bfloat16 (little-endian: element 1 of each pair) and copied into ``out``."""
-    rounded = (x.view(torch.int32) + torch.randint(0, 1 << 16, x.shape, dtype=torch.int32)) & -65536
+    rounded = (x.view(torch.int32) + torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device)) & -65536
     return out.copy_(rounded.view(torch.bfloat16)[..., 1::2])
 
 
 def peer_bf16(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The same arithmetic in place, the truncated float32 converted (exactly) into ``out``: the fastest form
     measured here (4.2 ns per element against 6.9 for :func:`peer_bf16_upper_half`, 1 thread, 4M), the peer."""
-    rounded = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32)
+    rounded = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device)
     rounded.add_(x.view(torch.int32)).bitwise_and_(-65536)
     return out.copy_(rounded.view(torch.float32))
 
 
 def peer_fp16(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The same for float16's 13 dropped fraction bits (float16's normal range), converted to float16."""
-    rounded = torch.randint(0, 1 << 13, x.shape, dtype=torch.int32)
+    rounded = torch.randint(0, 1 << 13, x.shape, dtype=torch.int32, device=x.device)
     rounded.add_(x.view(torch.int32)).bitwise_and_(-8192)
     return out.copy_(rounded.view(torch.float32))
 
@@ -96,12 +110,12 @@ ALSO = {torch.bfloat16: peer_bf16_upper_half}
 def bench_ops(sizes, threads_list, repeats: int) -> list[dict]:
     rows = []
     for n in sizes:
-        x = keyinit.random.normal(keyinit.key(7), (n,), std=1.0)
+        x = keyinit.random.normal(keyinit.key(7), (n,), std=1.0, device=DEVICE)
         for threads in threads_list:
             torch.set_num_threads(threads)
             for dtype, peer in PEERS.items():
-                out_peer = torch.empty(n, dtype=dtype)
-                out_mine = torch.empty(n, dtype=dtype)
+                out_peer = torch.empty(n, dtype=dtype, device=DEVICE)
+                out_mine = torch.empty(n, dtype=dtype, device=DEVICE)
                 fns = [lambda: peer(x, out_peer), lambda: stochastic_round(KEY, x, dtype, out=out_mine)]
                 if dtype in ALSO:
                     fns.append(lambda: ALSO[dtype](x, out_peer))
@@ -113,14 +127,16 @@ def bench_ops(sizes, threads_list, repeats: int) -> list[dict]:
 
 
 def _mlp() -> torch.nn.Module:
+    dim = 1024 if DEVICE.type == "cuda" else 512
     layers = []
     for _ in range(4):
-        layers += [torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)]
+        layers += [torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)]
     model = torch.nn.Sequential(*layers)
     keyinit.init_model(model, seed=0)
-    model.to(torch.bfloat16)
+    model.to(device=DEVICE, dtype=torch.bfloat16)
     for fqn, p in model.named_parameters():
-        p.grad = keyinit.random.normal(keyinit.key_for(keyinit.key(9), fqn), p.shape, std=1e-3, dtype=p.dtype)
+        p.grad = keyinit.random.normal(keyinit.key_for(keyinit.key(9), fqn), p.shape, std=1e-3, dtype=p.dtype,
+                                              device=p.device)
     return model
 
 
@@ -138,6 +154,8 @@ def bench_adamw(threads_list, repeats: int) -> list[dict]:
     opt_nearest = torch.optim.AdamW(nearest.parameters(), lr=1e-4)
     keyinit.optim.stochastic_rounding(opt_nearest, 5, names=nearest)
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    torch_fused = _mlp()  # torch's fused AdamW (round to nearest): the fastest torch step on CUDA
+    opt_torch_fused = torch.optim.AdamW(torch_fused.parameters(), lr=1e-4, fused=True)
 
     def step_nearest():
         with mock.patch.object(keyinit.optim, "stochastic_round", _nearest):
@@ -146,9 +164,10 @@ def bench_adamw(threads_list, repeats: int) -> list[dict]:
     params = sum(p.numel() for p in keyed.parameters())
     for threads in threads_list:
         torch.set_num_threads(threads)
-        t_keyed, t_nearest, t_plain, t_fused = median_all((opt_keyed.step, step_nearest, opt_plain.step,
-                                                           opt_fused.step), repeats)
-        rows.append({"threads": threads, "params": params, "keyed_ms": 1e3 * t_keyed, "fused_ms": 1e3 * t_fused,
+        t_keyed, t_nearest, t_plain, t_fused, t_torch_fused = median_all(
+            (opt_keyed.step, step_nearest, opt_plain.step, opt_fused.step, opt_torch_fused.step), repeats)
+        rows.append({"torch_fused_ms": 1e3 * t_torch_fused, "fused/torch_fused": t_fused / t_torch_fused,
+                     "threads": threads, "params": params, "keyed_ms": 1e3 * t_keyed, "fused_ms": 1e3 * t_fused,
                      "fused/bf16_torch": t_fused / t_plain,
                      "f32_nearest_ms": 1e3 * t_nearest, "bf16_torch_ms": 1e3 * t_plain,
                      "keyed/f32_nearest": t_keyed / t_nearest, "keyed/bf16_torch": t_keyed / t_plain})
@@ -175,25 +194,33 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=("ops", "adamw", "torchao"))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    threads = args.threads if DEVICE.type == "cpu" else [torch.get_num_threads()]
+    sizes = (1 << 20, 1 << 24) if DEVICE.type == "cpu" else (1 << 24, 1 << 26)
     repeats = 7 if args.quick else 21
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads available; medians of {repeats}")
+    where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else f"{torch.get_num_threads()} threads available"
+    print(f"torch {torch.__version__}, {where}; medians of {repeats}")
     if args.only in (None, "ops"):
         print("\n1. stochastic rounding per element, float32 -> dtype (ratio: peer / keyinit, >= 1.0 is the target)")
         print(f"{'n':>9} {'thr':>3} {'dtype':>9} {'peer ns':>8} {'keyinit ns':>10} {'ratio':>6}  upper-half peer ns")
-        for r in bench_ops((1 << 20, 1 << 24), args.threads, repeats):
+        for r in bench_ops(sizes, threads, repeats):
             also = " ".join(f"{t:.3f}" for t in r["also_ns"])
             print(f"{r['n']:>9} {r['threads']:>3} {r['dtype']:>9} {r['peer_ns']:>8.3f} {r['keyinit_ns']:>10.3f} "
                   f"{r['ratio']:>6.2f}  {also}")
     if args.only in (None, "adamw"):
         print("\n2. one AdamW step, bf16 MLP (ratio: keyed / peer, <= 1.1 is the target)")
-        for r in bench_adamw(args.threads, repeats):
+        for r in bench_adamw(threads, repeats):
             print(f"threads {r['threads']}, {r['params']} parameters: keyed SR fused {r['fused_ms']:.2f} ms, torch "
                   f"AdamW on bf16 {r['bf16_torch_ms']:.2f} ms: ratio {r['fused/bf16_torch']:.3f}")
             print(f"  fused=False: keyed SR {r['keyed_ms']:.2f} ms, "
                   f"float32 step + round to nearest {r['f32_nearest_ms']:.2f} ms "
                   f"(ratio {r['keyed/f32_nearest']:.3f}), torch AdamW on bf16 {r['bf16_torch_ms']:.2f} ms "
                   f"(ratio {r['keyed/bf16_torch']:.3f})")
+            print(f"  torch AdamW(fused=True) on bf16 (round to nearest) {r['torch_fused_ms']:.2f} ms: keyed SR "
+                  f"fused / it {r['fused/torch_fused']:.3f}")
     if args.only in (None, "torchao"):
         try:
             import torchao.optim  # noqa: F401
@@ -201,7 +228,7 @@ def main() -> None:
             print("\n3. torchao is not installed: skipped")
             return
         print("\n3. one torchao _AdamW(bf16_stochastic_round=True) step, bf16 MLP (ratio: keyed / torchao's own)")
-        for r in bench_torchao(args.threads, repeats):
+        for r in bench_torchao(threads, repeats):
             print(f"threads {r['threads']}: keyed {r['keyed_ms']:.2f} ms, torchao's own SR {r['own_ms']:.2f} ms: "
                   f"ratio {r['ratio']:.3f}")
 
