@@ -101,6 +101,7 @@ class StochasticRounding:
         self.torchao = _is_torchao(optimizer)
         self.fused = bool(fused)
         self._held: list[tuple[torch.Tensor, torch.Tensor, dict]] = []  # fused: (param, its gradient, its group)
+        self._no_module = torch.nn.Module()  # target_for's module: the layouts read the tensor, not its owner
         self.root = root
         self._base = fold_in(root, TAG)
         self._fqns = fqns
@@ -281,7 +282,7 @@ class StochasticRounding:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             scalars = [1 - lr * decay, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step) ** 0.5, eps,
                        -(lr / (1 - beta1 ** step))]
-            target = target_for(param.detach(), fqn=fqn, module=torch.nn.Module(), name=fqn.rpartition(".")[2])
+            target = target_for(param.detach(), fqn=fqn, module=self._no_module, name=fqn.rpartition(".")[2])
             local = target.out
             with torch.no_grad():
                 dispatch.sround_adam(local, _local(grad, local, fqn, "gradient"), _local(exp_avg, local, fqn, "exp_avg"),

@@ -33,7 +33,14 @@ def _cases() -> dict:
         cases[f"{name}-strided"] = (target, (40, 50), (slice(None, None, 3), slice(1, None, 2)), "dense")
         cases[f"{name}-listed-transposed"] = (target, (37, 29), ([36, 0, 5, 5, 11], slice(None, None, -1)),
                                               "transposed")
+        # one run of consecutive global indices (the RUN kernel): from an index off a Philox block, and rows
+        cases[f"{name}-run-off-block"] = (target, (2053,), (slice(3, 2001),), "dense")
+        cases[f"{name}-run-rows"] = (target, (40, 50), (slice(5, 17), slice(None)), "dense")
     return cases
+
+
+#: The cases that take the RUN kernels (one run, stored contiguously); the others the general ones.
+RUN_CASES = ("dense", "run-off-block", "run-rows")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -88,6 +95,9 @@ def _adam_cases() -> dict:
     # (its two-thread case is the CPU kernel's concern: 70001 elements cost the interpreter seconds)
     cases = {name: case for name, *case in selftest_sround.adam_cases() if case[-1] == 1}
     cases["adam-bf16-listed"] = (torch.bfloat16, (9, 300), ([8, 0, 3], slice(None, None, -2)), 1, 1)
+    cases["adam-bf16-rows"] = (torch.bfloat16, (9, 300), (slice(2, 7), slice(1, None)), 1, 1)
+    cases["adam-f16-run-shard"] = (torch.float16, (9, 301), (slice(3, 8), slice(None)), 0, 1)
+    cases["adam-bf16-run-off-block"] = (torch.bfloat16, (1031,), (slice(5, 1000),), 1, 1)
     return cases
 
 
@@ -112,7 +122,26 @@ def _run_adam_case(case, adam_fn, device) -> str:
     return "ok"
 
 
-ADAM_IDS = ["adam-bf16-dense", "adam-f16-off-block", "adam-f32-dense", "adam-bf16-listed"]
+ADAM_IDS = ["adam-bf16-dense", "adam-f16-off-block", "adam-f32-dense", "adam-bf16-listed", "adam-bf16-rows",
+            "adam-f16-run-shard", "adam-bf16-run-off-block"]
+
+
+def test_runs_take_the_run_kernels_and_other_regions_the_general_ones():
+    """Which kernel each case's launch takes (host side: no triton needed): the cases named for runs are
+    one run of consecutive global indices stored contiguously; rows of a column slice are not."""
+    from keyinit._kernels.fill.triton import launch_args
+    from keyinit._kernels.fill.triton_sround import _single_run
+    from keyinit.regions import make_region
+
+    for case_id, (target, shape, region, layout) in _cases().items():
+        reg = make_region(shape, region)
+        out = torch.empty(reg.region_shape, dtype=target)
+        assert _single_run(launch_args(out, reg, 1)) == case_id.endswith(RUN_CASES), case_id
+    for case_id, (dtype, shape, region, _, _) in _adam_cases().items():
+        reg = make_region(shape, region)
+        single = _single_run(launch_args(torch.empty(reg.region_shape, dtype=dtype), reg, 1))
+        assert single == (case_id in ("adam-bf16-dense", "adam-f32-dense", "adam-f16-run-shard",
+                                      "adam-bf16-run-off-block")), case_id
 
 
 @pytest.mark.parametrize("case_id", [*_cases(), "golden", *ADAM_IDS])
@@ -236,5 +265,37 @@ def test_kernel_compiles_for_cuda_one_variant_per_target(tmp_path, monkeypatch):
         assert ".approx" not in ptx and "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, ptype
         # 17.6's fmas are explicit; every other multiply and add keeps its own rounding (.rn: ptxas never
         # contracts those into an fma)
+        assert "fma.rn.f32" in ptx and "mul.rn.f32" in ptx and "add.rn.f32" in ptx, ptype
+        assert "mul.f32" not in ptx and "add.f32" not in ptx, ptype
+    # the RUN kernels: the same checks; their runtime integers are the run's (no geometry)
+    from keyinit._kernels.fill import triton_sround_run as run_impl
+    from keyinit._kernels.fill.triton_sround import RUN_NB
+
+    fn = run_impl._sround_run_kernel
+    runtime = [p for p in fn.params if p.name not in ("out_ptr", "src_ptr") and not p.is_constexpr]
+    assert {p.name for p in runtime} == set(run_impl.RUN_INTS)
+    assert all(p.annotation_type == "i64" and p.do_not_specialize for p in runtime)
+    for target in TARGETS:
+        f = FORMATS[target]
+        constexprs = dict(P=f.p, EMIN=f.emin, EMAX=f.emax, NBITS=f.nbits, HAS_INF=int(f.inf is not None),
+                          INF=f.inf or 0, NAN=f.nan, MAXF=f.max_finite, NB=RUN_NB)
+        signature = {name: ("*i16" if f.nbits == 16 else "*u8") if name == "out_ptr" else
+                     "*i32" if name == "src_ptr" else "constexpr" if name in constexprs else "i64"
+                     for name in fn.arg_names}
+        compiled = triton_compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+        assert "ld.global" in compiled.asm["ptx"], target
+    adam = run_impl._adam_run_kernel
+    runtime = [p for p in adam.params if not p.is_constexpr and p.name not in floats and not p.name.endswith("_ptr")]
+    assert {p.name for p in runtime} == set(run_impl.ADAM_RUN_INTS)
+    assert all(p.annotation_type == "i64" and p.do_not_specialize for p in runtime)
+    for ptype, pointer in ((0, "*i16"), (1, "*fp16"), (4, "*fp32")):
+        constexprs = dict(PTYPE=ptype, NB=RUN_NB)
+        signature = {name: (pointer if name in ("p_ptr", "g_ptr") else "*fp32" if name in ("m_ptr", "v_ptr") else
+                            "constexpr" if name in constexprs else "fp32" if name in floats else "i64")
+                     for name in adam.arg_names}
+        ptx = triton_compile(ASTSource(fn=adam, signature=signature, constexprs=constexprs),
+                             target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
+        assert ".approx" not in ptx and "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, ptype
         assert "fma.rn.f32" in ptx and "mul.rn.f32" in ptx and "add.rn.f32" in ptx, ptype
         assert "mul.f32" not in ptx and "add.f32" not in ptx, ptype

@@ -13,6 +13,7 @@ the destination's offsets (laid out as ``out`` first when its strides differ). U
 from __future__ import annotations
 
 import functools
+import struct
 
 import torch
 
@@ -29,10 +30,26 @@ __all__ = ["available", "sround", "sround_adam"]
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str = "sround_kernel"):
     try:
-        from keyinit._kernels.fill import triton_sround_impl
+        from keyinit._kernels.fill import triton_sround_impl, triton_sround_run
     except Exception:  # noqa: BLE001 - any import failure means: not available
         return None
-    return getattr(triton_sround_impl, name)
+    return getattr(triton_sround_run if "_run_" in name else triton_sround_impl, name)
+
+
+#: Philox blocks per program of the RUN kernels (4 elements each).
+RUN_NB = 256
+
+
+def _single_run(launch: dict) -> bool:
+    """Whether ``launch`` is one run of consecutive global indices stored contiguously (``launch["base"]``
+    onwards): the RUN kernels' case."""
+    dims = launch["dims"]
+    return (launch["index"] is None and all(d[0] == 1 for d in dims[:-1])
+            and dims[-1][1] == 1 and dims[-1][2] == 1)
+
+
+def _run_grid(numel: int, base: int) -> tuple:
+    return (-(-(numel + base % 4) // (4 * RUN_NB)),)
 
 
 def available() -> bool:
@@ -54,15 +71,20 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, *, inte
     src = x.detach()
     if src.is_neg() or any(n > 1 and a != b for n, a, b in zip(out.shape, out.stride(), src.stride())):
         src = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=out.device).copy_(src)
-    index, geometry_args = device_geometry(launch, out.device)
     storage = out.view(torch.int16 if target.nbits == 16 else torch.uint8)
     k0, k1 = key.words
-    grid = (-(-out.numel() // BLOCK),)
-    args = (storage, src.view(torch.int32), index, out.numel(), launch["base"], k0, k1, *geometry_args)
     options = dict(P=target.p, EMIN=target.emin, EMAX=target.emax, NBITS=target.nbits,
                    HAS_INF=int(target.inf is not None), INF=target.inf or 0, NAN=target.nan,
-                   MAXF=target.max_finite, BLOCK=BLOCK)
-    run_kernel(kernel, grid, out.device, args, options)
+                   MAXF=target.max_finite)
+    if _single_run(launch):
+        args = (storage, src.view(torch.int32), out.numel(), launch["base"], k0, k1)
+        run_kernel(_kernel("sround_run_kernel"), _run_grid(out.numel(), launch["base"]), out.device, args,
+                   dict(options, NB=RUN_NB))
+    else:
+        index, geometry_args = device_geometry(launch, out.device)
+        grid = (-(-out.numel() // BLOCK),)
+        args = (storage, src.view(torch.int32), index, out.numel(), launch["base"], k0, k1, *geometry_args)
+        run_kernel(kernel, grid, out.device, args, dict(options, BLOCK=BLOCK))
     torch.autograd.graph.increment_version(out)
     return True
 
@@ -72,7 +94,11 @@ _ADAM_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 4}
 
 
 def _f32(value: float) -> float:
-    return float(torch.tensor(value, dtype=torch.float32))
+    """``value`` rounded to binary32 (to nearest even; past its range: torch's rounding, to infinity)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return float(torch.tensor(value, dtype=torch.float32))
 
 
 def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -92,14 +118,20 @@ def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     launch = launch_for(kernel, param, region, 1)
     if not isinstance(launch, dict):
         return launch
-    index, geometry_args = device_geometry(launch, param.device)
     decay, w, beta2, s2, bc2s, eps, neg_step = (_f32(s) for s in scalars)
     bits = (lambda t: t.view(torch.int16)) if param.dtype == torch.bfloat16 else (lambda t: t)
     k0, k1 = key.words
-    args = (bits(param), bits(grad), exp_avg, exp_avg_sq, index, param.numel(), launch["base"], k0, k1,
-            *geometry_args, decay, w, w - 1.0, beta2, s2, bc2s, eps, neg_step, int(bool(has_decay)))
-    grid = (-(-param.numel() // BLOCK),)
-    run_kernel(kernel, grid, param.device, args, dict(PTYPE=ptype, BLOCK=BLOCK, enable_fp_fusion=False))
+    floats = (decay, w, w - 1.0, beta2, s2, bc2s, eps, neg_step, int(bool(has_decay)))
+    tensors = (bits(param), bits(grad), exp_avg, exp_avg_sq)
+    if _single_run(launch):
+        run_kernel(_kernel("adam_run_kernel"), _run_grid(param.numel(), launch["base"]), param.device,
+                   (*tensors, param.numel(), launch["base"], k0, k1, *floats),
+                   dict(PTYPE=ptype, NB=RUN_NB, enable_fp_fusion=False))
+    else:
+        index, geometry_args = device_geometry(launch, param.device)
+        args = (*tensors, index, param.numel(), launch["base"], k0, k1, *geometry_args, *floats)
+        grid = (-(-param.numel() // BLOCK),)
+        run_kernel(kernel, grid, param.device, args, dict(PTYPE=ptype, BLOCK=BLOCK, enable_fp_fusion=False))
     for t in (param, exp_avg, exp_avg_sq):
         torch.autograd.graph.increment_version(t)
     return True

@@ -90,14 +90,32 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, index_ptr, numel: I64, base: I64, k
     pid = tl.program_id(0).to(tl.int64)
     mask, g, o = _locate(index_ptr, pid, numel, base, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
                          ix0, ix1, ix2, ix3, BLOCK)
+    p, grad, m0, v0 = _adam_load(p_ptr, g_ptr, m_ptr, v_ptr, o, mask, PTYPE)
+    new, m, v = _adam_update(p, grad, m0, v0, decay, w, w_minus_1, beta2, s2, bc2s, eps, neg_step, has_decay)
+    x = tl.zeros_like(g)  # (no word for a float32 parameter)
+    if PTYPE != 4:
+        r0, r1, r2, r3 = _philox_blocks(g >> 2, k0, k1)
+        lane = (g & 3).to(tl.int32)
+        word = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+        x = word.to(tl.int64) & 0xFFFFFFFF
+    _adam_store(p_ptr, m_ptr, v_ptr, o, mask, new, m, v, x, PTYPE)
+
+
+@triton.jit
+def _adam_load(p_ptr, g_ptr, m_ptr, v_ptr, o, mask, PTYPE: tl.constexpr):
+    """Parameter and gradient (as float32) and the two moments at offsets ``o``."""
     if PTYPE == 0:
         p = ((tl.load(p_ptr + o, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
         grad = ((tl.load(g_ptr + o, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
     else:
         p = tl.load(p_ptr + o, mask=mask, other=0).to(tl.float32)
         grad = tl.load(g_ptr + o, mask=mask, other=0).to(tl.float32)
-    m0 = tl.load(m_ptr + o, mask=mask, other=0)
-    v0 = tl.load(v_ptr + o, mask=mask, other=0)
+    return p, grad, tl.load(m_ptr + o, mask=mask, other=0), tl.load(v_ptr + o, mask=mask, other=0)
+
+
+@triton.jit
+def _adam_update(p, grad, m0, v0, decay, w, w_minus_1, beta2, s2, bc2s, eps, neg_step, has_decay):
+    """17.6's arithmetic: the new parameter and moments (float32, each operation rounded once)."""
     if has_decay != 0:
         p = p * decay
     d = grad - m0
@@ -108,15 +126,18 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, index_ptr, numel: I64, base: I64, k
     v = tl.fma(s2 * grad, grad, v0 * beta2)
     den = tl.math.div_rn(tl.math.sqrt_rn(v), tl.zeros_like(v) + bc2s) + eps
     new = tl.math.div_rn(neg_step * m, den) + p
+    return new, m, v
+
+
+@triton.jit
+def _adam_store(p_ptr, m_ptr, v_ptr, o, mask, new, m, v, x, PTYPE: tl.constexpr):
+    """The moments and the new parameter (rounded stochastically with words ``x``, int64 in [0, 2**32),
+    unless float32) stored at offsets ``o``."""
     tl.store(m_ptr + o, m, mask=mask)
     tl.store(v_ptr + o, v, mask=mask)
     if PTYPE == 4:
         tl.store(p_ptr + o, new, mask=mask)
     else:
-        r0, r1, r2, r3 = _philox_blocks(g >> 2, k0, k1)
-        lane = (g & 3).to(tl.int32)
-        word = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-        x = word.to(tl.int64) & 0xFFFFFFFF
         u = new.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
         if PTYPE == 0:
             bits = _round(u, x, 8, -126, 127, 16, 1, 0x7F80, 0x7FC0, 0x7F7F)
