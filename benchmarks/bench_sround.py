@@ -174,6 +174,27 @@ def bench_adamw(threads_list, repeats: int) -> list[dict]:
     return rows
 
 
+def profile_fused(steps: int) -> None:
+    """cProfile of ``steps`` fused keyed SR AdamW steps on the benchmark MLP (the host's share of a step)."""
+    import cProfile
+    import pstats
+
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    keyinit.optim.stochastic_rounding(opt, 5, names=model, fused=True)
+    opt.step()
+    _sync()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        opt.step()
+    profiler.disable()
+    _sync()
+    print(f"\nprofile: {steps} fused steps, {1e3 * (time.perf_counter() - start) / steps:.2f} ms a step under cProfile")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(14)
+
+
 def bench_torchao(threads_list, repeats: int) -> list[dict]:
     import torchao.optim
 
@@ -195,6 +216,8 @@ def main() -> None:
     parser.add_argument("--only", choices=("ops", "adamw", "torchao"))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--profile", action="store_true",
+                        help="also: cProfile of 20 fused keyed SR AdamW steps (where the host's time goes)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
@@ -221,6 +244,8 @@ def main() -> None:
                   f"(ratio {r['keyed/bf16_torch']:.3f})")
             print(f"  torch AdamW(fused=True) on bf16 (round to nearest) {r['torch_fused_ms']:.2f} ms: keyed SR "
                   f"fused / it {r['fused/torch_fused']:.3f}")
+    if args.profile:
+        profile_fused(20)
     if args.only in (None, "torchao"):
         try:
             import torchao.optim  # noqa: F401
