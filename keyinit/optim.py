@@ -263,9 +263,9 @@ class StochasticRounding:
     def _fused_steps(self, t: int) -> None:
         if not self._held:
             return
-        base = fold_in(self._base, t)
         state = self.optimizer.state
-        for param, grad, group in self._held:
+        items = []
+        for param, grad, group in self._held:  # every check before anything is written
             fqn = self._fqns[id(param)]
             found = state[param]
             if not found:  # as torch's Adam._init_group makes it (float32 moments)
@@ -273,21 +273,26 @@ class StochasticRounding:
                                              else torch.float32)
                 for name in ("exp_avg", "exp_avg_sq"):
                     found[name] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
-            exp_avg, exp_avg_sq, step_t = found["exp_avg"], found["exp_avg_sq"], found["step"]
+            exp_avg, exp_avg_sq = found["exp_avg"], found["exp_avg_sq"]
             if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
                 raise TypeError(f"stochastic_rounding: fused=True needs float32 exp_avg/exp_avg_sq; {fqn!r} has "
                                 f"{exp_avg.dtype}/{exp_avg_sq.dtype}")
+            target = target_for(param.detach(), fqn=fqn, module=self._no_module, name=fqn.rpartition(".")[2])
+            local = target.out
+            items.append((found, group, dispatch.AdamItem(
+                local, _local(grad, local, fqn, "gradient"), _local(exp_avg, local, fqn, "exp_avg"),
+                _local(exp_avg_sq, local, fqn, "exp_avg_sq"), fqn, target.region, [], False)))
+        stepped = []
+        for found, group, item in items:
+            step_t = found["step"]
             step_t += 1
             step = step_t.item()
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            scalars = [1 - lr * decay, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step) ** 0.5, eps,
-                       -(lr / (1 - beta1 ** step))]
-            target = target_for(param.detach(), fqn=fqn, module=self._no_module, name=fqn.rpartition(".")[2])
-            local = target.out
-            with torch.no_grad():
-                dispatch.sround_adam(local, _local(grad, local, fqn, "gradient"), _local(exp_avg, local, fqn, "exp_avg"),
-                                     _local(exp_avg_sq, local, fqn, "exp_avg_sq"), key_for(base, fqn), target.region,
-                                     scalars, decay != 0)
+            item.scalars.extend([1 - lr * decay, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step) ** 0.5, eps,
+                                 -(lr / (1 - beta1 ** step))])
+            stepped.append(item._replace(has_decay=decay != 0))
+        with torch.no_grad():
+            dispatch.sround_adam_many(stepped, fold_in(self._base, t))
 
     def _torchao_state(self) -> None:
         """A torchao optimizer's state for each low-precision parameter about to step for the first time, made

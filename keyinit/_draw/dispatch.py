@@ -11,7 +11,9 @@ Five families, each with one call here:
 - :func:`sround`: keyed stochastic rounding of a region's values (``keyinit.random.stochastic_round``,
   ``keyinit.optim``; ``docs/spec.md`` section 17);
 - :func:`sround_adam`: a fused, stochastically rounded Adam/AdamW step of one parameter
-  (``keyinit.optim.stochastic_rounding(..., fused=True)``; ``docs/spec.md`` 17.6).
+  (``keyinit.optim.stochastic_rounding(..., fused=True)``; ``docs/spec.md`` 17.6);
+- :func:`sround_adam_many`: the same step of several parameters under one step's base key (a device's
+  kernel takes the ones it can in one launch and gives back the others, which step one by one).
 
 Each stream version has each family as a :class:`Kernels` in :data:`KERNELS`,
 the kernel table: a reference that runs on any device and kernels by device
@@ -56,7 +58,7 @@ import os
 import sys
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import attrs
 import torch
@@ -65,14 +67,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 from keyinit._bits.streams import get_stream
 from keyinit._draw.reference_permutation import permutation_key
 from keyinit.distributions import Distribution
-from keyinit.keys import Key
+from keyinit.keys import Key, key_for
 from keyinit.regions import Region
 
 __all__ = ["KernelRef", "Kernels", "KERNELS", "FAMILIES", "kernels", "register_family", "register_kernel",
-           "kernels_disabled", "fill", "dropout", "permute", "sround", "sround_adam"]
+           "kernels_disabled", "fill", "dropout", "permute", "sround", "sround_adam", "sround_adam_many", "AdamItem"]
 
 #: The kernel families every stream version has.
-FAMILIES = ("fill", "dropout", "permutation", "sround", "sround_adam")
+FAMILIES = ("fill", "dropout", "permutation", "sround", "sround_adam", "sround_adam_many")
 
 
 def kernels_disabled() -> bool:
@@ -161,6 +163,8 @@ def _references(fill: KernelRef) -> dict[str, Kernels]:
         "permutation": Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into")),
         "sround": Kernels(KernelRef("keyinit._draw.reference_sround", "round_into")),
         "sround_adam": Kernels(KernelRef("keyinit._draw.reference_sround", "adam_into")),
+        # (a device kernel of this family takes (items, base) and returns the items it did not step)
+        "sround_adam_many": Kernels(KernelRef("keyinit._draw.reference_sround", "adam_many")),
     }
 
 
@@ -312,3 +316,41 @@ def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         family.reference.resolve()(param, grad, exp_avg, exp_avg_sq, key, region, scalars, has_decay)
         return
     family.run(param.device.type, param, grad, exp_avg, exp_avg_sq, key, region, scalars, has_decay)
+
+
+class AdamItem(NamedTuple):
+    """One parameter of :func:`sround_adam_many`: the arguments of :func:`sround_adam`, with its FQN in place
+    of its key (the key is ``key_for(base, fqn)``)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    fqn: str
+    region: Region
+    scalars: "list[float]"
+    has_decay: bool
+
+
+def sround_adam_many(items: "list[AdamItem]", base: Key) -> None:
+    """Fused Adam/AdamW steps (``docs/spec.md`` 17.6) of several parameters, item ``i`` keyed by
+    ``key_for(base, items[i].fqn)``: each gets exactly what :func:`sround_adam` with that key gives. The
+    device's ``sround_adam_many`` kernel (CUDA: one launch per parameter dtype) steps the items it can;
+    the others step one by one."""
+    todo = [item for item in items if item.param.numel() and item.param.device.type != "meta"]
+    family = kernels(base.stream, "sround_adam_many")
+    if not todo:
+        return
+    if kernels_disabled() or any(_intercepted(t) for item in todo for t in item[:4]):
+        family.reference.resolve()(todo, base)
+        return
+    by_device: dict[str, list] = {}
+    for item in todo:
+        by_device.setdefault(item.param.device.type, []).append(item)
+    for device, group in by_device.items():
+        ref = family.devices.get(device)
+        kernel = ref.resolve() if ref is not None else None
+        rest = kernel(group, base) if kernel is not None else group
+        for item in rest:
+            sround_adam(item.param, item.grad, item.exp_avg, item.exp_avg_sq, key_for(base, item.fqn), item.region,
+                        item.scalars, item.has_decay)

@@ -12,7 +12,7 @@ import torch
 
 from keyinit._bits.sround import E2M1, TARGETS, round_bits, to_dtype
 from keyinit._draw.reference_fill import CHUNK_ELEMENTS, scatter_strided
-from keyinit.keys import Key
+from keyinit.keys import Key, key_for
 from keyinit.regions import Region
 
 __all__ = ["round_into", "round_fp4_into", "adam_values", "adam_into"]
@@ -111,3 +111,11 @@ def adam_into(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
         param.copy_(new)
     else:
         round_into(param, new, key, region)
+
+
+def adam_many(items: "list", base: Key) -> None:
+    """The fused step of several parameters (``keyinit._draw.dispatch.AdamItem``), item by item: each
+    :func:`adam_into` with the key ``key_for(base, fqn)``."""
+    for item in items:
+        adam_into(item.param, item.grad, item.exp_avg, item.exp_avg_sq, key_for(base, item.fqn), item.region,
+                  item.scalars, item.has_decay)

@@ -49,6 +49,7 @@ _V1 = (
     ("sround", "cuda", "keyinit._kernels.fill.triton_sround", "sround"),
     ("sround_adam", "cpu", "keyinit._kernels.fill.cpu", "sround_adam"),
     ("sround_adam", "cuda", "keyinit._kernels.fill.triton_sround", "sround_adam"),
+    ("sround_adam_many", "cuda", "keyinit._kernels.fill.triton_sround_many", "sround_adam_many"),
 )
 
 
