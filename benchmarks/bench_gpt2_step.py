@@ -9,7 +9,10 @@ dropout 0.1 on embeddings, residuals and attention; SDPA attention) with AdamW o
 1. ``plain``: torch's own dropout (the global RNG), eager;
 2. ``keyed``: the step's forward inside ``keyinit.nn.keyed(model, seed, step=...)``, eager;
 3. ``compiled``: ``torch.compile(model)``, torch's dropout;
-4. ``keyed-compiled``: ``keyinit.nn.compile(model)`` inside ``keyed``.
+4. ``keyed-compiled``: ``keyinit.nn.compile(model)`` inside ``keyed``;
+5. ``sr-fused`` / ``sr`` (not run unless named in ``--variants``): ``plain``'s forward, the optimizer step
+   under ``keyinit.optim.stochastic_rounding(..., fused=True)`` (17.6's one-pass step: one launch per
+   parameter dtype on CUDA) / ``fused=False`` (a float32 step rounded stochastically).
 
 Reported: the median step time over the timed steps (after warm-up steps, which include compilation),
 each variant's ratio against ``plain`` (plain time / variant time: > 1 means faster), and the peak
@@ -78,6 +81,10 @@ def main() -> None:
         model, _, _ = build(args.dry_run, device)
         model.load_state_dict(state)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        if name.startswith("sr"):
+            import keyinit.optim
+
+            keyinit.optim.stochastic_rounding(opt, 1234, names=model, fused=name == "sr-fused")
         if name == "compiled":
             runner = torch.compile(model)
         elif name == "keyed-compiled":

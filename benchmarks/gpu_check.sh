@@ -28,6 +28,7 @@ for s in "${steps[@]}"; do case $s in
   drop) run drop_v1 50 $PY benchmarks/bench_dropout.py --device cuda --only ops --stream v1
         run drop_v2 50 $PY benchmarks/bench_dropout.py --device cuda --only ops --stream v2
         run attn_v2 50 $PY benchmarks/bench_dropout.py --device cuda --only attention --stream v2 ;;
-  gpt2) run gpt2 150 $PY benchmarks/bench_gpt2_step.py --warmup 2 --steps 5 ;;
+  gpt2) run gpt2 150 $PY benchmarks/bench_gpt2_step.py --warmup 2 --steps 5 \
+          --variants plain,keyed,compiled,keyed-compiled,sr-fused,sr ;;
   bench6) run bench6 50 $PY benchmarks/bench.py --only 6 --quick ;;
 esac; done
