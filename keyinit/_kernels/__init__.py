@@ -14,7 +14,10 @@ library must reproduce before it is used):
   (``fill/sround.h``: the fill walk's words, then section 17.2's integer rule; CPU, binary32 sources;
   ``fill/selftest_sround.py`` its golden digests), on CUDA ``fill/triton_sround.py`` (Triton); the
   fused Adam/AdamW step of section 17.6 is ``keyinit_sround_adam`` (``fill/sround_adam.h``, CPU) and
-  ``fill/triton_sround.py``'s ``sround_adam`` (CUDA): the other cases take the reference.
+  ``fill/triton_sround.py``'s ``sround_adam`` (CUDA; a region that is one run of consecutive global
+  indices takes ``fill/triton_sround_run.py``'s RUN kernels, a Philox block per 4 elements), and for a
+  whole optimizer step ``fill/triton_sround_many.py`` (all parameters of a dtype in one launch, their
+  keys derived on the device): the other cases take the reference.
 
 ``common/`` is what they share: one Philox (``philox.h``; ``triton_philox.py`` for Triton), one
 set of float conversions (``convert.h``), one thread pool (``parallel.h``), the distribution and
