@@ -108,7 +108,7 @@ def sround_fp4(out: torch.Tensor, v: torch.Tensor, key: Key, region: Region, *, 
     k0, k1 = key.words
     grid = (-(-out.numel() // BLOCK),)
     args = (out, src.view(torch.int64), index, out.numel(), launch["base"], k0, k1, *geometry_args)
-    run_kernel(kernel, grid, out.device, args, dict(BLOCK=BLOCK))
+    run_kernel(kernel, grid, out.device, args, dict(BLOCK=BLOCK, enable_fp_fusion=False))  # (integer ops only)
     torch.autograd.graph.increment_version(out)
     return True
 
