@@ -1,7 +1,8 @@
 """The Triton rounding to FP4 E2M1 (``keyinit._kernels.fill.triton_sround.sround_fp4``) gives the reference's
 codes (``keyinit._draw.reference_sround.round_fp4_into``, ``docs/spec.md`` 17.7): the C kernel's golden
 self-test cases (their inputs, regions and layouts) and every kind of binary64 quotient over dense, strided,
-listed and transposed regions; and it compiles for an NVIDIA target. Without a GPU it runs under Triton's
+listed and transposed regions, general kernel and RUN kernel (one run of consecutive global indices); and
+both compile for an NVIDIA target. Without a GPU it runs under Triton's
 interpreter (``TRITON_INTERPRET=1``) in a fresh subprocess (this file run as a script), as
 ``tests/gpu/test_sround_triton.py`` does; with CUDA, on the GPU too, through
 ``keyinit.random.stochastic_round_fp4``'s dispatch. Skipped when triton is not installed."""
@@ -28,7 +29,11 @@ CASES = {
     "strided": ((40, 50), (slice(None, None, 3), slice(1, None, 2)), "dense"),
     "listed-transposed": ((37, 29), ([36, 0, 5, 5, 11], slice(None, None, -1)), "transposed"),
     "off-block": ((7, 300), (slice(None), slice(3, 290)), "dense"),
+    "run-off-block": ((2053,), (slice(3, 2001),), "dense"),
+    "run-rows": ((9, 301), (slice(2, 7), slice(None)), "dense"),
 }
+#: The cases that take the RUN kernel (one run, stored contiguously); the others the general one.
+RUN_CASES = ("every-kind", "run-off-block", "run-rows")
 
 
 def _run_case(case, round_fn, device) -> str:
@@ -76,6 +81,18 @@ def interpreter_results():
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_runs_take_the_run_kernel_and_other_regions_the_general_one():
+    """Which kernel each case's launch takes (host side: no triton needed)."""
+    from keyinit._kernels.fill.triton import launch_args
+    from keyinit._kernels.fill.triton_sround import _single_run
+    from keyinit.regions import make_region
+
+    for case_id, (shape, region, layout) in CASES.items():
+        reg = make_region(shape or (10,), region)
+        out = torch.empty(reg.region_shape, dtype=torch.uint8)
+        assert _single_run(launch_args(out, reg, 1)) == (case_id in RUN_CASES), case_id
 
 
 @pytest.mark.parametrize("case_id", [*CASES, "golden"])
@@ -179,3 +196,15 @@ def test_kernel_compiles_for_cuda(tmp_path, monkeypatch):
     ptx = compiled.asm["ptx"]
     assert "ld.global" in ptx and "st.global" in ptx
     assert ".f64" not in ptx  # integer operations only: no floating-point arithmetic on the quotient
+    from keyinit._kernels.fill import triton_sround_run as run_impl
+    from keyinit._kernels.fill.triton_sround import RUN_NB
+
+    fn = run_impl._sround_fp4_run_kernel
+    runtime = [p for p in fn.params if p.name not in ("out_ptr", "src_ptr") and not p.is_constexpr]
+    assert {p.name for p in runtime} == set(run_impl.RUN_INTS)
+    assert all(p.annotation_type == "i64" and p.do_not_specialize for p in runtime)
+    signature = {name: "*u8" if name == "out_ptr" else "*i64" if name == "src_ptr" else
+                 "constexpr" if name == "NB" else "i64" for name in fn.arg_names}
+    ptx = triton_compile(ASTSource(fn=fn, signature=signature, constexprs={"NB": RUN_NB}),
+                         target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
+    assert "ld.global" in ptx and "st.global" in ptx and ".f64" not in ptx

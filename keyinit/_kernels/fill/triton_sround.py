@@ -104,11 +104,16 @@ def sround_fp4(out: torch.Tensor, v: torch.Tensor, key: Key, region: Region, *, 
     src = v.detach()
     if src.is_neg() or any(n > 1 and a != b for n, a, b in zip(out.shape, out.stride(), src.stride())):
         src = torch.empty_strided(out.shape, out.stride(), dtype=torch.float64, device=out.device).copy_(src)
-    index, geometry_args = device_geometry(launch, out.device)
     k0, k1 = key.words
-    grid = (-(-out.numel() // BLOCK),)
-    args = (out, src.view(torch.int64), index, out.numel(), launch["base"], k0, k1, *geometry_args)
-    run_kernel(kernel, grid, out.device, args, dict(BLOCK=BLOCK, enable_fp_fusion=False))  # (integer ops only)
+    options = dict(enable_fp_fusion=False)  # (integer operations only)
+    if _single_run(launch):
+        args = (out, src.view(torch.int64), out.numel(), launch["base"], k0, k1)
+        run_kernel(_kernel("sround_fp4_run_kernel"), _run_grid(out.numel(), launch["base"]), out.device, args,
+                   dict(options, NB=RUN_NB))
+    else:
+        index, geometry_args = device_geometry(launch, out.device)
+        args = (out, src.view(torch.int64), index, out.numel(), launch["base"], k0, k1, *geometry_args)
+        run_kernel(kernel, (-(-out.numel() // BLOCK),), out.device, args, dict(options, BLOCK=BLOCK))
     torch.autograd.graph.increment_version(out)
     return True
 
