@@ -2,7 +2,7 @@
 
     python benchmarks/bench_sround.py            # 1M and 16M elements, 1 and 2 threads; the AdamW step
     python benchmarks/bench_sround.py --quick    # fewer repeats
-    python benchmarks/bench_sround.py --only ops # (or --only adamw, --only torchao) one section
+    python benchmarks/bench_sround.py --only ops # (or --only adamw, --only torchao, --only fp4) one section
     python benchmarks/bench_sround.py --device cuda  # on the GPU: the Triton kernels against the same peers
 
 Sections (every ratio is peer time / keyinit time, so >= 1 means keyinit is at least as fast):
@@ -25,7 +25,14 @@ Sections (every ratio is peer time / keyinit time, so >= 1 means keyinit is at l
    as they are (bf16 state, round to nearest);
 3. (torchao installed) one step of torchao's ``_AdamW(bf16_stochastic_round=True)`` on the same MLP:
    keyed by ``keyinit.optim.stochastic_rounding`` (torchao's compiled step on float32 stand-ins, then
-   keyed SR) vs torchao's own step (its compiled step on the bf16 parameters, ``torch.randint`` SR).
+   keyed SR) vs torchao's own step (its compiled step on the bf16 parameters, ``torch.randint`` SR);
+4. per element, float32 -> FP4 E2M1 codes with an MX block scale (a power of two per 32 elements):
+   ``keyinit.random.stochastic_round_fp4(key, x, scale, out=out)`` with the compiled kernel
+   (``docs/spec.md`` 17.7, ``fill/sround_fp4.h``) vs the same call on the torch reference
+   (``KEYINIT_DISABLE_KERNELS=1``; the same codes); and the rounding alone, the kernel
+   (``keyinit._kernels.fill.cpu.sround_fp4``) vs ``keyinit._draw.reference_sround.round_fp4_into``, on
+   the float64 quotients (``--device cuda``: the Triton kernel, ``triton_sround.sround_fp4``). Fewer
+   repeats (a third, at least 3): the reference is slow. Printed before section 3.
 
 With ``--device cuda`` the same sections run on the GPU (the Triton kernels; section 1 at 16M and 64M
 elements; section 2 on a larger MLP, 4 blocks of 1024 -> 4096 -> 1024, 33.6M parameters, with torch's
@@ -39,6 +46,7 @@ and report the MEDIAN of the repeats. This is not a test.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -123,6 +131,47 @@ def bench_ops(sizes, threads_list, repeats: int) -> list[dict]:
                 rows.append({"n": n, "threads": threads, "dtype": str(dtype).removeprefix("torch."),
                              "peer_ns": 1e9 * t_peer / n, "keyinit_ns": 1e9 * t_mine / n,
                              "ratio": t_peer / t_mine, "also_ns": [1e9 * t / n for t in t_also]})
+    return rows
+
+
+def _without_kernels(fn):
+    """``fn`` run with ``KEYINIT_DISABLE_KERNELS=1`` (the dispatch reads it at each call): the reference."""
+    def run():
+        os.environ["KEYINIT_DISABLE_KERNELS"] = "1"
+        try:
+            return fn()
+        finally:
+            del os.environ["KEYINIT_DISABLE_KERNELS"]
+    return run
+
+
+def bench_fp4(sizes, threads_list, repeats: int) -> list[dict]:
+    from keyinit._draw.reference_sround import round_fp4_into
+    from keyinit._kernels.fill import cpu, triton_sround
+    from keyinit.random import stochastic_round_fp4
+    from keyinit.regions import make_region
+
+    kernel = cpu.sround_fp4 if DEVICE.type == "cpu" else triton_sround.sround_fp4
+    rows = []
+    for n in sizes:
+        x = keyinit.random.normal(keyinit.key(7), (n // 32, 32), std=3.0, device=DEVICE)
+        scale = torch.exp2(torch.randint(-3, 3, (n // 32, 1), generator=torch.Generator().manual_seed(0)).float())
+        scale = scale.to(DEVICE)
+        v = x.double() / scale.double()
+        region = make_region(tuple(x.shape), None)
+        out_kernel, out_ref = (torch.empty(x.shape, dtype=torch.uint8, device=DEVICE) for _ in range(2))
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            fns = [_without_kernels(lambda: stochastic_round_fp4(KEY, x, scale, out=out_ref)),
+                   lambda: stochastic_round_fp4(KEY, x, scale, out=out_kernel),
+                   lambda: round_fp4_into(out_ref, v, KEY, region),
+                   lambda: kernel(out_kernel, v, KEY, region)]
+            t_ref, t_mine, t_ref_round, t_mine_round = median_all(fns, repeats)
+            if not torch.equal(out_kernel, out_ref):
+                raise AssertionError("the kernel's FP4 codes are not the reference's")
+            rows.append({"n": n, "threads": threads, "ref_ns": 1e9 * t_ref / n, "keyinit_ns": 1e9 * t_mine / n,
+                         "ratio": t_ref / t_mine, "ref_round_ns": 1e9 * t_ref_round / n,
+                         "round_ns": 1e9 * t_mine_round / n, "round_ratio": t_ref_round / t_mine_round})
     return rows
 
 
@@ -213,7 +262,7 @@ def bench_torchao(threads_list, repeats: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=("ops", "adamw", "torchao"))
+    parser.add_argument("--only", choices=("ops", "adamw", "torchao", "fp4"))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--profile", action="store_true",
@@ -246,6 +295,14 @@ def main() -> None:
                   f"fused / it {r['fused/torch_fused']:.3f}")
     if args.profile:
         profile_fused(20)
+    if args.only in (None, "fp4"):
+        print("\n4. stochastic rounding to FP4 E2M1 per element, float32 / MX scale (ratio: torch reference / "
+              "kernel)")
+        print(f"{'n':>9} {'thr':>3} {'reference ns':>12} {'kernel ns':>9} {'ratio':>6}   rounding alone: "
+              f"{'reference ns':>12} {'kernel ns':>9} {'ratio':>6}")
+        for r in bench_fp4(sizes, threads, max(3, repeats // 3)):
+            print(f"{r['n']:>9} {r['threads']:>3} {r['ref_ns']:>12.3f} {r['keyinit_ns']:>9.3f} {r['ratio']:>6.2f}"
+                  f"   {'':>16}{r['ref_round_ns']:>12.3f} {r['round_ns']:>9.3f} {r['round_ratio']:>6.2f}")
     if args.only in (None, "torchao"):
         try:
             import torchao.optim  # noqa: F401

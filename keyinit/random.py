@@ -32,7 +32,6 @@ import torch
 from keyinit._bits.philox import stream_words
 from keyinit._bits.sround import TARGETS, check_round_input, round_bits, to_dtype
 from keyinit._draw import dispatch
-from keyinit._draw.reference_sround import round_fp4_into
 from keyinit.distributions import (
     Bernoulli,
     Bits,
@@ -333,7 +332,7 @@ def stochastic_round_fp4(key: Key, x: torch.Tensor, scale: Union[torch.Tensor, f
             raise ValueError("stochastic_round_fp4: x / scale has NaN elements (a NaN in x or scale, or 0 / 0); "
                              "E2M1 has no NaN")
         with torch.no_grad():
-            round_fp4_into(out_local, v, key, normalized)
+            dispatch.sround_fp4(out_local, v, key, normalized)
     return _rounded(out, out_local, dtensor)
 
 

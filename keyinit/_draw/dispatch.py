@@ -1,6 +1,6 @@
 """Chooses the implementation of every kernel family: the one seam between keyinit and its kernels.
 
-Five families, each with one call here:
+Seven families, each with one call here:
 
 - :func:`fill`: a distribution's values for a region (``keyinit.random``, the
   initializers, replayed init code);
@@ -10,6 +10,8 @@ Five families, each with one call here:
 - :func:`permute`: the keyed permutation at some positions (``keyinit.data``);
 - :func:`sround`: keyed stochastic rounding of a region's values (``keyinit.random.stochastic_round``,
   ``keyinit.optim``; ``docs/spec.md`` section 17);
+- :func:`sround_fp4`: the same to FP4 E2M1 codes from binary64 quotients
+  (``keyinit.random.stochastic_round_fp4``; ``docs/spec.md`` 17.7);
 - :func:`sround_adam`: a fused, stochastically rounded Adam/AdamW step of one parameter
   (``keyinit.optim.stochastic_rounding(..., fused=True)``; ``docs/spec.md`` 17.6);
 - :func:`sround_adam_many`: the same step of several parameters under one step's base key (a device's
@@ -71,10 +73,11 @@ from keyinit.keys import Key, key_for
 from keyinit.regions import Region
 
 __all__ = ["KernelRef", "Kernels", "KERNELS", "FAMILIES", "kernels", "register_family", "register_kernel",
-           "kernels_disabled", "fill", "dropout", "permute", "sround", "sround_adam", "sround_adam_many", "AdamItem"]
+           "kernels_disabled", "fill", "dropout", "permute", "sround", "sround_fp4", "sround_adam", "sround_adam_many",
+           "AdamItem"]
 
 #: The kernel families every stream version has.
-FAMILIES = ("fill", "dropout", "permutation", "sround", "sround_adam", "sround_adam_many")
+FAMILIES = ("fill", "dropout", "permutation", "sround", "sround_fp4", "sround_adam", "sround_adam_many")
 
 
 def kernels_disabled() -> bool:
@@ -162,6 +165,7 @@ def _references(fill: KernelRef) -> dict[str, Kernels]:
         "dropout": Kernels(KernelRef("keyinit._draw.reference_dropout", "dropout")),
         "permutation": Kernels(KernelRef("keyinit._draw.reference_permutation", "permute_into")),
         "sround": Kernels(KernelRef("keyinit._draw.reference_sround", "round_into")),
+        "sround_fp4": Kernels(KernelRef("keyinit._draw.reference_sround", "round_fp4_into")),
         "sround_adam": Kernels(KernelRef("keyinit._draw.reference_sround", "adam_into")),
         # (a device kernel of this family takes (items, base) and returns the items it did not step)
         "sround_adam_many": Kernels(KernelRef("keyinit._draw.reference_sround", "adam_many")),
@@ -302,6 +306,19 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region) -> None
         reference(out, x, key, region)
         return
     family.run(out.device.type, out, x, key, region)
+
+
+def sround_fp4(out: torch.Tensor, v: torch.Tensor, key: Key, region: Region) -> None:
+    """Write ``v`` (float64 quotients ``x / scale``, no NaN, shaped like ``region``) rounded stochastically to
+    FP4 E2M1 into ``out`` (uint8 codes, same shape), keyed by ``key`` and each element's global index
+    (``docs/spec.md`` 17.7). Under a dispatch mode, into or from a subclass: the reference, through torch."""
+    family = kernels(key.stream, "sround_fp4")
+    if out.numel() == 0 or out.device.type == "meta":
+        return
+    if _intercepted(out) or _intercepted(v):
+        family.reference.resolve()(out, v, key, region)
+        return
+    family.run(out.device.type, out, v, key, region)
 
 
 def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

@@ -12,7 +12,9 @@ library must reproduce before it is used):
 - ``permutation/``: the keyed permutation (``permutation_kernels.c``);
 - keyed stochastic rounding (``docs/spec.md`` section 17) is the fill library's ``keyinit_sround``
   (``fill/sround.h``: the fill walk's words, then section 17.2's integer rule; CPU, binary32 sources;
-  ``fill/selftest_sround.py`` its golden digests), on CUDA ``fill/triton_sround.py`` (Triton); the
+  ``fill/selftest_sround.py`` its golden digests), on CUDA ``fill/triton_sround.py`` (Triton); FP4 E2M1
+  from binary64 quotients (17.7) is its target ``KI_SR_FP4_E2M1`` (``fill/sround_fp4.h``) and
+  ``fill/triton_sround.py``'s ``sround_fp4``; the
   fused Adam/AdamW step of section 17.6 is ``keyinit_sround_adam`` (``fill/sround_adam.h``, CPU) and
   ``fill/triton_sround.py``'s ``sround_adam`` (CUDA; a region that is one run of consecutive global
   indices takes ``fill/triton_sround_run.py``'s RUN kernels, a Philox block per 4 elements), and for a
@@ -50,6 +52,8 @@ _V1 = (
     ("permutation", "cuda", "keyinit._kernels.permutation.triton", "run"),
     ("sround", "cpu", "keyinit._kernels.fill.cpu", "sround"),
     ("sround", "cuda", "keyinit._kernels.fill.triton_sround", "sround"),
+    ("sround_fp4", "cpu", "keyinit._kernels.fill.cpu", "sround_fp4"),
+    ("sround_fp4", "cuda", "keyinit._kernels.fill.triton_sround", "sround_fp4"),
     ("sround_adam", "cpu", "keyinit._kernels.fill.cpu", "sround_adam"),
     ("sround_adam", "cuda", "keyinit._kernels.fill.triton_sround", "sround_adam"),
     ("sround_adam_many", "cuda", "keyinit._kernels.fill.triton_sround_many", "sround_adam_many"),

@@ -30,7 +30,7 @@ from keyinit._kernels.common.library import I64P, MAX_DIMS, CompiledLibrary
 from keyinit._draw.geometry import geometry
 from keyinit._draw.names import named_geometry, naming_shape
 
-__all__ = ["KERNEL", "available", "fill", "fill_named", "fill_v2", "fill_folded", "sround", "SROUND_TARGETS", "sround_adam", "ADAM_TYPES", "mt_seed", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
+__all__ = ["KERNEL", "available", "fill", "fill_named", "fill_v2", "fill_folded", "sround", "SROUND_TARGETS", "sround_fp4", "SROUND_FP4", "sround_adam", "ADAM_TYPES", "mt_seed", "library", "kernel_params", "DIST_IDS", "DTYPE_IDS", "MIN_PARALLEL_ELEMENTS"]
 
 #: Below this many elements one thread does the work (thread start-up would dominate).
 MIN_PARALLEL_ELEMENTS = 1 << 16
@@ -92,6 +92,8 @@ def _selftest_run(lib: ctypes.CDLL) -> list[str]:
         lambda out, dist, key, fold0, fold1: fill_folded(out, dist, key, fold0, fold1, threads=1, lib=lib))
     failed += _selftest_sround.run(lambda out, x, key, region, threads: sround(out, x, key, region,
                                                                                threads=threads, lib=lib))
+    failed += _selftest_sround.run_fp4(lambda out, v, key, region, threads: sround_fp4(out, v, key, region,
+                                                                                   threads=threads, lib=lib))
     failed += _selftest_sround.run_adam(lambda p, g, m, v, key, region, scalars, has_decay, threads: sround_adam(
         p, g, m, v, key, region, scalars, has_decay, threads=threads, lib=lib))
     return failed + _selftest.run_mt_seed(lambda key: mt_seed(key, lib))
@@ -240,8 +242,31 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, threads
     then section 17.2's integer rule. ``False`` (nothing written) if the kernel cannot do it (a float64
     source, a device other than the CPU, a stream whose element words are not v1's)."""
     target = SROUND_TARGETS.get(out.dtype)
-    if (target is None or x.dtype != torch.float32 or out.device.type != "cpu" or x.device.type != "cpu"
-            or out.dim() > MAX_DIMS or key.impl.words is not stream_words or (lib := _library(lib)) is None):
+    if target is None or x.dtype != torch.float32:
+        return False
+    return _sround_launch(target, out, x, key, region, threads, lib)
+
+
+#: ``keyinit_sround``'s target id of FP4 E2M1 from binary64 quotients (``sround_fp4.h``'s ``KI_SR_FP4_E2M1``).
+SROUND_FP4 = 4
+
+
+def sround_fp4(out: torch.Tensor, v: torch.Tensor, key: Key, region: Region, threads: Optional[int] = None,
+               lib: Optional[ctypes.CDLL] = None) -> bool:
+    """Keyed stochastic rounding to FP4 E2M1 (``docs/spec.md`` 17.7) of ``v`` (float64, the quotient
+    ``x / scale``, no NaN; shaped like ``region``) into ``out`` (uint8 codes, any strides) with
+    ``keyinit_sround``'s E2M1 target (``sround_fp4.h``). ``False`` (nothing written) if the kernel cannot
+    do it (another dtype or device, a stream whose element words are not v1's)."""
+    if out.dtype != torch.uint8 or v.dtype != torch.float64:
+        return False
+    return _sround_launch(SROUND_FP4, out, v, key, region, threads, lib)
+
+
+def _sround_launch(target: int, out: torch.Tensor, x: torch.Tensor, key: Key, region: Region,
+                   threads: Optional[int], lib: Optional[ctypes.CDLL]) -> bool:
+    """``keyinit_sround`` of ``target`` from ``x`` (its source dtype checked by the caller) into ``out``."""
+    if (out.device.type != "cpu" or x.device.type != "cpu" or out.dim() > MAX_DIMS
+            or key.impl.words is not stream_words or (lib := _library(lib)) is None):
         return False
     if out.numel() == 0:
         return True
@@ -249,7 +274,7 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, threads
     src = x.detach()
     if src.is_neg() or any(n > 1 and a != b for n, a, b in zip(out.shape, out.stride(), src.stride())):
         # the kernel reads the source at the destination's offsets: the values laid out as out is
-        src = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device="cpu").copy_(src)
+        src = torch.empty_strided(out.shape, out.stride(), dtype=x.dtype, device="cpu").copy_(src)
     keep_alive = [d[3] for d in dims]  # noqa: F841 - index vectors must outlive the call
     rc = lib.keyinit_sround(target, key.k0, key.k1, len(dims), base, *_dim_arrays(dims), src.data_ptr(),
                             out.data_ptr(), _threads(out.numel(), threads))

@@ -36,7 +36,7 @@ typedef struct {
     char *out;
     int elsize;
     int64_t numel;
-    const char *src; /* stochastic rounding (sround.h): the binary32 values, out's strides; else NULL */
+    const char *src; /* stochastic rounding (sround.h): the binary32 (FP4: binary64) values, out's strides; else NULL */
     int target;      /* its target format (KI_SR_*) */
     const struct ki_adam_s *adam; /* a fused Adam step (sround_adam.h): the parameter at out; else NULL */
 } plan_t;

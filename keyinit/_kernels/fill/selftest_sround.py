@@ -6,7 +6,10 @@ produces; ``tests/kernels/test_sround_kernel.py`` recomputes them from the refer
 kind of binary32 value (spread bit patterns: NaNs with payloads, infinities, subnormals, zeros of both
 signs, values near each target's largest finite value and below its smallest subnormal), rounded to
 each target: a dense run, a transposed destination, strided and listed regions, a run off a Philox
-block boundary and two threads.
+block boundary and two threads. FP4 E2M1 (17.7, ``keyinit_sround``'s binary64 target) has its own cases,
+:data:`GOLDEN_FP4`: every kind of binary64 quotient (zeros, subnormals, each E2M1 value, the midpoints
+and neighbours between them, values that round to 0 or 0.5 only, 6 and past it, infinities; no NaN,
+which the caller refuses) over the same layouts.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 
 from keyinit._kernels.fill.selftest import KEY_WORDS, digest
 
-__all__ = ["GOLDEN", "GOLDEN_ADAM", "cases", "adam_cases", "adam_inputs", "inputs", "run", "run_adam"]
+__all__ = ["GOLDEN", "GOLDEN_ADAM", "GOLDEN_FP4", "cases", "adam_cases", "adam_inputs", "fp4_cases", "fp4_inputs",
+           "inputs", "run", "run_adam", "run_fp4"]
 
 #: binary32 bit patterns every case starts with: the edge values of section 17.2.
 EDGES = (
@@ -151,5 +155,74 @@ def run_adam(adam: Callable[..., bool]) -> list[str]:
         p, g, m, v = (t.reshape(reg.region_shape) for t in adam_inputs(reg.numel, dtype))
         scalars, has_decay = ADAM_SCALARS[which]
         if not adam(p, g, m, v, key, reg, scalars, has_decay, threads) or adam_digest(p, m, v) != GOLDEN_ADAM.get(name):
+            failed.append(name)
+    return failed
+
+
+#: binary64 bit patterns every FP4 case starts with: zeros, subnormals and the smallest normal, values that
+#: round to 0 or 0.5 only (R = 0 and R = 1 below 0.5), each E2M1 value, the midpoints between them and
+#: their neighbours, the largest value below 6, 6, the binade past it, the largest finite, infinities.
+EDGES_FP4 = (
+    0x0000000000000000, 0x8000000000000000, 0x0000000000000001, 0x800FFFFFFFFFFFFF, 0x0010000000000000,
+    0x3DD0000000000000, 0x3DE0000000000000, 0xBDE0000000000001, 0x3FCFFFFFFFFFFFFF, 0x3FD0000000000000,
+    0x3FDFFFFFFFFFFFFF, 0x3FE0000000000000, 0xBFE0000000000001, 0x3FE8000000000000, 0x3FEFFFFFFFFFFFFF,
+    0x3FF0000000000000, 0x3FF4000000000000, 0xBFF8000000000000, 0x3FFC000000000000, 0x3FFFFFFFFFFFFFFF,
+    0x4000000000000000, 0x4004000000000000, 0xC008000000000000, 0x400C000000000000, 0x4010000000000000,
+    0x4014000000000000, 0x4017FFFFFFFFFFFF, 0xC017FFFFFFFFFFFF, 0x4018000000000000, 0x401C000000000000,
+    0x4020000000000000, 0x7FEFFFFFFFFFFFFF, 0x7FF0000000000000, 0xFFF0000000000000, 0x3FF0000000000001,
+)
+
+
+def fp4_inputs(n: int) -> torch.Tensor:
+    """``n`` binary64 values: :data:`EDGES_FP4`, then bit patterns spread over all 2**64 (NaN patterns moved
+    to finite ones), every third in [-8, 8) (the E2M1 range's exponents)."""
+    k = torch.arange(n, dtype=torch.int64, device="cpu")
+    spread = k * -7046029254386353131 + 0x7F4A7C159E3779B9  # a Weyl sequence, wrapping in int64
+    spread = torch.where((spread & 0x7FF0000000000000) == 0x7FF0000000000000, spread & ~(1 << 62), spread)
+    near = (spread & ~(0x7FF << 52)) | (((spread >> 52) & 7) + 1018 << 52)  # exponents 2**-5 .. 2**2
+    spread = torch.where(k % 3 == 0, near, spread)
+    edges = torch.tensor([b - (1 << 64) if b >= 1 << 63 else b for b in EDGES_FP4[:n]], dtype=torch.int64)
+    spread[: len(edges)] = edges
+    return spread.view(torch.float64)
+
+
+def fp4_cases() -> list[tuple[str, tuple[int, ...], Optional[tuple], str, int]]:
+    """``(name, global shape, region, layout, threads)`` of every FP4 case."""
+    return [
+        ("fp4-dense", (1031,), None, "dense", 1),
+        ("fp4-off-block", (7, 300), (slice(None), slice(3, 290)), "dense", 1),
+        ("fp4-transposed", (37, 29), (slice(1, None, 2), slice(None)), "transposed", 1),
+        ("fp4-listed", (37, 29), ([36, 0, 5, 5, 11], slice(None, None, -1)), "dense", 1),
+        ("fp4-strided", (40, 50), (slice(None, None, 3), slice(1, None, 2)), "dense", 1),
+        ("fp4-two-threads", (70001,), None, "dense", 2),
+    ]
+
+
+#: sha256(output codes)[:16] of each FP4 case, as the reference produces them.
+GOLDEN_FP4 = {
+    "fp4-dense": "d84dc5b0ae361a3f",
+    "fp4-off-block": "c083056367f871bc",
+    "fp4-transposed": "dc9133461fd6808c",
+    "fp4-listed": "eab7eb7531bc1f76",
+    "fp4-strided": "99d004e524adc52f",
+    "fp4-two-threads": "85705d9b557f5e2d",
+}
+
+
+def run_fp4(sround_fp4: Callable[[torch.Tensor, torch.Tensor, Any, Any, int], bool]) -> list[str]:
+    """Names of the FP4 cases whose digest is not :data:`GOLDEN_FP4` (empty: all pass).
+
+    ``sround_fp4(out, v, key, region, threads)`` is the implementation under test.
+    """
+    from keyinit.keys import Key
+    from keyinit.regions import make_region
+
+    key = Key(*KEY_WORDS)
+    failed = []
+    for name, shape, region, layout, threads in fp4_cases():
+        reg = make_region(shape, region)
+        v = fp4_inputs(reg.numel).reshape(reg.region_shape)
+        out = _empty(reg.region_shape, torch.uint8, layout)
+        if not sround_fp4(out, v, key, reg, threads) or digest(out) != GOLDEN_FP4.get(name):
             failed.append(name)
     return failed

@@ -74,8 +74,11 @@ static inline uint16_t ki_sr_bf16(uint32_t u, uint32_t x)
         }                                                                        \
     } while (0)
 
+#include "sround_fp4.h"
+
 static void sround_tile(const plan_t *P, const uint32_t *wp, const int64_t *o, int64_t o0, int64_t os, int64_t m)
 {
+    if (P->target == KI_SR_FP4_E2M1) { sround_fp4_tile(P, wp, o, o0, os, m); return; } /* binary64 source */
     if (o == NULL && os == 1) { /* dense: the common case, written so the compiler vectorizes it */
         const uint32_t *s = (const uint32_t *)P->src + o0;
         if (P->target == KI_SR_BFLOAT16) {
@@ -115,17 +118,17 @@ static void sround_tile(const plan_t *P, const uint32_t *wp, const int64_t *o, i
 static int fill_planned(plan_t *P, const double *fparams, const int64_t *iparams, int nthreads);
 
 /*
- * src (binary32, the region's values) rounded stochastically into out, both addressed like keyinit_fill's
- * destination (size, ostride in elements of each; the same strides), element (p_0, ..., p_{d-1}) by the
- * word of its global flat index base + sum_k idx_k(p_k) * gstride[k] (keyinit_fill's addressing).
- * target: KI_SR_*. Returns 0, or a negative number for invalid arguments.
+ * src (binary32, the region's values; binary64 for KI_SR_FP4_E2M1, sround_fp4.h) rounded stochastically
+ * into out, both addressed like keyinit_fill's destination (size, ostride in elements of each; the same
+ * strides), element (p_0, ..., p_{d-1}) by the word of its global flat index base + sum_k idx_k(p_k) *
+ * gstride[k] (keyinit_fill's addressing). target: KI_SR_*. Returns 0, or a negative number for invalid arguments.
  */
 KI_API int keyinit_sround(int target, uint32_t k0, uint32_t k1, int ndim, int64_t base, const int64_t *size,
                           const int64_t *ostride, const int64_t *gstride, const int64_t *const *index,
                           const void *src, void *out, int nthreads)
 {
     if (ndim < 1 || ndim > KI_MAX_DIMS) return -1;
-    if (target < KI_SR_BFLOAT16 || target > KI_SR_FLOAT8_E4M3FN) return -2;
+    if (target < KI_SR_BFLOAT16 || target > KI_SR_FP4_E2M1) return -2;
     /* one word per element, as bits draws them */
     plan_t P = plan_of(KI_DIST_BITS, target <= KI_SR_FLOAT16 ? KI_DTYPE_INT16 : KI_DTYPE_UINT8, k0, k1, ndim, base,
                        size, ostride, gstride, index, out);

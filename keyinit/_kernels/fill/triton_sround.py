@@ -1,6 +1,7 @@
 """Keyed stochastic rounding on CUDA tensors with Triton (``docs/spec.md`` section 17), bit-identical to
-:mod:`keyinit._draw.reference_sround`: the sround family's CUDA kernel, and the sround_adam family's
-(:func:`sround_adam`, the fused Adam/AdamW step of 17.6).
+:mod:`keyinit._draw.reference_sround`: the sround family's CUDA kernel, the sround_fp4 family's
+(:func:`sround_fp4`, FP4 E2M1 codes of 17.7) and the sround_adam family's (:func:`sround_adam`, the fused
+Adam/AdamW step of 17.6).
 
 Triton is optional and imported lazily; :func:`sround` returns ``False`` (the reference runs) when it is
 missing, for a float64 source, or for a stream whose element words are not v1's. The source is read at
@@ -24,7 +25,7 @@ from keyinit._kernels.fill.triton import device_geometry, launch_for, run_kernel
 from keyinit.keys import Key
 from keyinit.regions import Region
 
-__all__ = ["available", "sround", "sround_adam"]
+__all__ = ["available", "sround", "sround_fp4", "sround_adam"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,6 +86,34 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, *, inte
         grid = (-(-out.numel() // BLOCK),)
         args = (storage, src.view(torch.int32), index, out.numel(), launch["base"], k0, k1, *geometry_args)
         run_kernel(kernel, grid, out.device, args, dict(options, BLOCK=BLOCK))
+    torch.autograd.graph.increment_version(out)
+    return True
+
+
+def sround_fp4(out: torch.Tensor, v: torch.Tensor, key: Key, region: Region, *, interpret_ok: bool = False) -> bool:
+    """``v`` (float64 quotients ``x / scale``, no NaN, shaped like ``region``) rounded stochastically to FP4
+    E2M1 codes into ``out`` (uint8, any strides; ``docs/spec.md`` 17.7) with the Triton kernel; ``False``
+    (nothing written) if it cannot. CUDA tensors, or CPU tensors with ``interpret_ok``."""
+    if (out.dtype != torch.uint8 or v.dtype != torch.float64 or v.device != out.device
+            or key.impl.words is not stream_words or (out.device.type != "cuda" and not interpret_ok)):
+        return False
+    kernel = _kernel("sround_fp4_kernel")
+    launch = launch_for(kernel, out, region, 1)
+    if not isinstance(launch, dict):
+        return launch
+    src = v.detach()
+    if src.is_neg() or any(n > 1 and a != b for n, a, b in zip(out.shape, out.stride(), src.stride())):
+        src = torch.empty_strided(out.shape, out.stride(), dtype=torch.float64, device=out.device).copy_(src)
+    k0, k1 = key.words
+    options = dict(enable_fp_fusion=False)  # (integer operations only)
+    if _single_run(launch):
+        args = (out, src.view(torch.int64), out.numel(), launch["base"], k0, k1)
+        run_kernel(_kernel("sround_fp4_run_kernel"), _run_grid(out.numel(), launch["base"]), out.device, args,
+                   dict(options, NB=RUN_NB))
+    else:
+        index, geometry_args = device_geometry(launch, out.device)
+        args = (out, src.view(torch.int64), index, out.numel(), launch["base"], k0, k1, *geometry_args)
+        run_kernel(kernel, (-(-out.numel() // BLOCK),), out.device, args, dict(options, BLOCK=BLOCK))
     torch.autograd.graph.increment_version(out)
     return True
 

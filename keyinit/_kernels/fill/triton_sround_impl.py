@@ -6,7 +6,9 @@ kernel's GENERAL path: :func:`~keyinit._kernels.fill.triton_impl._locate`), take
 its global index ``g`` (Philox block ``g // 4``, lane ``g % 4``: as ``bits`` draws it) and rounds its
 binary32 value by ``docs/spec.md`` 17.2's integer rule (int64 operations on the bit pattern, so the
 interpreter and every GPU give the reference's bits). The target format is constexpr (one compiled
-variant per target); geometry and key are runtime arguments.
+variant per target); geometry and key are runtime arguments. FP4 E2M1 (17.7) has its own kernel,
+:data:`sround_fp4_kernel`: binary64 quotients (their int64 view) to uint8 codes, ``fill/sround_fp4.h``'s
+arithmetic.
 """
 
 import triton
@@ -14,7 +16,7 @@ import triton.language as tl
 
 from keyinit._kernels.fill.triton_impl import _locate, _philox_blocks
 
-__all__ = ["sround_kernel", "adam_kernel"]
+__all__ = ["sround_kernel", "sround_fp4_kernel", "adam_kernel"]
 
 I64 = tl.int64
 _INTS = ["numel", "base", "k0", "k1", "n0", "n1", "n2", "n3", "os0", "os1", "os2", "os3",
@@ -72,6 +74,45 @@ def _sround_kernel(out_ptr, src_ptr, index_ptr, numel: I64, base: I64, k0: I64, 
 
 
 sround_kernel = _sround_kernel
+
+
+@triton.jit
+def _round_fp4(u, x):
+    """binary64 bits ``u`` (int64) rounded with word ``x`` (int64 in [0, 2**32)): E2M1's code (17.7; 17.2
+    with p = 2, emin = 0, emax = 2, saturating at 6), as ``fill/sround_fp4.h``'s ``ki_sr_fp4``."""
+    sign = tl.where(u < 0, 8, 0).to(tl.int64)
+    mag = u & 0x7FFFFFFFFFFFFFFF
+    field0 = mag >> 52
+    m = tl.where(field0 != 0, (mag & 0xFFFFFFFFFFFFF) | 0x10000000000000, mag & 0xFFFFFFFFFFFFF)
+    field = tl.maximum(field0, 1)
+    big_e = tl.maximum(field - 1023, 0)
+    shift = big_e + 1074 - field  # >= 51
+    s1 = tl.minimum(shift, 62)
+    s2 = tl.minimum(shift - 32, 62)
+    units = m >> s1
+    r = (m - (units << s1)) >> s2
+    up = (x + r) >> 32
+    bits = (big_e << 1) + units + up
+    return sign | tl.where(mag >= 0x4018000000000000, 7, bits)
+
+
+@triton.jit(do_not_specialize=_INTS)
+def _sround_fp4_kernel(out_ptr, src_ptr, index_ptr, numel: I64, base: I64, k0: I64, k1: I64,
+                       n0: I64, n1: I64, n2: I64, n3: I64, os0: I64, os1: I64, os2: I64, os3: I64,
+                       gs0: I64, gs1: I64, gs2: I64, gs3: I64, ix0: I64, ix1: I64, ix2: I64, ix3: I64,
+                       BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    mask, g, o = _locate(index_ptr, pid, numel, base, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
+                         ix0, ix1, ix2, ix3, BLOCK)
+    r0, r1, r2, r3 = _philox_blocks(g >> 2, k0, k1)
+    lane = (g & 3).to(tl.int32)
+    word = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    x = word.to(tl.int64) & 0xFFFFFFFF
+    u = tl.load(src_ptr + o, mask=mask, other=0)  # the int64 view of the binary64 quotients
+    tl.store(out_ptr + o, _round_fp4(u, x).to(tl.uint8), mask=mask)
+
+
+sround_fp4_kernel = _sround_fp4_kernel
 
 
 F32 = tl.float32

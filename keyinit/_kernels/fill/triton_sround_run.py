@@ -9,7 +9,7 @@ blocks from the run's first block: each block is computed once and its 4 words a
 consecutive elements (``join`` of the four lanes, as the fill kernel's RUN path), the element offset
 is ``g - base``: no division, no index list. The rounding and the Adam arithmetic are the same
 ``@triton.jit`` functions as the general kernels', so the bits are the same (``docs/spec.md`` 17.2,
-17.6); the bfloat16 target rounds by the carry of the word's high half (``sround.h``'s ``ki_sr_bf16``,
+17.6; FP4 E2M1's codes of binary64 quotients, 17.7, too); the bfloat16 target rounds by the carry of the word's high half (``sround.h``'s ``ki_sr_bf16``,
 equal to 17.2's rule for every binary32 value) in 32-bit operations.
 """
 
@@ -18,10 +18,10 @@ import triton.language as tl
 
 from keyinit._kernels.common.triton_philox import philox_hi
 from keyinit._kernels.fill.triton_impl import _philox_blocks
-from keyinit._kernels.fill.triton_sround_impl import _adam_load, _adam_store, _adam_update, _round
+from keyinit._kernels.fill.triton_sround_impl import _adam_load, _adam_store, _adam_update, _round, _round_fp4
 
-__all__ = ["sround_run_kernel", "adam_run_kernel", "adam_many_kernel", "RUN_INTS", "ADAM_RUN_INTS", "MANY_INTS",
-           "MANY_COLUMNS"]
+__all__ = ["sround_run_kernel", "sround_fp4_run_kernel", "adam_run_kernel", "adam_many_kernel", "RUN_INTS",
+           "ADAM_RUN_INTS", "MANY_INTS", "MANY_COLUMNS"]
 
 I64 = tl.int64
 F32 = tl.float32
@@ -64,6 +64,15 @@ def _sround_run_kernel(out_ptr, src_ptr, numel: I64, base: I64, k0: I64, k1: I64
         tl.store(out_ptr + o, bits.to(tl.uint8), mask=mask)
 
 
+@triton.jit(do_not_specialize=RUN_INTS)
+def _sround_fp4_run_kernel(out_ptr, src_ptr, numel: I64, base: I64, k0: I64, k1: I64, NB: tl.constexpr):
+    """FP4 E2M1 codes (17.7) of the binary64 quotients (their int64 view) over one run."""
+    pid = tl.program_id(0).to(tl.int64)
+    mask, o, x = _run_positions(pid, numel, base, k0, k1, NB)
+    u = tl.load(src_ptr + o, mask=mask, other=0)
+    tl.store(out_ptr + o, _round_fp4(u, x).to(tl.uint8), mask=mask)
+
+
 @triton.jit(do_not_specialize=ADAM_RUN_INTS)
 def _adam_run_kernel(p_ptr, g_ptr, m_ptr, v_ptr, numel: I64, base: I64, k0: I64, k1: I64,
                      decay: F32, w: F32, w_minus_1: F32, beta2: F32, s2: F32, bc2s: F32, eps: F32, neg_step: F32,
@@ -77,6 +86,7 @@ def _adam_run_kernel(p_ptr, g_ptr, m_ptr, v_ptr, numel: I64, base: I64, k0: I64,
 
 
 sround_run_kernel = _sround_run_kernel
+sround_fp4_run_kernel = _sround_fp4_run_kernel
 adam_run_kernel = _adam_run_kernel
 
 
