@@ -106,6 +106,9 @@ class StochasticRounding:
         self._base = fold_in(root, TAG)
         self._fqns = fqns
         self._swapped: list[tuple[list, int, torch.Tensor, torch.Tensor]] = []
+        # id(param) -> (param, its float32 stand-in): the same tensor objects every step (a compiled step's
+        # guards hold), their storage (and their gradients') freed between steps
+        self._stand_ins: dict[int, tuple[torch.Tensor, torch.nn.Parameter]] = {}
         self._loading: list[tuple[list, int, torch.Tensor, torch.Tensor]] = []
         self._depth = 0  # steps entered and not yet left (the hooks of nested step calls)
         for group in optimizer.param_groups:
@@ -117,8 +120,8 @@ class StochasticRounding:
             group.setdefault(STEP_KEY, 0)
         self._wrap_step()
         self._handles = [
-            optimizer.register_step_pre_hook(self._before_step),
-            optimizer.register_step_post_hook(self._after_step),
+            optimizer.register_step_pre_hook(_eager(self._before_step)),
+            optimizer.register_step_post_hook(_eager(self._after_step)),
             optimizer.register_load_state_dict_pre_hook(self._before_load),
             optimizer.register_load_state_dict_post_hook(self._after_load),
         ]
@@ -147,7 +150,6 @@ class StochasticRounding:
         """Put ``make(param)`` (a float32 stand-in) in each low-precision parameter's place in the parameter
         groups, its optimizer state moved along; returns ``(group list, position, param, stand-in)``."""
         swapped = []
-        state = self.optimizer.state
         for group in self.optimizer.param_groups:
             params = group["params"]
             for position, param in enumerate(params):
@@ -157,27 +159,53 @@ class StochasticRounding:
                 if stand_in is None:
                     continue
                 params[position] = stand_in  # in place: optimizers that keep the list (LBFGS) see it too
-                if param in state:
-                    state[stand_in] = state.pop(param)
                 swapped.append((params, position, param, stand_in))
+        self._rekey_state({id(param): stand_in for _, _, param, stand_in in swapped})
         return swapped
 
     def _swap_out(self, swapped: list[tuple[list, int, torch.Tensor, torch.Tensor]]) -> None:
-        state = self.optimizer.state
-        for params, position, param, stand_in in swapped:
+        for params, position, param, _ in swapped:
             params[position] = param
-            if stand_in in state:
-                state[param] = state.pop(stand_in)
+        self._rekey_state({id(stand_in): param for _, _, param, stand_in in swapped})
         swapped.clear()
 
-    @staticmethod
-    def _float32_copy(param: torch.Tensor) -> Optional[torch.Tensor]:
-        if param.grad is None:
+    def _rekey_state(self, new: dict[int, torch.Tensor]) -> None:
+        """Move the optimizer state of each tensor ``id`` in ``new`` to ``new[id]``, each entry at its place in
+        the state's order (a compiled step guards on that order: it stays the same every step)."""
+        state = self.optimizer.state
+        if not new or not any(id(found) in new for found in state):
+            return
+        entries = [(new.get(id(found), found), value) for found, value in state.items()]
+        state.clear()
+        state.update(entries)
+
+    def _float32_copy(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """``param``'s float32 stand-in holding its values, its gradient a float32 copy of ``param``'s: the
+        tensor objects of the previous step (storage allocated again) while their layout holds, new ones else."""
+        grad = param.grad
+        if grad is None:
             return None  # the optimizer skips it: nothing to round
+        found = self._stand_ins.get(id(param))
+        stand_in = found[1] if found is not None and found[0] is param else None
+        if stand_in is None or not _same_layout(stand_in, param):
+            with torch.no_grad():
+                stand_in = torch.nn.Parameter(torch.empty_like(param.detach(), dtype=torch.float32),
+                                              requires_grad=param.requires_grad)
+            self._stand_ins[id(param)] = (param, stand_in)
+        if stand_in.grad is None or not _same_layout(stand_in.grad, grad):
+            stand_in.grad = torch.empty_like(grad.detach(), dtype=torch.float32)
         with torch.no_grad():
-            copy = torch.nn.Parameter(param.detach().to(torch.float32), requires_grad=param.requires_grad)
-        copy.grad = param.grad.detach().to(torch.float32)
-        return copy
+            for copy, source in ((stand_in, param), (stand_in.grad, grad)):
+                _allocate(copy)
+                copy.detach().copy_(source.detach())
+        return stand_in
+
+    def _free(self) -> None:
+        """Free the stand-ins' storage and their gradients' (their tensor objects stay for the next step)."""
+        for _, stand_in in self._stand_ins.values():
+            _storage(stand_in).resize_(0)
+            if stand_in.grad is not None:
+                _storage(stand_in.grad).resize_(0)
 
     def _wrap_step(self) -> None:
         """Make ``optimizer.step`` put the parameters back when the step raises (a bound method on the
@@ -194,6 +222,7 @@ class StochasticRounding:
                 handle._depth = 0  # the post-hooks did not run
                 handle._swap_out(handle._swapped)  # nothing half-done stays in the parameter groups
                 handle._release()
+                handle._free()
                 raise
 
         self._step = types.MethodType(step, optimizer)
@@ -233,6 +262,7 @@ class StochasticRounding:
             for _, _, param, stand_in in self._swapped:
                 stochastic_round(self.key(t, self._fqns[id(param)]), stand_in.detach(), param.dtype, out=param.detach())
         self._swap_out(self._swapped)
+        self._free()
         try:
             self._fused_steps(t)
         finally:
@@ -325,10 +355,52 @@ class StochasticRounding:
         """Take the hooks off (the step counter stays in the parameter groups)."""
         self._swap_out(self._swapped)
         self._swap_out(self._loading)
+        self._stand_ins.clear()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._unwrap_step()
+
+
+def _eager(hook: Any) -> Any:
+    """``hook`` run eagerly under ``torch.compile``: a graph break (dynamo does not trace it, so it guards on none
+    of the Python values it reads, such as the step counter)."""
+    def run(optimizer: Any, args: Any, kwargs: Any) -> None:
+        hook(optimizer, args, kwargs)
+
+    run.__qualname__ = run.__name__ = f"stochastic_rounding{hook.__name__}"
+    return torch.compiler.disable(run, reason=_EAGER_REASON)
+
+
+#: Why the hooks break the graph (shown by dynamo, e.g. under ``fullgraph=True``).
+_EAGER_REASON = ("keyinit.optim.stochastic_rounding's step hooks (the float32 stand-ins and the keyed rounding) run "
+                 "eagerly between the compiled parts of optimizer.step(); compile the step without fullgraph=True "
+                 "(torch's own optimizers break the graph there too)")
+
+
+def _storage(tensor: torch.Tensor) -> Any:
+    """The untyped storage of ``tensor`` (a DTensor's local tensor's)."""
+    local = tensor.to_local() if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(tensor, "to_local") \
+        else tensor
+    return local.untyped_storage()
+
+
+def _allocate(tensor: torch.Tensor) -> None:
+    """Give a stand-in (freed by ``_free``) its storage again."""
+    local = tensor.to_local() if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(tensor, "to_local") \
+        else tensor
+    needed = (local.storage_offset() + sum((n - 1) * s for n, s in zip(local.shape, local.stride())) + 1) \
+        * local.element_size() if local.numel() else 0
+    storage = local.untyped_storage()
+    if storage.nbytes() < needed:
+        storage.resize_(needed)
+
+
+def _same_layout(stand_in: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether ``stand_in`` still stands for ``tensor``: its type, shape, strides, device (and placements)."""
+    return (type(stand_in.detach()) is type(tensor.detach()) and stand_in.shape == tensor.shape
+            and stand_in.stride() == tensor.stride() and stand_in.device == tensor.device
+            and getattr(stand_in, "placements", None) == getattr(tensor, "placements", None))
 
 
 def _is_torchao(optimizer: torch.optim.Optimizer) -> bool:
