@@ -2,7 +2,7 @@
 
     python benchmarks/bench_sround.py            # 1M and 16M elements, 1 and 2 threads; the AdamW step
     python benchmarks/bench_sround.py --quick    # fewer repeats
-    python benchmarks/bench_sround.py --only ops # (or --only adamw, --only torchao, --only fp4) one section
+    python benchmarks/bench_sround.py --only ops # (or --only adamw, --only torchao, --only fp4, --only compiled) one section
     python benchmarks/bench_sround.py --device cuda  # on the GPU: the Triton kernels against the same peers
 
 Sections (every ratio is peer time / keyinit time, so >= 1 means keyinit is at least as fast):
@@ -33,6 +33,10 @@ Sections (every ratio is peer time / keyinit time, so >= 1 means keyinit is at l
    (``keyinit._kernels.fill.cpu.sround_fp4``) vs ``keyinit._draw.reference_sround.round_fp4_into``, on
    the float64 quotients (``--device cuda``: the Triton kernel, ``triton_sround.sround_fp4``). Fewer
    repeats (a third, at least 3): the reference is slow. Printed before section 3.
+5. ``--only compiled``: ``torch.compile(opt.step)`` (inductor) of AdamW on the same MLP under
+   ``keyinit.optim.stochastic_rounding`` (``fused=False``: the compiled float32 step, then keyed SR; and
+   ``fused=True``) vs ``torch.compile(opt.step)`` of torch's AdamW on the bf16 parameters as they are (bf16
+   state, round to nearest). Not in the default run (inductor compiles for a minute on the CPU).
 
 With ``--device cuda`` the same sections run on the GPU (the Triton kernels; section 1 at 16M and 64M
 elements; section 2 on a larger MLP, 4 blocks of 1024 -> 4096 -> 1024, 33.6M parameters, with torch's
@@ -259,10 +263,31 @@ def bench_torchao(threads_list, repeats: int) -> list[dict]:
     return rows
 
 
+def bench_compiled(threads_list, repeats: int) -> list[dict]:
+    torch._dynamo.reset()
+    keyed, fused, plain = _mlp(), _mlp(), _mlp()
+    opt_keyed = torch.optim.AdamW(keyed.parameters(), lr=1e-4)
+    keyinit.optim.stochastic_rounding(opt_keyed, 5, names=keyed)
+    opt_fused = torch.optim.AdamW(fused.parameters(), lr=1e-4)
+    keyinit.optim.stochastic_rounding(opt_fused, 5, names=fused, fused=True)
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    steps = [torch.compile(opt.step) for opt in (opt_keyed, opt_fused, opt_plain)]
+    for step in steps:  # compile (the first two steps make the state): outside the timing
+        step()
+        step()
+    rows = []
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        t_keyed, t_fused, t_plain = median_all(steps, repeats)
+        rows.append({"threads": threads, "keyed_ms": 1e3 * t_keyed, "fused_ms": 1e3 * t_fused,
+                     "plain_ms": 1e3 * t_plain})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=("ops", "adamw", "torchao", "fp4"))
+    parser.add_argument("--only", choices=("ops", "adamw", "torchao", "fp4", "compiled"))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--profile", action="store_true",
@@ -303,6 +328,13 @@ def main() -> None:
         for r in bench_fp4(sizes, threads, max(3, repeats // 3)):
             print(f"{r['n']:>9} {r['threads']:>3} {r['ref_ns']:>12.3f} {r['keyinit_ns']:>9.3f} {r['ratio']:>6.2f}"
                   f"   {'':>16}{r['ref_round_ns']:>12.3f} {r['round_ns']:>9.3f} {r['round_ratio']:>6.2f}")
+    if args.only == "compiled":
+        print("\n5. torch.compile(opt.step) (inductor) of AdamW, bf16 MLP (ratio: keyed / compiled torch AdamW on bf16)")
+        for r in bench_compiled(threads, repeats):
+            print(f"threads {r['threads']}: keyed SR fused=False {r['keyed_ms']:.2f} ms (ratio "
+                  f"{r['keyed_ms'] / r['plain_ms']:.3f}), fused=True {r['fused_ms']:.2f} ms (ratio "
+                  f"{r['fused_ms'] / r['plain_ms']:.3f}), compiled torch AdamW on bf16 {r['plain_ms']:.2f} ms")
+        return
     if args.only in (None, "torchao"):
         try:
             import torchao.optim  # noqa: F401

@@ -37,6 +37,12 @@ float32 path unchanged: their step sees float32 parameters, so their own roundin
 above. Their state is made by their own ``_new_buffer`` for the original parameter (so it has the dtype
 or quantized format torchao gives it) and loads as torchao loads it.
 
+``torch.compile(optimizer.step)`` (or of a function that calls it) compiles the optimizer's own step once: the
+hooks run eagerly around it (``torch.compiler.disable``, so dynamo guards on none of their Python values, the step
+counter and the keys included; ``fullgraph=True`` is refused with that reason), and each parameter's float32
+stand-in (and its gradient) is the same tensor object every step, its storage freed between steps, so the compiled
+step's guards hold. The rounded values are the keyed rounding of what the compiled optimizer computed.
+
 The step counter ``t`` (0 for the first step) lives in every parameter group as
 :data:`STEP_KEY`, so ``optimizer.state_dict()`` saves it and ``load_state_dict`` restores it: a
 resumed run continues the same keys. Loading also keeps the float32 optimizer state float32
@@ -202,10 +208,11 @@ class StochasticRounding:
 
     def _free(self) -> None:
         """Free the stand-ins' storage and their gradients' (their tensor objects stay for the next step)."""
-        for _, stand_in in self._stand_ins.values():
-            _storage(stand_in).resize_(0)
-            if stand_in.grad is not None:
-                _storage(stand_in.grad).resize_(0)
+        with torch.no_grad():
+            for _, stand_in in self._stand_ins.values():
+                _storage(stand_in).resize_(0)
+                if stand_in.grad is not None:
+                    _storage(stand_in.grad).resize_(0)
 
     def _wrap_step(self) -> None:
         """Make ``optimizer.step`` put the parameters back when the step raises (a bound method on the
