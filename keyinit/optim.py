@@ -112,9 +112,10 @@ class StochasticRounding:
         self._base = fold_in(root, TAG)
         self._fqns = fqns
         self._swapped: list[tuple[list, int, torch.Tensor, torch.Tensor]] = []
-        # id(param) -> (param, its float32 stand-in): the same tensor objects every step (a compiled step's
-        # guards hold), their storage (and their gradients') freed between steps
-        self._stand_ins: dict[int, tuple[torch.Tensor, torch.nn.Parameter]] = {}
+        # id(param) -> (param, its float32 stand-in, the layouts of the param and its gradient it was made for):
+        # the same tensor objects every step (a compiled step's guards hold), their storage (and their
+        # gradients') freed between steps
+        self._stand_ins: dict[int, tuple[torch.Tensor, torch.nn.Parameter, tuple, tuple]] = {}
         self._loading: list[tuple[list, int, torch.Tensor, torch.Tensor]] = []
         self._depth = 0  # steps entered and not yet left (the hooks of nested step calls)
         for group in optimizer.param_groups:
@@ -191,15 +192,16 @@ class StochasticRounding:
         grad = param.grad
         if grad is None:
             return None  # the optimizer skips it: nothing to round
+        layouts = (_layout(param), _layout(grad))
         found = self._stand_ins.get(id(param))
-        stand_in = found[1] if found is not None and found[0] is param else None
-        if stand_in is None or not _same_layout(stand_in, param):
+        if found is not None and found[0] is param and found[2:] == layouts:
+            stand_in = found[1]
+        else:
             with torch.no_grad():
                 stand_in = torch.nn.Parameter(torch.empty_like(param.detach(), dtype=torch.float32),
                                               requires_grad=param.requires_grad)
-            self._stand_ins[id(param)] = (param, stand_in)
-        if stand_in.grad is None or not _same_layout(stand_in.grad, grad):
             stand_in.grad = torch.empty_like(grad.detach(), dtype=torch.float32)
+            self._stand_ins[id(param)] = (param, stand_in, *layouts)
         with torch.no_grad():
             for copy, source in ((stand_in, param), (stand_in.grad, grad)):
                 _allocate(copy)
@@ -209,7 +211,7 @@ class StochasticRounding:
     def _free(self) -> None:
         """Free the stand-ins' storage and their gradients' (their tensor objects stay for the next step)."""
         with torch.no_grad():
-            for _, stand_in in self._stand_ins.values():
+            for _, stand_in, _, _ in self._stand_ins.values():
                 _storage(stand_in).resize_(0)
                 if stand_in.grad is not None:
                     _storage(stand_in.grad).resize_(0)
@@ -403,11 +405,10 @@ def _allocate(tensor: torch.Tensor) -> None:
         storage.resize_(needed)
 
 
-def _same_layout(stand_in: torch.Tensor, tensor: torch.Tensor) -> bool:
-    """Whether ``stand_in`` still stands for ``tensor``: its type, shape, strides, device (and placements)."""
-    return (type(stand_in.detach()) is type(tensor.detach()) and stand_in.shape == tensor.shape
-            and stand_in.stride() == tensor.stride() and stand_in.device == tensor.device
-            and getattr(stand_in, "placements", None) == getattr(tensor, "placements", None))
+def _layout(tensor: torch.Tensor) -> tuple:
+    """What a stand-in made for ``tensor`` depends on: its type, shape, strides, dtype, device (and placements)."""
+    return (type(tensor.detach()), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device,
+            tuple(getattr(tensor, "placements", ())))
 
 
 def _is_torchao(optimizer: torch.optim.Optimizer) -> bool:

@@ -84,7 +84,7 @@ def _assert_nothing_held(model, opt, sr) -> None:
     assert all(any(p is q for q in params) for g in opt.param_groups for p in g["params"])
     assert all(any(p is q for q in params) for p in opt.state)
     assert len(sr._stand_ins) == (0 if sr.fused else 4)  # the bfloat16 and float16 weights and biases
-    for _, stand_in in sr._stand_ins.values():
+    for _, stand_in, _, _ in sr._stand_ins.values():
         assert stand_in.untyped_storage().nbytes() == 0
         assert stand_in.grad is None or stand_in.grad.untyped_storage().nbytes() == 0
 
