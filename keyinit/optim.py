@@ -157,6 +157,7 @@ class StochasticRounding:
         """Put ``make(param)`` (a float32 stand-in) in each low-precision parameter's place in the parameter
         groups, its optimizer state moved along; returns ``(group list, position, param, stand-in)``."""
         swapped = []
+        state = self.optimizer.state
         for group in self.optimizer.param_groups:
             params = group["params"]
             for position, param in enumerate(params):
@@ -166,25 +167,18 @@ class StochasticRounding:
                 if stand_in is None:
                     continue
                 params[position] = stand_in  # in place: optimizers that keep the list (LBFGS) see it too
+                if param in state:
+                    state[stand_in] = state.pop(param)
                 swapped.append((params, position, param, stand_in))
-        self._rekey_state({id(param): stand_in for _, _, param, stand_in in swapped})
         return swapped
 
     def _swap_out(self, swapped: list[tuple[list, int, torch.Tensor, torch.Tensor]]) -> None:
-        for params, position, param, _ in swapped:
-            params[position] = param
-        self._rekey_state({id(stand_in): param for _, _, param, stand_in in swapped})
-        swapped.clear()
-
-    def _rekey_state(self, new: dict[int, torch.Tensor]) -> None:
-        """Move the optimizer state of each tensor ``id`` in ``new`` to ``new[id]``, each entry at its place in
-        the state's order (a compiled step guards on that order: it stays the same every step)."""
         state = self.optimizer.state
-        if not new or not any(id(found) in new for found in state):
-            return
-        entries = [(new.get(id(found), found), value) for found, value in state.items()]
-        state.clear()
-        state.update(entries)
+        for params, position, param, stand_in in swapped:
+            params[position] = param
+            if stand_in in state:
+                state[param] = state.pop(stand_in)
+        swapped.clear()
 
     def _float32_copy(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """``param``'s float32 stand-in holding its values, its gradient a float32 copy of ``param``'s: the
