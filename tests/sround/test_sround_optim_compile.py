@@ -1,9 +1,12 @@
 """keyinit.optim.stochastic_rounding under ``torch.compile`` of the step: ``torch.compile(optimizer.step)``, a
-compiled function that calls it, and a compiled train step (backward included) give the eager keyed step's
-parameters and optimizer state bitwise (aot_eager; inductor: the keyed rounding of its own float32 update),
-compile once (no recompile per step: the hooks run eagerly, the float32 stand-ins are the same tensor objects
-every step), keep no float32 copy between steps, resume exactly, leave the global RNG alone, and refuse
-``fullgraph=True`` with a message saying why."""
+compiled function that calls it, and a compiled train step (backward included) compile in the first two steps
+only (the hooks run eagerly, the float32 stand-ins are the same tensor objects every step: no recompile per
+step, with an LR scheduler too), and give bitwise what the keyed step promises: torch's compiled optimizer
+arithmetic over float32 copies, rounded with the keys (a reference built without the hooks, aot_eager and
+inductor); the fused step's parameters and state are the eager ones, and so is everything with SGD, whose
+compiled arithmetic is its eager one (torch's compiled Adam/AdamW is not, keyed or not). No float32 copy is
+held between steps, a resume continues the keys, a step that raises puts everything back, the global RNG is
+untouched, and ``fullgraph=True`` is refused with a message saying why."""
 
 from __future__ import annotations
 
