@@ -5,8 +5,9 @@ step, with an LR scheduler too), and give bitwise what the keyed step promises: 
 arithmetic over float32 copies, rounded with the keys (a reference built without the hooks, aot_eager and
 inductor); the fused step's parameters and state are the eager ones, and so is everything with SGD, whose
 compiled arithmetic is its eager one (torch's compiled Adam/AdamW is not, keyed or not). No float32 copy is
-held between steps, a resume continues the keys, a step that raises puts everything back, the global RNG is
-untouched, and ``fullgraph=True`` is refused with a message saying why."""
+held between steps, FSDP2's DTensor parameters on two ranks step as one eager process, a resume continues the
+keys, a step that raises puts everything back, the global RNG is untouched, and ``fullgraph=True`` is refused
+with a message saying why."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import keyinit
 import keyinit.optim
 from keyinit.optim import STEP_KEY, stochastic_rounding
 from keyinit.random import stochastic_round
+from tests._support.dist import requires_gloo, run_distributed
 
 SEED = 21
 STEPS = 5
@@ -322,3 +324,43 @@ def test_a_compiled_step_that_raises_puts_everything_back():
             assert sr.step == 2
             break
         step()
+
+
+def _fsdp2_compiled_run(steps):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _model()
+    for name in ("a", "b", "n"):  # (the root, a ModuleDict, has no forward to shard around)
+        fully_shard(model[name], mesh=mesh)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    sr = stochastic_rounding(opt, SEED, names=model)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(opt.step, backend=counter)
+    frames = []
+    for t in range(steps):
+        for fqn, p in model.named_parameters():  # the keyed gradients of _grads, sharded as the parameter
+            k = keyinit.key_for(keyinit.fold_in(keyinit.key(99), t), fqn)
+            p.grad = distribute_tensor(keyinit.random.normal(k, p.shape, std=0.3, dtype=p.dtype), mesh, p.placements)
+        with torch._dynamo.config.patch(error_on_recompile=t >= 2):
+            step()
+        frames.append(counter.frame_count)
+    return {fqn: p.full_tensor() for fqn, p in model.named_parameters()}, frames, sr.step
+
+
+@pytest.mark.slow  # two processes, each compiling: ~10 s on 2 cores
+@requires_gloo
+def test_fsdp2_two_ranks_compiled_match_one_process_eager():
+    """DTensor parameters (FSDP2, 2 gloo ranks): the compiled step (SGD, aot_eager) compiles in the first two steps
+    only and gives one eager process's parameters bitwise."""
+    ref_model, _ = _eager("sgd", False)
+    expected = dict(ref_model.named_parameters())
+    for rank, (state, frames, step) in enumerate(run_distributed(_fsdp2_compiled_run, 2, args=(STEPS,), timeout=240)):
+        assert step == STEPS and frames[1] == frames[-1] >= 1, (rank, frames)
+        for fqn, value in state.items():
+            assert value.dtype == expected[fqn].dtype and torch.equal(value, expected[fqn].detach()), (rank, fqn)
+
