@@ -372,7 +372,10 @@ def _eager(hook: Any) -> Any:
         hook(optimizer, args, kwargs)
 
     run.__qualname__ = run.__name__ = f"stochastic_rounding{hook.__name__}"
-    return torch.compiler.disable(run, reason=_EAGER_REASON)
+    try:
+        return torch.compiler.disable(run, reason=_EAGER_REASON)
+    except TypeError:  # torch before 2.7 takes no reason
+        return torch.compiler.disable(run)
 
 
 #: Why the hooks break the graph (shown by dynamo, e.g. under ``fullgraph=True``).
