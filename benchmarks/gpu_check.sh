@@ -5,7 +5,8 @@
 # steps: env, sweep (Triton dropout launches v1/v2 vs torch, bits checked), tests (tests/gpu/test_cuda.py and the
 # Triton kernels on the device), drop (bench_dropout v1/v2, attention v2), gpt2 (a GPT-2-small bf16 training
 # step plain / keyed / torch.compile / keyinit.nn.compile), bench6 (bench.py's GPU targets), sround (stochastic
-# rounding: bench_sround.py --device cuda, the Triton kernels against randint-and-mask and torch's AdamW).
+# rounding: bench_sround.py --device cuda, the Triton kernels against randint-and-mask and torch's AdamW), srtests
+# (the SR tests on the device alone), droptests (test_cuda.py's keyed forwards and the Triton dropout GPU tests).
 set -u
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -27,6 +28,9 @@ for s in "${steps[@]}"; do case $s in
   srtests) run srtests 90 $PY -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_sround_cuda.py tests/gpu/test_sround_many_triton.py \
              tests/gpu/test_sround_triton.py::test_gpu_kernel_equals_reference \
              tests/gpu/test_sround_fp4_triton.py::test_gpu_kernel_equals_reference ;;
+  droptests) run droptests 120 $PY -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_cuda.py -k "dropout or keyed or checkpoint or inductor" \
+           tests/gpu/test_dropout_triton_v2.py::test_gpu_kernel_gives_the_names_bit_for_bit \
+           tests/gpu/test_dropout_triton.py::test_gpu_kernel_is_bit_exact_forward_and_backward ;;
   drop) run drop_v1 50 $PY benchmarks/bench_dropout.py --device cuda --only ops --stream v1
         run drop_v2 50 $PY benchmarks/bench_dropout.py --device cuda --only ops --stream v2
         run attn_v2 50 $PY benchmarks/bench_dropout.py --device cuda --only attention --stream v2 ;;
