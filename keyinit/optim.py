@@ -61,7 +61,7 @@ from keyinit._draw import dispatch
 from keyinit.fqn import canonical_modules
 from keyinit.keys import Key, fold_in, key, key_for, require_key
 from keyinit.layouts import target_for
-from keyinit.random import ROUND_TARGETS, key_words, stochastic_round
+from keyinit.random import ROUND_TARGETS, key_words
 
 __all__ = ["stochastic_rounding", "StochasticRounding", "STEP_KEY", "TAG"]
 
@@ -261,9 +261,7 @@ class StochasticRounding:
         if self._depth > 0:
             return
         t = self.step
-        with torch.no_grad():
-            for _, _, param, stand_in in self._swapped:
-                stochastic_round(self.key(t, self._fqns[id(param)]), stand_in.detach(), param.dtype, out=param.detach())
+        self._round_stand_ins(t)
         self._swap_out(self._swapped)
         self._free()
         try:
@@ -272,6 +270,19 @@ class StochasticRounding:
             self._release()
         for group in self.optimizer.param_groups:
             group[STEP_KEY] = t + 1
+
+    def _round_stand_ins(self, t: int) -> None:
+        """Round each stand-in's new float32 values into its parameter with ``key(t, fqn)`` at the parameter's
+        global indices (``keyinit.random.stochastic_round``'s values; every region found before any is
+        written; on CUDA one launch per target format)."""
+        items = []
+        for _, _, param, stand_in in self._swapped:
+            fqn = self._fqns[id(param)]
+            target = target_for(param.detach(), fqn=fqn, module=self._no_module, name=fqn.rpartition(".")[2])
+            items.append(dispatch.RoundItem(target.out, _local(stand_in, target.out, fqn, "float32 stand-in"), fqn,
+                                            target.region))
+        with torch.no_grad():
+            dispatch.sround_many(items, fold_in(self._base, t))
 
     # -------------------------------------------------------------------------------- the fused step
 

@@ -1,6 +1,6 @@
 """Chooses the implementation of every kernel family: the one seam between keyinit and its kernels.
 
-Seven families, each with one call here:
+Eight families, each with one call here:
 
 - :func:`fill`: a distribution's values for a region (``keyinit.random``, the
   initializers, replayed init code);
@@ -14,8 +14,9 @@ Seven families, each with one call here:
   (``keyinit.random.stochastic_round_fp4``; ``docs/spec.md`` 17.7);
 - :func:`sround_adam`: a fused, stochastically rounded Adam/AdamW step of one parameter
   (``keyinit.optim.stochastic_rounding(..., fused=True)``; ``docs/spec.md`` 17.6);
-- :func:`sround_adam_many`: the same step of several parameters under one step's base key (a device's
-  kernel takes the ones it can in one launch and gives back the others, which step one by one).
+- :func:`sround_many` and :func:`sround_adam_many`: the rounding of several tensors, and the fused step of
+  several parameters, under one step's base key (a device's kernel takes the ones it can in one launch
+  and gives back the others, which go one by one).
 
 Each stream version has each family as a :class:`Kernels` in :data:`KERNELS`,
 the kernel table: a reference that runs on any device and kernels by device
@@ -73,11 +74,12 @@ from keyinit.keys import Key, key_for
 from keyinit.regions import Region
 
 __all__ = ["KernelRef", "Kernels", "KERNELS", "FAMILIES", "kernels", "register_family", "register_kernel",
-           "kernels_disabled", "fill", "dropout", "permute", "sround", "sround_fp4", "sround_adam", "sround_adam_many",
-           "AdamItem"]
+           "kernels_disabled", "fill", "dropout", "permute", "sround", "sround_fp4", "sround_adam", "sround_many",
+           "sround_adam_many", "RoundItem", "AdamItem"]
 
 #: The kernel families every stream version has.
-FAMILIES = ("fill", "dropout", "permutation", "sround", "sround_fp4", "sround_adam", "sround_adam_many")
+FAMILIES = ("fill", "dropout", "permutation", "sround", "sround_fp4", "sround_adam", "sround_many",
+            "sround_adam_many")
 
 
 def kernels_disabled() -> bool:
@@ -167,7 +169,8 @@ def _references(fill: KernelRef) -> dict[str, Kernels]:
         "sround": Kernels(KernelRef("keyinit._draw.reference_sround", "round_into")),
         "sround_fp4": Kernels(KernelRef("keyinit._draw.reference_sround", "round_fp4_into")),
         "sround_adam": Kernels(KernelRef("keyinit._draw.reference_sround", "adam_into")),
-        # (a device kernel of this family takes (items, base) and returns the items it did not step)
+        # (a device kernel of these two takes (items, base) and returns the items it did not do)
+        "sround_many": Kernels(KernelRef("keyinit._draw.reference_sround", "round_many")),
         "sround_adam_many": Kernels(KernelRef("keyinit._draw.reference_sround", "adam_many")),
     }
 
@@ -335,6 +338,16 @@ def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     family.run(param.device.type, param, grad, exp_avg, exp_avg_sq, key, region, scalars, has_decay)
 
 
+class RoundItem(NamedTuple):
+    """One tensor of :func:`sround_many`: the arguments of :func:`sround`, with its FQN in place of its key
+    (the key is ``key_for(base, fqn)``)."""
+
+    out: torch.Tensor
+    x: torch.Tensor
+    fqn: str
+    region: Region
+
+
 class AdamItem(NamedTuple):
     """One parameter of :func:`sround_adam_many`: the arguments of :func:`sround_adam`, with its FQN in place
     of its key (the key is ``key_for(base, fqn)``)."""
@@ -349,25 +362,39 @@ class AdamItem(NamedTuple):
     has_decay: bool
 
 
+def _many(family_name: str, items: list, base: Key, one: Callable[[Any, Key], None]) -> None:
+    """``items`` by the device's ``family_name`` kernel where it takes them, the others by ``one(item, key)``;
+    the family's reference for all of them when kernels are off or a tensor is intercepted."""
+    todo = [item for item in items if item[0].numel() and item[0].device.type != "meta"]
+    family = kernels(base.stream, family_name)
+    if not todo:
+        return
+    if kernels_disabled() or any(_intercepted(t) for item in todo for t in item if isinstance(t, torch.Tensor)):
+        family.reference.resolve()(todo, base)
+        return
+    by_device: dict[str, list] = {}
+    for item in todo:
+        by_device.setdefault(item[0].device.type, []).append(item)
+    for device, group in by_device.items():
+        ref = family.devices.get(device)
+        kernel = ref.resolve() if ref is not None else None
+        for item in (kernel(group, base) if kernel is not None else group):
+            one(item, key_for(base, item.fqn))
+
+
+def sround_many(items: "list[RoundItem]", base: Key) -> None:
+    """Keyed stochastic rounding (section 17) of several tensors, item ``i`` keyed by
+    ``key_for(base, items[i].fqn)``: each gets exactly what :func:`sround` with that key gives. The device's
+    ``sround_many`` kernel (CUDA: one launch per target format) rounds the items it can; the others go one
+    by one."""
+    _many("sround_many", items, base, lambda item, key: sround(item.out, item.x, key, item.region))
+
+
 def sround_adam_many(items: "list[AdamItem]", base: Key) -> None:
     """Fused Adam/AdamW steps (``docs/spec.md`` 17.6) of several parameters, item ``i`` keyed by
     ``key_for(base, items[i].fqn)``: each gets exactly what :func:`sround_adam` with that key gives. The
     device's ``sround_adam_many`` kernel (CUDA: one launch per parameter dtype) steps the items it can;
     the others step one by one."""
-    todo = [item for item in items if item.param.numel() and item.param.device.type != "meta"]
-    family = kernels(base.stream, "sround_adam_many")
-    if not todo:
-        return
-    if kernels_disabled() or any(_intercepted(t) for item in todo for t in item[:4]):
-        family.reference.resolve()(todo, base)
-        return
-    by_device: dict[str, list] = {}
-    for item in todo:
-        by_device.setdefault(item.param.device.type, []).append(item)
-    for device, group in by_device.items():
-        ref = family.devices.get(device)
-        kernel = ref.resolve() if ref is not None else None
-        rest = kernel(group, base) if kernel is not None else group
-        for item in rest:
-            sround_adam(item.param, item.grad, item.exp_avg, item.exp_avg_sq, key_for(base, item.fqn), item.region,
-                        item.scalars, item.has_decay)
+    _many("sround_adam_many", items, base,
+          lambda item, key: sround_adam(item.param, item.grad, item.exp_avg, item.exp_avg_sq, key, item.region,
+                                        item.scalars, item.has_decay))

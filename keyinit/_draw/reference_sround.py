@@ -119,3 +119,10 @@ def adam_many(items: "list", base: Key) -> None:
     for item in items:
         adam_into(item.param, item.grad, item.exp_avg, item.exp_avg_sq, key_for(base, item.fqn), item.region,
                   item.scalars, item.has_decay)
+
+
+def round_many(items: "list", base: Key) -> None:
+    """Several roundings (``keyinit._draw.dispatch.RoundItem``), item by item: each :func:`round_into` with
+    the key ``key_for(base, fqn)``."""
+    for item in items:
+        round_into(item.out, item.x, key_for(base, item.fqn), item.region)

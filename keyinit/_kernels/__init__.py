@@ -19,7 +19,8 @@ library must reproduce before it is used):
   ``fill/triton_sround.py``'s ``sround_adam`` (CUDA; a region that is one run of consecutive global
   indices takes ``fill/triton_sround_run.py``'s RUN kernels, a Philox block per 4 elements), and for a
   whole optimizer step ``fill/triton_sround_many.py`` (all parameters of a dtype in one launch, their
-  keys derived on the device): the other cases take the reference.
+  keys derived on the device; ``sround_many`` likewise rounds an optimizer step's float32 results):
+  the other cases take the reference.
 
 ``common/`` is what they share: one Philox (``philox.h``; ``triton_philox.py`` for Triton), one
 set of float conversions (``convert.h``), one thread pool (``parallel.h``), the distribution and
@@ -56,6 +57,7 @@ _V1 = (
     ("sround_fp4", "cuda", "keyinit._kernels.fill.triton_sround", "sround_fp4"),
     ("sround_adam", "cpu", "keyinit._kernels.fill.cpu", "sround_adam"),
     ("sround_adam", "cuda", "keyinit._kernels.fill.triton_sround", "sround_adam"),
+    ("sround_many", "cuda", "keyinit._kernels.fill.triton_sround_many", "sround_many"),
     ("sround_adam_many", "cuda", "keyinit._kernels.fill.triton_sround_many", "sround_adam_many"),
 )
 

@@ -1,8 +1,8 @@
-"""The fused Adam/AdamW step of several parameters in one Triton launch
-(``keyinit._kernels.fill.triton_sround_many``) gives each parameter exactly the reference's bits with the
-key ``key_for(base, fqn)`` (``docs/spec.md`` 17.6), the key derived on the device: parameters of both
-dtypes, FQNs of one to five components, runs from an index off a Philox block, rows of a shard, and hands
-back (untouched) what it cannot take. Without a GPU it runs under Triton's interpreter
+"""The fused Adam/AdamW step of several parameters, and the rounding of several tensors, in one Triton
+launch (``keyinit._kernels.fill.triton_sround_many``) give each tensor exactly the reference's bits with
+the key ``key_for(base, fqn)`` (``docs/spec.md`` 17.2, 17.6), the key derived on the device: parameters
+of both dtypes and every target format, FQNs of one to five components, runs from an index off a Philox
+block, rows of a shard; what they cannot take is handed back untouched. Without a GPU it runs under Triton's interpreter
 (``TRITON_INTERPRET=1``) in a fresh subprocess (this file run as a script); with CUDA, also on the GPU
 through ``keyinit.optim.stochastic_rounding(..., fused=True)`` against the one-parameter kernel.
 Skipped when triton is not installed."""
@@ -82,12 +82,61 @@ def _check(results: dict) -> None:
         assert results[fqn] == ("untouched" if fqn in HANDED_BACK else "ok"), (fqn, results[fqn])
 
 
+#: (FQN, target, global shape, region): the tensors of one rounding launch
+ROUNDS = (
+    ("embed.weight", torch.bfloat16, (1031,), None),
+    ("layers.0.attn.qkv.weight", torch.float16, (9, 300), (slice(3, 8), slice(None))),
+    ("layers.0.attn.qkv.bias", torch.bfloat16, (1031,), (slice(5, 1000),)),
+    ("layers.1.mlp.fc1.lora_A.weight", torch.float8_e4m3fn, (3, 5), None),
+    ("head", torch.float8_e5m2, (2, 700), None),
+    ("layers.1.norm.weight", torch.bfloat16, (9, 300), (slice(2, 7), slice(1, None))),  # rows: handed back
+    ("layers.2.w", torch.float16, (9,), (slice(None, None, 2),)),  # strided: handed back
+)
+ROUNDS_HANDED_BACK = {"layers.1.norm.weight", "layers.2.w"}
+
+
+def _round_results(device, round_many) -> dict:
+    import keyinit
+    from keyinit._draw import reference_sround
+    from keyinit._draw.dispatch import RoundItem
+    from keyinit.keys import key_for
+    from keyinit.regions import make_region
+    from tests.kernels.test_sround_kernel import _values
+
+    base = keyinit.fold_in(keyinit.key(2**40 + 13), "stochastic_rounding")
+    items, wants = [], []
+    for i, (fqn, target, shape, region) in enumerate(ROUNDS):
+        reg = make_region(shape, region)
+        x = _values(reg.numel, seed=i + 1).reshape(reg.region_shape)
+        want = torch.zeros(reg.region_shape, dtype=target)
+        reference_sround.round_into(want, x, key_for(base, fqn), reg)
+        items.append(RoundItem(torch.zeros(reg.region_shape, dtype=target, device=device), x.to(device), fqn, reg))
+        wants.append(want)
+    back = {item.fqn for item in round_many(items, base)}
+    results = {"handed back": sorted(back)}
+    for item, want in zip(items, wants):
+        got = item.out.cpu().view(torch.uint8)
+        if item.fqn in back:
+            results[item.fqn] = "untouched" if not got.any() else "written"
+        else:
+            results[item.fqn] = "ok" if torch.equal(got, want.view(torch.uint8)) else "differs"
+    return results
+
+
+def _check_rounds(results: dict) -> None:
+    assert results["handed back"] == sorted(ROUNDS_HANDED_BACK)
+    for fqn, *_ in ROUNDS:
+        assert results[fqn] == ("untouched" if fqn in ROUNDS_HANDED_BACK else "ok"), (fqn, results[fqn])
+
+
 def _worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from keyinit._kernels.fill import triton_sround_many
 
     results = _compare(_inputs("cpu"), "cpu",
                        lambda items, base: triton_sround_many.sround_adam_many(items, base, interpret_ok=True))
+    results["rounds"] = _round_results(
+        "cpu", lambda items, base: triton_sround_many.sround_many(items, base, interpret_ok=True))
     print(json.dumps(results))
 
 
@@ -101,7 +150,9 @@ def test_interpreter_kernel_equals_reference():
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret-worker"],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    _check(json.loads(proc.stdout.strip().splitlines()[-1]))
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    _check_rounds(results.pop("rounds"))
+    _check(results)
 
 
 def test_run_start_is_the_first_index_of_a_run_and_none_otherwise():
@@ -125,6 +176,7 @@ def test_gpu_kernel_equals_reference_and_the_optimizer_takes_it():
     from keyinit._kernels.fill import triton_sround_many
 
     _check(_compare(_inputs("cuda"), "cuda", triton_sround_many.sround_adam_many))
+    _check_rounds(_round_results("cuda", triton_sround_many.sround_many))
 
 
 def test_kernel_compiles_for_cuda_with_ieee_arithmetic_only(tmp_path, monkeypatch):
@@ -136,9 +188,20 @@ def test_kernel_compiles_for_cuda_with_ieee_arithmetic_only(tmp_path, monkeypatc
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from keyinit._kernels.fill import triton_sround_run as impl
+    from keyinit._bits.sround import TARGETS as FORMATS
+    from keyinit._kernels.fill import triton_sround_many_impl as impl
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fn = impl._sround_many_kernel
+    for target in (torch.bfloat16, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn):
+        f = FORMATS[target]
+        constexprs = dict(P=f.p, EMIN=f.emin, EMAX=f.emax, NBITS=f.nbits, HAS_INF=int(f.inf is not None),
+                          INF=f.inf or 0, NAN=f.nan, MAXF=f.max_finite, NB=256, SEARCH=4)
+        signature = {name: "*i64" if name.endswith("_ptr") else "constexpr" if name in constexprs else "i64"
+                     for name in fn.arg_names}
+        ptx = triton_compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                             target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
+        assert "ld.global" in ptx and "st.global" in ptx, target
     fn = impl._adam_many_kernel
     runtime = [p for p in fn.params if not p.is_constexpr and not p.name.endswith("_ptr")]
     assert {p.name for p in runtime} == set(impl.MANY_INTS)

@@ -118,7 +118,7 @@ def test_a_rounding_that_raises_puts_the_parameters_back(monkeypatch):
         calls.append(1)
         raise RuntimeError("rounding failed")
 
-    monkeypatch.setattr(keyinit.optim, "stochastic_round", failing)
+    monkeypatch.setattr(keyinit.optim.dispatch, "sround_many", failing)
     with pytest.raises(RuntimeError, match="rounding failed"):
         opt.step()
     assert calls == [1]

@@ -1,20 +1,19 @@
-"""The fused Adam/AdamW step of several parameters in one Triton launch (``docs/spec.md`` 17.6): the
-``sround_adam_many`` family's CUDA kernel.
+"""Several tensors rounded stochastically, or several parameters' fused Adam/AdamW steps, in one Triton
+launch (``docs/spec.md`` 17.2, 17.6): the ``sround_many`` and ``sround_adam_many`` families' CUDA kernels.
 
-A step of N parameters through :func:`keyinit._kernels.fill.triton_sround.sround_adam` makes N launches,
-each with its own key derivation, region planning and Triton dispatch on the host (a few tens of
-microseconds each: on a GPU most of a small model's step). Here the host writes one int64 table per
-parameter dtype (a row per parameter: its four tensors' addresses, its run, the offset of its FQN's fold
-inputs and the step's scalars; ``MANY_COLUMNS``), copies it to the device once, and launches
-:func:`keyinit._kernels.fill.triton_sround_run.adam_many_kernel` once: each program finds its row,
-derives the row's key from the step's base key on the device (``key_for``'s string folds, section 3)
-and steps its elements as the one-parameter RUN kernel does. The bits are the one-parameter kernel's,
-which are the reference's.
+An optimizer step of N parameters through the one-tensor kernels (:mod:`keyinit._kernels.fill.triton_sround`)
+makes N launches, each with its own key derivation, region planning and Triton dispatch on the host (tens
+of microseconds each: on a GPU, most of a small model's step). Here the host writes one int64 table per
+launch (a row per tensor: its run, the offset of its FQN's fold inputs, its tensors' addresses and, for
+Adam, the step's scalars), copies it to the device once, and launches one kernel
+(:mod:`keyinit._kernels.fill.triton_sround_many_impl`) per target format or parameter dtype: each program
+finds its row, derives the row's key from the step's base key on the device (``key_for``'s string folds)
+and does what the one-tensor RUN kernel does. The bits are that kernel's, which are the reference's.
 
-A parameter whose region is not one run of consecutive global indices stored contiguously, or whose
-tensors do not match (dtype, device, layout), is returned to the caller, which steps it alone. Triton
-is imported lazily; without it every item is returned. Under ``TRITON_INTERPRET=1`` CPU tensors are
-accepted with ``interpret_ok`` (the tests).
+A tensor whose region is not one run of consecutive global indices stored contiguously, or whose tensors
+do not match (dtype, device, layout), is handed back to the caller, which rounds or steps it alone.
+Triton is imported lazily; without it everything is handed back. Under ``TRITON_INTERPRET=1`` CPU tensors
+are accepted with ``interpret_ok`` (the tests).
 """
 
 from __future__ import annotations
@@ -26,25 +25,26 @@ from typing import Any, Optional
 
 import torch
 
+from keyinit._bits.sround import TARGETS
 from keyinit._bits.streams import derives_as_v1, stream_words
 from keyinit.keys import Key, fold_inputs
 from keyinit.regions import Region, row_major_strides
 
-__all__ = ["sround_adam_many", "run_start"]
+__all__ = ["sround_many", "sround_adam_many", "run_start"]
 
-#: The parameter types the kernel steps (its ``PTYPE``: keyinit._kernels.fill.cpu.ADAM_TYPES's ids).
+#: The parameter types of the fused step (its ``PTYPE``: keyinit._kernels.fill.cpu.ADAM_TYPES's ids).
 _PTYPES = {torch.bfloat16: 0, torch.float16: 1}
-#: Philox blocks a program steps (4 elements each), as the one-parameter RUN kernel.
+#: Philox blocks a program takes (4 elements each), as the one-tensor RUN kernels.
 _NB = 256
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel() -> Any:
+def _impl() -> Any:
     try:
-        from keyinit._kernels.fill import triton_sround_run
+        from keyinit._kernels.fill import triton_sround_many_impl
     except Exception:  # noqa: BLE001 - any import failure means: not available
         return None
-    return triton_sround_run
+    return triton_sround_many_impl
 
 
 def run_start(region: Region) -> Optional[int]:
@@ -75,68 +75,106 @@ def _f32(value: float) -> float:
     return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
-def sround_adam_many(items: Sequence[Any], base: Key, *, interpret_ok: bool = False) -> list:
-    """Step ``items`` (:class:`keyinit._draw.dispatch.AdamItem`: parameter, gradient, moments, FQN, region,
-    scalars, has_decay; each keyed by ``key_for(base, fqn)``) with one launch per parameter dtype and
-    device; returns the items it did not step. CUDA tensors (CPU with ``interpret_ok``, under the
-    interpreter)."""
-    impl = _kernel()
-    if impl is None or base.impl.words is not stream_words or not derives_as_v1(base.stream):
+def _usable(impl: Any, base: Key) -> bool:
+    return impl is not None and base.impl.words is stream_words and derives_as_v1(base.stream)
+
+
+def _matching(tensors: Sequence[torch.Tensor], interpret_ok: bool) -> bool:
+    first = tensors[0]
+    return ((first.device.type == "cuda" or interpret_ok)
+            and all(t.device == first.device and t.shape == first.shape and t.is_contiguous() for t in tensors))
+
+
+def sround_many(items: Sequence[Any], base: Key, *, interpret_ok: bool = False) -> list:
+    """Round ``items`` (:class:`keyinit._draw.dispatch.RoundItem`: destination, float32 source, FQN,
+    region; each keyed by ``key_for(base, fqn)``) with one launch per target format and device; returns
+    the items it did not round."""
+    impl = _impl()
+    if not _usable(impl, base):
         return list(items)
     rest: list = []
     groups: dict[tuple, list] = {}
     for item in items:
-        param, grad, exp_avg, exp_avg_sq = item.param, item.grad, item.exp_avg, item.exp_avg_sq
-        ptype = _PTYPES.get(param.dtype)
-        tensors = (param, grad, exp_avg, exp_avg_sq)
-        if (ptype is None or grad.dtype != param.dtype or exp_avg.dtype != torch.float32
-                or exp_avg_sq.dtype != torch.float32 or (param.device.type != "cuda" and not interpret_ok)
-                or any(t.device != param.device or t.shape != param.shape or not t.is_contiguous()
-                       for t in tensors)):
-            rest.append(item)
-            continue
-        start = run_start(item.region)
+        target = TARGETS.get(item.out.dtype)
+        start = None
+        if target is not None and item.x.dtype == torch.float32 and _matching((item.out, item.x), interpret_ok):
+            start = run_start(item.region)
         if start is None:
             rest.append(item)
-            continue
-        if param.numel():
-            groups.setdefault((param.device, ptype), []).append((item, start))
-    for (device, ptype), group in groups.items():
-        _launch(impl, group, base, device, ptype)
+        elif item.out.numel():
+            groups.setdefault((item.out.device, item.out.dtype), []).append((item, start))
+    for (device, dtype), group in groups.items():
+        target = TARGETS[dtype]
+        rows = [[item.out.data_ptr(), item.x.data_ptr()] for item, _ in group]
+        options = dict(P=target.p, EMIN=target.emin, EMAX=target.emax, NBITS=target.nbits,
+                       HAS_INF=int(target.inf is not None), INF=target.inf or 0, NAN=target.nan,
+                       MAXF=target.max_finite)
+        _launch(impl.sround_many_kernel, group, rows, base, device, options)
+        for item, _ in group:
+            torch.autograd.graph.increment_version(item.out)
     return rest
 
 
-def _launch(impl: Any, group: list, base: Key, device: torch.device, ptype: int) -> None:
-    rows: list[list[int]] = []
+def sround_adam_many(items: Sequence[Any], base: Key, *, interpret_ok: bool = False) -> list:
+    """Step ``items`` (:class:`keyinit._draw.dispatch.AdamItem`: parameter, gradient, moments, FQN, region,
+    scalars, has_decay; each keyed by ``key_for(base, fqn)``) with one launch per parameter dtype and
+    device; returns the items it did not step."""
+    impl = _impl()
+    if not _usable(impl, base):
+        return list(items)
+    rest: list = []
+    groups: dict[tuple, list] = {}
+    for item in items:
+        tensors = (item.param, item.grad, item.exp_avg, item.exp_avg_sq)
+        start = None
+        if (item.param.dtype in _PTYPES and item.grad.dtype == item.param.dtype
+                and item.exp_avg.dtype == torch.float32 and item.exp_avg_sq.dtype == torch.float32
+                and _matching(tensors, interpret_ok)):
+            start = run_start(item.region)
+        if start is None:
+            rest.append(item)
+        elif item.param.numel():
+            groups.setdefault((item.param.device, item.param.dtype), []).append((item, start))
+    for (device, dtype), group in groups.items():
+        rows = []
+        for item, _ in group:
+            decay, w, beta2, s2, bc2s, eps, neg_step = (_f32(s) for s in item.scalars)
+            rows.append([item.param.data_ptr(), item.grad.data_ptr(), item.exp_avg.data_ptr(),
+                         item.exp_avg_sq.data_ptr(), int(bool(item.has_decay)),
+                         *_f32_bits([decay, w, w - 1.0, beta2, s2, bc2s, eps, neg_step])])
+        _launch(impl.adam_many_kernel, group, rows, base, device, dict(PTYPE=_PTYPES[dtype]))
+        for item, _ in group:
+            for t in (item.param, item.exp_avg, item.exp_avg_sq):
+                torch.autograd.graph.increment_version(t)
+    return rest
+
+
+def _launch(kernel: Any, group: list, columns: "list[list[int]]", base: Key, device: torch.device,
+            options: dict) -> None:
+    """One launch of ``kernel`` over ``group`` (``(item, run start)`` pairs) whose rows end with
+    ``columns``: the table (firsts, rows, fold inputs) copied to ``device`` in one transfer."""
+    rows: list[int] = []
     words: list[int] = []
     firsts = [0]
-    tag = None
-    for item, start in group:
+    tag = 0
+    for (item, start), tail in zip(group, columns):
         folds = [fold_inputs(part) for part in item.fqn.split(".")]
         tag = folds[0][0]
-        decay, w, beta2, s2, bc2s, eps, neg_step = (_f32(s) for s in item.scalars)
-        numel = item.param.numel()
-        rows.append([item.param.data_ptr(), item.grad.data_ptr(), item.exp_avg.data_ptr(), item.exp_avg_sq.data_ptr(),
-                     numel, start, firsts[-1], int(bool(item.has_decay)), len(folds), len(words) // 3,
-                     *_f32_bits([decay, w, w - 1.0, beta2, s2, bc2s, eps, neg_step])])
+        numel = item.region.numel
+        rows += [numel, start, len(folds), len(words) // 3, *tail]
         for _, data in folds:
             words.extend(data)
         firsts.append(firsts[-1] + -(-(numel + start % 4) // (4 * _NB)))
-    nrows = len(rows)
-    host = torch.tensor(firsts + [v for row in rows for v in row] + words, dtype=torch.int64)
-    table = host.to(device)
-    firsts_at, rows_at = 0, nrows + 1
-    words_at = rows_at + nrows * impl.MANY_COLUMNS
-    search = max(1, nrows.bit_length())
+    nrows = len(group)
+    table = torch.tensor(firsts + rows + words, dtype=torch.int64).to(device)
+    rows_at = nrows + 1
+    words_at = rows_at + len(rows)
     k0, k1 = base.words
-    args = (table[rows_at:], table[firsts_at:], table[words_at:] if words else table, nrows, k0, k1, tag)
-    options = dict(PTYPE=ptype, NB=_NB, SEARCH=search, enable_fp_fusion=False)
+    args = (table[rows_at:], table, table[words_at:] if words else table, nrows, k0, k1, tag)
+    options = dict(options, NB=_NB, SEARCH=max(1, nrows.bit_length()), enable_fp_fusion=False)
     grid = (firsts[-1],)
     if device.type == "cuda":
         with torch.cuda.device(device):
-            impl.adam_many_kernel[grid](*args, **options)
+            kernel[grid](*args, **options)
     else:
-        impl.adam_many_kernel[grid](*args, **options)
-    for item, _ in group:
-        for t in (item.param, item.exp_avg, item.exp_avg_sq):
-            torch.autograd.graph.increment_version(t)
+        kernel[grid](*args, **options)

@@ -1,7 +1,7 @@
 """The RUN kernels of keyed stochastic rounding: a region that is one run of consecutive global indices
 (a whole tensor, an FSDP dim-0 shard, any unit-step slice of rows) held contiguously in memory, one
-tensor a launch or (the fused Adam/AdamW step) several parameters in one launch (imported only when
-triton is installed).
+tensor a launch (imported only when triton is installed; several tensors in one launch:
+:mod:`keyinit._kernels.fill.triton_sround_many_impl`).
 
 :mod:`keyinit._kernels.fill.triton_sround_impl`'s kernels decode every element's position and compute
 a Philox block per element (they take any region). Here program ``pid`` owns ``NB`` consecutive Philox
@@ -16,12 +16,10 @@ equal to 17.2's rule for every binary32 value) in 32-bit operations.
 import triton
 import triton.language as tl
 
-from keyinit._kernels.common.triton_philox import philox_hi
 from keyinit._kernels.fill.triton_impl import _philox_blocks
 from keyinit._kernels.fill.triton_sround_impl import _adam_load, _adam_store, _adam_update, _round, _round_fp4
 
-__all__ = ["sround_run_kernel", "sround_fp4_run_kernel", "adam_run_kernel", "adam_many_kernel", "RUN_INTS",
-           "ADAM_RUN_INTS", "MANY_INTS", "MANY_COLUMNS"]
+__all__ = ["sround_run_kernel", "sround_fp4_run_kernel", "adam_run_kernel", "RUN_INTS", "ADAM_RUN_INTS"]
 
 I64 = tl.int64
 F32 = tl.float32
@@ -50,7 +48,15 @@ def _sround_run_kernel(out_ptr, src_ptr, numel: I64, base: I64, k0: I64, k1: I64
                        NB: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     mask, o, x = _run_positions(pid, numel, base, k0, k1, NB)
-    u = tl.load(src_ptr + o, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF  # the int32 view of the source
+    _round_store(out_ptr, src_ptr, o, mask, x, P, EMIN, EMAX, NBITS, HAS_INF, INF, NAN, MAXF)
+
+
+@triton.jit
+def _round_store(out_ptr, src_ptr, o, mask, x, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+                 NBITS: tl.constexpr, HAS_INF: tl.constexpr, INF: tl.constexpr, NAN: tl.constexpr,
+                 MAXF: tl.constexpr):
+    """The binary32 values at ``src_ptr + o`` (an int32 view) rounded with words ``x`` into ``out_ptr + o``."""
+    u = tl.load(src_ptr + o, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
     if NBITS == 16 and P == 8:  # bfloat16: the carry of the word's high half into the value's low half
         mag = u & 0x7FFFFFFF
         r = (mag >> 16) + (((x >> 16) + (mag & 0xFFFF)) >> 16)
@@ -88,71 +94,3 @@ def _adam_run_kernel(p_ptr, g_ptr, m_ptr, v_ptr, numel: I64, base: I64, k0: I64,
 sround_run_kernel = _sround_run_kernel
 sround_fp4_run_kernel = _sround_fp4_run_kernel
 adam_run_kernel = _adam_run_kernel
-
-
-# ------------------------------------------------------------------ several parameters in one launch
-
-#: Columns of a row of the many kernel's table (int64): the four tensors' addresses, the run's length and
-#: first global index, the row's first program, has_decay, the FQN's number of components and the offset
-#: of its first component's fold inputs, then 17.6's eight binary32 scalars as their bit patterns.
-MANY_COLUMNS = 18
-_COLUMNS = tl.constexpr(MANY_COLUMNS)  # (a jitted function reads constexpr globals only)
-MANY_INTS = ["nrows", "k0", "k1", "tag"]
-
-
-@triton.jit
-def _derive(words_ptr, depth, k0, k1, tag):
-    """The key ``key_for`` derives from ``(k0, k1)`` by ``depth`` string folds (docs/spec.md section 3:
-    ``Philox4x32-10((x0, x1, tag, x3), K)[0:2]`` each), their ``(x0, x1, x3)`` at ``words_ptr``."""
-    a = k0.to(tl.uint32)
-    b = k1.to(tl.uint32)
-    t = tag.to(tl.uint32)
-    for d in range(depth):
-        x0 = tl.load(words_ptr + 3 * d).to(tl.uint32)
-        x1 = tl.load(words_ptr + 3 * d + 1).to(tl.uint32)
-        x3 = tl.load(words_ptr + 3 * d + 2).to(tl.uint32)
-        a, b, _, _ = philox_hi(x0, x1, t, x3, a, b)
-    return a, b
-
-
-@triton.jit
-def _f32_at(row_ptr, column):
-    return tl.load(row_ptr + column).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit(do_not_specialize=MANY_INTS)
-def _adam_many_kernel(table_ptr, firsts_ptr, words_ptr, nrows: I64, k0: I64, k1: I64, tag: I64,
-                      PTYPE: tl.constexpr, NB: tl.constexpr, SEARCH: tl.constexpr):
-    """17.6's fused step of several parameters (one table row each, ``MANY_COLUMNS`` int64): program
-    ``pid`` finds its row by binary search over ``firsts`` (each row's first program, then the total),
-    derives the row's key from ``(k0, k1)`` and the FQN's fold inputs, and steps ``NB`` Philox blocks of
-    the row's run as :func:`_adam_run_kernel` does."""
-    pid = tl.program_id(0).to(tl.int64)
-    lo = pid * 0
-    hi = lo + nrows
-    for _ in tl.static_range(SEARCH):  # firsts[lo] <= pid < firsts[hi]
-        mid = (lo + hi) // 2
-        below = tl.load(firsts_ptr + mid) <= pid
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid)
-    row_ptr = table_ptr + lo * _COLUMNS
-    numel = tl.load(row_ptr + 4)
-    base = tl.load(row_ptr + 5)
-    a, b = _derive(words_ptr + 3 * tl.load(row_ptr + 9), tl.load(row_ptr + 8), k0, k1, tag)
-    mask, o, x = _run_positions(pid - tl.load(firsts_ptr + lo), numel, base, a, b, NB)
-    if PTYPE == 0:
-        p_ptr = tl.load(row_ptr).to(tl.pointer_type(tl.int16))
-        g_ptr = tl.load(row_ptr + 1).to(tl.pointer_type(tl.int16))
-    else:
-        p_ptr = tl.load(row_ptr).to(tl.pointer_type(tl.float16))
-        g_ptr = tl.load(row_ptr + 1).to(tl.pointer_type(tl.float16))
-    m_ptr = tl.load(row_ptr + 2).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row_ptr + 3).to(tl.pointer_type(tl.float32))
-    p, grad, m0, v0 = _adam_load(p_ptr, g_ptr, m_ptr, v_ptr, o, mask, PTYPE)
-    new, m, v = _adam_update(p, grad, m0, v0, _f32_at(row_ptr, 10), _f32_at(row_ptr, 11), _f32_at(row_ptr, 12),
-                             _f32_at(row_ptr, 13), _f32_at(row_ptr, 14), _f32_at(row_ptr, 15), _f32_at(row_ptr, 16),
-                             _f32_at(row_ptr, 17), tl.load(row_ptr + 7))
-    _adam_store(p_ptr, m_ptr, v_ptr, o, mask, new, m, v, x, PTYPE)
-
-
-adam_many_kernel = _adam_many_kernel
