@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import struct
 
+from typing import Any
+
 import torch
 
 from keyinit._bits.sround import TARGETS
@@ -29,12 +31,24 @@ __all__ = ["available", "sround", "sround_fp4", "sround_adam"]
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str = "sround_kernel"):
+def _kernels() -> Any:
+    """The general kernels' module and the RUN kernels' (``(None, None)`` when triton cannot be imported)."""
     try:
         from keyinit._kernels.fill import triton_sround_impl, triton_sround_run
     except Exception:  # noqa: BLE001 - any import failure means: not available
-        return None
-    return getattr(triton_sround_run if "_run_" in name else triton_sround_impl, name)
+        return None, None
+    return triton_sround_impl, triton_sround_run
+
+
+def _kernel(name: str = "sround_kernel") -> Any:
+    """The general kernel ``name`` (``None`` without triton)."""
+    general, _ = _kernels()
+    return None if general is None else getattr(general, name)
+
+
+def _run_kernel(name: str) -> Any:
+    """The RUN kernel ``name`` (called only once :func:`_kernel` found triton)."""
+    return getattr(_kernels()[1], name)
 
 
 #: Philox blocks per program of the RUN kernels (4 elements each).
@@ -79,7 +93,7 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, *, inte
                    MAXF=target.max_finite)
     if _single_run(launch):
         args = (storage, src.view(torch.int32), out.numel(), launch["base"], k0, k1)
-        run_kernel(_kernel("sround_run_kernel"), _run_grid(out.numel(), launch["base"]), out.device, args,
+        run_kernel(_run_kernel("sround_run_kernel"), _run_grid(out.numel(), launch["base"]), out.device, args,
                    dict(options, NB=RUN_NB))
     else:
         index, geometry_args = device_geometry(launch, out.device)
@@ -108,7 +122,7 @@ def sround_fp4(out: torch.Tensor, v: torch.Tensor, key: Key, region: Region, *, 
     options = dict(enable_fp_fusion=False)  # (integer operations only)
     if _single_run(launch):
         args = (out, src.view(torch.int64), out.numel(), launch["base"], k0, k1)
-        run_kernel(_kernel("sround_fp4_run_kernel"), _run_grid(out.numel(), launch["base"]), out.device, args,
+        run_kernel(_run_kernel("sround_fp4_run_kernel"), _run_grid(out.numel(), launch["base"]), out.device, args,
                    dict(options, NB=RUN_NB))
     else:
         index, geometry_args = device_geometry(launch, out.device)
@@ -153,7 +167,7 @@ def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     floats = (decay, w, w - 1.0, beta2, s2, bc2s, eps, neg_step, int(bool(has_decay)))
     tensors = (bits(param), bits(grad), exp_avg, exp_avg_sq)
     if _single_run(launch):
-        run_kernel(_kernel("adam_run_kernel"), _run_grid(param.numel(), launch["base"]), param.device,
+        run_kernel(_run_kernel("adam_run_kernel"), _run_grid(param.numel(), launch["base"]), param.device,
                    (*tensors, param.numel(), launch["base"], k0, k1, *floats),
                    dict(PTYPE=ptype, NB=RUN_NB, enable_fp_fusion=False))
     else:
