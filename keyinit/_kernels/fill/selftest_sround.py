@@ -181,7 +181,8 @@ def fp4_inputs(n: int) -> torch.Tensor:
     spread = torch.where((spread & 0x7FF0000000000000) == 0x7FF0000000000000, spread & ~(1 << 62), spread)
     near = (spread & ~(0x7FF << 52)) | (((spread >> 52) & 7) + 1018 << 52)  # exponents 2**-5 .. 2**2
     spread = torch.where(k % 3 == 0, near, spread)
-    edges = torch.tensor([b - (1 << 64) if b >= 1 << 63 else b for b in EDGES_FP4[:n]], dtype=torch.int64)
+    edges = torch.tensor([b - (1 << 64) if b >= 1 << 63 else b for b in EDGES_FP4[:n]], dtype=torch.int64,
+                         device="cpu")
     spread[: len(edges)] = edges
     return spread.view(torch.float64)
 

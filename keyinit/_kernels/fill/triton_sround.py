@@ -141,7 +141,7 @@ def _f32(value: float) -> float:
     try:
         return struct.unpack("f", struct.pack("f", value))[0]
     except OverflowError:
-        return float(torch.tensor(value, dtype=torch.float32))
+        return float(torch.tensor(value, dtype=torch.float32, device="cpu"))
 
 
 def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

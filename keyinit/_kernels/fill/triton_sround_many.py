@@ -166,7 +166,7 @@ def _launch(kernel: Any, group: list, columns: "list[list[int]]", base: Key, dev
             words.extend(data)
         firsts.append(firsts[-1] + -(-(numel + start % 4) // (4 * _NB)))
     nrows = len(group)
-    table = torch.tensor(firsts + rows + words, dtype=torch.int64).to(device)
+    table = torch.tensor(firsts + rows + words, dtype=torch.int64, device="cpu").to(device)
     rows_at = nrows + 1
     words_at = rows_at + len(rows)
     k0, k1 = base.words
