@@ -11,8 +11,9 @@ parameters (``keyinit.random.stochastic_round``, ``docs/spec.md`` 17.5):
 - after the step, the new float32 values are rounded with the key
   ``key_for(fold_in(fold_in(key(seed), "stochastic_rounding"), t), fqn)`` at every element's
   GLOBAL index (a DTensor parameter by its placements, so FSDP2 and TP shards round as one process
-  does) and written in place into the parameter's own storage (FSDP2's sharded storage too); the
-  parameter groups and the state hold the original parameters again. No float32 copy is kept between steps: the step holds one of each
+  does) and written in place into the parameter's own storage (FSDP2's sharded storage too), all of
+  a step's parameters through :func:`keyinit._draw.dispatch.sround_many` (on CUDA one launch per
+  format); the parameter groups and the state hold the original parameters again. No float32 copy is kept between steps: the step holds one of each
   stepped parameter and of its gradient (8 bytes per element) while it runs;
 - a step that raises (in the optimizer or in the rounding) puts the original parameters and their
   state back in the parameter groups before the exception leaves ``optimizer.step()`` (the optimizer's
@@ -22,7 +23,8 @@ parameters (``keyinit.random.stochastic_round``, ``docs/spec.md`` 17.5):
   as for any optimizer.
 
 ``fused=True`` (``torch.optim.Adam``/``AdamW`` only) steps the bfloat16/float16 parameters in one pass
-instead (``docs/spec.md`` 17.6, :func:`keyinit._draw.dispatch.sround_adam`): the optimizer's own step
+instead (``docs/spec.md`` 17.6, :func:`keyinit._draw.dispatch.sround_adam_many`: on CUDA one launch per
+parameter dtype): the optimizer's own step
 skips them (their gradients are out of its sight while it runs), then each one's low-precision values,
 gradient and float32 state are read, stepped with torch's single-tensor Adam arithmetic (a correctly
 rounded square root: torch's CPU ``sqrt`` is not, so values can differ from ``fused=False`` by one
