@@ -27,7 +27,7 @@ from keyinit._kernels.fill.triton import device_geometry, launch_for, run_kernel
 from keyinit.keys import Key
 from keyinit.regions import Region
 
-__all__ = ["available", "sround", "sround_fp4", "sround_adam"]
+__all__ = ["available", "sround", "sround_fp4", "sround_adam", "format_options", "round_f32"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,24 +83,9 @@ def sround(out: torch.Tensor, x: torch.Tensor, key: Key, region: Region, *, inte
     launch = launch_for(kernel, out, region, 1)
     if not isinstance(launch, dict):
         return launch
-    src = x.detach()
-    if src.is_neg() or any(n > 1 and a != b for n, a, b in zip(out.shape, out.stride(), src.stride())):
-        src = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=out.device).copy_(src)
     storage = out.view(torch.int16 if target.nbits == 16 else torch.uint8)
-    k0, k1 = key.words
-    options = dict(P=target.p, EMIN=target.emin, EMAX=target.emax, NBITS=target.nbits,
-                   HAS_INF=int(target.inf is not None), INF=target.inf or 0, NAN=target.nan,
-                   MAXF=target.max_finite)
-    if _single_run(launch):
-        args = (storage, src.view(torch.int32), out.numel(), launch["base"], k0, k1)
-        run_kernel(_run_kernel("sround_run_kernel"), _run_grid(out.numel(), launch["base"]), out.device, args,
-                   dict(options, NB=RUN_NB))
-    else:
-        index, geometry_args = device_geometry(launch, out.device)
-        grid = (-(-out.numel() // BLOCK),)
-        args = (storage, src.view(torch.int32), index, out.numel(), launch["base"], k0, k1, *geometry_args)
-        run_kernel(kernel, grid, out.device, args, dict(options, BLOCK=BLOCK))
-    torch.autograd.graph.increment_version(out)
+    _round(kernel, "sround_run_kernel", out, storage, _source(out, x).view(torch.int32), launch, key,
+           format_options(target))
     return True
 
 
@@ -115,28 +100,46 @@ def sround_fp4(out: torch.Tensor, v: torch.Tensor, key: Key, region: Region, *, 
     launch = launch_for(kernel, out, region, 1)
     if not isinstance(launch, dict):
         return launch
-    src = v.detach()
+    _round(kernel, "sround_fp4_run_kernel", out, out, _source(out, v).view(torch.int64), launch, key,
+           dict(enable_fp_fusion=False))  # (integer operations only)
+    return True
+
+
+def format_options(target: Any) -> dict:
+    """A section 17.1 target format (``keyinit._bits.sround.TARGETS``'s) as the kernels' constexprs."""
+    return dict(P=target.p, EMIN=target.emin, EMAX=target.emax, NBITS=target.nbits,
+                HAS_INF=int(target.inf is not None), INF=target.inf or 0, NAN=target.nan, MAXF=target.max_finite)
+
+
+def _source(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``out``'s strides (the kernels read the source at the destination's offsets)."""
+    src = x.detach()
     if src.is_neg() or any(n > 1 and a != b for n, a, b in zip(out.shape, out.stride(), src.stride())):
-        src = torch.empty_strided(out.shape, out.stride(), dtype=torch.float64, device=out.device).copy_(src)
+        src = torch.empty_strided(out.shape, out.stride(), dtype=x.dtype, device=out.device).copy_(src)
+    return src
+
+
+def _round(general: Any, run_name: str, out: torch.Tensor, storage: torch.Tensor, src: torch.Tensor,
+           launch: dict, key: Key, options: dict) -> None:
+    """One rounding launch into ``out`` (written through ``storage``, its integer view) from ``src``: the RUN
+    kernel ``run_name`` for one run of consecutive global indices, else the ``general`` kernel."""
     k0, k1 = key.words
-    options = dict(enable_fp_fusion=False)  # (integer operations only)
     if _single_run(launch):
-        args = (out, src.view(torch.int64), out.numel(), launch["base"], k0, k1)
-        run_kernel(_run_kernel("sround_fp4_run_kernel"), _run_grid(out.numel(), launch["base"]), out.device, args,
-                   dict(options, NB=RUN_NB))
+        run_kernel(_run_kernel(run_name), _run_grid(out.numel(), launch["base"]), out.device,
+                   (storage, src, out.numel(), launch["base"], k0, k1), dict(options, NB=RUN_NB))
     else:
         index, geometry_args = device_geometry(launch, out.device)
-        args = (out, src.view(torch.int64), index, out.numel(), launch["base"], k0, k1, *geometry_args)
-        run_kernel(kernel, (-(-out.numel() // BLOCK),), out.device, args, dict(options, BLOCK=BLOCK))
+        run_kernel(general, (-(-out.numel() // BLOCK),), out.device,
+                   (storage, src, index, out.numel(), launch["base"], k0, k1, *geometry_args),
+                   dict(options, BLOCK=BLOCK))
     torch.autograd.graph.increment_version(out)
-    return True
 
 
 #: The parameter types of the fused step's kernel (its ``PTYPE``: keyinit._kernels.fill.cpu.ADAM_TYPES's ids).
 _ADAM_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 4}
 
 
-def _f32(value: float) -> float:
+def round_f32(value: float) -> float:
     """``value`` rounded to binary32 (to nearest even; past its range: torch's rounding, to infinity)."""
     try:
         return struct.unpack("f", struct.pack("f", value))[0]
@@ -161,7 +164,7 @@ def sround_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     launch = launch_for(kernel, param, region, 1)
     if not isinstance(launch, dict):
         return launch
-    decay, w, beta2, s2, bc2s, eps, neg_step = (_f32(s) for s in scalars)
+    decay, w, beta2, s2, bc2s, eps, neg_step = (round_f32(s) for s in scalars)
     bits = (lambda t: t.view(torch.int16)) if param.dtype == torch.bfloat16 else (lambda t: t)
     k0, k1 = key.words
     floats = (decay, w, w - 1.0, beta2, s2, bc2s, eps, neg_step, int(bool(has_decay)))

@@ -51,6 +51,16 @@ def _round(u, x, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, NBITS:
     return bits | sign
 
 
+@triton.jit
+def _word(g, k0, k1):
+    """Stream word ``g`` (int64 in [0, 2**32)) of each global index ``g``: lane ``g % 4`` of Philox block
+    ``g // 4``, as ``bits`` draws it."""
+    r0, r1, r2, r3 = _philox_blocks(g >> 2, k0, k1)
+    lane = (g & 3).to(tl.int32)
+    word = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    return word.to(tl.int64) & 0xFFFFFFFF
+
+
 @triton.jit(do_not_specialize=_INTS)
 def _sround_kernel(out_ptr, src_ptr, index_ptr, numel: I64, base: I64, k0: I64, k1: I64,
                    n0: I64, n1: I64, n2: I64, n3: I64, os0: I64, os1: I64, os2: I64, os3: I64,
@@ -61,10 +71,7 @@ def _sround_kernel(out_ptr, src_ptr, index_ptr, numel: I64, base: I64, k0: I64, 
     pid = tl.program_id(0).to(tl.int64)
     mask, g, o = _locate(index_ptr, pid, numel, base, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
                          ix0, ix1, ix2, ix3, BLOCK)
-    r0, r1, r2, r3 = _philox_blocks(g >> 2, k0, k1)
-    lane = (g & 3).to(tl.int32)
-    word = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-    x = word.to(tl.int64) & 0xFFFFFFFF
+    x = _word(g, k0, k1)
     u = tl.load(src_ptr + o, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF  # the int32 view of the source
     bits = _round(u, x, P, EMIN, EMAX, NBITS, HAS_INF, INF, NAN, MAXF)
     if NBITS == 16:
@@ -104,10 +111,7 @@ def _sround_fp4_kernel(out_ptr, src_ptr, index_ptr, numel: I64, base: I64, k0: I
     pid = tl.program_id(0).to(tl.int64)
     mask, g, o = _locate(index_ptr, pid, numel, base, n1, n2, n3, os0, os1, os2, os3, gs0, gs1, gs2, gs3,
                          ix0, ix1, ix2, ix3, BLOCK)
-    r0, r1, r2, r3 = _philox_blocks(g >> 2, k0, k1)
-    lane = (g & 3).to(tl.int32)
-    word = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-    x = word.to(tl.int64) & 0xFFFFFFFF
+    x = _word(g, k0, k1)
     u = tl.load(src_ptr + o, mask=mask, other=0)  # the int64 view of the binary64 quotients
     tl.store(out_ptr + o, _round_fp4(u, x).to(tl.uint8), mask=mask)
 
@@ -135,10 +139,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, index_ptr, numel: I64, base: I64, k
     new, m, v = _adam_update(p, grad, m0, v0, decay, w, w_minus_1, beta2, s2, bc2s, eps, neg_step, has_decay)
     x = tl.zeros_like(g)  # (no word for a float32 parameter)
     if PTYPE != 4:
-        r0, r1, r2, r3 = _philox_blocks(g >> 2, k0, k1)
-        lane = (g & 3).to(tl.int32)
-        word = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-        x = word.to(tl.int64) & 0xFFFFFFFF
+        x = _word(g, k0, k1)
     _adam_store(p_ptr, m_ptr, v_ptr, o, mask, new, m, v, x, PTYPE)
 
 

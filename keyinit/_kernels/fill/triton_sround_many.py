@@ -27,6 +27,7 @@ import torch
 
 from keyinit._bits.sround import TARGETS
 from keyinit._bits.streams import derives_as_v1, stream_words
+from keyinit._kernels.fill.triton_sround import format_options, round_f32
 from keyinit.keys import Key, fold_inputs
 from keyinit.regions import Region, row_major_strides
 
@@ -67,12 +68,9 @@ def run_start(region: Region) -> Optional[int]:
 
 
 def _f32_bits(values: "list[float]") -> "list[int]":
-    """The binary32 bit patterns of ``values`` rounded to nearest (as unsigned ints)."""
+    """The binary32 bit patterns of ``values`` (binary32 values, or within binary32's range) rounded to
+    nearest, as unsigned ints."""
     return list(struct.unpack(f"<{len(values)}I", struct.pack(f"<{len(values)}f", *values)))
-
-
-def _f32(value: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 def _usable(impl: Any, base: Key) -> bool:
@@ -104,12 +102,8 @@ def sround_many(items: Sequence[Any], base: Key, *, interpret_ok: bool = False) 
         elif item.out.numel():
             groups.setdefault((item.out.device, item.out.dtype), []).append((item, start))
     for (device, dtype), group in groups.items():
-        target = TARGETS[dtype]
         rows = [[item.out.data_ptr(), item.x.data_ptr()] for item, _ in group]
-        options = dict(P=target.p, EMIN=target.emin, EMAX=target.emax, NBITS=target.nbits,
-                       HAS_INF=int(target.inf is not None), INF=target.inf or 0, NAN=target.nan,
-                       MAXF=target.max_finite)
-        _launch(impl.sround_many_kernel, group, rows, base, device, options)
+        _launch(impl.sround_many_kernel, group, rows, base, device, format_options(TARGETS[dtype]))
         for item, _ in group:
             torch.autograd.graph.increment_version(item.out)
     return rest
@@ -138,7 +132,7 @@ def sround_adam_many(items: Sequence[Any], base: Key, *, interpret_ok: bool = Fa
     for (device, dtype), group in groups.items():
         rows = []
         for item, _ in group:
-            decay, w, beta2, s2, bc2s, eps, neg_step = (_f32(s) for s in item.scalars)
+            decay, w, beta2, s2, bc2s, eps, neg_step = (round_f32(s) for s in item.scalars)
             rows.append([item.param.data_ptr(), item.grad.data_ptr(), item.exp_avg.data_ptr(),
                          item.exp_avg_sq.data_ptr(), int(bool(item.has_decay)),
                          *_f32_bits([decay, w, w - 1.0, beta2, s2, bc2s, eps, neg_step])])
