@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._support.interpreter import interpreter_results as run_worker
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed; the Triton dropout kernel is not tested")
 
@@ -76,12 +78,7 @@ def _run_case(case, run_fn, device):
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret-worker"],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(__file__)
 
 
 @pytest.mark.parametrize("case_id", list(_cases()))

@@ -19,17 +19,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests._support.interpreter import interpreter_results as run_worker
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed; the Triton dropout kernel is not tested")
 
-REPO = Path(__file__).resolve().parents[2]
 K0, K1, P = 0x2545F491, 0x9E3779B9, 0.3
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -286,13 +285,7 @@ def _results(run_fn, device, keyed=True) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("KEYINIT_DISABLE_KERNELS", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret-worker"],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(__file__, timeout=900, enable_kernels=True)
 
 
 @pytest.mark.parametrize("case_id", _case_ids())

@@ -15,19 +15,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests._support.interpreter import interpreter_results as run_worker
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(
     not HAVE_TRITON, reason="triton is not installed (pip install 'keyinit[triton]'); Triton kernel not tested"
 )
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _cases():
@@ -136,12 +135,7 @@ def _run_case(case, fill_fn, device):
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret-worker"],
-                          capture_output=True, text=True, env=env, timeout=1800)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(__file__, timeout=1800)
 
 
 CASE_IDS = list(_cases())

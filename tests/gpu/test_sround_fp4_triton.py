@@ -12,16 +12,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests._support.interpreter import interpreter_results as run_worker
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed; Triton kernel not tested")
-REPO = Path(__file__).resolve().parents[2]
 
 #: case id -> (global shape, region, layout): the values are computed by the worker.
 CASES = {
@@ -75,12 +74,7 @@ def _golden_cases(round_fn) -> list[str]:
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret-worker"],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(__file__)
 
 
 def test_runs_take_the_run_kernel_and_other_regions_the_general_one():

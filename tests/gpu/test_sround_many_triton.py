@@ -12,16 +12,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests._support.interpreter import interpreter_results as run_worker
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed; Triton kernel not tested")
-REPO = Path(__file__).resolve().parents[2]
 
 #: (FQN, dtype, global shape, region, scalars index): the parameters of one step
 PARAMS = (
@@ -145,12 +144,7 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
 
 
 def test_interpreter_kernel_equals_reference():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret-worker"],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_worker(__file__)
     _check_rounds(results.pop("rounds"))
     _check(results)
 
