@@ -273,6 +273,10 @@ class StochasticRounding:
         for group in self.optimizer.param_groups:
             group[STEP_KEY] = t + 1
 
+    def _target(self, param: torch.Tensor, fqn: str) -> Any:
+        """Where ``param`` lies in the global parameter ``fqn``: its local tensor and region (its layout's)."""
+        return target_for(param.detach(), fqn=fqn, module=self._no_module, name=fqn.rpartition(".")[2])
+
     def _round_stand_ins(self, t: int) -> None:
         """Round each stand-in's new float32 values into its parameter with ``key(t, fqn)`` at the parameter's
         global indices (``keyinit.random.stochastic_round``'s values; every region found before any is
@@ -280,7 +284,7 @@ class StochasticRounding:
         items = []
         for _, _, param, stand_in in self._swapped:
             fqn = self._fqns[id(param)]
-            target = target_for(param.detach(), fqn=fqn, module=self._no_module, name=fqn.rpartition(".")[2])
+            target = self._target(param, fqn)
             items.append(dispatch.RoundItem(target.out, _local(stand_in, target.out, fqn, "float32 stand-in"), fqn,
                                             target.region))
         with torch.no_grad():
@@ -323,7 +327,7 @@ class StochasticRounding:
             if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
                 raise TypeError(f"stochastic_rounding: fused=True needs float32 exp_avg/exp_avg_sq; {fqn!r} has "
                                 f"{exp_avg.dtype}/{exp_avg_sq.dtype}")
-            target = target_for(param.detach(), fqn=fqn, module=self._no_module, name=fqn.rpartition(".")[2])
+            target = self._target(param, fqn)
             local = target.out
             items.append((found, group, dispatch.AdamItem(
                 local, _local(grad, local, fqn, "gradient"), _local(exp_avg, local, fqn, "exp_avg"),

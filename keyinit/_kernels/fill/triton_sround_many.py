@@ -83,6 +83,20 @@ def _matching(tensors: Sequence[torch.Tensor], interpret_ok: bool) -> bool:
             and all(t.device == first.device and t.shape == first.shape and t.is_contiguous() for t in tensors))
 
 
+def _grouped(items: Sequence[Any], takes: Any) -> "tuple[list, dict[tuple, list]]":
+    """``(handed back, {(device, dtype of item[0]): [(item, run start), ...]})``: the items ``takes`` accepts
+    whose region is one run, grouped (empty ones dropped: nothing to do), and the others."""
+    rest: list = []
+    groups: dict[tuple, list] = {}
+    for item in items:
+        start = run_start(item.region) if takes(item) else None
+        if start is None:
+            rest.append(item)
+        elif item[0].numel():
+            groups.setdefault((item[0].device, item[0].dtype), []).append((item, start))
+    return rest, groups
+
+
 def sround_many(items: Sequence[Any], base: Key, *, interpret_ok: bool = False) -> list:
     """Round ``items`` (:class:`keyinit._draw.dispatch.RoundItem`: destination, float32 source, FQN,
     region; each keyed by ``key_for(base, fqn)``) with one launch per target format and device; returns
@@ -90,17 +104,8 @@ def sround_many(items: Sequence[Any], base: Key, *, interpret_ok: bool = False) 
     impl = _impl()
     if not _usable(impl, base):
         return list(items)
-    rest: list = []
-    groups: dict[tuple, list] = {}
-    for item in items:
-        target = TARGETS.get(item.out.dtype)
-        start = None
-        if target is not None and item.x.dtype == torch.float32 and _matching((item.out, item.x), interpret_ok):
-            start = run_start(item.region)
-        if start is None:
-            rest.append(item)
-        elif item.out.numel():
-            groups.setdefault((item.out.device, item.out.dtype), []).append((item, start))
+    rest, groups = _grouped(items, lambda item: (item.out.dtype in TARGETS and item.x.dtype == torch.float32
+                                                 and _matching((item.out, item.x), interpret_ok)))
     for (device, dtype), group in groups.items():
         rows = [[item.out.data_ptr(), item.x.data_ptr()] for item, _ in group]
         _launch(impl.sround_many_kernel, group, rows, base, device, format_options(TARGETS[dtype]))
@@ -116,19 +121,9 @@ def sround_adam_many(items: Sequence[Any], base: Key, *, interpret_ok: bool = Fa
     impl = _impl()
     if not _usable(impl, base):
         return list(items)
-    rest: list = []
-    groups: dict[tuple, list] = {}
-    for item in items:
-        tensors = (item.param, item.grad, item.exp_avg, item.exp_avg_sq)
-        start = None
-        if (item.param.dtype in _PTYPES and item.grad.dtype == item.param.dtype
-                and item.exp_avg.dtype == torch.float32 and item.exp_avg_sq.dtype == torch.float32
-                and _matching(tensors, interpret_ok)):
-            start = run_start(item.region)
-        if start is None:
-            rest.append(item)
-        elif item.param.numel():
-            groups.setdefault((item.param.device, item.param.dtype), []).append((item, start))
+    rest, groups = _grouped(items, lambda item: (
+        item.param.dtype in _PTYPES and item.grad.dtype == item.param.dtype and item.exp_avg.dtype == torch.float32
+        and item.exp_avg_sq.dtype == torch.float32 and _matching(item[:4], interpret_ok)))
     for (device, dtype), group in groups.items():
         rows = []
         for item, _ in group:
